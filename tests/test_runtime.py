@@ -1,0 +1,197 @@
+"""LookaheadRuntime and `trt-lookahead generate` on real models: exactness, streaming, JSON, bad input."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from trt_lookahead.cli import main
+from trt_lookahead.config import LookaheadConfig
+from trt_lookahead.runtime import LookaheadRuntime
+
+STORIES = Path(__file__).parent / "fixtures" / "stories260K"
+DATA = Path(__file__).parent.parent / "trt_lookahead" / "data"
+PROMPTS = ["Once upon a time", "Lily and Tom went to the park. They", "The cat sat on the", "Sam had a red ball"]
+CONFIGS = ["4,3,4", "7,5,7", "15,5,15", "2,2,1", "5,4,0", "1,3,3"]
+
+
+@pytest.fixture(scope="module")
+def stories():
+    torch.set_num_threads(1)
+    return LookaheadRuntime.from_pretrained(STORIES, lookahead="4,3,4")
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_lookahead_equals_greedy_on_stories260k(stories, config):
+    for prompt in PROMPTS:
+        greedy = stories.generate(prompt, max_new_tokens=96, lookahead="greedy")
+        ahead = stories.generate(prompt, max_new_tokens=96, lookahead=config)
+        assert ahead.token_ids == greedy.token_ids, (config, prompt)
+        assert ahead.text == greedy.text
+        assert greedy.steps == greedy.generated_tokens and greedy.compression == 1.0
+
+
+def test_lookahead_compresses_on_stories260k(stories):
+    out = [stories.generate(p, max_new_tokens=128, lookahead="7,5,7") for p in PROMPTS]
+    assert sum(o.generated_tokens for o in out) / sum(o.steps for o in out) > 1.3
+
+
+def test_greedy_reproduces_the_documented_llama2c_sample(stories):
+    # karpathy/llama2.c doc/stories260K.md: the temperature-0 sample from BOS begins with this sentence
+    out = stories.generate([1], max_new_tokens=40, lookahead="4,3,4")
+    assert out.text.startswith("Once upon a time, there was a little girl named Lily. She loved to play outside")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lookahead_sampling_equals_plain_sampling(stories, seed):
+    kwargs = dict(max_new_tokens=64, temperature=0.8, top_k=40, top_p=0.95, seed=seed)
+    plain = stories.generate("Once upon a time", lookahead="greedy", **kwargs)
+    ahead = stories.generate("Once upon a time", lookahead="7,5,7", **kwargs)
+    assert ahead.token_ids == plain.token_ids
+
+
+def test_sampling_seeds_give_different_text(stories):
+    texts = {stories.generate("Once upon a time", max_new_tokens=32, temperature=1.0, seed=s).text for s in range(3)}
+    assert len(texts) == 3
+
+
+def test_stream_yields_each_step_and_joins_to_the_text(stories):
+    chunks = list(stories.stream("Once upon a time", max_new_tokens=80, lookahead="7,5,7"))
+    final = chunks[-1]
+    assert final.done and final.output is not None
+    assert "".join(c.text for c in chunks) == final.output.text
+    assert [t for c in chunks for t in c.token_ids] == final.output.token_ids
+    assert len(chunks) - 1 == final.output.steps  # one chunk per forward pass
+    assert any(len(c.token_ids) > 1 for c in chunks)
+
+
+def test_stop_string_ends_generation_and_is_cut(stories):
+    full = stories.generate("Once upon a time", max_new_tokens=60)
+    stop = full.text[20:26]
+    out = stories.generate("Once upon a time", max_new_tokens=60, stop=[stop])
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[: full.text.index(stop)]
+    streamed = "".join(c.text for c in stories.stream("Once upon a time", max_new_tokens=60, stop=[stop]))
+    assert streamed == out.text
+
+
+def test_request_config_and_token_id_prompts(stories):
+    assert stories.request_config(None) == LookaheadConfig(4, 3, 4)
+    assert stories.request_config("greedy").is_greedy
+    ids = stories.encode("Once upon a time")
+    assert ids[0] == 1  # stories260K prompts start with BOS
+    assert stories.generate(ids, max_new_tokens=10).token_ids == stories.generate("Once upon a time", 10).token_ids
+
+
+def test_runtime_errors_are_clear(stories):
+    with pytest.raises(ValueError, match="exceeds max_seq_len"):
+        stories.generate("Once " * 600, max_new_tokens=10)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        stories.generate("Once", max_new_tokens=0)
+    with pytest.raises(ValueError, match="no chat template"):
+        stories.generate("Hi", chat=True)
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_generate_json_has_every_field(capsys):
+    code, out, _ = run_cli(
+        capsys, "generate", "--model", str(STORIES), "--prompt", "Once upon a time", "--max-new-tokens", "40",
+        "--lookahead_config", "[7,5,7]", "--json",
+    )
+    assert code == 0
+    record = json.loads(out.strip().splitlines()[-1])
+    for key in ("text", "token_ids", "prompt_tokens", "generated_tokens", "steps", "compression", "prefill_seconds",
+                "decode_seconds", "tokens_per_second", "config", "backend", "dtype"):
+        assert key in record, key
+    assert record["config"] == "7/5/7" and record["backend"] == "torch" and record["dtype"] == "float32"
+    assert record["generated_tokens"] == len(record["token_ids"]) == 40
+    assert record["compression"] == pytest.approx(40 / record["steps"], abs=1e-3)
+    assert record["prompt_tokens"] == 5
+
+
+def test_generate_streams_text_then_one_stats_line(capsys):
+    argv = ["generate", "--model", str(STORIES), "--prompt", "Once upon a time", "--max-new-tokens", "30"]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0
+    assert len(err.strip().splitlines()) == 1 and "4/3/4" in err and "30 tokens in" in err
+    _, as_json, _ = run_cli(capsys, *argv, "--json")
+    assert out == json.loads(as_json)["text"] + "\n"
+
+
+def test_generate_greedy_and_lookahead_print_the_same_text(capsys, tmp_path):
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text("The cat sat on the")
+    texts = []
+    for mode in (["--greedy"], ["--lookahead_config", "15/5/15"]):
+        code, out, _ = run_cli(capsys, "generate", "--model", str(STORIES), "--prompt-file", str(prompt_file),
+                               "--max-new-tokens", "50", "--json", *mode)
+        assert code == 0
+        texts.append(json.loads(out.strip().splitlines()[-1])["token_ids"])
+    assert texts[0] == texts[1]
+
+
+def broken_copies(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    """name -> (model dir, expected words in the error line)."""
+    cases = {}
+
+    def copy(name: str) -> Path:
+        dst = tmp_path / name
+        shutil.copytree(STORIES, dst)
+        return dst
+
+    cases["missing"] = (tmp_path / "nowhere", "nowhere")
+    d = copy("nonllama")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (d / "config.json").write_text(json.dumps(cfg))
+    cases["nonllama"] = (d, "gpt2")
+    d = copy("malformed")
+    (d / "config.json").write_text("{not json")
+    cases["malformed"] = (d, "config.json")
+    d = copy("truncated")
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    cases["truncated"] = (d, "model.safetensors")
+    d = copy("noweights")
+    (d / "model.safetensors").unlink()
+    cases["noweights"] = (d, "safetensors")
+    return cases
+
+
+@pytest.mark.parametrize("case", ["missing", "nonllama", "malformed", "truncated", "noweights"])
+def test_generate_bad_checkpoints_exit_2_with_one_line(capsys, tmp_path, case):
+    model, words = broken_copies(tmp_path)[case]
+    code, _, err = run_cli(capsys, "generate", "--model", str(model), "--prompt", "Hi", "--max-new-tokens", "5")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err
+    assert words.lower() in lines[0].lower()
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (["--lookahead_config", "0,3,4"], "W=0 is impossible"),
+        (["--lookahead_config", "4,3"], "W,N,G"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be positive"),
+        (["--prompt-file", "/nonexistent/prompt.txt"], "does not exist"),
+        (["--max-seq-len", "64", "--prompt", "Once upon a time " * 40], "exceeds max_seq_len 64"),
+    ],
+)
+def test_generate_bad_arguments_exit_2_with_one_line(capsys, extra, words):
+    argv = ["generate", "--model", str(STORIES), "--max-new-tokens", "5", *extra]
+    if "--prompt" not in extra and "--prompt-file" not in extra:
+        argv += ["--prompt", "Hi"]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and words in err and "Traceback" not in err

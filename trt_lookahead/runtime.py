@@ -1,0 +1,383 @@
+"""LookaheadRuntime: a model (or engine dir), its tokenizer and executors, behind generate() and stream().
+
+    rt = LookaheadRuntime.from_pretrained("smollm2-135m-instruct", lookahead="4,3,4")
+    out = rt.generate([{"role": "user", "content": "Hi"}], max_new_tokens=64)
+    for chunk in rt.stream("def fib(n):", max_new_tokens=64): print(chunk.text, end="")
+
+One executor is built per step layout on first use and kept (greedy is the T = 1 layout). A runtime
+serialises its calls with a lock: use one runtime per model instance (per thread that serves).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trt_lookahead.config import LookaheadConfig
+from trt_lookahead.decoding import DecodeStats, LookaheadDecoder
+from trt_lookahead.errors import UserError
+from trt_lookahead.executors.base import Executor
+from trt_lookahead.layout import StepLayout
+from trt_lookahead.sampling import SamplingParams
+
+DEFAULT_LOOKAHEAD = LookaheadConfig(4, 3, 4)
+DEFAULT_MAX_SEQ_LEN = 4096
+GREEDY = "greedy"
+Prompt = str | Sequence[dict[str, str]] | Sequence[int]
+
+
+@dataclass
+class GenerationOutput:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str  # "stop" (stop token or stop string) or "length"
+    config: str  # "greedy" or "W/N/G"
+    backend: str
+    dtype: str
+    stats: DecodeStats
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def steps(self) -> int:
+        return self.stats.steps
+
+    @property
+    def compression(self) -> float:
+        return self.stats.compression
+
+    @property
+    def prefill_seconds(self) -> float:
+        return self.stats.prefill_seconds
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.stats.decode_seconds
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.stats.tokens_per_second
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `generate --json` object (DESIGN.md section 6) plus finish_reason and step statistics."""
+        stats = self.stats.to_dict()
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "steps": self.steps,
+            "compression": stats["compression"],
+            "prefill_seconds": stats["prefill_seconds"],
+            "decode_seconds": stats["decode_seconds"],
+            "tokens_per_second": stats["tokens_per_second"],
+            "config": self.config,
+            "backend": self.backend,
+            "dtype": self.dtype,
+            "finish_reason": self.finish_reason,
+            "host_ms_per_step": stats["host_ms_per_step"],
+            "accepted_histogram": stats["accepted_histogram"],
+            "sources": stats["sources"],
+        }
+
+
+@dataclass
+class StreamChunk:
+    text: str  # new text since the previous chunk
+    token_ids: list[int]  # new token ids since the previous chunk
+    done: bool = False
+    output: GenerationOutput | None = None  # set on the last chunk
+
+
+class LookaheadRuntime:
+    """Tokenizer + executors for one model; `lookahead` is the default per-request config (None = greedy)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        make_executor: Callable[[StepLayout], Executor],
+        *,
+        lookahead: LookaheadConfig | None,
+        max_seq_len: int,
+        stop_token_ids: Sequence[int],
+        backend: str,
+        dtype: str,
+        model_path: Path,
+        engine_config: LookaheadConfig | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.lookahead = lookahead
+        self.max_seq_len = max_seq_len
+        self.stop_token_ids = list(dict.fromkeys(int(t) for t in stop_token_ids))
+        self.backend = backend
+        self.dtype = dtype
+        self.model_path = model_path
+        self.engine_config = engine_config  # a compiled engine runs layouts that fit these shapes only
+        self._make_executor = make_executor
+        self._executors: dict[LookaheadConfig, Executor] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_name: str | Path,
+        backend: str | None = None,
+        dtype: str = "float32",
+        lookahead: LookaheadConfig | str | None = "default",
+        max_seq_len: int | None = None,
+        threads: int | None = None,
+    ) -> LookaheadRuntime:
+        """Load a HF Llama checkpoint dir, a known model name, or an engine dir from `trt-lookahead build`.
+
+        lookahead: "default" (4,3,4; an engine's built config), W,N,G, a LookaheadConfig, "auto", or None (greedy).
+        """
+        from trt_lookahead.models.fetch import resolve_model
+
+        path = resolve_model(str(path_or_name))
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
+        if _is_engine_dir(path):
+            return cls._from_engine(path, backend or "onnxruntime", dtype, lookahead, max_seq_len)
+        if backend not in (None, "torch"):
+            raise UserError(f"backend {backend!r} runs engine dirs; build one with `trt-lookahead build` or use torch")
+        return cls._from_checkpoint(path, dtype, lookahead, max_seq_len)
+
+    @classmethod
+    def _from_checkpoint(
+        cls, path: Path, dtype: str, lookahead: LookaheadConfig | str | None, max_seq_len: int | None
+    ) -> LookaheadRuntime:
+        from trt_lookahead.executors.torch import TorchExecutor
+        from trt_lookahead.models.checkpoint import load_llama
+
+        model, config = load_llama(path, dtype=dtype)
+        seq_len = _check_max_seq_len(max_seq_len, config.max_position_embeddings)
+
+        def make_executor(layout: StepLayout) -> Executor:
+            return TorchExecutor(model, layout.mask, seq_len, output_slots=layout.output_slots)
+
+        return cls(
+            _load_tokenizer(path),
+            make_executor,
+            lookahead=_resolve_lookahead(lookahead, path, dtype, "torch"),
+            max_seq_len=seq_len,
+            stop_token_ids=_stop_token_ids(path),
+            backend="torch",
+            dtype=dtype,
+            model_path=path,
+        )
+
+    @classmethod
+    def _from_engine(
+        cls, path: Path, backend: str, dtype: str, lookahead: LookaheadConfig | str | None, max_seq_len: int | None
+    ) -> LookaheadRuntime:
+        from trt_lookahead.executors.onnxruntime import open_engine
+
+        engine = open_engine(path, backend=backend, dtype=dtype, max_seq_len=max_seq_len)
+        built = engine.lookahead
+        requested = built if lookahead == "default" else _resolve_lookahead(lookahead, path, dtype, backend)
+        if requested is not None:
+            requested.check_fits(built)
+        return cls(
+            _load_tokenizer(path),
+            engine.make_executor,
+            lookahead=requested,
+            max_seq_len=engine.max_seq_len,
+            stop_token_ids=_stop_token_ids(path),
+            backend=backend,
+            dtype=engine.dtype,
+            model_path=path,
+            engine_config=built,
+        )
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        """Token ids of a text prompt, of chat messages (chat template), or the ids themselves."""
+        if isinstance(prompt, str):
+            if chat:
+                return self._apply_chat_template([{"role": "user", "content": prompt}])
+            return list(self.tokenizer(prompt, verbose=False)["input_ids"])
+        items = list(prompt)
+        if items and all(isinstance(m, dict) for m in items):
+            return self._apply_chat_template(items)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            return items
+        raise UserError("a prompt is text, a list of chat messages {'role', 'content'}, or a list of token ids")
+
+    def _apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise UserError(f"{self.model_path} has no chat template; send a plain text prompt (drop --chat)")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def request_config(self, lookahead: LookaheadConfig | str | None) -> LookaheadConfig:
+        """The layout config of one request: the runtime default, `greedy`, or an explicit W,N,G."""
+        if lookahead is None:
+            config = self.lookahead
+        elif isinstance(lookahead, LookaheadConfig):
+            config = lookahead
+        elif lookahead == GREEDY:
+            config = None
+        elif lookahead == "auto":
+            config = _resolve_lookahead("auto", self.model_path, self.dtype, self.backend)
+        else:
+            config = LookaheadConfig.parse(lookahead)
+        config = config or LookaheadConfig.greedy()
+        if self.engine_config is not None:
+            config.check_fits(self.engine_config)
+        return config
+
+    def generate(self, prompt: Prompt, max_new_tokens: int = 128, **kwargs: Any) -> GenerationOutput:
+        """Generate to completion; same arguments as `stream`."""
+        for chunk in self.stream(prompt, max_new_tokens, **kwargs):
+            if chunk.done:
+                assert chunk.output is not None
+                return chunk.output
+        raise AssertionError("stream ended without a final chunk")
+
+    def stream(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 128,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop: Sequence[str] | None = None,
+        lookahead: LookaheadConfig | str | None = None,
+        chat: bool = False,
+    ) -> Iterator[StreamChunk]:
+        """Yield text as each step's tokens are accepted; the last chunk carries the GenerationOutput."""
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        config = self.request_config(lookahead)
+        prompt_ids = self.encode(prompt, chat=chat)
+        stop_strings = [s for s in (stop or []) if s]
+        with self._lock:
+            decoder = self._decoder(config, seed)
+            decoder.check_request(prompt_ids, max_new_tokens)
+            ids: list[int] = []
+            text, emitted, finish = "", 0, "length"
+            blocks = decoder.stream(prompt_ids, max_new_tokens, sampling)
+            try:
+                for block in blocks:
+                    ids.extend(block)
+                    text = self.decode(ids)
+                    cut = _stop_string_cut(text, stop_strings)
+                    if cut is not None or block[-1] in decoder.stop_tokens:
+                        finish = "stop"
+                    text = text if cut is None else text[:cut]
+                    end = len(text) if finish == "stop" else _stable_end(text, stop_strings)
+                    yield StreamChunk(text[emitted:end], block)
+                    emitted = max(emitted, end)
+                    if cut is not None:
+                        break
+            finally:
+                blocks.close()
+            output = GenerationOutput(
+                text=text,
+                token_ids=ids,
+                prompt_tokens=len(prompt_ids),
+                finish_reason=finish,
+                config="greedy" if config.is_greedy else str(config),
+                backend=self.backend,
+                dtype=self.dtype,
+                stats=decoder.stats,
+            )
+        yield StreamChunk(text[emitted:], [], done=True, output=output)
+
+    def _decoder(self, config: LookaheadConfig, seed: int) -> LookaheadDecoder:
+        """A decoder over this config's executor (built on first use; engines pad to their built T)."""
+        padded = None
+        if self.engine_config is not None and not config.is_greedy:
+            padded = self.engine_config.tokens_per_step
+        layout = StepLayout(config, padded_tokens=padded)
+        if config not in self._executors:
+            self._executors[config] = self._make_executor(layout)
+        return LookaheadDecoder(self._executors[config], layout, stop_tokens=self.stop_token_ids, seed=seed)
+
+
+def _stop_string_cut(text: str, stops: Sequence[str]) -> int | None:
+    """Where the first stop string starts in `text`, if any."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _stable_end(text: str, stops: Sequence[str]) -> int:
+    """How much of `text` later tokens cannot change: hold back an unfinished UTF-8 character and any
+    tail that could be the start of a stop string."""
+    end = len(text.rstrip("\ufffd"))
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                end = min(end, len(text) - k)
+                break
+    return end
+
+
+def _is_engine_dir(path: Path) -> bool:
+    config = path / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return "trt_lookahead_engine" in json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+
+
+def _check_max_seq_len(requested: int | None, model_limit: int | None) -> int:
+    limit = model_limit or DEFAULT_MAX_SEQ_LEN
+    if requested is None:
+        return min(limit, DEFAULT_MAX_SEQ_LEN)
+    if requested < 2:
+        raise UserError(f"max_seq_len {requested} is too small; give at least 2 (prompt + one new token)")
+    if requested > limit:
+        raise UserError(f"max_seq_len {requested} exceeds the model's context of {limit}; ask for at most {limit}")
+    return requested
+
+
+def _load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        raise UserError(f"{path} has no tokenizer (tokenizer.json); copy the model's tokenizer files into it")
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _stop_token_ids(path: Path) -> list[int]:
+    """eos ids from generation_config.json and config.json (an int or a list in either)."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        file = path / name
+        if file.is_file():
+            value = json.loads(file.read_text()).get("eos_token_id")
+            ids.extend(value if isinstance(value, list) else [] if value is None else [value])
+    return ids
+
+
+def _resolve_lookahead(
+    lookahead: LookaheadConfig | str | None, path: Path, dtype: str, backend: str
+) -> LookaheadConfig | None:
+    if lookahead is None or isinstance(lookahead, LookaheadConfig):
+        return lookahead
+    if lookahead == "default":
+        return DEFAULT_LOOKAHEAD
+    if lookahead == GREEDY:
+        return None
+    if lookahead == "auto":
+        from trt_lookahead.tune import resolve_auto
+
+        return resolve_auto(str(path), dtype, backend)
+    return LookaheadConfig.parse(lookahead)
