@@ -195,3 +195,14 @@ def test_generate_bad_arguments_exit_2_with_one_line(capsys, extra, words):
     code, _, err = run_cli(capsys, *argv)
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1 and words in err and "Traceback" not in err
+
+
+def test_runtime_keeps_a_bounded_number_of_executors(stories):
+    from trt_lookahead.runtime import MAX_EXECUTORS
+
+    configs = ["2,2,1", "2,3,1", "3,3,1", "3,2,2", "4,3,4", "greedy"]
+    reference = stories.generate("Once upon a time", max_new_tokens=20, lookahead="greedy").token_ids
+    for config in configs:
+        assert stories.generate("Once upon a time", max_new_tokens=20, lookahead=config).token_ids == reference
+    assert len(stories._executors) == MAX_EXECUTORS
+    assert list(stories._executors)[-1].is_greedy  # the most recent request's executor is kept

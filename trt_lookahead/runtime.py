@@ -4,14 +4,16 @@
     out = rt.generate([{"role": "user", "content": "Hi"}], max_new_tokens=64)
     for chunk in rt.stream("def fib(n):", max_new_tokens=64): print(chunk.text, end="")
 
-One executor is built per step layout on first use and kept (greedy is the T = 1 layout). A runtime
-serialises its calls with a lock: use one runtime per model instance (per thread that serves).
+One executor is built per step layout on first use; the MAX_EXECUTORS most recently used are kept (each
+holds its own KV buffers; greedy is the T = 1 layout). A runtime serialises its calls with a lock: use one
+runtime per model instance (per thread that serves).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ from trt_lookahead.sampling import SamplingParams
 
 DEFAULT_LOOKAHEAD = LookaheadConfig(4, 3, 4)
 DEFAULT_MAX_SEQ_LEN = 4096
+MAX_EXECUTORS = 4
 GREEDY = "greedy"
 Prompt = str | Sequence[dict[str, str]] | Sequence[int]
 
@@ -121,7 +124,7 @@ class LookaheadRuntime:
         self.model_path = model_path
         self.engine_config = engine_config  # a compiled engine runs layouts that fit these shapes only
         self._make_executor = make_executor
-        self._executors: dict[LookaheadConfig, Executor] = {}
+        self._executors: OrderedDict[LookaheadConfig, Executor] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
 
     @classmethod
@@ -304,9 +307,11 @@ class LookaheadRuntime:
         if self.engine_config is not None and not config.is_greedy:
             padded = self.engine_config.tokens_per_step
         layout = StepLayout(config, padded_tokens=padded)
-        if config not in self._executors:
-            self._executors[config] = self._make_executor(layout)
-        return LookaheadDecoder(self._executors[config], layout, stop_tokens=self.stop_token_ids, seed=seed)
+        executor = self._executors.pop(config, None) or self._make_executor(layout)
+        self._executors[config] = executor
+        while len(self._executors) > MAX_EXECUTORS:
+            self._executors.popitem(last=False)
+        return LookaheadDecoder(executor, layout, stop_tokens=self.stop_token_ids, seed=seed)
 
 
 def _stop_string_cut(text: str, stops: Sequence[str]) -> int | None:

@@ -1,0 +1,230 @@
+"""Triton Python backend model (decoupled): lookahead decoding with trt_lookahead.LookaheadRuntime.
+
+Written by `trt-lookahead triton-repo`; config.pbtxt's `parameters` say which model to load.
+One LookaheadRuntime per model instance; each instance serves one request at a time (raise
+`instance_group.count` for parallel requests).
+
+Inputs (TensorRT-LLM ensemble names; all but text_input optional): text_input, max_tokens, stream,
+temperature, top_k, top_p, random_seed, stop_words, lookahead_window_size, lookahead_ngram_size,
+lookahead_verification_set_size (each at most the served config; unset ones take the served value).
+The same names, and `chat` (wrap text_input in the chat template), are also read from the request
+parameters when no tensor of that name is sent.
+
+Outputs: text_output, prompt_tokens, generated_tokens, steps, finish_reason ("length", "stop",
+or "" while streaming). With stream=true: one response per accepted block (new text only; token and
+step counts so far), then a final one with the held-back rest of the text, the totals and the finish
+reason. Otherwise one response with the whole text. Bad requests get an INVALID_ARG error response.
+"""
+
+import json
+import sys
+import time
+import traceback
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+ACCEPTED = {str: str, bool: bool, int: int, float: (int, float)}  # from tensors or JSON request parameters
+LOOKAHEAD_INPUTS = ("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size")
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def _import_runtime(fallback_path):
+    """trt_lookahead from the stub's Python (pip install / PYTHONPATH), else from the path that wrote the repo."""
+    try:
+        from trt_lookahead.runtime import LookaheadRuntime
+    except ImportError:
+        if not fallback_path:
+            raise
+        sys.path.insert(0, fallback_path)
+        from trt_lookahead.runtime import LookaheadRuntime
+    return LookaheadRuntime
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        import torch
+
+        torch.set_num_threads(1)  # one runtime per instance; instances are the parallelism
+        model_config = json.loads(args["model_config"])
+        params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+        LookaheadRuntime = _import_runtime(params.get("trt_lookahead_path"))
+        from trt_lookahead.config import LookaheadConfig
+
+        self._config_type = LookaheadConfig
+        self.batched = model_config.get("max_batch_size", 0) > 0
+        self.default_max_tokens = int(params.get("default_max_tokens") or 128)
+        source = params.get("engine") or params.get("model")
+        max_seq_len = params.get("max_seq_len")
+        self.runtime = LookaheadRuntime.from_pretrained(
+            source,
+            backend=params.get("backend") or None,
+            dtype=params.get("dtype") or "float32",
+            lookahead=params.get("lookahead_config") or "default",
+            max_seq_len=int(max_seq_len) if max_seq_len else None,
+        )
+        self.served = self.runtime.lookahead or LookaheadConfig.greedy()
+        self.runtime.generate([1], max_new_tokens=2)  # build the served executor now, not on the first request
+        self.name = f"{args['model_name']}[{args['model_instance_name']}]"
+        pb_utils.Logger.log_info(
+            f"{self.name}: {source} backend={self.runtime.backend} dtype={self.runtime.dtype} "
+            f"lookahead={self.served} max_seq_len={self.runtime.max_seq_len}"
+        )
+
+    # -- request parsing ---------------------------------------------------------------------------
+
+    def _value(self, request, parameters, name, kind, default):
+        """One scalar input: the tensor if sent, else the request parameter, else `default`."""
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is None:
+            if name not in parameters:
+                return default
+            value = parameters[name]
+        else:
+            array = tensor.as_numpy()
+            if array.size != 1:
+                raise BadRequest(f"{name} must hold one value, got shape {list(array.shape)}")
+            value = array.reshape(-1)[0]
+            if isinstance(value, np.generic):
+                value = value.item()
+        if kind is str and isinstance(value, bytes):
+            try:
+                return value.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise BadRequest(f"{name} is not valid UTF-8: {exc}") from None
+        if isinstance(value, ACCEPTED[kind]) and (kind is bool or not isinstance(value, bool)):
+            return kind(value)
+        raise BadRequest(f"{name} must be {kind.__name__}, got {type(value).__name__} {value!r}")
+
+    def _parse(self, request):
+        try:
+            parameters = json.loads(request.parameters() or "{}")
+        except json.JSONDecodeError:
+            parameters = {}
+        prompt = self._value(request, parameters, "text_input", str, None)  # one prompt per request
+        if prompt is None:
+            raise BadRequest("text_input is required: send the prompt text as text_input")
+        max_tokens = self._value(request, parameters, "max_tokens", int, self.default_max_tokens)
+        if max_tokens <= 0:
+            raise BadRequest(f"max_tokens must be a positive integer, got {max_tokens}")
+        stop = pb_utils.get_input_tensor_by_name(request, "stop_words")
+        if stop is not None:
+            stop_words = [w.decode("utf-8", "replace") if isinstance(w, bytes) else str(w)
+                          for w in stop.as_numpy().reshape(-1)]
+        else:
+            stop_words = parameters.get("stop_words", [])
+            stop_words = [stop_words] if isinstance(stop_words, str) else stop_words
+            if not isinstance(stop_words, list) or not all(isinstance(w, str) for w in stop_words):
+                raise BadRequest(f"stop_words must be a list of strings, got {stop_words!r}")
+        kwargs = dict(
+            temperature=self._value(request, parameters, "temperature", float, 0.0),
+            top_k=self._value(request, parameters, "top_k", int, 0),
+            top_p=self._value(request, parameters, "top_p", float, 1.0),
+            seed=self._value(request, parameters, "random_seed", int, 0),
+            stop=[w for w in stop_words if w],
+            lookahead=self._lookahead(request, parameters),
+        )
+        stream = self._value(request, parameters, "stream", bool, False)
+        chat = self._value(request, parameters, "chat", bool, False)
+        try:
+            prompt_ids = self.runtime.encode(prompt, chat=chat)
+        except Exception as exc:  # UserError: no chat template
+            raise BadRequest(str(exc)) from None
+        return prompt_ids, max_tokens, stream, kwargs
+
+    def _lookahead(self, request, parameters):
+        served = self.served
+        values = [self._value(request, parameters, name, int, None) for name in LOOKAHEAD_INPUTS]
+        if all(v is None for v in values):
+            return served
+        defaults = (served.W, served.N, served.G)
+        W, N, G = (default if v is None else v for v, default in zip(values, defaults, strict=True))
+        try:
+            config = self._config_type(W, N, G)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        if config.W > served.W or config.N > served.N or config.G > served.G:
+            raise BadRequest(
+                f"lookahead (W, N, G) = ({W}, {N}, {G}) exceeds the served config ({served.W}, {served.N}, "
+                f"{served.G}); ask for at most lookahead_window_size={served.W}, lookahead_ngram_size={served.N}, "
+                f"lookahead_verification_set_size={served.G}"
+            )
+        return config
+
+    # -- responses ---------------------------------------------------------------------------------
+
+    def _response(self, text, prompt_tokens, generated_tokens, steps, finish_reason=""):
+        shape = (1, 1) if self.batched else (1,)
+
+        def tensor(name, value, dtype):
+            return pb_utils.Tensor(name, np.array([value], dtype=dtype).reshape(shape))
+
+        return pb_utils.InferenceResponse(output_tensors=[
+            tensor("text_output", text.encode("utf-8"), np.object_),
+            tensor("prompt_tokens", prompt_tokens, np.int32),
+            tensor("generated_tokens", generated_tokens, np.int32),
+            tensor("steps", steps, np.int32),
+            tensor("finish_reason", finish_reason.encode("utf-8"), np.object_),
+        ])
+
+    def _error(self, sender, message, code):
+        try:
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), flags=FINAL)
+        except Exception as exc:  # the request is already complete (e.g. cancelled): nothing left to tell
+            pb_utils.Logger.log_warn(f"{self.name}: could not send the error {message!r}: {exc}")
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._serve(request, sender)
+            except BadRequest as exc:
+                self._error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+            except Exception as exc:  # keep serving: report this request's failure, log the traceback
+                pb_utils.Logger.log_error(f"{self.name}: request {request.request_id()!r} failed:\n"
+                                          f"{traceback.format_exc()}")
+                self._error(sender, f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+        return None
+
+    def _serve(self, request, sender):
+        prompt_ids, max_tokens, stream, kwargs = self._parse(request)
+        chunks = self.runtime.stream(prompt_ids, max_tokens, **kwargs)
+        generated = steps = 0
+        text = []
+        started = time.perf_counter()
+        try:
+            try:
+                chunk = next(chunks)  # runtime validation errors surface here, before any response
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
+            while not chunk.done:
+                if sender.is_cancelled():
+                    pb_utils.Logger.log_info(
+                        f"{self.name}: request {request.request_id()!r} cancelled after {generated} of "
+                        f"{max_tokens} tokens, {steps} steps, {time.perf_counter() - started:.3f} s"
+                    )
+                    chunks.close()  # ends decoding and frees the runtime for the next request
+                    sender.send(flags=FINAL)
+                    return
+                generated += len(chunk.token_ids)
+                steps += 1
+                if stream:
+                    sender.send(self._response(chunk.text, len(prompt_ids), generated, steps))
+                else:
+                    text.append(chunk.text)
+                chunk = next(chunks)
+        finally:
+            chunks.close()
+        out = chunk.output
+        final_text = chunk.text if stream else "".join(text) + chunk.text
+        sender.send(
+            self._response(final_text, out.prompt_tokens, out.generated_tokens, out.steps, out.finish_reason),
+            flags=FINAL,
+        )
+
+    def finalize(self):
+        self.runtime = None
