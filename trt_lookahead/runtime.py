@@ -161,7 +161,7 @@ class LookaheadRuntime:
         from trt_lookahead.executors.torch import TorchExecutor
         from trt_lookahead.models.checkpoint import load_llama
 
-        model, config = load_llama(path, dtype=dtype)
+        model, config = load_llama(path, dtype=dtype, weight_layout="auto")
         seq_len = _check_max_seq_len(max_seq_len, config.max_position_embeddings)
 
         def make_executor(layout: StepLayout) -> Executor:
