@@ -1,0 +1,19 @@
+"""Session setup that must happen before any test module imports triton."""
+
+import os
+
+
+def _cuda_device_count() -> int:
+    """CUDA devices per cuda-python (the CPU torch wheel always says none, so it cannot be the gate)."""
+    try:
+        from cuda.bindings import runtime
+    except ImportError:
+        return 0
+    err, count = runtime.cudaGetDeviceCount()
+    return count if err == runtime.cudaError_t.cudaSuccess else 0
+
+
+# Triton decides at decoration time whether a @triton.jit function is interpreted; without a GPU the
+# kernel tests run under the interpreter on CPU tensors (DESIGN.md section 8).
+if _cuda_device_count() == 0:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
