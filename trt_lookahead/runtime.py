@@ -301,8 +301,8 @@ class LookaheadRuntime:
             )
         yield StreamChunk(text[emitted:], [], done=True, output=output)
 
-    def _decoder(self, config: LookaheadConfig, seed: int) -> LookaheadDecoder:
-        """A decoder over this config's executor (built on first use; engines pad to their built T)."""
+    def executor_for(self, config: LookaheadConfig) -> tuple[Executor, StepLayout]:
+        """The executor for `config` and its step layout (built on first use; engines pad to their built T)."""
         padded = None
         if self.engine_config is not None and not config.is_greedy:
             padded = self.engine_config.tokens_per_step
@@ -311,6 +311,10 @@ class LookaheadRuntime:
         self._executors[config] = executor
         while len(self._executors) > MAX_EXECUTORS:
             self._executors.popitem(last=False)
+        return executor, layout
+
+    def _decoder(self, config: LookaheadConfig, seed: int) -> LookaheadDecoder:
+        executor, layout = self.executor_for(config)
         return LookaheadDecoder(executor, layout, stop_tokens=self.stop_token_ids, seed=seed)
 
 

@@ -32,3 +32,23 @@ class Executor(Protocol):
     def step(self, input_ids: np.ndarray, positions: np.ndarray) -> np.ndarray: ...
 
     def commit(self, slots: np.ndarray) -> None: ...
+
+
+def check_prompt(prompt_ids: np.ndarray, max_seq_len: int, vocab_size: int) -> np.ndarray:
+    """The prompt as a flat int64 array; ValueError if it is empty, too long or outside the vocabulary."""
+    ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+    if not 1 <= len(ids) <= max_seq_len:
+        raise ValueError(f"prompt of {len(ids)} tokens does not fit: need 1 <= length <= max_seq_len={max_seq_len}")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"prompt token ids must lie in [0, {vocab_size}), got {ids.min()}..{ids.max()}")
+    return ids
+
+
+def check_commit(slots: np.ndarray, step_tokens: int, cached: int, max_seq_len: int) -> np.ndarray:
+    """The commit slots as a flat int64 array; ValueError if outside the step or past the cache."""
+    slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+    if len(slots) and (slots.min() < 0 or slots.max() >= step_tokens):
+        raise ValueError(f"commit slots must lie in [0, {step_tokens}), got {slots.tolist()}")
+    if cached + len(slots) > max_seq_len:
+        raise ValueError(f"commit of {len(slots)} tokens at p={cached} overflows max_seq_len={max_seq_len}")
+    return slots

@@ -30,6 +30,7 @@ import numpy as np
 from trt_lookahead.builder import EngineConfig, cache_names, load_engine_config, weights_sha256
 from trt_lookahead.config import LookaheadConfig
 from trt_lookahead.errors import UserError
+from trt_lookahead.executors.base import check_commit, check_prompt
 from trt_lookahead.layout import StepLayout
 from trt_lookahead.sampling import SamplingParams, select_tokens
 
@@ -191,12 +192,8 @@ class OnnxRuntimeExecutor:
         self._p = 0
 
     def prefill(self, prompt_ids: np.ndarray) -> int:
-        ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        ids = check_prompt(prompt_ids, self.max_seq_len, self.vocab_size)
         P = len(ids)
-        if not 1 <= P <= self.max_seq_len:
-            raise ValueError(f"prompt of {P} tokens does not fit: need 1 <= length <= max_seq_len={self.max_seq_len}")
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
-            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size}), got {ids.min()}..{ids.max()}")
         session = self.engine.session("prefill")
         chunk = self.engine.config.max_input_len
         self._p = 0
@@ -237,14 +234,10 @@ class OnnxRuntimeExecutor:
         return result
 
     def commit(self, slots: np.ndarray) -> None:
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        slots = check_commit(slots, self.step_tokens, self._p, self.max_seq_len)
         k = len(slots)
         if k == 0:
             return
-        if slots.min() < 0 or slots.max() >= self.step_tokens:
-            raise ValueError(f"commit slots must lie in [0, {self.step_tokens}), got {slots.tolist()}")
-        if self._p + k > self.max_seq_len:
-            raise ValueError(f"commit of {k} tokens at p={self._p} overflows max_seq_len={self.max_seq_len}")
         p = self._p
         self.k_cache[:, :, p : p + k] = self._outputs["present_keys"][:, :, slots]
         self.v_cache[:, :, p : p + k] = self._outputs["present_values"][:, :, slots]

@@ -33,6 +33,7 @@ import numpy as np
 
 from trt_lookahead.builder import PLAN_FILE, PREFILL_GRAPH, EngineConfig, cache_names, load_engine_config
 from trt_lookahead.errors import UserError
+from trt_lookahead.executors.base import check_commit, check_prompt
 from trt_lookahead.layout import StepLayout
 from trt_lookahead.sampling import SamplingParams, select_tokens
 
@@ -268,12 +269,8 @@ class TensorRTExecutor:
     def prefill(self, prompt_ids: np.ndarray) -> int:
         import torch
 
-        ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        ids = check_prompt(prompt_ids, self.max_seq_len, self.vocab_size)
         P = len(ids)
-        if not 1 <= P <= self.max_seq_len:
-            raise ValueError(f"prompt of {P} tokens does not fit: need 1 <= length <= max_seq_len={self.max_seq_len}")
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
-            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size}), got {ids.min()}..{ids.max()}")
         if self._prefill_ctx is None:
             self._prefill_ctx = self.engine.context(PREFILL)
         cfg, dev = self.engine.config, self.engine.device
@@ -331,14 +328,10 @@ class TensorRTExecutor:
     def commit(self, slots: np.ndarray) -> None:
         import torch
 
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        slots = check_commit(slots, self.step_tokens, self._p, self.max_seq_len)
         k = len(slots)
         if k == 0:
             return
-        if slots.min() < 0 or slots.max() >= self.step_tokens:
-            raise ValueError(f"commit slots must lie in [0, {self.step_tokens}), got {slots.tolist()}")
-        if self._p + k > self.max_seq_len:
-            raise ValueError(f"commit of {k} tokens at p={self._p} overflows max_seq_len={self.max_seq_len}")
         p = self._p
         with torch.cuda.stream(self._stream):
             index = torch.from_numpy(slots).to(self.engine.device)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from trt_lookahead.executors.base import check_commit, check_prompt
 from trt_lookahead.models.llama import Llama, sdpa_attention, sdpa_attention_static
 from trt_lookahead.sampling import HASH_MULTIPLIERS, MASK32, POSITION_SALT, VOCAB_SALT, SamplingParams
 
@@ -156,12 +157,8 @@ class TorchExecutor:
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: np.ndarray) -> int:
-        ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        ids = check_prompt(prompt_ids, self.max_seq_len, self.vocab_size)
         P = len(ids)
-        if not 1 <= P <= self.max_seq_len:
-            raise ValueError(f"prompt of {P} tokens does not fit: need 1 <= length <= max_seq_len={self.max_seq_len}")
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
-            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size}), got {ids.min()}..{ids.max()}")
         dev = self.device
         ids_t = torch.from_numpy(ids).to(dev)
         pos_t = torch.arange(P, device=dev)
@@ -211,14 +208,10 @@ class TorchExecutor:
 
     @torch.inference_mode()
     def commit(self, slots: np.ndarray) -> None:
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        slots = check_commit(slots, self.step_tokens, self._p, self.max_seq_len)
         k = len(slots)
         if k == 0:
             return
-        if slots.min() < 0 or slots.max() >= self.step_tokens:
-            raise ValueError(f"commit slots must lie in [0, {self.step_tokens}), got {slots.tolist()}")
-        if self._p + k > self.max_seq_len:
-            raise ValueError(f"commit of {k} tokens at p={self._p} overflows max_seq_len={self.max_seq_len}")
         if not np.array_equal(slots, np.arange(k)):  # rows already in place otherwise (greedy: [0])
             src = torch.from_numpy(slots + self._p).to(self.device)
             dst = torch.arange(self._p, self._p + k, device=self.device)

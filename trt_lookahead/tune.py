@@ -1,0 +1,614 @@
+"""`trt-lookahead tune`: choose (W, N, G) for this machine, model, dtype, backend and workload.
+
+Lookahead trades a wider step (T = (W + G)(N - 1) tokens) for fewer steps. Whether that pays depends
+on the machine: on a GPU a 120-token step costs about what a 1-token step costs; on a small CPU it
+costs several times more. So we measure rather than guess:
+
+  1. step cost against T: time the executor's step for the T of greedy and of each candidate, at a
+     realistic context length, rounds interleaved so that load changes hit every T alike;
+  2. compression (tokens per step) of each candidate on a few prompts of the workload (rows past the
+     first 16 of each set, so the bench's prompts are not the ones tuned on): a screening pass over
+     every plausible candidate (one prompt per set, half the tokens, cheapest step first), then the best
+     four again on all prompts; host time per step is read from the same runs;
+  3. predicted time per token = (step_cost(T) + host_ms) / compression; greedy's is step_cost(1) + host;
+  4. verify the winner against greedy, interleaved per prompt; if it is not faster, try the next one,
+     and when nothing beats greedy, the answer is greedy (`auto` never runs slower on purpose).
+
+The result is stored in a tuning file (JSON) under the cache dir ($TRT_LOOKAHEAD_CACHE, else
+$XDG_CACHE_HOME/trt-lookahead, else ~/.cache/trt-lookahead)/tuning.json, keyed by model, dtype,
+backend and machine (CPU model, cores, torch threads). `resolve_auto(model_id, dtype, backend)` reads
+it, tuning on first use (saying so on stderr), and returns a LookaheadConfig or None (= greedy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trt_lookahead.config import LookaheadConfig
+from trt_lookahead.errors import UserError
+from trt_lookahead.machine import load_average, machine_info, machine_key, utc_now
+
+TUNING_FILE = "tuning.json"
+TUNING_VERSION = 1
+DEFAULT_TUNE_DATASETS = "mt_bench,humaneval,gsm8k"
+DEFAULT_AUTO_BUDGET = 240.0  # seconds, when `auto` tunes on first use ($TRT_LOOKAHEAD_TUNE_BUDGET)
+TUNE_ROW_OFFSET = 16  # tune on rows after the ones `bench --limit 8/16` measures
+GREEDY = "greedy"
+
+# Candidates: prompt-lookup-like ones (W = 1: the pool drafts, from the prompt and the output, and the
+# column-0 chain), small windows, and the LADE/TensorRT-LLM classics. Ones whose step costs more than
+# they could ever save on this machine are not measured beyond their step cost.
+CANDIDATES: tuple[LookaheadConfig, ...] = tuple(
+    LookaheadConfig(*c)
+    for c in (
+        (1, 2, 1), (1, 3, 1), (1, 4, 1), (1, 5, 1), (1, 3, 2), (1, 5, 2), (1, 8, 1), (2, 3, 2), (3, 3, 3),
+        (4, 3, 4), (3, 4, 3), (5, 4, 5), (7, 5, 7), (15, 5, 15),
+    )
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# the tuning file
+
+
+def cache_dir() -> Path:
+    """$TRT_LOOKAHEAD_CACHE, else $XDG_CACHE_HOME/trt-lookahead, else ~/.cache/trt-lookahead."""
+    env = os.environ.get("TRT_LOOKAHEAD_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "trt-lookahead"
+    return Path.home() / ".cache" / "trt-lookahead"
+
+
+def tuning_path() -> Path:
+    return cache_dir() / TUNING_FILE
+
+
+def model_key(model_id: str | os.PathLike) -> str:
+    """A stable name for a model: the resolved directory of a path or of a known (fetched) name."""
+    text = os.fspath(model_id)
+    path = Path(text).expanduser()
+    if path.exists():
+        return str(path.resolve())
+    try:
+        from trt_lookahead.models.fetch import KNOWN_MODELS, model_dir
+
+        if text.strip().lower() in KNOWN_MODELS:
+            return str(model_dir(text.strip().lower()).resolve())
+    except ImportError:  # pragma: no cover - fetch module absent in a partial checkout
+        pass
+    return text
+
+
+def tuning_key(model_id: str | os.PathLike, dtype: str, backend: str, machine: str | None = None) -> str:
+    return f"model={model_key(model_id)}|dtype={dtype}|backend={backend}|machine={machine or machine_key()}"
+
+
+def read_tuning_file(path: Path | None = None) -> dict[str, Any]:
+    """The whole tuning file ({"version", "entries": {key: entry}}); an empty one if absent or unreadable."""
+    path = path or tuning_path()
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {"version": TUNING_VERSION, "entries": {}}
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        print(f"trt-lookahead: ignoring unreadable tuning file {path} ({exc})", file=sys.stderr)
+        return {"version": TUNING_VERSION, "entries": {}}
+    if not isinstance(data, dict) or data.get("version") != TUNING_VERSION or not isinstance(data.get("entries"), dict):
+        print(f"trt-lookahead: ignoring tuning file {path} of another format version", file=sys.stderr)
+        return {"version": TUNING_VERSION, "entries": {}}
+    return data
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        try:
+            import fcntl
+
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except (ImportError, OSError):  # pragma: no cover - no flock: last writer wins
+            pass
+        yield
+
+
+def write_tuning_entry(key: str, entry: dict[str, Any], path: Path | None = None) -> Path:
+    """Insert or replace one entry (read-modify-write under a lock, atomic rename)."""
+    path = path or tuning_path()
+    with _locked(path):
+        data = read_tuning_file(path)
+        data["entries"][key] = entry
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    return path
+
+
+def lookup_tuning(model_id: str | os.PathLike, dtype: str, backend: str, path: Path | None = None) -> dict | None:
+    return read_tuning_file(path)["entries"].get(tuning_key(model_id, dtype, backend))
+
+
+def config_from_entry(entry: dict[str, Any]) -> LookaheadConfig | None:
+    """The chosen config of a tuning entry; None means greedy."""
+    chosen = entry.get("config", GREEDY)
+    return None if chosen in (None, GREEDY) else LookaheadConfig.parse(str(chosen))
+
+
+def resolve_auto(
+    model_id: str | os.PathLike,
+    dtype: str = "float32",
+    backend: str = "torch",
+    *,
+    tune_if_missing: bool = True,
+    budget_seconds: float | None = None,
+) -> LookaheadConfig | None:
+    """`auto`: the tuned config for this model/dtype/backend/machine, or None for greedy.
+
+    Without a tuning entry, tunes now (on stderr: what and for how long) and stores the result; with
+    tune_if_missing=False it answers None (greedy) instead.
+    """
+    entry = lookup_tuning(model_id, dtype, backend)
+    if entry is None:
+        if not tune_if_missing:
+            return None
+        budget = budget_seconds or float(os.environ.get("TRT_LOOKAHEAD_TUNE_BUDGET", DEFAULT_AUTO_BUDGET))
+        print(
+            f"trt-lookahead: no tuning for {model_key(model_id)} ({dtype}, {backend}) on this machine "
+            f"({machine_key()}); tuning now, about {budget:.0f} s, result cached in {tuning_path()}",
+            file=sys.stderr,
+            flush=True,
+        )
+        entry = tune(str(model_id), dtype=dtype, backend=backend, budget_seconds=budget, progress=True)
+    config = config_from_entry(entry)
+    return config
+
+
+# ---------------------------------------------------------------------------------------------
+# measuring
+
+
+@dataclass
+class Candidate:
+    config: str  # "W/N/G"
+    T: int
+    prompts: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    host_ms_per_step: float | None = None
+    measured_ms_per_token: float | None = None  # straight from the compression runs (noisier)
+    compression: float | None = None
+    predicted_ms_per_token: float | None = None
+    skipped: str | None = None  # why it was not measured
+    screen_compression: float | None = None  # first pass: one prompt per set, half the tokens
+    set_compression: dict[str, float] = field(default_factory=dict)  # per dataset, last measurement
+    worst_set_ms_per_token: float | None = None  # predicted on the set it compresses least
+
+
+@dataclass
+class TuneReport:
+    model: str
+    dtype: str
+    backend: str
+    machine: dict[str, Any]
+    dataset: str
+    prompts: int
+    max_new_tokens: int
+    budget_seconds: float
+    step_cost_ms: dict[str, float] = field(default_factory=dict)  # str(T) -> median ms per executor step
+    greedy_ms_per_token: float | None = None  # predicted: step_cost(1) + host ms
+    greedy_measured_ms_per_token: float | None = None
+    candidates: list[Candidate] = field(default_factory=list)
+    verified: list[dict[str, Any]] = field(default_factory=list)
+    config: str = GREEDY
+    reason: str = ""
+    elapsed_seconds: float = 0.0
+    load_end: list[float] = field(default_factory=list)
+
+    def to_entry(self) -> dict[str, Any]:
+        entry = asdict(self)
+        entry["date"] = utc_now()
+        entry["version"] = TUNING_VERSION
+        return entry
+
+
+def measure_step_cost(
+    rt: Any,
+    configs: Sequence[LookaheadConfig],
+    context_ids: Sequence[int],
+    *,
+    rounds: int = 3,
+    steps_per_round: int = 3,
+    deadline: float | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[int, float]:
+    """Median milliseconds of one executor step per T (configs with equal T are measured once).
+
+    The executor is prefilled with `context_ids`, then each timed iteration is a step (random ids in
+    every slot) and a commit of two slots (x_t and one accepted draft; greedy's one slot), as decoding
+    does; rounds go over all T in turn, smallest first. Past the deadline only T = 1 and the smallest
+    other T are sure to be measured (the others are interpolated).
+    """
+    from trt_lookahead.sampling import SamplingParams
+
+    by_t: dict[int, LookaheadConfig] = {}
+    for cfg in configs:
+        by_t.setdefault(cfg.tokens_per_step, cfg)
+    rng = np.random.default_rng(0)
+    prompt = np.asarray(context_ids, np.int64)
+    times: dict[int, list[float]] = {t: [] for t in by_t}
+    for r in range(rounds):
+        for i, (t, cfg) in enumerate(sorted(by_t.items())):
+            if deadline is not None and clock() > deadline and (r > 0 or i > 1):
+                break
+            ex, layout = rt.executor_for(cfg)  # the runtime keeps only its few most recent executors
+            ex.reset(SamplingParams())
+            ex.prefill(prompt)
+            ids = rng.integers(0, ex.vocab_size, layout.tokens)
+            ids[0] = prompt[-1]
+            keep = np.array([0] if layout.tokens == 1 else [0, layout.tokens - 1], np.int64)
+            p = len(prompt)
+            ex.step(ids, p + np.asarray(layout.rel_positions))  # warm-up (first call may build or allocate)
+            for _ in range(steps_per_round):
+                t0 = clock()
+                ex.step(ids, p + np.asarray(layout.rel_positions))
+                ex.commit(keep)
+                times[t].append(clock() - t0)
+                p += len(keep)
+    return {t: 1000.0 * statistics.median(v) for t, v in times.items() if v}
+
+
+def step_cost_at(costs: dict[int, float], t: int) -> float:
+    """Step cost at T, interpolated linearly between measured T (extrapolated from the last two)."""
+    if t in costs:
+        return costs[t]
+    xs = sorted(costs)
+    if len(xs) == 1:
+        return costs[xs[0]] * max(t, 1) / max(xs[0], 1)
+    lo = max((x for x in xs if x < t), default=xs[0])
+    hi = min((x for x in xs if x > t), default=xs[-1])
+    if lo == hi:
+        lo, hi = (xs[-2], xs[-1]) if t > xs[-1] else (xs[0], xs[1])
+    return costs[lo] + (costs[hi] - costs[lo]) * (t - lo) / (hi - lo)
+
+
+def _run(rt: Any, ids: Sequence[int], max_new_tokens: int, config: LookaheadConfig | None) -> Any:
+    return rt.generate(list(ids), max_new_tokens=max_new_tokens, lookahead=config if config else GREEDY)
+
+
+def _decoded(out: Any) -> tuple[int, float]:
+    """(tokens emitted by decode steps, decode seconds) of one output."""
+    return max(out.generated_tokens - 1, 0), float(out.stats.decode_seconds)
+
+
+def tuning_prompts(
+    tokenizer: Any, datasets: str, count: int, offset: int = TUNE_ROW_OFFSET
+) -> list[tuple[str, list[int]]]:
+    """`count` (set name, token ids) spread over the datasets (round robin), from rows past `offset`.
+
+    Chat rows of a model without a chat template are sent as raw text (tuning only needs a realistic
+    workload, not the chat format)."""
+    from trt_lookahead.datasets import PromptRow, dataset_names, encode_row, load_dataset
+
+    names = dataset_names(datasets)
+    per_set = max(1, math.ceil(count / len(names)))
+    pools: list[list[tuple[str, list[int]]]] = []
+    for name in names:
+        ds = load_dataset(name)
+        rows = list(ds.rows[offset : offset + per_set]) or list(ds.rows[:per_set])
+        encoded = []
+        for row in rows:
+            try:
+                encoded.append((ds.name, encode_row(tokenizer, row)))
+            except UserError:
+                encoded.append((ds.name, encode_row(tokenizer, PromptRow(row.id, text=row.messages[-1][1]))))
+        pools.append(encoded)
+    prompts: list[tuple[str, list[int]]] = []
+    for i in range(per_set):
+        prompts.extend(pool[i] for pool in pools if i < len(pool))
+    return prompts[:count]
+
+
+def _say(progress: bool, msg: str) -> None:
+    if progress:
+        print(f"tune: {msg}", file=sys.stderr, flush=True)
+
+
+def tune_runtime(
+    rt: Any,
+    *,
+    model_id: str,
+    datasets: str = DEFAULT_TUNE_DATASETS,
+    budget_seconds: float = 300.0,
+    candidates: Sequence[LookaheadConfig] | None = None,
+    prompts: int = 6,
+    max_new_tokens: int = 96,
+    progress: bool = True,
+    prompt_ids: Sequence[Sequence[int]] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> TuneReport:
+    """Measure and choose on a loaded runtime; see the module docstring. Does not write the file."""
+    start = clock()
+    deadline = start + budget_seconds
+    candidates = CANDIDATES if candidates is None else candidates
+    engine = getattr(rt, "engine_config", None)
+    if engine is not None:
+        fitting = []
+        for cfg in candidates:
+            with contextlib.suppress(ValueError):
+                cfg.check_fits(engine)
+                fitting.append(cfg)
+        candidates = fitting
+    if prompt_ids is not None:
+        named = [("custom", list(p)) for p in prompt_ids]
+    else:
+        named = tuning_prompts(rt.tokenizer, datasets, prompts)
+    keep = rt.max_seq_len - max_new_tokens
+    named = [(name, p[-keep:] if keep > 0 else p) for name, p in named if p]
+    sets, ids = [name for name, _ in named], [p for _, p in named]
+    if not ids:
+        raise UserError("no tuning prompts: give a dataset with at least one row")
+    report = TuneReport(
+        model=model_key(model_id),
+        dtype=rt.dtype,
+        backend=rt.backend,
+        machine=machine_info(),
+        dataset=datasets if prompt_ids is None else "custom",
+        prompts=len(ids),
+        max_new_tokens=max_new_tokens,
+        budget_seconds=budget_seconds,
+    )
+
+    # 1. step cost against T, at the median prompt length plus half the generation
+    context = sorted(ids, key=len)[len(ids) // 2]
+    context = (context * (1 + max_new_tokens // max(len(context), 1)))[: len(context) + max_new_tokens // 2]
+    greedy = LookaheadConfig.greedy()
+    _say(progress, f"step cost for T in {sorted({c.tokens_per_step for c in [greedy, *candidates]})}")
+    costs = measure_step_cost(rt, [greedy, *candidates], context, deadline=start + 0.2 * budget_seconds, clock=clock)
+    report.step_cost_ms = {str(t): round(v, 4) for t, v in sorted(costs.items())}
+    _say(progress, "ms per step: " + ", ".join(f"T={t}: {v:.1f}" for t, v in sorted(costs.items())))
+
+    # greedy's own time per token (host time included) from one real run
+    out = _run(rt, ids[0], max_new_tokens, None)
+    greedy_host = out.stats.host_ms_per_step
+    greedy_ms = costs[1] + greedy_host
+    report.greedy_ms_per_token = round(greedy_ms, 4)
+    d, s = _decoded(out)
+    report.greedy_measured_ms_per_token = round(1000.0 * s / d, 4) if d else None
+
+    # 2. compression: screen every plausible candidate on one prompt per set and half the tokens
+    #    (cheapest step first), then re-measure the best few on all prompts and all tokens
+    n_screen = max(1, len(dict.fromkeys(sets)))  # one prompt per set (prompts are round robin over sets)
+    ranked = sorted(candidates, key=lambda c: (step_cost_at(costs, c.tokens_per_step), c.tokens_per_step))
+    by_name: dict[str, LookaheadConfig] = {}
+    for cfg in ranked:
+        cand = Candidate(config=str(cfg), T=cfg.tokens_per_step)
+        report.candidates.append(cand)
+        by_name[cand.config] = cfg
+        cost = step_cost_at(costs, cfg.tokens_per_step)
+        if cost >= 0.95 * cfg.N * greedy_ms:
+            cand.skipped = f"step costs {cost / greedy_ms:.1f}x greedy; at most {cfg.N} tokens per step"
+            continue
+        if clock() > start + 0.5 * budget_seconds:
+            cand.skipped = "budget"
+            continue
+        until = start + 0.5 * budget_seconds
+        _measure(rt, cand, cfg, cost, ids[:n_screen], sets, max(8, max_new_tokens // 2), until, clock)
+        cand.screen_compression = cand.compression
+        _say(progress, f"screen {_describe(cand)} (greedy {greedy_ms:.1f})")
+    screened = sorted(
+        (c for c in report.candidates if c.predicted_ms_per_token), key=lambda c: c.predicted_ms_per_token
+    )
+    for cand in screened[:4]:
+        if clock() > start + 0.75 * budget_seconds or len(ids) <= n_screen:
+            break
+        cfg, until = by_name[cand.config], start + 0.75 * budget_seconds
+        _measure(rt, cand, cfg, step_cost_at(costs, cand.T), ids, sets, max_new_tokens, until, clock)
+        _say(progress, f"measure {_describe(cand)} (greedy {greedy_ms:.1f})")
+
+    # 3./4. pick, verify against greedy (interleaved), fall back to greedy if nothing wins
+    contenders = sorted(
+        (
+            c
+            for c in report.candidates
+            if c.predicted_ms_per_token
+            and c.predicted_ms_per_token < 0.97 * greedy_ms
+            and (c.worst_set_ms_per_token or 0.0) <= greedy_ms  # not slower than greedy on any set
+        ),
+        key=lambda c: c.predicted_ms_per_token,
+    )
+    report.config, report.reason = GREEDY, "no candidate is predicted to beat greedy on this machine"
+    for cand in contenders[:3]:
+        if clock() > deadline and report.verified:
+            break
+        cfg = LookaheadConfig.parse(cand.config)
+        g_dec = g_sec = c_dec = c_sec = 0.0
+        runs = 0
+        for i, prompt in enumerate(ids):
+            pair = [(None, "g"), (cfg, "c")] if i % 2 == 0 else [(cfg, "c"), (None, "g")]
+            for conf, which in pair:
+                d, s = _decoded(_run(rt, prompt, max_new_tokens, conf))
+                if which == "g":
+                    g_dec, g_sec = g_dec + d, g_sec + s
+                else:
+                    c_dec, c_sec = c_dec + d, c_sec + s
+            runs += 1
+            if clock() > deadline and runs >= 1:
+                break
+        speedup = (g_sec / g_dec) / (c_sec / c_dec) if g_dec and c_dec and g_sec and c_sec else 0.0
+        report.verified.append({"config": cand.config, "prompts": runs, "speedup": round(speedup, 4)})
+        _say(progress, f"verify {cand.config}: speedup {speedup:.2f}x over greedy on {runs} prompts")
+        if speedup >= 1.0:
+            report.config = cand.config
+            report.reason = (
+                f"predicted {cand.predicted_ms_per_token:.1f} ms/token against greedy {greedy_ms:.1f}; "
+                f"verified {speedup:.2f}x on {runs} prompts"
+            )
+            break
+        report.reason = "the predicted winners were not faster than greedy when verified"
+    report.elapsed_seconds = round(clock() - start, 2)
+    report.load_end = load_average()
+    _say(progress, f"chose {report.config}: {report.reason} ({report.elapsed_seconds:.0f} s)")
+    return report
+
+
+def _measure(
+    rt: Any,
+    cand: Candidate,
+    cfg: LookaheadConfig,
+    cost: float,
+    prompts: Sequence[Sequence[int]],
+    sets: Sequence[str],
+    max_new_tokens: int,
+    until: float,
+    clock: Callable[[], float],
+) -> None:
+    """Compression (overall and per set), host ms per step and predicted ms per token of `cfg` on
+    `prompts` (at least one is run; `sets[i]` names the set of prompt i)."""
+    generated = steps = runs = 0
+    decoded = seconds = host = 0.0
+    per_set: dict[str, list[int]] = {}
+    for prompt, name in zip(prompts, sets, strict=False):
+        out = _run(rt, prompt, max_new_tokens, cfg)
+        runs += 1
+        generated, steps = generated + out.generated_tokens, steps + out.steps
+        counts = per_set.setdefault(name, [0, 0])
+        counts[0], counts[1] = counts[0] + out.generated_tokens, counts[1] + out.steps
+        d, s = _decoded(out)
+        decoded, seconds = decoded + d, seconds + s
+        host += out.stats.host_ms_per_step * max(out.steps - 1, 0)
+        if clock() > until:
+            break
+    cand.prompts, cand.generated_tokens, cand.steps = runs, generated, steps
+    cand.compression = round(generated / steps, 4) if steps else None
+    cand.host_ms_per_step = round(host / max(steps - runs, 1), 4)
+    cand.measured_ms_per_token = round(1000.0 * seconds / decoded, 4) if decoded else None
+    cand.set_compression = {name: round(g / n, 4) for name, (g, n) in per_set.items() if n}
+    if cand.compression:
+        per_step = cost + cand.host_ms_per_step
+        cand.predicted_ms_per_token = round(per_step / cand.compression, 4)
+        cand.worst_set_ms_per_token = round(per_step / min(cand.set_compression.values()), 4)
+
+
+def _describe(cand: Candidate) -> str:
+    sets = " ".join(f"{k} {v:.2f}" for k, v in cand.set_compression.items())
+    return (
+        f"{cand.config:>8} T={cand.T:<4} compression {cand.compression or 0:.2f} ({sets}) on {cand.prompts} "
+        f"prompts, predicted {cand.predicted_ms_per_token or 0:.1f} ms/token (worst set "
+        f"{cand.worst_set_ms_per_token or 0:.1f})"
+    )
+
+
+def tune(
+    model_id: str,
+    *,
+    dtype: str = "float32",
+    backend: str = "torch",
+    datasets: str = DEFAULT_TUNE_DATASETS,
+    budget_seconds: float = 300.0,
+    max_seq_len: int | None = None,
+    threads: int | None = None,
+    progress: bool = True,
+    write: bool = True,
+) -> dict[str, Any]:
+    """Load the model greedy-only, tune, store and return the tuning entry."""
+    from trt_lookahead.runtime import LookaheadRuntime
+
+    if budget_seconds <= 0:
+        raise UserError(f"--budget-seconds must be positive, got {budget_seconds}")
+    rt = LookaheadRuntime.from_pretrained(
+        model_id,
+        backend=None if backend == "torch" else backend,
+        dtype=dtype,
+        lookahead=None,
+        max_seq_len=max_seq_len or _tuning_seq_len(model_id),
+        threads=threads,
+    )
+    report = tune_runtime(rt, model_id=model_id, datasets=datasets, budget_seconds=budget_seconds, progress=progress)
+    entry = report.to_entry()
+    if write:
+        path = write_tuning_entry(tuning_key(model_id, dtype, rt.backend), entry)
+        _say(progress, f"wrote {path}")
+    return entry
+
+
+def _tuning_seq_len(model_id: str) -> int | None:
+    """Small KV buffers for tuning (prompts are a few hundred tokens): 1024 or the model's context."""
+    try:
+        from trt_lookahead.models.fetch import resolve_model
+
+        config = json.loads((resolve_model(model_id) / "config.json").read_text())
+        limit = int(config.get("max_position_embeddings") or 2048)
+        if "trt_lookahead_engine" in config:
+            return None
+        return min(limit, 1024)
+    except (OSError, ValueError, UserError, TypeError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def format_report(entry: dict[str, Any]) -> str:
+    lines = [
+        f"model {entry['model']} ({entry['dtype']}, {entry['backend']}), machine {entry['machine'].get('cpu')} "
+        f"x{entry['machine'].get('cpus')}, {entry['machine'].get('threads')} threads, "
+        f"load {entry['machine'].get('load')} -> {entry.get('load_end')}",
+        "step cost (ms): " + ", ".join(f"T={t}: {v:.1f}" for t, v in entry["step_cost_ms"].items()),
+        f"greedy: predicted {entry['greedy_ms_per_token']:.1f} ms/token, "
+        f"measured {_fmt(entry.get('greedy_measured_ms_per_token'), 1)}",
+        "| config | T | compression | per set | host ms/step | predicted ms/token (worst set) | measured ms/token "
+        "| note |",
+        "|---|---:|---:|---|---:|---:|---:|---|",
+    ]
+    for c in entry["candidates"]:
+        sets = ", ".join(f"{k} {v:.2f}" for k, v in (c.get("set_compression") or {}).items())
+        lines.append(
+            f"| {c['config']} | {c['T']} | {_fmt(c['compression'])} | {sets} | {_fmt(c['host_ms_per_step'])} | "
+            f"{_fmt(c['predicted_ms_per_token'], 1)} ({_fmt(c.get('worst_set_ms_per_token'), 1)}) | "
+            f"{_fmt(c['measured_ms_per_token'], 1)} | {c['skipped'] or ''} |"
+        )
+    for v in entry["verified"]:
+        lines.append(f"verified {v['config']}: {v['speedup']:.2f}x over greedy on {v['prompts']} prompts")
+    lines.append(f"auto = {entry['config']}: {entry['reason']}")
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    model = args.model or "smollm2-135m-instruct"
+    entry = tune(
+        model,
+        dtype=args.dtype,
+        backend=args.backend or "torch",
+        datasets=args.dataset,
+        budget_seconds=args.budget_seconds,
+        max_seq_len=args.max_seq_len,
+        threads=args.threads,
+        progress=True,
+    )
+    if args.json:
+        print(json.dumps(entry))
+    else:
+        print(format_report(entry))
+        print(f"tuning file: {tuning_path()}")
+    return 0
