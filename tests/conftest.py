@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 
 def _cuda_device_count() -> int:
     """CUDA devices per cuda-python (the CPU torch wheel always says none, so it cannot be the gate)."""
@@ -17,3 +19,14 @@ def _cuda_device_count() -> int:
 # kernel tests run under the interpreter on CPU tensors (DESIGN.md section 8).
 if _cuda_device_count() == 0:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op torch thread for a module (tiny models run fastest so); the old count is restored."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -49,13 +49,7 @@ def run(model: Llama, ids, positions=None, cache=None, cache_len=0, mask=None, s
         return model(ids, positions, k, v, torch.tensor(cache_len), mask, slots, **kw), (k, v)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """stories260K is tiny: one intra-op thread is fastest and immune to a busy machine; restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # stories260K runs fastest on one thread
 
 
 @pytest.fixture(scope="module")

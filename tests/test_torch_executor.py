@@ -36,13 +36,7 @@ def has_cuda_device() -> tuple[bool, str]:
     return True, ""
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """stories260K is tiny: one intra-op thread is fastest and immune to a busy machine; restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # stories260K runs fastest on one thread
 
 
 @pytest.fixture(scope="module")

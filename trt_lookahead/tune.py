@@ -65,14 +65,10 @@ CANDIDATES: tuple[LookaheadConfig, ...] = tuple(
 
 
 def cache_dir() -> Path:
-    """$TRT_LOOKAHEAD_CACHE, else $XDG_CACHE_HOME/trt-lookahead, else ~/.cache/trt-lookahead."""
-    env = os.environ.get("TRT_LOOKAHEAD_CACHE")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "trt-lookahead"
-    return Path.home() / ".cache" / "trt-lookahead"
+    """The tuning file sits in the models' cache dir (models.fetch.default_cache_dir)."""
+    from trt_lookahead.models.fetch import default_cache_dir
+
+    return default_cache_dir()
 
 
 def tuning_path() -> Path:
