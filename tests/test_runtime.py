@@ -1,9 +1,11 @@
 """LookaheadRuntime and `trt-lookahead generate` on real models: exactness, streaming, JSON, bad input."""
 
+import itertools
 import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -206,3 +208,22 @@ def test_runtime_keeps_a_bounded_number_of_executors(stories):
         assert stories.generate("Once upon a time", max_new_tokens=20, lookahead=config).token_ids == reference
     assert len(stories._executors) == MAX_EXECUTORS
     assert list(stories._executors)[-1].is_greedy  # the most recent request's executor is kept
+
+
+def test_incremental_detokenizer_matches_a_full_decode(stories):
+    from trt_lookahead.runtime import _Detokenizer
+
+    texts = ["Once upon a time, Lily saw a café. 🎈 She said “héllo” — and ran.", "Tom    had 12 dogs. Ünïcödé ✓ ok"]
+    rng = np.random.default_rng(0)
+    for text in texts:
+        ids = stories.encode(text)[1:]  # no BOS; multi-byte characters become byte-fallback pieces
+        assert len(ids) > len(text) // 3
+        for _ in range(10):
+            detokenizer, start, pushed = _Detokenizer(stories.decode), 0, []
+            while start < len(ids):
+                size = int(rng.integers(1, 5))
+                pushed.append(detokenizer.push(ids[start : start + size]))
+                start += size
+            assert all("\ufffd" not in t for t in pushed)
+            assert all(b.startswith(a) for a, b in itertools.pairwise(pushed))
+            assert detokenizer.text == stories.decode(ids)

@@ -99,6 +99,29 @@ class StreamChunk:
     output: GenerationOutput | None = None  # set on the last chunk
 
 
+class _Detokenizer:
+    """Incremental detokenization: each push decodes only the tokens since the last stable point.
+
+    Decoding ids[prefix:] against ids[prefix:read] keeps the spacing a token gets from its left
+    neighbour; text is extended only when it does not end in an unfinished UTF-8 character.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = self._read = 0
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        before = self.decode(self.ids[self._prefix : self._read])
+        after = self.decode(self.ids[self._prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before) :]
+            self._prefix, self._read = self._read, len(self.ids)
+        return self.text
+
+
 class LookaheadRuntime:
     """Tokenizer + executors for one model; `lookahead` is the default per-request config (None = greedy)."""
 
@@ -271,13 +294,12 @@ class LookaheadRuntime:
         with self._lock:
             decoder = self._decoder(config, seed)
             decoder.check_request(prompt_ids, max_new_tokens)
-            ids: list[int] = []
+            detokenizer = _Detokenizer(self.decode)
             text, emitted, finish = "", 0, "length"
             blocks = decoder.stream(prompt_ids, max_new_tokens, sampling)
             try:
                 for block in blocks:
-                    ids.extend(block)
-                    text = self.decode(ids)
+                    text = detokenizer.push(block)
                     cut = _stop_string_cut(text, stop_strings)
                     if cut is not None or block[-1] in decoder.stop_tokens:
                         finish = "stop"
@@ -289,6 +311,10 @@ class LookaheadRuntime:
                         break
             finally:
                 blocks.close()
+            ids = detokenizer.ids
+            text = self.decode(ids)  # once in full: the final text never depends on block boundaries
+            cut = _stop_string_cut(text, stop_strings)
+            text = text if cut is None else text[:cut]
             output = GenerationOutput(
                 text=text,
                 token_ids=ids,
@@ -325,9 +351,8 @@ def _stop_string_cut(text: str, stops: Sequence[str]) -> int | None:
 
 
 def _stable_end(text: str, stops: Sequence[str]) -> int:
-    """How much of `text` later tokens cannot change: hold back an unfinished UTF-8 character and any
-    tail that could be the start of a stop string."""
-    end = len(text.rstrip("\ufffd"))
+    """How much of `text` later tokens cannot change: hold back any tail that could start a stop string."""
+    end = len(text)
     for stop in stops:
         for k in range(min(len(stop) - 1, len(text)), 0, -1):
             if text.endswith(stop[:k]):
