@@ -19,20 +19,18 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from trt_lookahead.backends.torch import TorchExecutor
+from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.layout import StepLayout
+from trt_lookahead.model.checkpoint import load_llama
 
-from trt_lookahead.config import LookaheadConfig  # noqa: E402
-from trt_lookahead.executors.torch import TorchExecutor  # noqa: E402
-from trt_lookahead.layout import StepLayout  # noqa: E402
-from trt_lookahead.models.checkpoint import load_llama  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 STORIES = ROOT / "tests" / "fixtures" / "stories260K"
 STEP_CONFIGS = {1: None, 16: LookaheadConfig(4, 3, 4), 36: LookaheadConfig(6, 4, 6), 120: LookaheadConfig(15, 5, 15)}
@@ -49,7 +47,7 @@ def resolve(name: str) -> tuple[Path, list[int], int]:
         return STORIES, [1], 256
     from transformers import AutoTokenizer
 
-    from trt_lookahead.models.fetch import resolve_model
+    from trt_lookahead.model.fetch import resolve_model
 
     path = resolve_model("smollm2-135m-instruct")
     ids = AutoTokenizer.from_pretrained(path)(SMOLLM2_PROMPT)["input_ids"]
@@ -65,7 +63,7 @@ def ours_greedy(model, prompt: list[int], n: int) -> tuple[list[int], float, flo
     one, slot0 = np.zeros(1, np.int64), np.zeros(1, np.int64)
     pos = np.zeros(1, np.int64)
     for _ in range(n - 1):
-        one[0], pos[0] = x, ex.cached_tokens
+        one[0], pos[0] = x, ex.cache_len
         x = int(ex.step(one, pos)[0])
         ex.commit(slot0)
         out.append(x)

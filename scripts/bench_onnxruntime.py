@@ -25,17 +25,16 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.layout import StepLayout
 
-from trt_lookahead.config import LookaheadConfig  # noqa: E402
-from trt_lookahead.layout import StepLayout  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def model_dir(name: str) -> Path:
     if name == "stories260K":
         return REPO / "tests" / "fixtures" / "stories260K"
-    from trt_lookahead.models.fetch import resolve_model
+    from trt_lookahead.model.fetch import resolve_model
 
     return resolve_model(name)
 
@@ -58,9 +57,9 @@ def ensure_engine(
 
 def time_steps(executors: list, layout: StepLayout, prompt: np.ndarray, steps: int, rng) -> list[list[float]]:
     """Seconds per step() of each executor, the executors taking turns step by step (shared load hits both)."""
-    from trt_lookahead.sampling import SamplingParams
+    from trt_lookahead.lookahead.sampling import SamplingParams
 
-    ids = rng.integers(0, executors[0].vocab_size, layout.tokens)
+    ids = rng.integers(0, executors[0].vocab_size, layout.step_tokens)
     positions = len(prompt) + layout.rel_positions
     for executor in executors:
         executor.reset(SamplingParams())
@@ -91,9 +90,9 @@ def main() -> int:
 
     import torch
 
-    from trt_lookahead.executors.onnxruntime import open_engine
-    from trt_lookahead.executors.torch import TorchExecutor
-    from trt_lookahead.models.checkpoint import load_llama
+    from trt_lookahead.backends.open import open_engine
+    from trt_lookahead.backends.torch import TorchExecutor
+    from trt_lookahead.model.checkpoint import load_llama
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -120,7 +119,7 @@ def main() -> int:
         theirs = TorchExecutor(model, layout.mask, args.max_seq_len, output_slots=layout.output_slots)
         ort_times, torch_times = time_steps([ours, theirs], layout, prompt, args.steps, rng)
         ort_ms, torch_ms = statistics.median(ort_times) * 1e3, statistics.median(torch_times) * 1e3
-        rows.append({"config": name, "T": layout.tokens, "torch_ms": round(torch_ms, 3),
+        rows.append({"config": name, "T": layout.step_tokens, "torch_ms": round(torch_ms, 3),
                      "onnxruntime_ms": round(ort_ms, 3),
                      "speed_vs_torch": round(torch_ms / ort_ms, 2)})
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None

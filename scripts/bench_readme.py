@@ -20,8 +20,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trt_lookahead import bench, tune
-from trt_lookahead.machine import load_average, machine_key, utc_now
+from trt_lookahead.bench.bench import format_markdown
+from trt_lookahead.bench.machine import load_average, machine_key, utc_now
+from trt_lookahead.cli.commands import bench_model, tune_model
+from trt_lookahead.tuning.file import lookup_tuning
+from trt_lookahead.tuning.tune import format_report
 
 DATASETS = "mt_bench,humaneval,gsm8k"
 
@@ -100,11 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     for dtype in dtypes:
         if args.tune_only or "auto" in args.configs:
-            missing = tune.lookup_tuning(args.model, dtype, "torch") is None
+            missing = lookup_tuning(args.model, dtype, "torch") is None
             if args.retune or missing:
                 print(f"== tune {dtype}: load {load_average()} at {utc_now()}, {machine_key()}", file=sys.stderr)
-                entry = tune.tune(args.model, dtype=dtype, budget_seconds=args.tune_budget, threads=args.threads)
-                print(tune.format_report(entry), file=sys.stderr)
+                entry = tune_model(args.model, dtype=dtype, budget_seconds=args.tune_budget, threads=args.threads)
+                print(format_report(entry), file=sys.stderr)
     if args.tune_only:
         return 0
     previous = out / "results_all.json"
@@ -112,12 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     results = [r for r in results if r["dtype"] not in dtypes]
     for dtype in dtypes:
         print(f"== bench {dtype}: load {load_average()} at {utc_now()}, {machine_key()}", file=sys.stderr)
-        result = bench.bench(
+        result, _ = bench_model(
             args.model, datasets=args.datasets, limit=args.limit, max_new_tokens=args.max_new_tokens,
-            configs=args.configs, peers=args.peers, dtype=dtype, threads=args.threads,
+            configs=args.configs, peers=args.peers, backend=None, dtype=dtype, max_seq_len=None,
+            threads=args.threads, out=out / dtype,
         )
-        bench.write_outputs(result, out / dtype, bench._tuned_step_cost(result))
-        print(bench.format_markdown(result), file=sys.stderr)
+        print(format_markdown(result), file=sys.stderr)
         results.append(result)
         (out / "results_all.json").write_text(json.dumps(results, indent=1) + "\n")
     results.sort(key=lambda r: r["dtype"] != "float32")

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from trt_lookahead.bench.datasets import resolve_dataset_path
+from trt_lookahead.serving.repository import write_repository
+from trt_lookahead.serving.server import TritonServer
 
-from trt_lookahead.serving.repository import write_repository  # noqa: E402
-from trt_lookahead.serving.server import TritonServer  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 STORY_PROMPTS = [
     "Once upon a time",
@@ -52,10 +52,7 @@ NAME = "lookahead"
 def load_prompts(dataset: str | None, limit: int) -> list[str]:
     if not dataset:
         return STORY_PROMPTS[:limit]
-    path = Path(dataset)
-    if not path.is_file():
-        path = ROOT / "trt_lookahead" / "data" / {"gsm8k": "gsm8k_test"}.get(dataset, dataset)
-        path = path.with_suffix(".jsonl")
+    _, path = resolve_dataset_path(dataset)
     prompts = []
     for line in path.read_text().splitlines():
         if line.strip():

@@ -4,20 +4,11 @@ import os
 
 import pytest
 
-
-def _cuda_device_count() -> int:
-    """CUDA devices per cuda-python (the CPU torch wheel always says none, so it cannot be the gate)."""
-    try:
-        from cuda.bindings import runtime
-    except ImportError:
-        return 0
-    err, count = runtime.cudaGetDeviceCount()
-    return count if err == runtime.cudaError_t.cudaSuccess else 0
-
+from trt_lookahead.backends.devices import gpu_count
 
 # Triton decides at decoration time whether a @triton.jit function is interpreted; without a GPU the
-# kernel tests run under the interpreter on CPU tensors (DESIGN.md section 8).
-if _cuda_device_count() == 0:
+# kernel tests run under the interpreter on CPU tensors.
+if gpu_count() == 0:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 

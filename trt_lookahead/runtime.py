@@ -6,7 +6,8 @@
 
 One executor is built per step layout on first use; the MAX_EXECUTORS most recently used are kept (each
 holds its own KV buffers; greedy is the T = 1 layout). A runtime serialises its calls with a lock: use one
-runtime per model instance (per thread that serves).
+runtime per model instance (per thread that serves). `auto` is resolved by trt_lookahead.tuning on this
+runtime (tuned on first use). See docs/design.md sections 1.3 and 5.
 """
 
 from __future__ import annotations
@@ -19,17 +20,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trt_lookahead.config import LookaheadConfig
-from trt_lookahead.decoding import DecodeStats, LookaheadDecoder
+from trt_lookahead.engine.format import is_engine_dir
 from trt_lookahead.errors import UserError
-from trt_lookahead.executors.base import Executor
-from trt_lookahead.layout import StepLayout
-from trt_lookahead.sampling import SamplingParams
+from trt_lookahead.lookahead.config import AUTO, DEFAULT, DEFAULT_LOOKAHEAD, GREEDY, LookaheadConfig
+from trt_lookahead.lookahead.decoder import DecodeStats, LookaheadDecoder
+from trt_lookahead.lookahead.executor import Executor
+from trt_lookahead.lookahead.layout import StepLayout
+from trt_lookahead.lookahead.sampling import SamplingParams
 
-DEFAULT_LOOKAHEAD = LookaheadConfig(4, 3, 4)
 DEFAULT_MAX_SEQ_LEN = 4096
+DEFAULT_MAX_NEW_TOKENS = 128
 MAX_EXECUTORS = 4
-GREEDY = "greedy"
 Prompt = str | Sequence[dict[str, str]] | Sequence[int]
 
 
@@ -69,7 +70,7 @@ class GenerationOutput:
         return self.stats.tokens_per_second
 
     def to_dict(self) -> dict[str, Any]:
-        """The `generate --json` object (DESIGN.md section 6) plus finish_reason and step statistics."""
+        """The `generate --json` object: text, ids and the measures of docs/design.md section 8."""
         stats = self.stats.to_dict()
         return {
             "text": self.text,
@@ -136,7 +137,7 @@ class LookaheadRuntime:
         backend: str,
         dtype: str,
         model_path: Path,
-        engine_config: LookaheadConfig | None = None,
+        max_lookahead: LookaheadConfig | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.lookahead = lookahead
@@ -145,8 +146,8 @@ class LookaheadRuntime:
         self.backend = backend
         self.dtype = dtype
         self.model_path = model_path
-        self.engine_config = engine_config  # a compiled engine runs layouts that fit these shapes only
-        self._make_executor = make_executor
+        self.max_lookahead = max_lookahead  # an engine's built config: requests must fit inside it
+        self._make_executor: Callable[[StepLayout], Executor] | None = make_executor
         self._executors: OrderedDict[LookaheadConfig, Executor] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
 
@@ -156,33 +157,40 @@ class LookaheadRuntime:
         path_or_name: str | Path,
         backend: str | None = None,
         dtype: str = "float32",
-        lookahead: LookaheadConfig | str | None = "default",
+        lookahead: LookaheadConfig | str | None = DEFAULT,
         max_seq_len: int | None = None,
         threads: int | None = None,
     ) -> LookaheadRuntime:
         """Load a HF Llama checkpoint dir, a known model name, or an engine dir from `trt-lookahead build`.
 
-        lookahead: "default" (4,3,4; an engine's built config), W,N,G, a LookaheadConfig, "auto", or None (greedy).
+        lookahead: DEFAULT (4,3,4; an engine's built config), W,N,G, a LookaheadConfig, AUTO (tuned on this
+        runtime), or None / GREEDY (greedy).
         """
-        from trt_lookahead.models.fetch import resolve_model
+        from trt_lookahead.model.fetch import resolve_model
 
         path = resolve_model(str(path_or_name))
         if threads is not None:
             import torch
 
             torch.set_num_threads(threads)
-        if _is_engine_dir(path):
-            return cls._from_engine(path, backend or "onnxruntime", dtype, lookahead, max_seq_len)
-        if backend not in (None, "torch"):
+        if is_engine_dir(path):
+            rt = cls._from_engine(path, backend or "onnxruntime", dtype, max_seq_len)
+        elif backend not in (None, "torch"):
             raise UserError(f"backend {backend!r} runs engine dirs; build one with `trt-lookahead build` or use torch")
-        return cls._from_checkpoint(path, dtype, lookahead, max_seq_len)
+        else:
+            rt = cls._from_checkpoint(path, dtype, max_seq_len)
+        if lookahead == DEFAULT:
+            rt.lookahead = rt.max_lookahead or DEFAULT_LOOKAHEAD
+        elif lookahead is not None:
+            rt.lookahead = rt._resolve(lookahead)
+        if rt.lookahead is not None and rt.max_lookahead is not None:
+            rt.lookahead.check_fits(rt.max_lookahead)
+        return rt
 
     @classmethod
-    def _from_checkpoint(
-        cls, path: Path, dtype: str, lookahead: LookaheadConfig | str | None, max_seq_len: int | None
-    ) -> LookaheadRuntime:
-        from trt_lookahead.executors.torch import TorchExecutor
-        from trt_lookahead.models.checkpoint import load_llama
+    def _from_checkpoint(cls, path: Path, dtype: str, max_seq_len: int | None) -> LookaheadRuntime:
+        from trt_lookahead.backends.torch import TorchExecutor
+        from trt_lookahead.model.checkpoint import load_llama, load_tokenizer
 
         model, config = load_llama(path, dtype=dtype, weight_layout="auto")
         seq_len = _check_max_seq_len(max_seq_len, config.max_position_embeddings)
@@ -191,9 +199,9 @@ class LookaheadRuntime:
             return TorchExecutor(model, layout.mask, seq_len, output_slots=layout.output_slots)
 
         return cls(
-            _load_tokenizer(path),
+            load_tokenizer(path),
             make_executor,
-            lookahead=_resolve_lookahead(lookahead, path, dtype, "torch"),
+            lookahead=None,
             max_seq_len=seq_len,
             stop_token_ids=_stop_token_ids(path),
             backend="torch",
@@ -202,27 +210,28 @@ class LookaheadRuntime:
         )
 
     @classmethod
-    def _from_engine(
-        cls, path: Path, backend: str, dtype: str, lookahead: LookaheadConfig | str | None, max_seq_len: int | None
-    ) -> LookaheadRuntime:
-        from trt_lookahead.executors.onnxruntime import open_engine
+    def _from_engine(cls, path: Path, backend: str, dtype: str, max_seq_len: int | None) -> LookaheadRuntime:
+        from trt_lookahead.backends.open import open_engine
+        from trt_lookahead.model.checkpoint import load_tokenizer
 
         engine = open_engine(path, backend=backend, dtype=dtype, max_seq_len=max_seq_len)
-        built = engine.lookahead
-        requested = built if lookahead == "default" else _resolve_lookahead(lookahead, path, dtype, backend)
-        if requested is not None:
-            requested.check_fits(built)
         return cls(
-            _load_tokenizer(path),
+            load_tokenizer(path),
             engine.make_executor,
-            lookahead=requested,
+            lookahead=None,
             max_seq_len=engine.max_seq_len,
             stop_token_ids=_stop_token_ids(path),
             backend=backend,
             dtype=engine.dtype,
             model_path=path,
-            engine_config=built,
+            max_lookahead=engine.lookahead,
         )
+
+    def close(self) -> None:
+        """Free the executors and the weights (the runtime cannot generate afterwards)."""
+        with self._lock:
+            self._executors.clear()
+            self._make_executor = None
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -248,24 +257,26 @@ class LookaheadRuntime:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    def request_config(self, lookahead: LookaheadConfig | str | None) -> LookaheadConfig:
-        """The layout config of one request: the runtime default, `greedy`, or an explicit W,N,G."""
-        if lookahead is None:
-            config = self.lookahead
-        elif isinstance(lookahead, LookaheadConfig):
-            config = lookahead
-        elif lookahead == GREEDY:
-            config = None
-        elif lookahead == "auto":
-            config = _resolve_lookahead("auto", self.model_path, self.dtype, self.backend)
-        else:
-            config = LookaheadConfig.parse(lookahead)
-        config = config or LookaheadConfig.greedy()
-        if self.engine_config is not None:
-            config.check_fits(self.engine_config)
+    def request_config(self, lookahead: LookaheadConfig | str | None = None) -> LookaheadConfig:
+        """The layout config of one request: None for the runtime's default, GREEDY, AUTO or W,N,G."""
+        config = (self.lookahead if lookahead is None else self._resolve(lookahead)) or LookaheadConfig.greedy()
+        if self.max_lookahead is not None:
+            config.check_fits(self.max_lookahead)
         return config
 
-    def generate(self, prompt: Prompt, max_new_tokens: int = 128, **kwargs: Any) -> GenerationOutput:
+    def _resolve(self, lookahead: LookaheadConfig | str) -> LookaheadConfig | None:
+        """A LookaheadConfig, GREEDY (None), AUTO (tuned for this runtime on this machine) or W,N,G text."""
+        if isinstance(lookahead, LookaheadConfig):
+            return lookahead
+        if lookahead == GREEDY:
+            return None
+        if lookahead == AUTO:
+            from trt_lookahead.tuning.tune import auto_config
+
+            return auto_config(self)
+        return LookaheadConfig.parse(lookahead)
+
+    def generate(self, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **kwargs: Any) -> GenerationOutput:
         """Generate to completion; same arguments as `stream`."""
         for chunk in self.stream(prompt, max_new_tokens, **kwargs):
             if chunk.done:
@@ -276,7 +287,7 @@ class LookaheadRuntime:
     def stream(
         self,
         prompt: Prompt,
-        max_new_tokens: int = 128,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         *,
         temperature: float = 0.0,
         top_k: int = 0,
@@ -320,7 +331,7 @@ class LookaheadRuntime:
                 token_ids=ids,
                 prompt_tokens=len(prompt_ids),
                 finish_reason=finish,
-                config="greedy" if config.is_greedy else str(config),
+                config=config.label,
                 backend=self.backend,
                 dtype=self.dtype,
                 stats=decoder.stats,
@@ -329,9 +340,11 @@ class LookaheadRuntime:
 
     def executor_for(self, config: LookaheadConfig) -> tuple[Executor, StepLayout]:
         """The executor for `config` and its step layout (built on first use; engines pad to their built T)."""
+        if self._make_executor is None:
+            raise RuntimeError("this runtime was closed")
         padded = None
-        if self.engine_config is not None and not config.is_greedy:
-            padded = self.engine_config.tokens_per_step
+        if self.max_lookahead is not None and not config.is_greedy:
+            padded = self.max_lookahead.step_tokens
         layout = StepLayout(config, padded_tokens=padded)
         executor = self._executors.pop(config, None) or self._make_executor(layout)
         self._executors[config] = executor
@@ -361,16 +374,6 @@ def _stable_end(text: str, stops: Sequence[str]) -> int:
     return end
 
 
-def _is_engine_dir(path: Path) -> bool:
-    config = path / "config.json"
-    if not config.is_file():
-        return False
-    try:
-        return "trt_lookahead_engine" in json.loads(config.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return False
-
-
 def _check_max_seq_len(requested: int | None, model_limit: int | None) -> int:
     limit = model_limit or DEFAULT_MAX_SEQ_LEN
     if requested is None:
@@ -382,14 +385,6 @@ def _check_max_seq_len(requested: int | None, model_limit: int | None) -> int:
     return requested
 
 
-def _load_tokenizer(path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
-        raise UserError(f"{path} has no tokenizer (tokenizer.json); copy the model's tokenizer files into it")
-    return AutoTokenizer.from_pretrained(str(path))
-
-
 def _stop_token_ids(path: Path) -> list[int]:
     """eos ids from generation_config.json and config.json (an int or a list in either)."""
     ids: list[int] = []
@@ -399,19 +394,3 @@ def _stop_token_ids(path: Path) -> list[int]:
             value = json.loads(file.read_text()).get("eos_token_id")
             ids.extend(value if isinstance(value, list) else [] if value is None else [value])
     return ids
-
-
-def _resolve_lookahead(
-    lookahead: LookaheadConfig | str | None, path: Path, dtype: str, backend: str
-) -> LookaheadConfig | None:
-    if lookahead is None or isinstance(lookahead, LookaheadConfig):
-        return lookahead
-    if lookahead == "default":
-        return DEFAULT_LOOKAHEAD
-    if lookahead == GREEDY:
-        return None
-    if lookahead == "auto":
-        from trt_lookahead.tune import resolve_auto
-
-        return resolve_auto(str(path), dtype, backend)
-    return LookaheadConfig.parse(lookahead)

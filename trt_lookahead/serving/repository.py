@@ -1,13 +1,15 @@
 """`trt-lookahead triton-repo`: write a Triton Inference Server model repository for lookahead decoding.
 
-REPO/NAME/config.pbtxt   Python backend, decoupled; inputs named as TensorRT-LLM's ensemble; the
-                         `parameters` block records what model.py needs: model or engine path,
-                         backend, dtype, served lookahead config, max_seq_len, default max_tokens.
+REPO/NAME/config.pbtxt   Python backend, decoupled; inputs and outputs from schema.py (TensorRT-LLM's
+                         ensemble names); the `parameters` block records what model.py needs: model or
+                         engine path, backend, dtype, served lookahead config, max_seq_len, default
+                         max_tokens.
 REPO/NAME/1/model.py     drives one LookaheadRuntime per model instance (templates/model.py).
 
 model.py imports `trt_lookahead`; in another Python (a user's Triton container) install it there
 (`pip install trt-lookahead`) or put its source on PYTHONPATH. As a fallback model.py also tries the
 `trt_lookahead_path` parameter: the directory this package was imported from when the repo was written.
+See docs/design.md section 7.
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ from pathlib import Path
 from string import Template
 
 import trt_lookahead
-from trt_lookahead.config import LookaheadConfig
 from trt_lookahead.errors import UserError
-from trt_lookahead.models.fetch import resolve_model
+from trt_lookahead.lookahead.config import AUTO, DEFAULT_LOOKAHEAD, LookaheadConfig
+from trt_lookahead.model.fetch import resolve_model
+from trt_lookahead.runtime import DEFAULT_MAX_NEW_TOKENS
+from trt_lookahead.serving.schema import INPUTS, OUTPUTS, pbtxt_list
 
 TEMPLATES = Path(__file__).parent / "templates"
-DEFAULT_LOOKAHEAD = "4,3,4"
-DEFAULT_MAX_TOKENS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -47,7 +49,7 @@ def write_repository(
     max_seq_len: int | None = None,
     dtype: str = "float32",
     backend: str | None = None,
-    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    default_max_tokens: int = DEFAULT_MAX_NEW_TOKENS,
 ) -> Path:
     """Write REPO/NAME/{config.pbtxt,1/model.py}; returns the model directory."""
     if (model is None) == (engine is None):
@@ -62,7 +64,7 @@ def write_repository(
         raise UserError(f"--max_seq_len must be >= 2, got {max_seq_len}")
     params: dict[str, str] = {}
     if engine is not None:
-        from trt_lookahead.builder import load_engine_config
+        from trt_lookahead.engine.format import load_engine_config
 
         built = load_engine_config(Path(engine).expanduser())  # UserError if it is not an engine dir
         served = LookaheadConfig.parse(lookahead_config) if lookahead_config else built.lookahead
@@ -74,12 +76,10 @@ def write_repository(
         if not (model_dir / "config.json").is_file():
             raise UserError(f"--model {model}: {model_dir} has no config.json (expected a HF Llama checkpoint dir)")
         params["model"] = str(model_dir)
-        if (lookahead_config or "").strip().lower() == "auto":  # tuned for this machine, fixed in the repo
-            from trt_lookahead.tune import resolve_auto
-
-            served = resolve_auto(model_dir, dtype, "torch") or LookaheadConfig.greedy()
+        if (lookahead_config or "").strip().lower() == AUTO:  # tuned for this machine, fixed in the repo
+            served = _tuned_config(model_dir, dtype)
         else:
-            served = LookaheadConfig.parse(lookahead_config or DEFAULT_LOOKAHEAD)
+            served = LookaheadConfig.parse(lookahead_config) if lookahead_config else DEFAULT_LOOKAHEAD
     params.update(
         backend=backend or "",
         dtype=dtype,
@@ -92,25 +92,18 @@ def write_repository(
     model_root = Path(output) / name
     (model_root / "1").mkdir(parents=True, exist_ok=True)
     config = Template((TEMPLATES / "config.pbtxt").read_text()).substitute(
-        name=name, max_batch_size=max_batch_size, instances=instances, parameters=_pbtxt_parameters(params)
+        name=name, max_batch_size=max_batch_size, instances=instances, parameters=_pbtxt_parameters(params),
+        inputs=pbtxt_list(INPUTS), outputs=pbtxt_list(OUTPUTS),
     )
     (model_root / "config.pbtxt").write_text(config)
     (model_root / "1" / "model.py").write_text((TEMPLATES / "model.py").read_text())
     return model_root
 
 
-def run_triton_repo(args) -> int:
-    model_root = write_repository(
-        output=args.output,
-        name=args.name,
-        model=args.model,
-        engine=args.engine,
-        lookahead_config=args.lookahead_config,
-        instances=args.instances,
-        max_batch_size=args.max_batch_size,
-        max_seq_len=getattr(args, "max_seq_len", None),
-        dtype=getattr(args, "dtype", "float32"),
-        backend=getattr(args, "backend", None),
-    )
-    print(model_root.parent.resolve())
-    return 0
+def _tuned_config(model_dir: Path, dtype: str) -> LookaheadConfig:
+    """`auto` for a checkpoint on this machine, resolved by a runtime of it (tuned there on first use)."""
+    from trt_lookahead.runtime import LookaheadRuntime
+    from trt_lookahead.tuning.tune import tuning_seq_len
+
+    rt = LookaheadRuntime.from_pretrained(model_dir, dtype=dtype, lookahead=None, max_seq_len=tuning_seq_len(model_dir))
+    return rt.request_config(AUTO)

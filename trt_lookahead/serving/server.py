@@ -226,14 +226,14 @@ class TritonServer:
         self.stop()
 
 
-def run_triton_serve(args) -> int:
-    """`trt-lookahead triton-serve --repo REPO [--http-port ...]`: serve until SIGINT or SIGTERM."""
-    repo = Path(args.repo)
+def serve(repo: str | os.PathLike, http_port: int, grpc_port: int, metrics_port: int) -> int:
+    """`trt-lookahead triton-serve`: serve `repo` on loopback until SIGINT or SIGTERM; returns the exit code."""
+    repo = Path(repo)
     if not repo.is_dir() or not any(repo.glob("*/config.pbtxt")):
         raise UserError(
             f"{repo} is not a Triton model repository (no */config.pbtxt); write one with `trt-lookahead triton-repo`"
         )
-    server = TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port)
+    server = TritonServer(repo, http_port, grpc_port, metrics_port)
     stopping: list[int] = []
 
     def on_signal(signum, _frame):

@@ -4,16 +4,13 @@ Written by `trt-lookahead triton-repo`; config.pbtxt's `parameters` say which mo
 One LookaheadRuntime per model instance; each instance serves one request at a time (raise
 `instance_group.count` for parallel requests).
 
-Inputs (TensorRT-LLM ensemble names; all but text_input optional): text_input, max_tokens, stream,
-temperature, top_k, top_p, random_seed, stop_words, lookahead_window_size, lookahead_ngram_size,
-lookahead_verification_set_size (each at most the served config; unset ones take the served value).
-The same names, and `chat` (wrap text_input in the chat template), are also read from the request
-parameters when no tensor of that name is sent.
-
-Outputs: text_output, prompt_tokens, generated_tokens, steps, finish_reason ("length", "stop",
-or "" while streaming). With stream=true: one response per accepted block (new text only; token and
-step counts so far), then a final one with the held-back rest of the text, the totals and the finish
-reason. Otherwise one response with the whole text. Bad requests get an INVALID_ARG error response.
+Inputs and outputs are trt_lookahead.serving.schema's (TensorRT-LLM ensemble names; all but text_input
+optional; the lookahead inputs at most the served config, unset ones taking the served value). The
+same names, and `chat` (wrap text_input in the chat template), are also read from the request
+parameters when no tensor of that name is sent. finish_reason is "length", "stop", or "" while
+streaming. With stream=true: one response per accepted block (new text only; token and step counts
+so far), then a final one with the held-back rest of the text, the totals and the finish reason.
+Otherwise one response with the whole text. Bad requests get an INVALID_ARG error response.
 """
 
 import json
@@ -26,23 +23,20 @@ import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ACCEPTED = {str: str, bool: bool, int: int, float: (int, float)}  # from tensors or JSON request parameters
-LOOKAHEAD_INPUTS = ("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size")
 
 
 class BadRequest(ValueError):
     pass
 
 
-def _import_runtime(fallback_path):
+def _find_trt_lookahead(fallback_path):
     """trt_lookahead from the stub's Python (pip install / PYTHONPATH), else from the path that wrote the repo."""
     try:
-        from trt_lookahead.runtime import LookaheadRuntime
+        import trt_lookahead  # noqa: F401
     except ImportError:
         if not fallback_path:
             raise
         sys.path.insert(0, fallback_path)
-        from trt_lookahead.runtime import LookaheadRuntime
-    return LookaheadRuntime
 
 
 class TritonPythonModel:
@@ -52,19 +46,22 @@ class TritonPythonModel:
         torch.set_num_threads(1)  # one runtime per instance; instances are the parallelism
         model_config = json.loads(args["model_config"])
         params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
-        LookaheadRuntime = _import_runtime(params.get("trt_lookahead_path"))
-        from trt_lookahead.config import LookaheadConfig
+        _find_trt_lookahead(params.get("trt_lookahead_path"))
+        from trt_lookahead.lookahead.config import DEFAULT, LookaheadConfig
+        from trt_lookahead.runtime import DEFAULT_MAX_NEW_TOKENS, LookaheadRuntime
+        from trt_lookahead.serving import schema
 
         self._config_type = LookaheadConfig
+        self.schema = schema
         self.batched = model_config.get("max_batch_size", 0) > 0
-        self.default_max_tokens = int(params.get("default_max_tokens") or 128)
+        self.default_max_tokens = int(params.get("default_max_tokens") or DEFAULT_MAX_NEW_TOKENS)
         source = params.get("engine") or params.get("model")
         max_seq_len = params.get("max_seq_len")
         self.runtime = LookaheadRuntime.from_pretrained(
             source,
             backend=params.get("backend") or None,
             dtype=params.get("dtype") or "float32",
-            lookahead=params.get("lookahead_config") or "default",
+            lookahead=params.get("lookahead_config") or DEFAULT,
             max_seq_len=int(max_seq_len) if max_seq_len else None,
         )
         self.served = self.runtime.lookahead or LookaheadConfig.greedy()
@@ -77,8 +74,10 @@ class TritonPythonModel:
 
     # -- request parsing ---------------------------------------------------------------------------
 
-    def _value(self, request, parameters, name, kind, default):
-        """One scalar input: the tensor if sent, else the request parameter, else `default`."""
+    def _value(self, request, parameters, name, default=None):
+        """One scalar input: the tensor if sent, else the request parameter, else `default` or the schema's."""
+        field = self.schema.INPUT[name]
+        kind, default = field.kind, field.default if default is None else default
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is None:
             if name not in parameters:
@@ -105,10 +104,10 @@ class TritonPythonModel:
             parameters = json.loads(request.parameters() or "{}")
         except json.JSONDecodeError:
             parameters = {}
-        prompt = self._value(request, parameters, "text_input", str, None)  # one prompt per request
+        prompt = self._value(request, parameters, "text_input")  # one prompt per request
         if prompt is None:
             raise BadRequest("text_input is required: send the prompt text as text_input")
-        max_tokens = self._value(request, parameters, "max_tokens", int, self.default_max_tokens)
+        max_tokens = self._value(request, parameters, "max_tokens", self.default_max_tokens)
         if max_tokens <= 0:
             raise BadRequest(f"max_tokens must be a positive integer, got {max_tokens}")
         stop = pb_utils.get_input_tensor_by_name(request, "stop_words")
@@ -121,15 +120,15 @@ class TritonPythonModel:
             if not isinstance(stop_words, list) or not all(isinstance(w, str) for w in stop_words):
                 raise BadRequest(f"stop_words must be a list of strings, got {stop_words!r}")
         kwargs = dict(
-            temperature=self._value(request, parameters, "temperature", float, 0.0),
-            top_k=self._value(request, parameters, "top_k", int, 0),
-            top_p=self._value(request, parameters, "top_p", float, 1.0),
-            seed=self._value(request, parameters, "random_seed", int, 0),
+            temperature=self._value(request, parameters, "temperature"),
+            top_k=self._value(request, parameters, "top_k"),
+            top_p=self._value(request, parameters, "top_p"),
+            seed=self._value(request, parameters, "random_seed"),
             stop=[w for w in stop_words if w],
             lookahead=self._lookahead(request, parameters),
         )
-        stream = self._value(request, parameters, "stream", bool, False)
-        chat = self._value(request, parameters, "chat", bool, False)
+        stream = self._value(request, parameters, "stream")
+        chat = self._value(request, parameters, "chat")
         try:
             prompt_ids = self.runtime.encode(prompt, chat=chat)
         except Exception as exc:  # UserError: no chat template
@@ -138,7 +137,7 @@ class TritonPythonModel:
 
     def _lookahead(self, request, parameters):
         served = self.served
-        values = [self._value(request, parameters, name, int, None) for name in LOOKAHEAD_INPUTS]
+        values = [self._value(request, parameters, name) for name in self.schema.LOOKAHEAD_INPUTS]
         if all(v is None for v in values):
             return served
         defaults = (served.W, served.N, served.G)
@@ -159,16 +158,10 @@ class TritonPythonModel:
 
     def _response(self, text, prompt_tokens, generated_tokens, steps, finish_reason=""):
         shape = (1, 1) if self.batched else (1,)
-
-        def tensor(name, value, dtype):
-            return pb_utils.Tensor(name, np.array([value], dtype=dtype).reshape(shape))
-
+        values = (text.encode("utf-8"), prompt_tokens, generated_tokens, steps, finish_reason.encode("utf-8"))
         return pb_utils.InferenceResponse(output_tensors=[
-            tensor("text_output", text.encode("utf-8"), np.object_),
-            tensor("prompt_tokens", prompt_tokens, np.int32),
-            tensor("generated_tokens", generated_tokens, np.int32),
-            tensor("steps", steps, np.int32),
-            tensor("finish_reason", finish_reason.encode("utf-8"), np.object_),
+            pb_utils.Tensor(field.name, np.array([value], dtype=field.numpy_dtype).reshape(shape))
+            for field, value in zip(self.schema.OUTPUTS, values, strict=True)
         ])
 
     def _error(self, sender, message, code):

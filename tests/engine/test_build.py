@@ -1,0 +1,232 @@
+"""`trt-lookahead build` on stories260K: the engine dir, its graphs and config, and every bad input.
+
+Each build exports the model once (about 10 s for stories260K), so builds are shared where possible.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+from onnx import helper
+
+from trt_lookahead.backends.devices import tensorrt_unavailable_reason
+from trt_lookahead.cli import main
+from trt_lookahead.engine import build, format
+from trt_lookahead.errors import UserError
+from trt_lookahead.files import sha256_file
+from trt_lookahead.kernels import onnx_op
+
+STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
+LAYERS = 5
+
+pytestmark = pytest.mark.export  # every test here builds or reads engine dirs
+
+
+def build_args(output, *extra, config="4,3,4", model=STORIES):
+    return ["build", "--model", str(model), "--output", str(output), "--lookahead_config", config,
+            "--max_seq_len", "256", "--max_input_len", "64", *extra]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """One plugin engine, built for the tensorrt target (everything but the plan where TensorRT is missing)."""
+    out = tmp_path_factory.mktemp("engines") / "stories-4-3-4"
+    assert main(build_args(out, "--target", "tensorrt")) == 0
+    return out
+
+
+def leftovers(parent: Path, name: str) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith(f".{name}."))
+
+
+def test_engine_dir_holds_graphs_weights_tokenizer_and_config(engine):
+    names = {p.name for p in engine.iterdir()}
+    assert {"config.json", "step.onnx", "prefill.onnx", "weights.bin", "tokenizer.json", "tokenizer_config.json",
+            "generation_config.json"} <= names
+    config = json.loads((engine / "config.json").read_text())
+    assert config[format.FORMAT_KEY] == format.FORMAT_VERSION
+    assert config["model"]["num_layers"] == LAYERS and config["model"]["num_kv_heads"] == 4
+    assert config["model"]["head_dim"] == 8 and config["model"]["vocab_size"] == 512
+    assert (config["dtype"], config["max_seq_len"], config["max_input_len"]) == ("float32", 256, 64)
+    assert config["lookahead"] == {"W": 4, "N": 3, "G": 4} and config["step_tokens"] == 16
+    assert config["cache_rows"] == 256 + 16 and config["attention"] == "plugin"
+    assert config["plugin"]["op_type"] == "LookaheadAttention"
+    assert config["plugin"]["plugin_namespace"] == "trt_lookahead"
+    assert "tokenizer.json" in config["tokenizer_files"]
+    for name, entry in config["files"].items():
+        assert sha256_file(engine / name) == entry["sha256"], name
+    smoke = config["targets"]["onnx"]["smoke_check"]
+    assert smoke["ran"] and smoke["tokens_equal"] == smoke["tokens_compared"] > 10
+
+
+def test_graphs_pass_the_checker_and_carry_one_plugin_node_per_layer(engine):
+    for name in ("step.onnx", "prefill.onnx"):
+        onnx.checker.check_model(str(engine / name), full_check=True)
+        model = onnx.load(str(engine / name), load_external_data=False)
+        nodes = onnx_op.attention_nodes(model)
+        assert len(nodes) == LAYERS
+        attrs = {a.name: helper.get_attribute_value(a) for a in nodes[0].attribute}
+        assert attrs["num_q_heads"] == 8 and attrs["num_kv_heads"] == 4 and attrs["head_dim"] == 8
+        assert attrs["plugin_namespace"] == b"trt_lookahead" and attrs["aot"] == 1
+        assert list(nodes[0].input[5:]) == ["cache_len", "step_config"]
+        assert {(o.domain, o.version) for o in model.opset_import} == {("", 23), ("trt_lookahead", 1)}
+    step = onnx.load(str(engine / "step.onnx"), load_external_data=False)
+    prefill = onnx.load(str(engine / "prefill.onnx"), load_external_data=False)
+    def token_dims(model):
+        (ids,) = [i for i in model.graph.input if i.name == "input_ids"]
+        return [d.dim_value or d.dim_param for d in ids.type.tensor_type.shape.dim]
+
+    dims = {"step": token_dims(step), "prefill": token_dims(prefill)}
+    assert dims == {"step": [16], "prefill": ["tokens"]}
+
+
+def test_weights_are_stored_once_for_both_graphs(engine):
+    def external(model):
+        return {t.name: {e.key: e.value for e in t.external_data} for t in model.graph.initializer if t.external_data}
+
+    step = external(onnx.load(str(engine / "step.onnx"), load_external_data=False))
+    prefill = external(onnx.load(str(engine / "prefill.onnx"), load_external_data=False))
+    assert step and step == prefill
+    assert {e["location"] for e in step.values()} == {"weights.bin"}
+    model_bytes = (STORIES / "model.safetensors").stat().st_size
+    assert (engine / "weights.bin").stat().st_size < 1.1 * model_bytes
+
+
+def test_tensorrt_target_writes_everything_else_and_says_what_remains(engine):
+    config = json.loads((engine / "config.json").read_text())
+    reason = tensorrt_unavailable_reason()
+    if reason is None:
+        assert config["targets"]["tensorrt"]["built"] and (engine / "engine.plan").is_file()
+        return
+    target = config["targets"]["tensorrt"]
+    assert not target["built"] and target["reason"] == reason
+    assert target["command"] == f"python -m trt_lookahead.engine.tensorrt_plan {engine}"
+    assert not (engine / "engine.plan").exists()
+
+
+def test_tensorrt_remaining_step_is_printed(tmp_path, capsys):
+    if tensorrt_unavailable_reason() is None:
+        pytest.skip("TensorRT is available here: the plan gets built instead")
+    out = tmp_path / "trt"
+    assert main(build_args(out, "--target", "tensorrt", config="2,2,1")) == 0
+    printed = capsys.readouterr().out
+    assert f"python -m trt_lookahead.engine.tensorrt_plan {out}" in printed
+    assert "engine.plan" in printed
+
+
+def test_same_build_again_is_a_no_op_and_a_different_one_needs_force(engine, tmp_path, capsys):
+    copy = tmp_path / "engine"
+    shutil.copytree(engine, copy)
+    assert main(build_args(copy, "--target", "tensorrt")) == 0
+    assert "nothing to do" in capsys.readouterr().err
+    before = (copy / "config.json").read_text()
+    assert main(build_args(copy, "--attention", "native")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already exists" in err[0] and "--force" in err[0]
+    assert (copy / "config.json").read_text() == before
+    assert main(build_args(copy, "--attention", "native", "--force")) == 0
+    config = json.loads((copy / "config.json").read_text())
+    assert config["attention"] == "native" and config["targets"]["onnx"]["smoke_check"]["match_rate"] == 1.0
+    model = onnx.load(str(copy / "step.onnx"), load_external_data=False)
+    assert not onnx_op.attention_nodes(model)
+    assert sum(n.op_type == "Attention" and n.domain == "" for n in model.graph.node) == LAYERS
+    assert leftovers(tmp_path, "engine") == []
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"--dtype": "float64"}, "unknown dtype 'float64'"),
+        ({"--max_seq_len": "32"}, "below the prompt limit max_input_len 64"),
+        ({"--model": "/nonexistent/checkpoint"}, "neither an existing directory nor a known model"),
+        ({"--max_seq_len": "4096", "--max_input_len": "64"}, "exceeds the model's context of 512"),
+        ({"--lookahead_config": "4,1,4"}, "N=1 is impossible"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, change, message):
+    argv = build_args(tmp_path / "out")
+    for flag, value in change.items():
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_output_that_is_not_an_engine_is_not_overwritten(tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    assert main(build_args(out)) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_interrupted_build_leaves_no_half_written_dir(tmp_path, monkeypatch):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(build, "smoke_check", interrupt)
+    assert main(build_args(tmp_path / "out")) == 130
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_engine_from_another_format_version_is_refused(engine, tmp_path, capsys):
+    copy = tmp_path / "old"
+    shutil.copytree(engine, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config[format.FORMAT_KEY] = 0
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="format version 0"):
+        format.load_engine_config(copy)
+    code = main(["generate", "--engine", str(copy), "--prompt", "Once", "--max-new-tokens", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "format version 0" in err[0] and "--force" in err[0]
+
+
+def test_bfloat16_engine_is_built_and_says_onnxruntime_cannot_check_it(tmp_path):
+    out = tmp_path / "bf16"
+    assert main(build_args(out, "--dtype", "bfloat16", config="2,2,1")) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"
+    smoke = config["targets"]["onnx"]["smoke_check"]
+    assert not smoke["ran"] and "bfloat16" in smoke["reason"]
+    onnx.checker.check_model(str(out / "step.onnx"), full_check=True)
+    weights = {t.data_type for t in onnx.load(str(out / "step.onnx"), load_external_data=False).graph.initializer
+               if t.external_data}
+    assert weights == {onnx.TensorProto.BFLOAT16}
+
+
+@pytest.mark.gpu
+def test_tensorrt_executor_gives_the_torch_executors_tokens(engine):
+    reason = tensorrt_unavailable_reason()
+    if reason:
+        pytest.skip(f"the TensorRT executor needs TensorRT and a GPU: {reason}")
+    from trt_lookahead.backends.open import open_engine
+    from trt_lookahead.backends.torch import TorchExecutor
+    from trt_lookahead.lookahead.config import LookaheadConfig
+    from trt_lookahead.lookahead.decoder import LookaheadDecoder
+    from trt_lookahead.lookahead.layout import StepLayout
+    from trt_lookahead.model.checkpoint import load_llama
+
+    model, _ = load_llama(STORIES)
+    trt_engine = open_engine(engine, backend="tensorrt")
+    for config in (LookaheadConfig(4, 3, 4), LookaheadConfig(2, 2, 1), LookaheadConfig.greedy()):
+        layout = StepLayout(config, padded_tokens=None if config.is_greedy else trt_engine.step_tokens)
+        plain = StepLayout(config)
+        ours = trt_engine.make_executor(layout)  # the step is captured once and replayed as a CUDA graph
+        theirs = TorchExecutor(model, plain.mask, 256, output_slots=plain.output_slots)
+        for prompt in ([1], [1, 403, 407, 261, 378]):
+            expected = LookaheadDecoder(theirs, plain).generate(prompt, 48).token_ids
+            assert LookaheadDecoder(ours, layout).generate(prompt, 48).token_ids == expected, (config, prompt)

@@ -1,0 +1,55 @@
+import pytest
+
+from trt_lookahead.lookahead.config import LookaheadConfig
+
+
+@pytest.mark.parametrize("text", ["4,3,4", "4/3/4", "[4,3,4]", " [4, 3, 4] ", "4 3 4"])
+def test_parse_forms(text):
+    assert LookaheadConfig.parse(text) == LookaheadConfig(4, 3, 4)
+
+
+@pytest.mark.parametrize("text", ["4,3", "a,b,c", "4,3,4,1", "", "[4;3;4]", "4.0,3,4"])
+def test_parse_rejects_malformed(text):
+    with pytest.raises(ValueError, match="W,N,G"):
+        LookaheadConfig.parse(text)
+
+
+@pytest.mark.parametrize(
+    ("args", "name"), [((0, 3, 4), "W"), ((4, 1, 4), "N"), ((4, 3, -1), "G"), ((4, 3, True), "G"), ((4.0, 3, 4), "W")]
+)
+def test_impossible_configs_name_the_parameter(args, name):
+    with pytest.raises(ValueError, match=f"{name}"):
+        LookaheadConfig(*args)
+
+
+def test_parse_of_negative_value_is_a_clear_error():
+    with pytest.raises(ValueError, match="G=-1 is impossible"):
+        LookaheadConfig.parse("4,3,-1")
+
+
+@pytest.mark.parametrize(
+    ("cfg", "T"),
+    [((4, 3, 4), 16), ((7, 5, 7), 56), ((15, 5, 15), 120), ((5, 4, 2), 21), ((1, 2, 0), 1), ((3, 2, 0), 3)],
+)
+def test_tokens_per_step(cfg, T):
+    assert LookaheadConfig(*cfg).step_tokens == T
+
+
+def test_derived_sizes_and_trtllm_equivalents():
+    cfg = LookaheadConfig(7, 7, 7)
+    assert cfg.levels == 6 and cfg.max_accepted_per_step == 7
+    # TensorRT-LLM: maxDraftTokens = (N-2) + (W-1+G)(N-1) = 83 here, max_draft_len in its lookahead README
+    assert cfg.trtllm_max_draft_len == 83
+    assert cfg.trtllm_max_decoding_tokens == 84 == cfg.step_tokens
+    assert LookaheadConfig.greedy().is_greedy and not cfg.is_greedy
+
+
+def test_fits_engine():
+    engine = LookaheadConfig(7, 5, 7)
+    LookaheadConfig(4, 3, 4).check_fits(engine)
+    LookaheadConfig(7, 5, 7).check_fits(engine)
+    LookaheadConfig.greedy().check_fits(engine)
+    with pytest.raises(ValueError, match=r"W=15 > 7.*G=15 > 7"):
+        LookaheadConfig(15, 5, 15).check_fits(engine)
+    with pytest.raises(ValueError, match="N=6 > 5"):
+        LookaheadConfig(4, 6, 4).check_fits(engine)

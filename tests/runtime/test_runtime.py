@@ -1,0 +1,123 @@
+"""LookaheadRuntime and `trt-lookahead generate` on real models: exactness, streaming, JSON, bad input."""
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.runtime import LookaheadRuntime
+
+STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
+DATA = Path(__file__).parents[2] / "trt_lookahead" / "bench" / "data"
+PROMPTS = ["Once upon a time", "Lily and Tom went to the park. They", "The cat sat on the", "Sam had a red ball"]
+CONFIGS = ["4,3,4", "7,5,7", "15,5,15", "2,2,1", "5,4,0", "1,3,3"]
+
+
+@pytest.fixture(scope="module")
+def stories():
+    torch.set_num_threads(1)
+    return LookaheadRuntime.from_pretrained(STORIES, lookahead="4,3,4")
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_lookahead_equals_greedy_on_stories260k(stories, config):
+    for prompt in PROMPTS:
+        greedy = stories.generate(prompt, max_new_tokens=96, lookahead="greedy")
+        ahead = stories.generate(prompt, max_new_tokens=96, lookahead=config)
+        assert ahead.token_ids == greedy.token_ids, (config, prompt)
+        assert ahead.text == greedy.text
+        assert greedy.steps == greedy.generated_tokens and greedy.compression == 1.0
+
+
+def test_lookahead_compresses_on_stories260k(stories):
+    out = [stories.generate(p, max_new_tokens=128, lookahead="7,5,7") for p in PROMPTS]
+    assert sum(o.generated_tokens for o in out) / sum(o.steps for o in out) > 1.3
+
+
+def test_greedy_reproduces_the_documented_llama2c_sample(stories):
+    # karpathy/llama2.c doc/stories260K.md: the temperature-0 sample from BOS begins with this sentence
+    out = stories.generate([1], max_new_tokens=40, lookahead="4,3,4")
+    assert out.text.startswith("Once upon a time, there was a little girl named Lily. She loved to play outside")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lookahead_sampling_equals_plain_sampling(stories, seed):
+    kwargs = dict(max_new_tokens=64, temperature=0.8, top_k=40, top_p=0.95, seed=seed)
+    plain = stories.generate("Once upon a time", lookahead="greedy", **kwargs)
+    ahead = stories.generate("Once upon a time", lookahead="7,5,7", **kwargs)
+    assert ahead.token_ids == plain.token_ids
+
+
+def test_sampling_seeds_give_different_text(stories):
+    texts = {stories.generate("Once upon a time", max_new_tokens=32, temperature=1.0, seed=s).text for s in range(3)}
+    assert len(texts) == 3
+
+
+def test_stream_yields_each_step_and_joins_to_the_text(stories):
+    chunks = list(stories.stream("Once upon a time", max_new_tokens=80, lookahead="7,5,7"))
+    final = chunks[-1]
+    assert final.done and final.output is not None
+    assert "".join(c.text for c in chunks) == final.output.text
+    assert [t for c in chunks for t in c.token_ids] == final.output.token_ids
+    assert len(chunks) - 1 == final.output.steps  # one chunk per forward pass
+    assert any(len(c.token_ids) > 1 for c in chunks)
+
+
+def test_stop_string_ends_generation_and_is_cut(stories):
+    full = stories.generate("Once upon a time", max_new_tokens=60)
+    stop = full.text[20:26]
+    out = stories.generate("Once upon a time", max_new_tokens=60, stop=[stop])
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[: full.text.index(stop)]
+    streamed = "".join(c.text for c in stories.stream("Once upon a time", max_new_tokens=60, stop=[stop]))
+    assert streamed == out.text
+
+
+def test_request_config_and_token_id_prompts(stories):
+    assert stories.request_config(None) == LookaheadConfig(4, 3, 4)
+    assert stories.request_config("greedy").is_greedy
+    ids = stories.encode("Once upon a time")
+    assert ids[0] == 1  # stories260K prompts start with BOS
+    assert stories.generate(ids, max_new_tokens=10).token_ids == stories.generate("Once upon a time", 10).token_ids
+
+
+def test_runtime_errors_are_clear(stories):
+    with pytest.raises(ValueError, match="exceeds max_seq_len"):
+        stories.generate("Once " * 600, max_new_tokens=10)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        stories.generate("Once", max_new_tokens=0)
+    with pytest.raises(ValueError, match="no chat template"):
+        stories.generate("Hi", chat=True)
+
+
+def test_runtime_keeps_a_bounded_number_of_executors(stories):
+    from trt_lookahead.runtime import MAX_EXECUTORS
+
+    configs = ["2,2,1", "2,3,1", "3,3,1", "3,2,2", "4,3,4", "greedy"]
+    reference = stories.generate("Once upon a time", max_new_tokens=20, lookahead="greedy").token_ids
+    for config in configs:
+        assert stories.generate("Once upon a time", max_new_tokens=20, lookahead=config).token_ids == reference
+    assert len(stories._executors) == MAX_EXECUTORS
+    assert list(stories._executors)[-1].is_greedy  # the most recent request's executor is kept
+
+
+def test_incremental_detokenizer_matches_a_full_decode(stories):
+    from trt_lookahead.runtime import _Detokenizer
+
+    texts = ["Once upon a time, Lily saw a café. 🎈 She said “héllo” — and ran.", "Tom    had 12 dogs. Ünïcödé ✓ ok"]
+    rng = np.random.default_rng(0)
+    for text in texts:
+        ids = stories.encode(text)[1:]  # no BOS; multi-byte characters become byte-fallback pieces
+        assert len(ids) > len(text) // 3
+        for _ in range(10):
+            detokenizer, start, pushed = _Detokenizer(stories.decode), 0, []
+            while start < len(ids):
+                size = int(rng.integers(1, 5))
+                pushed.append(detokenizer.push(ids[start : start + size]))
+                start += size
+            assert all("\ufffd" not in t for t in pushed)
+            assert all(b.startswith(a) for a, b in itertools.pairwise(pushed))
+            assert detokenizer.text == stories.decode(ids)

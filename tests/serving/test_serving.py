@@ -1,0 +1,545 @@
+"""Serving: `triton-repo`, `triton-serve` and the Triton model against a real tritonserver on loopback.
+
+One server (stories260K, lookahead 4,3,4, one instance) is started for the whole module (~7-20 s);
+answers are compared with LookaheadRuntime.generate and `trt-lookahead generate --json` in this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import queue
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pytriton", reason="serving tests need nvidia-pytriton (pip install 'trt-lookahead[serve]')")
+grpcclient = pytest.importorskip("tritonclient.grpc")
+
+from trt_lookahead.cli import main  # noqa: E402
+from trt_lookahead.serving.server import TritonServer, free_port  # noqa: E402
+
+STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
+NAME = "lookahead"
+BATCHED = "lookahead_batched"  # the same with max_batch_size 4: tensors carry a batch dimension
+SERVED = "4,3,4"
+PROMPTS = ["Once upon a time", "Lily and Tom went to the park. They", "The cat sat on the", "Sam had a red ball"]
+TIMEOUT = 60
+
+
+# -- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    import torch
+
+    from trt_lookahead.runtime import LookaheadRuntime
+
+    torch.set_num_threads(1)
+    return LookaheadRuntime.from_pretrained(STORIES, lookahead=SERVED)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("triton")
+    for name, batch in ((NAME, "0"), (BATCHED, "4")):  # one server, two models: ~7 s per start saved
+        assert main(["triton-repo", "--model", str(STORIES), "--output", str(root / "repo"), "--name", name,
+                     "--lookahead_config", SERVED, "--max_batch_size", batch]) == 0
+    srv = TritonServer(root / "repo", log=root / "server.log", backend_dir=root / "backends", die_with_parent=True)
+    srv.start()
+    try:
+        srv.wait_ready(timeout=180)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def expect(server: TritonServer, condition: bool, message: str) -> None:
+    """assert, with the server log's tail in the failure message."""
+    if not condition:
+        pytest.fail(f"{message}\n--- server log tail ---\n{server.log_tail(30)}")
+
+
+# -- clients ------------------------------------------------------------------------------------
+
+
+def http_post(server: TritonServer, endpoint: str, body, model: str = NAME) -> tuple[int, str]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/{model}/{endpoint}", data=data,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def generate(server: TritonServer, **body) -> dict:
+    status, text = http_post(server, "generate", body)
+    record = json.loads(text)
+    expect(server, status == 200 and "error" not in record, f"generate {body} -> {status} {text}")
+    return record
+
+
+def generate_stream(server: TritonServer, model: str = NAME, **body) -> tuple[int, list[dict]]:
+    """SSE events of /generate_stream, as dicts."""
+    status, text = http_post(server, "generate_stream", body, model)
+    events = [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: ")]
+    return status, events
+
+
+INPUT_TYPES = {
+    "text_input": ("BYTES", object), "max_tokens": ("INT32", np.int32), "stream": ("BOOL", bool),
+    "temperature": ("FP32", np.float32), "top_k": ("INT32", np.int32), "top_p": ("FP32", np.float32),
+    "random_seed": ("UINT64", np.uint64), "stop_words": ("BYTES", object),
+    "lookahead_window_size": ("INT32", np.int32), "lookahead_ngram_size": ("INT32", np.int32),
+    "lookahead_verification_set_size": ("INT32", np.int32),
+}
+
+
+def grpc_inputs(**values):
+    inputs = []
+    for name, value in values.items():
+        datatype, dtype = INPUT_TYPES[name]
+        array = np.array(value if isinstance(value, list) else [value], dtype=dtype)
+        if dtype is object:
+            array = np.array([v.encode() for v in array.tolist()], dtype=object)
+        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+class GrpcStream:
+    """One gRPC bidirectional stream; `responses(request_id)` yields results until the final flag."""
+
+    def __init__(self, server: TritonServer):
+        self.client = grpcclient.InferenceServerClient(server.grpc_url)
+        self.queue: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.queue.put((result, error)))
+
+    def send(self, request_id: str, **values) -> None:
+        self.client.async_stream_infer(NAME, grpc_inputs(**values), request_id=request_id,
+                                       enable_empty_final_response=True)
+
+    def next(self, timeout: float = TIMEOUT):
+        result, error = self.queue.get(timeout=timeout)
+        if error is not None:
+            raise error
+        final = result.get_response().parameters["triton_final_response"].bool_param
+        return result, final
+
+    def collect(self, timeout: float = TIMEOUT) -> list[dict]:
+        rows = []
+        while True:
+            result, final = self.next(timeout)
+            if result.as_numpy("text_output") is not None:
+                rows.append({name: result.as_numpy(name).reshape(-1)[0]
+                             for name in ("text_output", "generated_tokens", "steps", "finish_reason")})
+            if final:
+                return rows
+
+    def close(self, cancel: bool = False) -> None:
+        self.client.stop_stream(cancel_requests=cancel)
+        self.client.close()
+
+
+# -- repository writer (no server) --------------------------------------------------------------
+
+
+def test_triton_repo_writes_config_and_model(tmp_path, capsys):
+    code = main(["triton-repo", "--model", str(STORIES), "--output", str(tmp_path / "repo"), "--name", "la",
+                 "--lookahead_config", "[7,5,7]", "--instances", "2", "--max_batch_size", "4"])
+    assert code == 0
+    assert capsys.readouterr().out.strip() == str((tmp_path / "repo").resolve())
+    config = (tmp_path / "repo" / "la" / "config.pbtxt").read_text()
+    assert 'name: "la"' in config and "max_batch_size: 4" in config and "count: 2" in config
+    assert "decoupled: true" in config
+    for name in ("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "random_seed", "stop_words",
+                 "lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size",
+                 "text_output", "prompt_tokens", "generated_tokens", "steps"):
+        assert f'name: "{name}"' in config, name
+    assert f'key: "model" value: {{ string_value: "{STORIES.resolve()}" }}' in config
+    assert 'key: "lookahead_config" value: { string_value: "7,5,7" }' in config
+    model_py = (tmp_path / "repo" / "la" / "1" / "model.py").read_text()
+    assert "class TritonPythonModel" in model_py and "is_cancelled" in model_py
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        ([], "exactly one of --model"),
+        (["--model", str(STORIES), "--engine", str(STORIES)], "exactly one of --model"),
+        (["--engine", "/nonexistent/engine"], "no config.json"),
+        (["--model", str(STORIES), "--name", "a/b"], "plain directory name"),
+        (["--model", str(STORIES), "--lookahead_config", "0,3,4"], "W=0 is impossible"),
+        (["--model", str(STORIES), "--instances", "0"], "--instances"),
+    ],
+)
+def test_triton_repo_bad_arguments(tmp_path, capsys, argv, words):
+    if "--name" not in argv:
+        argv = [*argv, "--name", "la"]
+    code = main(["triton-repo", "--output", str(tmp_path / "repo"), *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and words in err and "Traceback" not in err, err
+
+
+# -- triton-serve command (a tiny echo model: starts in ~2 s) ------------------------------------
+
+ECHO_MODEL = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            text = pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy()
+            reply = np.array([b"echo:" + t for t in text.reshape(-1)], dtype=np.object_)
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", reply)]))
+        return out
+'''
+ECHO_CONFIG = '''name: "echo"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT" data_type: TYPE_STRING dims: [ -1 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_STRING dims: [ -1 ] } ]
+instance_group [ { kind: KIND_CPU count: 1 } ]
+'''
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.server
+def test_triton_serve_command_serves_and_stops_on_sigint(tmp_path):
+    (tmp_path / "repo" / "echo" / "1").mkdir(parents=True)
+    (tmp_path / "repo" / "echo" / "config.pbtxt").write_text(ECHO_CONFIG)
+    (tmp_path / "repo" / "echo" / "1" / "model.py").write_text(ECHO_MODEL)
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    log = open(tmp_path / "cli.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trt_lookahead.cli", "triton-serve", "--repo", str(tmp_path / "repo"),
+         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+
+    def tail() -> str:
+        log.flush()
+        return (tmp_path / "cli.log").read_text(errors="replace")[-3000:]
+
+    try:
+        deadline = time.monotonic() + 120
+        while b"tritonserver ready" not in (tmp_path / "cli.log").read_bytes():
+            assert proc.poll() is None and time.monotonic() < deadline, tail()
+            time.sleep(0.1)
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}")
+        data = grpcclient.InferInput("INPUT", [1], "BYTES")
+        data.set_data_from_numpy(np.array([b"hi"], dtype=object))
+        assert client.infer("echo", [data]).as_numpy("OUTPUT").tolist() == [b"echo:hi"]
+        client.close()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0, tail()
+        assert not _listening(http) and not _listening(grpc), tail()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def test_triton_serve_rejects_a_directory_without_models(tmp_path, capsys):
+    assert main(["triton-serve", "--repo", str(tmp_path)]) == 2
+    assert "not a Triton model repository" in capsys.readouterr().err
+
+
+# -- the lookahead model on a real server -------------------------------------------------------
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("prompt", PROMPTS[:3])
+def test_generate_equals_runtime(server, runtime, prompt):
+    want = runtime.generate(prompt, max_new_tokens=48)
+    got = generate(server, text_input=prompt, max_tokens=48)
+    assert got["text_output"] == want.text
+    assert (got["prompt_tokens"], got["generated_tokens"], got["steps"]) == (
+        want.prompt_tokens, want.generated_tokens, want.steps)
+    assert got["finish_reason"] == want.finish_reason
+
+
+@pytest.mark.server
+def test_generate_equals_cli_generate_json(server, capsys):
+    assert main(["generate", "--model", str(STORIES), "--prompt", PROMPTS[1], "--max-new-tokens", "64",
+                 "--lookahead_config", SERVED, "--temperature", "0.8", "--seed", "5", "--json"]) == 0
+    want = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    got = generate(server, text_input=PROMPTS[1], max_tokens=64, temperature=0.8, random_seed=5)
+    assert got["text_output"] == want["text"]
+    assert (got["generated_tokens"], got["steps"]) == (want["generated_tokens"], want["steps"])
+
+
+@pytest.mark.server
+def test_generate_stream_streams_each_block(server, runtime):
+    want = runtime.generate(PROMPTS[0], max_new_tokens=64)
+    status, events = generate_stream(server, text_input=PROMPTS[0], max_tokens=64, stream=True)
+    expect(server, status == 200 and all("error" not in e for e in events), f"{status} {events}")
+    assert "".join(e["text_output"] for e in events) == want.text
+    assert len(events) == want.steps + 1  # one per accepted block, then the final one
+    assert [e["steps"] for e in events[:-1]] == list(range(1, want.steps + 1))
+    assert all(e["finish_reason"] == "" for e in events[:-1])
+    assert events[-1]["finish_reason"] == want.finish_reason
+    assert events[-1]["generated_tokens"] == want.generated_tokens
+    assert any(b["generated_tokens"] - a["generated_tokens"] > 1 for a, b in itertools.pairwise(events))
+    # without stream=true, one event with the whole text
+    status, events = generate_stream(server, text_input=PROMPTS[0], max_tokens=64)
+    assert status == 200 and len(events) == 1 and events[0]["text_output"] == want.text
+
+
+@pytest.mark.server
+def test_grpc_stream_equals_runtime_stream(server, runtime):
+    chunks = list(runtime.stream(PROMPTS[2], max_new_tokens=40))
+    stream = GrpcStream(server)
+    try:
+        stream.send("r1", text_input=PROMPTS[2], max_tokens=40, stream=True)
+        rows = stream.collect()
+    finally:
+        stream.close()
+    assert [r["text_output"].decode() for r in rows] == [c.text for c in chunks]
+    assert rows[-1]["finish_reason"].decode() == chunks[-1].output.finish_reason
+
+
+@pytest.mark.server
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"lookahead_window_size": 1, "lookahead_ngram_size": 2, "lookahead_verification_set_size": 0},  # greedy
+        {"lookahead_window_size": 2, "lookahead_ngram_size": 2, "lookahead_verification_set_size": 1},
+        {"lookahead_window_size": 3},  # the others from the served config: 3,3,4
+        {"lookahead_verification_set_size": 0},
+    ],
+)
+def test_per_request_lookahead_settings(server, runtime, settings):
+    served = dict(zip(("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size"),
+                      (4, 3, 4), strict=True))
+    config = ",".join(str(v) for v in {**served, **settings}.values())
+    want = runtime.generate(PROMPTS[3], max_new_tokens=64, lookahead=config)
+    greedy = runtime.generate(PROMPTS[3], max_new_tokens=64, lookahead="greedy")
+    got = generate(server, text_input=PROMPTS[3], max_tokens=64, **settings)
+    assert got["text_output"] == want.text == greedy.text
+    assert got["steps"] == want.steps
+
+
+@pytest.mark.server
+def test_sampling_and_stop_words(server, runtime):
+    kwargs = dict(temperature=0.9, top_k=40, top_p=0.95, seed=7)
+    want = runtime.generate(PROMPTS[0], max_new_tokens=48, **kwargs)
+    got = generate(server, text_input=PROMPTS[0], max_tokens=48, temperature=0.9, top_k=40, top_p=0.95,
+                   random_seed=7)
+    assert got["text_output"] == want.text
+    stop = want.text[15:21]
+    want = runtime.generate(PROMPTS[0], max_new_tokens=48, stop=[stop], **kwargs)
+    got = generate(server, text_input=PROMPTS[0], max_tokens=48, temperature=0.9, top_k=40, top_p=0.95,
+                   random_seed=7, stop_words=[stop, "zzzz"])
+    assert got["text_output"] == want.text and got["finish_reason"] == "stop"
+
+
+@pytest.mark.server
+def test_eight_concurrent_clients(server, runtime):
+    settings = [dict(max_tokens=24 + 8 * (i % 4), stream=bool(i % 2)) for i in range(8)]
+    want = {(p, s["max_tokens"]): runtime.generate(p, max_new_tokens=s["max_tokens"]).text
+            for p in PROMPTS for s in settings}
+
+    def client(i: int) -> list[tuple[str, int, str]]:
+        answers = []
+        for j in range(4):
+            prompt, s = PROMPTS[(i + j) % 4], settings[i]
+            if i % 4 == 3:  # two clients use gRPC streams, the rest HTTP
+                stream = GrpcStream(server)
+                try:
+                    stream.send(f"c{i}-{j}", text_input=prompt, **s)
+                    text = "".join(r["text_output"].decode() for r in stream.collect())
+                finally:
+                    stream.close()
+            elif s["stream"]:
+                _, events = generate_stream(server, text_input=prompt, **s)
+                text = "".join(e.get("text_output", "<error>") for e in events)
+            else:
+                text = generate(server, text_input=prompt, **s)["text_output"]
+            answers.append((prompt, s["max_tokens"], text))
+        return answers
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = [a for batch in pool.map(client, range(8)) for a in batch]
+    assert len(answers) == 32
+    wrong = [(p, n) for p, n, text in answers if text != want[(p, n)]]
+    expect(server, not wrong, f"wrong answers: {wrong}")
+
+
+LONG_PROMPT = "Once upon a time " * 200  # ~800 tokens; stories260K holds 512
+
+
+@pytest.mark.server
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        ({"max_tokens": 8}, 400, "text_input is required"),
+        ({"text_input": "Hi", "max_tokens": -3}, 400, "max_tokens must be a positive integer"),
+        ({"text_input": "Hi", "max_tokens": 0}, 400, "max_tokens must be a positive integer"),
+        ({"text_input": "Hi", "max_tokens": "ten"}, None, "signed-integer"),  # wrong JSON type: Triton rejects it
+        ({"text_input": 42}, None, "string"),
+        ({"text_input": "Hi", "stream": "yes"}, None, "boolean"),
+        ({"text_input": LONG_PROMPT, "max_tokens": 8}, 400, "exceeds max_seq_len 512"),
+        ({"text_input": "Hi", "max_tokens": 511}, 400, "exceeds max_seq_len 512"),
+        ({"text_input": "Hi", "lookahead_window_size": 5}, 400, "exceeds the served config"),
+        ({"text_input": "Hi", "lookahead_ngram_size": 4}, 400, "exceeds the served config"),
+        ({"text_input": "Hi", "lookahead_verification_set_size": 9}, 400, "exceeds the served config"),
+        ({"text_input": "Hi", "lookahead_window_size": 0}, 400, "W=0 is impossible"),
+        ({"text_input": "Hi", "temperature": -1.0}, 400, "temperature must be >= 0"),
+        ({"text_input": "Hi", "top_p": 0.0}, 400, "top_p must be in (0, 1]"),
+    ],
+)
+def test_malformed_requests_get_errors_and_the_server_keeps_serving(server, runtime, body, status, words):
+    for endpoint in ("generate", "generate_stream"):
+        code, text = http_post(server, endpoint, body)
+        expect(server, code >= 400 and "error" in text, f"{endpoint} {body} -> {code} {text[:300]}")
+        if status is not None:
+            assert code == status, text
+        message = text if endpoint == "generate" else text.split("data: ", 1)[-1]
+        assert words.lower() in json.loads(message)["error"].lower(), text
+    want = runtime.generate(PROMPTS[0], max_new_tokens=16).text
+    assert generate(server, text_input=PROMPTS[0], max_tokens=16)["text_output"] == want
+
+
+@pytest.mark.server
+def test_grpc_wrong_types_and_missing_input_get_errors(server, runtime):
+    wrong_type = grpcclient.InferInput("max_tokens", [1], "FP32")
+    wrong_type.set_data_from_numpy(np.array([8.0], dtype=np.float32))
+    for inputs, words in (([*grpc_inputs(text_input="Hi"), wrong_type], "data-type"),
+                          (grpc_inputs(max_tokens=8), "text_input")):
+        stream = GrpcStream(server)
+        try:
+            stream.client.async_stream_infer(NAME, inputs, request_id="bad")
+            with pytest.raises(Exception, match=words):
+                stream.next()
+        finally:
+            stream.close()
+    stream = GrpcStream(server)
+    try:
+        stream.send("good", text_input=PROMPTS[1], max_tokens=16)
+        assert stream.collect()[-1]["text_output"].decode() == runtime.generate(PROMPTS[1], max_new_tokens=16).text
+    finally:
+        stream.close()
+
+
+@pytest.mark.server
+def test_cancelled_stream_frees_the_instance(server, runtime):
+    prompt_tokens = len(runtime.encode(PROMPTS[0]))
+    max_tokens = 512 - prompt_tokens
+    stream = GrpcStream(server)
+    stream.send("long", text_input=PROMPTS[0], max_tokens=max_tokens, stream=True)
+    result, final = stream.next()
+    assert not final and result.as_numpy("generated_tokens").reshape(-1)[0] < max_tokens
+    stream.close(cancel=True)
+
+    # the model sees the cancellation, stops decoding and logs it
+    deadline = time.monotonic() + 30
+    pattern = "request 'long' cancelled after "
+    while pattern not in server.log_tail(200) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    tail = server.log_tail(200)
+    expect(server, pattern in tail, "the model did not report the cancellation")
+    line = next(l for l in tail.splitlines() if pattern in l)
+    done = int(line.split(pattern)[1].split()[0])
+    assert done < max_tokens, line
+
+    # and the single instance, free again, serves the next request
+    want = runtime.generate(PROMPTS[1], max_new_tokens=16).text
+    assert generate(server, text_input=PROMPTS[1], max_tokens=16)["text_output"] == want
+
+
+@pytest.mark.server
+def test_batched_model_serves_one_prompt_per_request(server, runtime):
+    want = runtime.generate(PROMPTS[2], max_new_tokens=32)
+    status, text = http_post(server, "generate", {"text_input": PROMPTS[2], "max_tokens": 32}, model=BATCHED)
+    assert status == 200 and json.loads(text)["text_output"] == want.text, text
+    status, events = generate_stream(server, BATCHED, text_input=PROMPTS[2], max_tokens=32, stream=True)
+    assert status == 200 and "".join(e["text_output"] for e in events) == want.text, events
+    status, text = http_post(server, "generate", {"text_input": ["a", "b"]}, model=BATCHED)
+    assert status == 400 and "text_input must hold one value" in text, text
+
+
+@pytest.mark.server
+def test_server_metrics_count_requests(server):
+    generate(server, text_input=PROMPTS[0], max_tokens=4)
+    with contextlib.closing(urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
+                                                   timeout=10)) as r:
+        metrics = dict(line.rsplit(" ", 1) for line in r.read().decode().splitlines() if line[:1] not in ("#", ""))
+    labels = f'{{model="{NAME}",version="1"}}'
+    assert float(metrics[f"nv_inference_request_success{labels}"]) >= 1  # decoupled error responses count here too
+
+
+# -- slow: an engine dir and SmolLM2 behind one more server -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slow_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("triton_slow")
+    assert main(["build", "--model", str(STORIES), "--output", str(root / "engine"), "--lookahead_config", "4,3,4",
+                 "--max_seq_len", "256"]) == 0
+    assert main(["triton-repo", "--engine", str(root / "engine"), "--output", str(root / "repo"),
+                 "--name", "engine"]) == 0
+    assert main(["triton-repo", "--model", "smollm2-135m-instruct", "--output", str(root / "repo"), "--name", "smollm2",
+                 "--lookahead_config", "4,3,4", "--max_seq_len", "1024"]) == 0
+    srv = TritonServer(root / "repo", log=root / "server.log", backend_dir=root / "backends")
+    srv.engine = root / "engine"
+    srv.start()
+    try:
+        srv.wait_ready(timeout=600)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.mark.server
+@pytest.mark.export
+@pytest.mark.slow
+def test_engine_dir_repository_and_serving(slow_server, tmp_path, capsys):
+    from trt_lookahead.runtime import LookaheadRuntime
+
+    config = (slow_server.repo / "engine" / "config.pbtxt").read_text()
+    assert f'key: "engine" value: {{ string_value: "{slow_server.engine.resolve()}" }}' in config
+    assert 'key: "lookahead_config" value: { string_value: "4,3,4" }' in config  # the engine's built config
+    code = main(["triton-repo", "--engine", str(slow_server.engine), "--output", str(tmp_path), "--name", "x",
+                 "--lookahead_config", "5,3,4"])
+    assert code == 2 and "does not fit the engine" in capsys.readouterr().err
+    want = LookaheadRuntime.from_pretrained(slow_server.engine).generate(PROMPTS[0], max_new_tokens=40)
+    status, text = http_post(slow_server, "generate", {"text_input": PROMPTS[0], "max_tokens": 40}, model="engine")
+    assert status == 200 and json.loads(text)["text_output"] == want.text, text
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_smollm2_chat_request(slow_server):
+    from trt_lookahead.runtime import LookaheadRuntime
+
+    runtime = LookaheadRuntime.from_pretrained("smollm2-135m-instruct", lookahead="4,3,4", max_seq_len=1024)
+    question = "What is the capital of France?"
+    want = runtime.generate(question, max_new_tokens=24, chat=True)
+    body = {"text_input": question, "max_tokens": 24, "stream": True, "parameters": {"chat": True}}
+    status, events = generate_stream(slow_server, "smollm2", **body)
+    assert status == 200 and "".join(e["text_output"] for e in events) == want.text, events
+    assert events[-1]["prompt_tokens"] == want.prompt_tokens

@@ -1,0 +1,53 @@
+"""open_engine: an engine dir opened for the onnxruntime or the TensorRT backend.
+
+    engine = open_engine("engines/NAME")                  # config.json checked against the request
+    ex = engine.make_executor(StepLayout(cfg, padded_tokens=engine.step_tokens))
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+from trt_lookahead.engine.format import EngineConfig, load_engine_config
+from trt_lookahead.errors import UserError
+from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.executor import Executor
+from trt_lookahead.lookahead.layout import StepLayout
+
+BACKENDS = ("onnxruntime", "tensorrt")
+
+
+class Engine(Protocol):
+    """An opened engine dir: its config, and executors for layouts of its T (or T = 1)."""
+
+    config: EngineConfig
+    lookahead: LookaheadConfig  # the (W, N, G) it was built for
+    step_tokens: int
+    max_seq_len: int
+    dtype: str
+
+    def make_executor(self, layout: StepLayout) -> Executor: ...
+
+
+def open_engine(path: str | os.PathLike, backend: str = "onnxruntime", dtype: str | None = None,
+                max_seq_len: int | None = None, threads: int | None = None, lookahead: LookaheadConfig | None = None,
+                model: str | os.PathLike | None = None) -> Engine:
+    """Open an engine dir for `backend`, refusing (UserError naming what differs) a mismatching request.
+
+    `model`: a checkpoint dir the engine must have been built from (checked by its weights' sha256).
+    """
+    from trt_lookahead.model.checkpoint import weights_sha256
+
+    if backend not in BACKENDS:
+        raise UserError(f"an engine dir runs on the onnxruntime or tensorrt backend, not {backend!r}")
+    config = load_engine_config(path)
+    model_sha = None if model is None else weights_sha256(model)
+    config.check_request(lookahead=lookahead, dtype=dtype, max_seq_len=max_seq_len, model_sha256=model_sha)
+    if backend == "tensorrt":
+        from trt_lookahead.backends.tensorrt import TensorRTEngine
+
+        return TensorRTEngine(config, max_seq_len=max_seq_len)
+    from trt_lookahead.backends.onnxruntime import OnnxRuntimeEngine
+
+    return OnnxRuntimeEngine(config, max_seq_len=max_seq_len, threads=threads)

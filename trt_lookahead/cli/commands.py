@@ -1,0 +1,195 @@
+"""One handler per `trt-lookahead` command: the parsed arguments -> typed calls of the domain modules.
+
+Each handler validates what it can before loading a model, imports heavy modules only when its command
+runs, prints its result and returns the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+from pathlib import Path
+
+from trt_lookahead.bench.bench import DEFAULT_CONFIGS
+from trt_lookahead.errors import UserError
+from trt_lookahead.lookahead.config import AUTO, DEFAULT, DEFAULT_LOOKAHEAD, GREEDY, LookaheadConfig
+from trt_lookahead.model.fetch import DEFAULT_MODEL
+from trt_lookahead.runtime import DEFAULT_MAX_NEW_TOKENS
+from trt_lookahead.tuning.tune import DEFAULT_BUDGET, DEFAULT_TUNE_DATASETS
+
+__all__ = ["DEFAULT_BUDGET", "DEFAULT_CONFIGS", "DEFAULT_MAX_NEW_TOKENS", "DEFAULT_TUNE_DATASETS"]
+
+
+def lookahead_choice(args: argparse.Namespace) -> LookaheadConfig | str:
+    """--greedy, --lookahead_config auto|W,N,G, or the runtime's default; validated before loading."""
+    if getattr(args, "greedy", False):
+        return GREEDY
+    if args.lookahead_config is None:
+        return DEFAULT
+    if args.lookahead_config.strip() == AUTO:
+        return AUTO
+    return LookaheadConfig.parse(args.lookahead_config)
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    path = Path(args.prompt_file)
+    if not path.is_file():
+        raise UserError(f"prompt file {path} does not exist; check the path given to --prompt-file")
+    return path.read_text(encoding="utf-8")
+
+
+def model_source(args: argparse.Namespace) -> str:
+    if bool(args.model) == bool(getattr(args, "engine", None)):
+        raise UserError("give exactly one of --model (checkpoint dir or known name) or --engine (engine dir)")
+    return args.model or args.engine
+
+
+def fetch_model(args: argparse.Namespace) -> int:
+    """Fetch (verifying an existing copy) and print only the directory on stdout."""
+    from trt_lookahead.model.fetch import fetch_model
+
+    print(fetch_model(args.name, cache_dir=args.cache_dir, progress=True, verify=True))
+    return 0
+
+
+def generate(args: argparse.Namespace) -> int:
+    if args.max_new_tokens <= 0:
+        raise UserError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    lookahead = lookahead_choice(args)
+    prompt = read_prompt(args)
+    source = model_source(args)
+
+    from trt_lookahead.runtime import LookaheadRuntime
+
+    runtime = LookaheadRuntime.from_pretrained(
+        source, backend=args.backend, dtype=args.dtype, lookahead=lookahead, max_seq_len=args.max_seq_len,
+        threads=args.threads,
+    )
+    request = dict(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, chat=args.chat,
+    )
+    if args.json:
+        print(json.dumps(runtime.generate(prompt, **request).to_dict()))
+        return 0
+    output = None
+    for chunk in runtime.stream(prompt, **request):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        output = chunk.output or output
+    assert output is not None
+    sys.stdout.write("\n")
+    print(
+        f"[{output.config} {output.backend} {output.dtype}] {output.generated_tokens} tokens in {output.steps} steps "
+        f"(compression {output.compression:.2f}), prefill {output.prefill_seconds:.3f} s, "
+        f"decode {output.decode_seconds:.3f} s, {output.tokens_per_second:.1f} tok/s, finish: {output.finish_reason}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def bench(args: argparse.Namespace) -> int:
+    if args.model and args.engine:
+        raise UserError("give one of --model or --engine, not both")
+    result, paths = bench_model(
+        args.engine or args.model or DEFAULT_MODEL, datasets=args.dataset, limit=args.limit,
+        max_new_tokens=args.max_new_tokens, configs=args.configs, peers=args.peers, backend=args.backend,
+        dtype=args.dtype, max_seq_len=args.max_seq_len, threads=args.threads, out=args.out,
+    )
+    if paths:
+        print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
+    from trt_lookahead.bench.bench import format_markdown
+
+    print(json.dumps(result) if args.json else format_markdown(result))
+    return 0
+
+
+def bench_model(
+    source: str, *, datasets: str, limit: int | None, max_new_tokens: int, configs: str, peers: str,
+    backend: str | None, dtype: str, max_seq_len: int | None, threads: int | None, out: str | Path | None,
+) -> tuple[dict, list[Path]]:
+    """Plan, load the runtime, run; with `out`, write the result files (step cost overlay from tuning)."""
+    from trt_lookahead.bench.bench import plan_bench, run_bench, write_outputs
+    from trt_lookahead.runtime import LookaheadRuntime
+    from trt_lookahead.tuning.file import tuned_step_cost
+
+    plan = plan_bench(source, datasets=datasets, limit=limit, max_new_tokens=max_new_tokens, configs=configs,
+                      peers=peers, max_seq_len=max_seq_len)
+    rt = LookaheadRuntime.from_pretrained(plan.model_path, backend=backend, dtype=dtype, lookahead=None,
+                                          max_seq_len=plan.max_seq_len, threads=threads)
+    result = run_bench(rt, plan)
+    del rt
+    gc.collect()
+    if out is None:
+        return result, []
+    step_cost = tuned_step_cost(result["model"], result["dtype"], result["backend"], result["machine"]["threads"])
+    return result, write_outputs(result, out, step_cost)
+
+
+def tune(args: argparse.Namespace) -> int:
+    from trt_lookahead.tuning.file import tuning_path
+    from trt_lookahead.tuning.tune import format_report
+
+    entry = tune_model(args.model or DEFAULT_MODEL, backend=args.backend, dtype=args.dtype, datasets=args.dataset,
+                       budget_seconds=args.budget_seconds, max_seq_len=args.max_seq_len, threads=args.threads)
+    if args.json:
+        print(json.dumps(entry))
+    else:
+        print(format_report(entry))
+        print(f"tuning file: {tuning_path()}")
+    return 0
+
+
+def tune_model(
+    model: str, *, backend: str | None = None, dtype: str = "float32", datasets: str = DEFAULT_TUNE_DATASETS,
+    budget_seconds: float = DEFAULT_BUDGET, max_seq_len: int | None = None, threads: int | None = None,
+) -> dict:
+    """Load the model greedy-only with small KV buffers, tune, store and return the tuning entry."""
+    from trt_lookahead.model.fetch import resolve_model
+    from trt_lookahead.runtime import LookaheadRuntime
+    from trt_lookahead.tuning.tune import check_budget, tune_and_store, tuning_seq_len
+
+    check_budget(budget_seconds)
+    path = resolve_model(model)
+    rt = LookaheadRuntime.from_pretrained(
+        path, backend=None if backend == "torch" else backend, dtype=dtype, lookahead=None,
+        max_seq_len=max_seq_len or tuning_seq_len(path), threads=threads,
+    )
+    return tune_and_store(rt, datasets=datasets, budget_seconds=budget_seconds, progress=True)
+
+
+def build(args: argparse.Namespace) -> int:
+    from trt_lookahead.engine.build import build, build_request
+
+    lookahead = LookaheadConfig.parse(args.lookahead_config) if args.lookahead_config else DEFAULT_LOOKAHEAD
+    request = build_request(
+        args.model, args.output, lookahead=lookahead, max_seq_len=args.max_seq_len,
+        max_input_len=args.max_input_len, dtype=args.dtype, attention=args.attention, target=args.target,
+        force=args.force,
+    )
+    summary = build(request)
+    if summary and summary["tensorrt_remaining"]:
+        print(summary["tensorrt_remaining"])
+    return 0
+
+
+def triton_repo(args: argparse.Namespace) -> int:
+    from trt_lookahead.serving.repository import write_repository
+
+    model_root = write_repository(
+        output=args.output, name=args.name, model=args.model, engine=args.engine,
+        lookahead_config=args.lookahead_config, instances=args.instances, max_batch_size=args.max_batch_size,
+        max_seq_len=args.max_seq_len, dtype=args.dtype,
+    )
+    print(model_root.parent.resolve())
+    return 0
+
+
+def triton_serve(args: argparse.Namespace) -> int:
+    from trt_lookahead.serving.server import serve
+
+    return serve(args.repo, args.http_port, args.grpc_port, args.metrics_port)

@@ -1,0 +1,137 @@
+"""`trt-lookahead` entry point: the argument parser of every command, and the dispatch to its handler.
+
+User errors (UserError, ValueError, FileNotFoundError) print one `error:` line and exit 2; set
+TRT_LOOKAHEAD_DEBUG=1 to see the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from trt_lookahead.cli import commands
+from trt_lookahead.engine.format import ATTENTION_MODES, DTYPES, TARGETS
+from trt_lookahead.errors import UserError
+from trt_lookahead.lookahead.config import DEFAULT_LOOKAHEAD
+from trt_lookahead.lookahead.sampling import SamplingParams
+from trt_lookahead.model.fetch import DEFAULT_MODEL
+
+# command -> handler; each handler imports the modules its command needs only when it runs.
+COMMANDS = {
+    "fetch-model": commands.fetch_model,
+    "generate": commands.generate,
+    "bench": commands.bench,
+    "tune": commands.tune,
+    "build": commands.build,
+    "triton-repo": commands.triton_repo,
+    "triton-serve": commands.triton_serve,
+}
+DEFAULT = f"{DEFAULT_LOOKAHEAD.W},{DEFAULT_LOOKAHEAD.N},{DEFAULT_LOOKAHEAD.G}"
+SAMPLING = SamplingParams()
+
+
+def _add_model_arguments(p: argparse.ArgumentParser, engine: bool = True) -> None:
+    p.add_argument("--model", help=f"local HF Llama checkpoint dir, or a known name: {DEFAULT_MODEL}")
+    if engine:
+        p.add_argument("--engine", help="engine dir written by `trt-lookahead build`")
+    p.add_argument("--backend", choices=["torch", "onnxruntime", "tensorrt"], default=None,
+                   help="executor (default: torch for --model, onnxruntime for --engine)")
+    p.add_argument("--dtype", choices=DTYPES, default=DTYPES[0])
+    p.add_argument("--max-seq-len", "--max_seq_len", dest="max_seq_len", type=int, default=None,
+                   help="KV-cache length (default: min(model context, 4096))")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def _add_lookahead_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lookahead_config", "--lookahead-config", dest="lookahead_config", default=None,
+                   help=f"W,N,G (also W/N/G or [W,N,G]) or `auto` (tuned); default {DEFAULT}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trt-lookahead", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("fetch-model", help="download and convert a known model; prints its directory")
+    p.add_argument("name", help=DEFAULT_MODEL)
+    p.add_argument("--cache-dir", default=None, help="default: $TRT_LOOKAHEAD_CACHE or $XDG_CACHE_HOME/trt-lookahead")
+
+    p = sub.add_parser("generate", help="generate text with lookahead (or greedy) decoding")
+    _add_model_arguments(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-file", "--prompt_file", dest="prompt_file")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=int,
+                   default=commands.DEFAULT_MAX_NEW_TOKENS)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--lookahead_config", "--lookahead-config", dest="lookahead_config", default=None,
+                      help=f"W,N,G (also W/N/G or [W,N,G]) or `auto`; default {DEFAULT}")
+    mode.add_argument("--greedy", action="store_true", help="plain greedy (or sampled) decoding, T = 1")
+    p.add_argument("--temperature", type=float, default=SAMPLING.temperature)
+    p.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=SAMPLING.top_k)
+    p.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=SAMPLING.top_p)
+    p.add_argument("--seed", type=int, default=SAMPLING.seed)
+    p.add_argument("--json", action="store_true", help="print one JSON object with text, ids and stats")
+
+    p = sub.add_parser("bench", help="measure greedy and lookahead side by side on a prompt set")
+    _add_model_arguments(p, engine=True)
+    p.add_argument("--dataset", required=True, help="mt_bench, humaneval, gsm8k or a JSONL path (comma list ok)")
+    p.add_argument("--limit", type=int, default=8)
+    p.add_argument("--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=int,
+                   default=commands.DEFAULT_MAX_NEW_TOKENS)
+    p.add_argument("--configs", default=commands.DEFAULT_CONFIGS, help="comma list of greedy, W/N/G, auto")
+    p.add_argument("--peers", default="", help="extra rows: hf-greedy,hf-prompt-lookup")
+    p.add_argument("--out", default=None, help="write results.json, results.md and plots here")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("tune", help="choose W,N,G for this machine, model and workload")
+    _add_model_arguments(p, engine=False)
+    p.add_argument("--dataset", default=commands.DEFAULT_TUNE_DATASETS)
+    p.add_argument("--budget-seconds", "--budget_seconds", dest="budget_seconds", type=float,
+                   default=commands.DEFAULT_BUDGET)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("build", help="compile a checkpoint into an engine dir at fixed W,N,G")
+    p.add_argument("--model", required=True)
+    p.add_argument("--output", required=True, help="engine dir, e.g. engines/NAME")
+    _add_lookahead_argument(p)
+    p.add_argument("--max_seq_len", "--max-seq-len", dest="max_seq_len", type=int, default=2048)
+    p.add_argument("--max_input_len", "--max-input-len", dest="max_input_len", type=int, default=None)
+    p.add_argument("--dtype", default=DTYPES[0], help=", ".join(DTYPES))
+    p.add_argument("--attention", choices=ATTENTION_MODES, default=ATTENTION_MODES[0])
+    p.add_argument("--target", choices=TARGETS, default=TARGETS[0])
+    p.add_argument("--force", action="store_true", help="overwrite an existing engine dir")
+
+    p = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository")
+    p.add_argument("--model")
+    p.add_argument("--engine")
+    p.add_argument("--output", required=True, help="repository dir")
+    p.add_argument("--name", default="lookahead")
+    _add_lookahead_argument(p)
+    p.add_argument("--instances", type=int, default=1)
+    p.add_argument("--max_batch_size", "--max-batch-size", dest="max_batch_size", type=int, default=0)
+    p.add_argument("--max_seq_len", "--max-seq-len", dest="max_seq_len", type=int, default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+
+    p = sub.add_parser("triton-serve", help="run tritonserver (from nvidia-pytriton) on a repository")
+    p.add_argument("--repo", required=True)
+    p.add_argument("--http-port", "--http_port", dest="http_port", type=int, default=8000)
+    p.add_argument("--grpc-port", "--grpc_port", dest="grpc_port", type=int, default=8001)
+    p.add_argument("--metrics-port", "--metrics_port", dest="metrics_port", type=int, default=8002)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (UserError, ValueError, FileNotFoundError) as exc:
+        if os.environ.get("TRT_LOOKAHEAD_DEBUG"):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+

@@ -1,0 +1,189 @@
+"""LookaheadAttention as one fused Triton kernel (the plugin's implementation).
+
+One program per (block of BLOCK_M step rows, query head): an online-softmax pass over the cached
+prefix [0, cache_len), then over the T step tokens with the two-branch mask evaluated in registers
+by the same `mask.step_visible` function as the reference, from (W, N, G) = step_config (W = 0: causal).
+cache_len and step_config are loaded from device tensors, so one captured graph replays for every
+step and every config padded to T. Grouped-query heads read KV head h // (HQ // HKV).
+
+Launch contract (also the AOT plugin's): pointer arguments in op-input order, then the int32
+scalars T and S, then the output pointer; everything else is constexpr. The kernel uses no scratch
+memory (the AOT route cannot provide any). Runs on CPU under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import triton
+import triton.language as tl
+
+from trt_lookahead.kernels import mask, reference
+
+BLOCK_M = 16
+BLOCK_N = 32
+NUM_WARPS = 4
+_LOG2E = 1.4426950408889634
+
+# mask.py's functions compiled as Triton helpers: the same code objects, given this module's globals so
+# that `step_visible` finds the jitted `visible` beside it.
+visible = triton.jit(types.FunctionType(mask.visible.__code__, globals(), "visible"))
+step_visible = triton.jit(types.FunctionType(mask.step_visible.__code__, globals(), "step_visible"))
+
+
+@triton.jit
+def lookahead_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    cache_len_ptr,
+    step_config_ptr,
+    T,
+    S,
+    out_ptr,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    QK_SCALE: tl.constexpr,  # scale * log2(e): the softmax runs in base 2
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,  # interpreter only, see `interpreter_upcast`
+):
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // (HQ // HKV)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < T
+    d_ok = offs_d < D
+    q = tl.load(
+        q_ptr + offs_m[:, None] * (HQ * D) + head * D + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+    cache_len = tl.load(cache_len_ptr).to(tl.int32)
+    window = tl.load(step_config_ptr).to(tl.int32)
+    ngram = tl.load(step_config_ptr + 1).to(tl.int32)
+    verify = tl.load(step_config_ptr + 2).to(tl.int32)
+    causal = window == 0
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # The cached prefix: every row sees all of it.
+    kc_base = kc_ptr + kv_head * S * D
+    vc_base = vc_ptr + kv_head * S * D
+    for start in range(0, cache_len, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < cache_len
+        kv_mask = col_ok[:, None] & d_ok[None, :]
+        k = tl.load(kc_base + offs_n[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(vc_base + offs_n[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST_DOT:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * QK_SCALE
+        s = tl.where(col_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    # The step tokens, under the in-kernel mask.
+    step_end = T
+    if causal:  # a causal row block sees no later block: skip them
+        step_end = tl.minimum(T, (pid_m + 1) * BLOCK_M)
+    for start in range(0, step_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < T
+        kv_mask = col_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + offs_n[:, None] * (HKV * D) + kv_head * D + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + offs_n[:, None] * (HKV * D) + kv_head * D + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST_DOT:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * QK_SCALE
+        seen = step_visible(offs_m[:, None], offs_n[None, :], window, ngram, verify)
+        s = tl.where(seen & col_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        out_ptr + offs_m[:, None] * (HQ * D) + head * D + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
+
+
+def block_d(head_dim: int) -> int:
+    """Head size padded to a power of two >= 16 (tl.dot's smallest K); pad lanes load zeros."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def constexprs(num_q_heads: int, num_kv_heads: int, head_dim: int, scale: float, upcast_dot: bool = False) -> dict:
+    """The kernel's constexpr arguments for one op instance (shared by launch() and the AOT plugin)."""
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"query heads {num_q_heads} are not a multiple of KV heads {num_kv_heads}")
+    return {
+        "HQ": num_q_heads,
+        "HKV": num_kv_heads,
+        "D": head_dim,
+        "BLOCK_D": block_d(head_dim),
+        "QK_SCALE": float(scale) * _LOG2E,
+        "BLOCK_M": BLOCK_M,
+        "BLOCK_N": BLOCK_N,
+        "UPCAST_DOT": bool(upcast_dot),
+    }
+
+
+def interpreter_upcast(dtype) -> bool:
+    """Triton 3.9's interpreter multiplies bfloat16 tl.dot operands as their raw uint16 bits
+    (runtime/interpreter.py create_dot), so under TRITON_INTERPRET=1 bfloat16 operands are upcast to
+    float32 before each tl.dot. Compiled kernels (GPU, AOT) never take this branch."""
+    import torch
+
+    return os.environ.get("TRITON_INTERPRET") == "1" and dtype == torch.bfloat16
+
+
+def grid(tokens: int, num_q_heads: int) -> tuple[int, int]:
+    return (triton.cdiv(tokens, BLOCK_M), num_q_heads)
+
+
+def lookahead_attention(query, key, value, key_cache, value_cache, cache_len, step_config, *, scale=None, out=None):
+    """Launch the kernel on torch tensors (CUDA tensors, or CPU ones under TRITON_INTERPRET=1).
+
+    Same signature and semantics as reference.lookahead_attention; every tensor must be contiguous.
+    """
+    import torch
+
+    T, Hq, D = query.shape
+    Hkv = key.shape[1]
+    S = key_cache.shape[1]
+    for name, t in (("query", query), ("key", key), ("value", value), ("key_cache", key_cache),
+                    ("value_cache", value_cache), ("cache_len", cache_len), ("step_config", step_config)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if out is None:
+        out = torch.empty_like(query)
+    scale = reference.default_scale(D) if scale is None else scale
+    lookahead_attention_kernel[grid(T, Hq)](
+        query, key, value, key_cache, value_cache, cache_len, step_config, T, S, out,
+        **constexprs(Hq, Hkv, D, scale, upcast_dot=interpreter_upcast(query.dtype)),
+        num_warps=NUM_WARPS,
+    )
+    return out

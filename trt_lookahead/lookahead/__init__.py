@@ -1,0 +1,7 @@
+"""The lookahead algorithm, host side and numpy only: configs, the step layout and mask, the n-gram pool,
+seeded sampling, the executor contract, the per-request decoder and model-free oracle executors.
+
+Owns everything that decides which tokens are fed and which are accepted (docs/design.md sections 2-5).
+May import numpy and trt_lookahead.errors only: never torch, onnx, onnxruntime, tensorrt or triton (an
+import-linter contract checks this), so the algorithm runs and is tested without a model.
+"""

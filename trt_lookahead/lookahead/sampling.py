@@ -1,0 +1,99 @@
+"""Seeded, position-keyed sampling: the draw for a slot is a pure function of (seed, position, logits).
+
+token = argmax(filter(logits) / temperature + gumbel(seed, position, v)), where `filter` keeps the
+top-k logits and then the smallest top-p nucleus. Because the noise depends only on the seed and the
+absolute position of the slot, lookahead sampling is token-identical to plain sampling with the same
+seed, and each draw is exactly a sample from the filtered distribution (the Gumbel-max trick).
+
+The hash is 32-bit integer arithmetic done in int64 (every product stays below 2**63), so numpy,
+torch and ONNX graphs compute the same noise. This module is the numpy reference; `mix32` and
+`noise_bits` are array-generic, and the torch twin (kernels/sampling_torch.py) calls them on tensors.
+See docs/design.md section 4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+MASK32 = 0xFFFFFFFF
+HASH_MULTIPLIERS = (0x7FEB352D, 0x2C1B3C6D, 0x297A2D39)
+POSITION_SALT = 0x5BD1E995
+VOCAB_SALT = 0x1B873593
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy; top_k 0 and top_p 1.0 mean no filtering."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def mix32(x: Any) -> Any:
+    """An integer hash of values in [0, 2**32), in int64 arithmetic without overflow (numpy or torch)."""
+    for multiplier in HASH_MULTIPLIERS:
+        x = ((x ^ (x >> 16)) * multiplier) & MASK32
+    return x ^ (x >> 16)
+
+
+def noise_bits(seed_term: Any, positions: Any, vocab_terms: Any) -> Any:
+    """24 hash bits per (position, token); positions [rows, 1], vocab_terms [1, vocab] = v * VOCAB_SALT & MASK32."""
+    h = mix32(seed_term ^ ((positions * POSITION_SALT) & MASK32))
+    return mix32(h ^ vocab_terms) >> 8
+
+
+def uniform_noise(seed: int, positions: np.ndarray, vocab_size: int) -> np.ndarray:
+    """[len(positions), vocab] uniforms in (0, 1), keyed by (seed, position, token id)."""
+    pos = np.asarray(positions, np.int64)[:, None]
+    vocab = (np.arange(vocab_size, dtype=np.int64)[None, :] * VOCAB_SALT) & MASK32
+    bits = noise_bits(np.int64(seed & MASK32), pos, vocab)
+    return (bits.astype(np.float64) + 0.5) / float(1 << 24)
+
+
+def gumbel_noise(seed: int, positions: np.ndarray, vocab_size: int) -> np.ndarray:
+    return -np.log(-np.log(uniform_noise(seed, positions, vocab_size)))
+
+
+def filter_logits(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """Set logits outside the top-k and outside the top-p nucleus to -inf (rows independent)."""
+    logits = np.array(logits, np.float64)
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = np.partition(logits, vocab - top_k, axis=-1)[:, vocab - top_k][:, None]
+        logits[logits < kth] = -np.inf
+    if top_p < 1.0:
+        order = np.argsort(-logits, axis=-1, kind="stable")
+        sorted_logits = np.take_along_axis(logits, order, -1)
+        probs = np.exp(sorted_logits - sorted_logits[:, :1])
+        probs /= probs.sum(-1, keepdims=True)
+        before = np.cumsum(probs, -1) - probs  # mass strictly ahead of each token
+        drop_sorted = before >= top_p
+        drop = np.zeros_like(drop_sorted)
+        np.put_along_axis(drop, order, drop_sorted, -1)
+        logits[drop] = -np.inf
+    return logits
+
+
+def select_tokens(logits: np.ndarray, positions: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The next token for each row of `logits` [rows, vocab], row i at absolute position positions[i]."""
+    if params.greedy:
+        return np.argmax(logits, axis=-1)
+    scores = filter_logits(logits, params.top_k, params.top_p) / params.temperature
+    return np.argmax(scores + gumbel_noise(params.seed, positions, logits.shape[-1]), axis=-1)

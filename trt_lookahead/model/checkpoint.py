@@ -1,0 +1,264 @@
+"""Load a Hugging Face Llama checkpoint (config.json + safetensors) into `Llama`, without transformers.
+
+    model, cfg = load_llama("path/to/checkpoint", dtype="float32")   # or "bfloat16" / "float16"
+    tokenizer = load_tokenizer("path/to/checkpoint")                 # also an engine dir's copy
+
+Reads `model.safetensors`, or the shards named by `model.safetensors.index.json`. Every problem with
+the directory raises one `UserError` that names the problem and the fix: a missing directory,
+missing or malformed config.json, a non-Llama architecture, pickle (*.bin / *.pt) or GGUF weights
+(convert to safetensors), missing or truncated weight files, missing tensors, shape mismatches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import Tensor
+
+from trt_lookahead.errors import UserError
+from trt_lookahead.files import sha256_file
+from trt_lookahead.model.llama import WEIGHT_LAYOUTS, Llama, ModelConfig
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+INDEX_FILE = "model.safetensors.index.json"
+HEAD = "lm_head.weight"
+CONVERT_HINT = (
+    "convert it once with transformers: AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(OUT, "
+    "safe_serialization=True), and copy the tokenizer files along"
+)
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+    elif str(dtype).lower() in DTYPES:
+        return DTYPES[str(dtype).lower()]
+    raise UserError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """Validate `path` as a Llama checkpoint directory and return its ModelConfig."""
+    root = Path(path)
+    if not root.exists():
+        raise UserError(f"model directory {root} does not exist; pass a local Hugging Face Llama checkpoint directory")
+    if not root.is_dir():
+        raise UserError(
+            f"model path {root} is a file, not a directory; pass the checkpoint directory that holds config.json"
+        )
+    cfg_path = root / "config.json"
+    if not cfg_path.is_file():
+        raise UserError(
+            f"{root} has no config.json; a Hugging Face checkpoint directory needs config.json beside its weights"
+        )
+    try:
+        hf = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{cfg_path} is not valid JSON ({exc}); restore it from the original checkpoint") from exc
+    if not isinstance(hf, dict):
+        raise UserError(f"{cfg_path} holds a JSON {type(hf).__name__}, not an object; restore the original config.json")
+    model_type = hf.get("model_type")
+    archs = hf.get("architectures") or []
+    if not isinstance(archs, list):
+        archs = [archs]
+    is_llama = model_type == "llama" if model_type is not None else any(str(a).startswith("Llama") for a in archs)
+    if not is_llama or any(not str(a).startswith("Llama") for a in archs):
+        what = f"model_type {model_type!r}" + (f", architectures {archs}" if archs else "")
+        raise UserError(
+            f"{root} is not a Llama checkpoint ({what}); only Llama-architecture models "
+            "(model_type 'llama', LlamaForCausalLM) are supported"
+        )
+    try:
+        return ModelConfig.from_hf(hf)
+    except UserError as exc:
+        raise UserError(f"{cfg_path}: {exc}") from exc
+
+
+def weight_files(root: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory, or a UserError saying what is there instead."""
+    index = root / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise UserError(
+                f"{index} is malformed ({exc!r}); restore it from the original checkpoint or re-download it"
+            ) from exc
+        missing = [n for n in names if not (root / n).is_file()]
+        if missing:
+            raise UserError(
+                f"{root} is missing weight shard(s) {', '.join(missing)} listed in {INDEX_FILE}; "
+                "re-download the checkpoint"
+            )
+        return [root / n for n in names]
+    single = root / "model.safetensors"
+    if single.is_file():
+        return [single]
+    others = sorted(root.glob("*.safetensors"))
+    if others:
+        return others
+    pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise UserError(
+            f"{root} holds pickle weights ({', '.join(pickles)}), which are not loaded (unsafe, slow); "
+            f"convert them to safetensors: {CONVERT_HINT}"
+        )
+    ggufs = sorted(p.name for p in root.glob("*.gguf"))
+    if ggufs:
+        raise UserError(
+            f"{root} holds GGUF weights ({', '.join(ggufs)}) but no safetensors; convert them once to a "
+            "safetensors checkpoint (trt-lookahead fetch-model does this for known models)"
+        )
+    raise UserError(f"{root} has no model.safetensors (nor {INDEX_FILE}); re-download or re-convert the checkpoint")
+
+
+def weights_sha256(root: str | os.PathLike) -> str:
+    """One checksum over a checkpoint's weight files: the model's identity an engine dir records."""
+    return hashlib.sha256("".join(sha256_file(f) for f in weight_files(Path(root))).encode()).hexdigest()
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer of a checkpoint or engine dir (transformers' AutoTokenizer), or a UserError if it has none."""
+    from transformers import AutoTokenizer
+
+    root = Path(path)
+    if not any((root / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        raise UserError(f"{root} has no tokenizer (tokenizer.json); copy the model's tokenizer files into it")
+    return AutoTokenizer.from_pretrained(str(root))
+
+
+def hf_key(name: str) -> str:
+    """The HF LlamaForCausalLM key of a name from `expected_tensors`."""
+    return name if name == HEAD else f"model.{name}"
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a HF Llama checkpoint with this config -> shape: the decoder's without its 'model.'
+    prefix, and lm_head.weight only when it is not tied to the embedding."""
+    h, q, kv, f = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (cfg.vocab_size, h), "norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes[HEAD] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        for name, out, inp in (("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, q)):
+            shapes[f"{p}self_attn.{name}.weight"] = (out, inp)
+            if cfg.attention_bias:
+                shapes[f"{p}self_attn.{name}.bias"] = (out,)
+        for name, out, inp in (("gate_proj", f, h), ("up_proj", f, h), ("down_proj", h, f)):
+            shapes[f"{p}mlp.{name}.weight"] = (out, inp)
+            if cfg.mlp_bias:
+                shapes[f"{p}mlp.{name}.bias"] = (out,)
+    return shapes
+
+
+def _read_tensors(files: list[Path], cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Tensor]:
+    """Read every expected tensor (HF names without the decoder prefix), checking presence and shape."""
+    wanted = expected_tensors(cfg)
+    out: dict[str, Tensor] = {}
+    located: dict[str, tuple[Path, str]] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    name = key.removeprefix("model.")
+                    if name in wanted:
+                        located[name] = (file, key)
+        except (SafetensorError, OSError) as exc:
+            raise UserError(
+                f"weight file {file} is unreadable ({exc}); it is probably truncated or corrupt: re-download it"
+            ) from exc
+    missing = [n for n in wanted if n not in located]
+    if missing:
+        shown = ", ".join(hf_key(n) for n in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise UserError(
+            f"checkpoint {files[0].parent} lacks tensor(s) {shown}{more} that its config.json requires; "
+            "the weights do not belong to this config or are incomplete: re-download the checkpoint"
+        )
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for name, (file, key) in located.items():
+        by_file.setdefault(file, []).append((name, key))
+    for file, items in by_file.items():
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name, key in items:
+                    shape = tuple(f.get_slice(key).get_shape())
+                    if shape != wanted[name]:
+                        raise UserError(
+                            f"tensor {key} in {file} has shape {list(shape)} but config.json implies "
+                            f"{list(wanted[name])}; the weights and config.json do not match"
+                        )
+                    out[name] = f.get_tensor(key).to(dtype)
+        except (SafetensorError, OSError) as exc:
+            raise UserError(f"weight file {file} is unreadable ({exc}); re-download it") from exc
+    return out
+
+
+def to_state_dict(hf: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """HF tensor names -> this package's `Llama` state dict (q/k/v and gate/up fused)."""
+    sd = {"tok_embeddings.weight": hf["embed_tokens.weight"], "norm.weight": hf["norm.weight"]}
+    sd["output.weight"] = hf["embed_tokens.weight"] if cfg.tie_word_embeddings else hf[HEAD]
+    kinds = ["weight"] + (["bias"] if cfg.attention_bias else [])
+    for i in range(cfg.num_layers):
+        p, o = f"layers.{i}.", f"layers.{i}."
+        sd[o + "attention_norm.weight"] = hf[p + "input_layernorm.weight"]
+        sd[o + "ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
+        for kind in kinds:
+            sd[f"{o}attention.wqkv.{kind}"] = torch.cat([hf[f"{p}self_attn.{n}_proj.{kind}"] for n in "qkv"])
+            sd[f"{o}attention.wo.{kind}"] = hf[f"{p}self_attn.o_proj.{kind}"]
+        for kind in ["weight"] + (["bias"] if cfg.mlp_bias else []):
+            sd[f"{o}feed_forward.w13.{kind}"] = torch.cat(
+                [hf[f"{p}mlp.gate_proj.{kind}"], hf[f"{p}mlp.up_proj.{kind}"]]
+            )
+            sd[f"{o}feed_forward.w2.{kind}"] = hf[f"{p}mlp.down_proj.{kind}"]
+    return sd
+
+
+def load_llama(
+    path: str | Path,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    weight_layout: str = "out_in",
+) -> tuple[Llama, ModelConfig]:
+    """Load a HF Llama checkpoint directory as (`Llama` in eval mode on `device`, its `ModelConfig`).
+
+    weight_layout: 'out_in' (nn.Linear's [out, in], lm_head tied as in the checkpoint: the layout to
+    export or to move between devices), or 'auto' for running the torch executor: 'onednn' on x86
+    CPUs for models with hidden >= 256 (oneDNN-packed weights: faster and batch-invariant), else
+    'out_in'; 'in_out' and 'onednn' may be named too. See `llama.fast_weight_layout`.
+    """
+    torch_dtype = parse_dtype(dtype)
+    layouts = ("auto", *WEIGHT_LAYOUTS)
+    if weight_layout not in layouts:
+        raise UserError(f"weight layout {weight_layout!r} is not one of {', '.join(layouts)}")
+    cfg = read_config(path)
+    files = weight_files(Path(path))
+    hf = _read_tensors(files, cfg, torch_dtype)
+    with torch.device("meta"):
+        model = Llama(cfg, dtype=torch_dtype)
+    model.load_state_dict(to_state_dict(hf, cfg), assign=True, strict=True)
+    model.tie_weights()
+    model = model.to(device).eval().requires_grad_(False)
+    try:
+        model.set_weight_layout(weight_layout)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    return model, cfg

@@ -1,0 +1,415 @@
+"""Convert a llama.cpp GGUF file (Llama architecture, byte-level BPE vocabulary) into a Hugging Face
+Llama checkpoint directory: config.json, generation_config.json, model.safetensors (float32),
+tokenizer.json and tokenizer_config.json.
+
+Our own code, not transformers' model loading: the `gguf` package reads the tensors and dequantizes
+them (Q4_0/Q4_1/Q8_0/K-quants/F16/F32 ...), the `tokenizers` library builds the tokenizer.
+
+Two things llama.cpp changes on the way from HF to GGUF, and which are undone here:
+- the rows of attn_q / attn_k are permuted so that RoPE rotates interleaved pairs (2i, 2i+1) of each
+  head; HF's `rotate_half` rotates (i, i + d/2). `unpermute_qk` is the inverse of llama.cpp's `permute`.
+- the tokenizer becomes a bare vocabulary + merges list + a named pre-tokenizer (`tokenizer.ggml.pre`);
+  `build_tokenizer` rebuilds the pipeline that name stands for (for `smollm`: every digit split off
+  on its own, then GPT-2 byte-level splitting).
+
+    info = convert_gguf_to_hf("model.gguf", "out_dir", progress=True)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trt_lookahead.errors import UserError
+
+# llama.cpp tensor names -> HF Llama names; `{}` is the layer index.
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Tensors llama.cpp may store that carry nothing a HF Llama needs (RoPE tables are recomputed).
+_IGNORED_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
+_TOKEN_CONTROL = 3
+_TOKEN_USER_DEFINED = 4
+
+# tokenizer.ggml.pre values whose split is plain GPT-2 byte-level, or GPT-2 after isolating every digit.
+_PRE_GPT2 = {"default", "gpt2", "gpt-2", "mpt", "olmo", "jais"}
+_PRE_DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
+
+
+@dataclass
+class ConversionInfo:
+    """What `convert_gguf_to_hf` wrote and how long it took."""
+
+    out_dir: Path
+    files: list[str]
+    config: dict[str, Any]
+    num_parameters: int
+    tensor_types: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# metadata
+
+
+def read_metadata(reader) -> dict[str, Any]:
+    """Every key-value field of a `gguf.GGUFReader` as Python values (strings, numbers, lists)."""
+    meta: dict[str, Any] = {}
+    for key, fld in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = fld.contents()
+        if isinstance(value, np.generic):
+            value = value.item()
+        meta[key] = value
+    return meta
+
+
+def _f32_to_float(x: float) -> float:
+    """The shortest decimal that rounds to the same float32 (9.9999997e-06 -> 1e-05)."""
+    return float(str(np.float32(x)))
+
+
+def build_config(meta: dict[str, Any], tensor_names: Sequence[str]) -> dict[str, Any]:
+    """HF `LlamaConfig` dict from GGUF metadata (`llama.*`, `tokenizer.ggml.*`) and the tensor list."""
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise UserError(f"GGUF architecture is {arch!r}; only 'llama' can be converted")
+
+    def get(key: str, default: Any = None, required: bool = True) -> Any:
+        full = f"llama.{key}"
+        if full in meta:
+            return meta[full]
+        if required and default is None:
+            raise UserError(f"GGUF metadata lacks {full!r}; the file is incomplete or not a llama model")
+        return default
+
+    hidden = int(get("embedding_length"))
+    n_heads = int(get("attention.head_count"))
+    if isinstance(meta.get("llama.attention.head_count_kv"), list):
+        raise UserError("GGUF has a per-layer KV head count; not supported")
+    n_kv = int(get("attention.head_count_kv", n_heads))
+    head_dim = int(get("attention.key_length", hidden // n_heads))
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise UserError("GGUF has different key and value head sizes; not supported")
+    rope_dim = int(get("rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise UserError(f"GGUF rotates {rope_dim} of {head_dim} head dims (partial RoPE); not supported")
+    rope_scaling = get("rope.scaling.type", "none", required=False)
+    if rope_scaling not in ("none", None):
+        raise UserError(f"GGUF uses RoPE scaling {rope_scaling!r}; not supported")
+    if n_heads % n_kv:
+        raise UserError(f"GGUF head counts {n_heads}/{n_kv} are not a valid GQA grouping")
+
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    vocab_size = int(get("vocab_size", len(tokens) or None))
+    rope_theta = _f32_to_float(get("rope.freq_base", 10000.0, required=False))
+    eps = _f32_to_float(get("attention.layer_norm_rms_epsilon"))
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    pad = meta.get("tokenizer.ggml.padding_token_id", eos)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(get("context_length")),
+        "rms_norm_eps": eps,
+        "rope_theta": rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "rope_scaling": None,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": None if eos is None else int(eos),
+        "pad_token_id": None if pad is None else int(pad),
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "torch_dtype": "float32",
+    }
+
+
+def build_generation_config(config: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": config["eos_token_id"],
+        "pad_token_id": config["pad_token_id"],
+        "do_sample": False,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# tensors
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's `permute` (convert_hf_to_gguf.py): HF rotate_half row order -> interleaved pairs.
+
+    Per head, row j < d/2 goes to 2j and row d/2 + j to 2j + 1. Given for tests and round trips.
+    """
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of `permute_qk`: a GGUF attn_q/attn_k weight (or bias) back to HF's row order.
+
+    `n_head` is the number of heads the rows belong to: attention heads for q, KV heads for k.
+    """
+    if w.shape[0] % (2 * n_head):
+        raise ValueError(f"{w.shape[0]} rows do not split into {n_head} heads of even size")
+    return np.ascontiguousarray(
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """HF name for a GGUF tensor name; None for tensors that are deliberately dropped."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    if gguf_name in _IGNORED_TENSORS:
+        return None
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        rest = parts[2]
+        if rest in _LAYER_TENSORS:
+            return f"model.layers.{int(parts[1])}.{_LAYER_TENSORS[rest]}"
+        if rest in ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias"):
+            proj = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj"}
+            return f"model.layers.{int(parts[1])}.self_attn.{proj[rest.split('.')[0]]}.bias"
+    raise UserError(f"GGUF tensor {gguf_name!r} has no HF Llama counterpart; the file is not a plain llama model")
+
+
+def convert_tensors(reader, config: dict[str, Any], progress: bool = True) -> tuple[dict[str, np.ndarray], dict]:
+    """Dequantize every tensor to float32, rename it to HF and undo the q/k permutation."""
+    from gguf.quants import dequantize
+    from tqdm import tqdm
+
+    nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
+    out: dict[str, np.ndarray] = {}
+    types: dict[str, int] = {}
+    bar = tqdm(reader.tensors, desc="dequantize", unit="tensor", file=sys.stderr, disable=not progress)
+    for t in bar:
+        name = hf_tensor_name(t.name)
+        if name is None:
+            continue
+        qtype = t.tensor_type.name
+        types[qtype] = types.get(qtype, 0) + 1
+        bar.set_postfix_str(f"{t.name} {qtype}", refresh=False)
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        # GGUF lists dims innermost-first; numpy's (rows, cols) is their reverse = HF (out, in).
+        want = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
+        if w.shape != want:
+            w = w.reshape(want)
+        if ".attn_q." in t.name:
+            w = unpermute_qk(w, nh)
+        elif ".attn_k." in t.name:
+            w = unpermute_qk(w, nkv)
+        out[name] = np.ascontiguousarray(w)
+    bar.close()
+
+    from trt_lookahead.model.checkpoint import expected_tensors, hf_key
+    from trt_lookahead.model.llama import ModelConfig
+
+    shapes = {hf_key(name): shape for name, shape in expected_tensors(ModelConfig.from_hf(config)).items()}
+    missing = sorted(set(shapes) - set(out))
+    extra = sorted(set(out) - set(shapes))
+    if missing or extra:
+        raise UserError(f"GGUF tensors do not match its metadata: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, shape in shapes.items():
+        if out[name].shape != shape:
+            raise UserError(f"GGUF tensor for {name} has shape {out[name].shape}, metadata implies {shape}")
+    return out, types
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the alphabet byte-level BPE tokens are spelled in)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs), strict=True))
+
+
+def smollm_pre_tokenizer():
+    """llama.cpp's `smollm` split: each digit (\\p{N}) isolated, then GPT-2's byte-level regex.
+
+    Written the way SmolLM2's own tokenizer.json writes it (Digits + ByteLevel).
+    """
+    from tokenizers import pre_tokenizers
+
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
+
+
+def build_tokenizer(meta: dict[str, Any]):
+    """A `tokenizers.Tokenizer` for a GGUF byte-level BPE vocabulary (`tokenizer.ggml.model == gpt2`)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import BPE
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise UserError(f"GGUF tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') is")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    add_prefix_space = bool(meta.get("tokenizer.ggml.add_space_prefix", False))
+    if pre in _PRE_DIGITS_THEN_GPT2:
+        pre_tok = smollm_pre_tokenizer()
+    elif pre in _PRE_GPT2:
+        pre_tok = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    else:
+        raise UserError(f"GGUF pre-tokenizer {pre!r} is not supported (known: smollm, gpt2 and their aliases)")
+    if add_prefix_space:
+        raise UserError("GGUF asks for a space prefix on a byte-level vocabulary; not supported")
+
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")) for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    if len(vocab) != len(spelled):
+        raise UserError("GGUF vocabulary has duplicate tokens")
+    merges = []
+    for m in meta.get("tokenizer.ggml.merges") or []:
+        a, sep, b = m.partition(" ")
+        if not sep or " " in b:
+            raise UserError(f"GGUF merge {m!r} is not two tokens")
+        merges.append((a, b))
+
+    tok = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = None
+    tok.pre_tokenizer = pre_tok
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)  # adds nothing: no BOS (add_bos_token False)
+    tok.decoder = decoders.ByteLevel()
+    if len(types) != len(tokens):
+        raise UserError("GGUF token_type list and token list differ in length")
+    kinds = list(zip(spelled, types, strict=True))
+    control = [AddedToken(t, special=True, normalized=False) for t, ty in kinds if ty == _TOKEN_CONTROL]
+    user = [AddedToken(t, special=False, normalized=False) for t, ty in kinds if ty == _TOKEN_USER_DEFINED]
+    if control:
+        tok.add_special_tokens(control)
+    if user:
+        tok.add_tokens(user)
+    if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
+        raise UserError("tokenizer vocabulary size differs from the GGUF's token list")
+    return tok
+
+
+def build_tokenizer_config(meta: dict[str, Any], max_length: int) -> dict[str, Any]:
+    tokens = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type") or []
+
+    def token(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return None if i is None else tokens[int(i)]
+
+    cfg: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "add_prefix_space": False,
+        "bos_token": token("bos_token_id"),
+        "eos_token": token("eos_token_id"),
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id") or token("eos_token_id"),
+        "additional_special_tokens": [t for t, ty in zip(tokens, types, strict=False) if ty == _TOKEN_CONTROL],
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_length,
+    }
+    template = meta.get("tokenizer.chat_template")
+    if template:
+        cfg["chat_template"] = template
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole conversion
+
+
+def _normalize_permissions(out: Path, files: Sequence[str]) -> None:
+    """Ordinary file modes (safetensors writes 0600); the cache is meant to be read by other users' tools."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in files:
+        os.chmod(out / name, 0o666 & ~umask)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> ConversionInfo:
+    """Write a HF Llama checkpoint for `gguf_path` into `out_dir` (created; existing files overwritten)."""
+    import gguf
+    from safetensors.numpy import save_file
+
+    start = time.perf_counter()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+    except Exception as exc:  # gguf raises ValueError/struct.error/OSError on bad files
+        raise UserError(f"cannot read GGUF {gguf_path}: {exc}") from exc
+    meta = read_metadata(reader)
+    names = [t.name for t in reader.tensors]
+    config = build_config(meta, names)
+
+    tokenizer = build_tokenizer(meta)
+    tokenizer.save(str(out / "tokenizer.json"))
+    _write_json(out / "tokenizer_config.json", build_tokenizer_config(meta, config["max_position_embeddings"]))
+
+    tensors, types = convert_tensors(reader, config, progress=progress)
+    if progress:
+        print(f"writing {out / 'model.safetensors'}", file=sys.stderr)
+    save_file(dict(sorted(tensors.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
+    n_params = int(sum(t.size for t in tensors.values()))
+    del tensors
+
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", build_generation_config(config))
+    files = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    _normalize_permissions(out, files)
+    return ConversionInfo(out, files, config, n_params, types, time.perf_counter() - start)
