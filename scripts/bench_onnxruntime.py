@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.config import DEFAULT_LOOKAHEAD, GREEDY, LookaheadConfig
 from trt_lookahead.lookahead.layout import StepLayout
 
 REPO = Path(__file__).resolve().parent.parent
@@ -101,17 +101,17 @@ def main() -> int:
     model, cfg = load_llama(model_path)
     args.max_seq_len = args.max_seq_len or min(1024, cfg.max_position_embeddings)
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
-    lookaheads = [LookaheadConfig.parse(c) for c in names if c != "greedy"]
+    lookaheads = [LookaheadConfig.parse(c) for c in names if c != GREEDY]
     if not lookaheads:
-        lookaheads = [LookaheadConfig(4, 3, 4)]
+        lookaheads = [DEFAULT_LOOKAHEAD]
     root = Path(args.engines)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, cfg.vocab_size, args.context)
     rows = []
     builds = {}
     for name in names:
-        lookahead = LookaheadConfig.greedy() if name == "greedy" else LookaheadConfig.parse(name)
-        engine_cfg = lookaheads[0] if name == "greedy" else lookahead
+        lookahead = LookaheadConfig.greedy() if name == GREEDY else LookaheadConfig.parse(name)
+        engine_cfg = lookaheads[0] if name == GREEDY else lookahead
         engine_dir, seconds = ensure_engine(model_path, engine_cfg, root, args.attention, args.max_seq_len)
         builds[str(engine_cfg)] = {"dir": str(engine_dir), "seconds": round(seconds, 1)}
         layout = StepLayout(lookahead)

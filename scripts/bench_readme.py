@@ -23,6 +23,7 @@ from typing import Any
 from trt_lookahead.bench.bench import format_markdown
 from trt_lookahead.bench.machine import load_average, machine_key, utc_now
 from trt_lookahead.cli.commands import bench_model, tune_model
+from trt_lookahead.lookahead.config import AUTO, GREEDY
 from trt_lookahead.tuning.file import lookup_tuning
 from trt_lookahead.tuning.tune import format_report
 
@@ -51,7 +52,7 @@ def summary_table(results: list[dict[str, Any]]) -> str:
     ]
     for result in results:
         for dataset in result["datasets"]:
-            g, a, w = (_row(result, dataset, c) for c in ("greedy", "auto", "15/5/15"))
+            g, a, w = (_row(result, dataset, c) for c in (GREEDY, AUTO, "15/5/15"))
             pl = _row(result, dataset, "hf-prompt-lookup")
             rss = " / ".join(_f(r and r.get("peak_rss_mb"), 0) for r in (g, a, w))
             lines.append(
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     for dtype in dtypes:
-        if args.tune_only or "auto" in args.configs:
+        if args.tune_only or AUTO in args.configs:
             missing = lookup_tuning(args.model, dtype, "torch") is None
             if args.retune or missing:
                 print(f"== tune {dtype}: load {load_average()} at {utc_now()}, {machine_key()}", file=sys.stderr)

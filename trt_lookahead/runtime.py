@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from trt_lookahead.engine.format import is_engine_dir
 from trt_lookahead.errors import UserError
@@ -243,9 +243,9 @@ class LookaheadRuntime:
             return list(self.tokenizer(prompt, verbose=False)["input_ids"])
         items = list(prompt)
         if items and all(isinstance(m, dict) for m in items):
-            return self._apply_chat_template(items)
+            return self._apply_chat_template(cast(list[dict[str, str]], items))
         if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-            return items
+            return cast(list[int], items)
         raise UserError("a prompt is text, a list of chat messages {'role', 'content'}, or a list of token ids")
 
     def _apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:

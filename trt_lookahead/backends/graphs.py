@@ -1,5 +1,6 @@
 """What the engine backends (onnxruntime, TensorRT) share: which graph a layout runs with which
-step_config, the prefill chunks, and the host-side token choice (docs/design.md sections 5 and 6.3)."""
+step_config, the prefill chunks, the host-side token choice, and the executors' common state
+(docs/design.md sections 5 and 6.3)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,50 @@ def engine_step(config: EngineConfig, layout: StepLayout) -> EngineStep:
         f"a {T}-slot step ({layout.config}) does not fit engine {config.path}, built for T={config.step_tokens} "
         f"({config.lookahead}); pad the layout to the engine's T or rebuild"
     )
+
+
+class OpenedEngine:
+    """An engine dir opened for a backend: what the runtime reads of it (backends/open.py's Engine)."""
+
+    def __init__(self, config: EngineConfig, max_seq_len: int | None) -> None:
+        self.config = config
+        self.lookahead = config.lookahead
+        self.step_tokens = config.step_tokens
+        self.max_seq_len = config.max_seq_len if max_seq_len is None else int(max_seq_len)
+        self.dtype = config.dtype
+
+
+class EngineExecutor:
+    """The executor state both engine backends keep: sizes, sampling, cache_len and the step's result row."""
+
+    def __init__(self, engine: OpenedEngine, layout: StepLayout) -> None:
+        self.run = engine_step(engine.config, layout)
+        self.layout = layout
+        self.vocab_size = engine.config.vocab_size
+        self.max_seq_len = engine.max_seq_len
+        self.step_tokens = layout.step_tokens
+        self.output_slots = layout.output_slots
+        self.sampling = SamplingParams()
+        self._cache_len = 0
+        self._result = np.full(self.step_tokens, -1, np.int64)  # -1 at slots whose output is not read
+
+    @property
+    def cache_len(self) -> int:
+        return self._cache_len
+
+    def reset(self, sampling: SamplingParams | None = None) -> None:
+        self.sampling = sampling or SamplingParams()
+        self._cache_len = 0
+
+    def _check_room(self) -> None:
+        if self._cache_len > self.max_seq_len:
+            raise ValueError(f"KV cache full: {self._cache_len} tokens cached, max_seq_len={self.max_seq_len}")
+
+    def _at_output_slots(self, chosen: np.ndarray) -> np.ndarray:
+        """[T] int64: the chosen tokens at the output slots, -1 elsewhere."""
+        result = self._result.copy()
+        result[self.output_slots] = chosen
+        return result
 
 
 def prefill_chunks(ids: np.ndarray, chunk: int) -> Iterator[tuple[int, dict[str, np.ndarray]]]:

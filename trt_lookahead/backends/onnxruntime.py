@@ -26,13 +26,11 @@ import threading
 
 import numpy as np
 
-from trt_lookahead.backends.graphs import choose_tokens, engine_step, prefill_chunks
+from trt_lookahead.backends.graphs import EngineExecutor, OpenedEngine, choose_tokens, prefill_chunks
 from trt_lookahead.engine.format import EngineConfig, cache_names
 from trt_lookahead.errors import UserError
-from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.executor import check_commit, check_prompt
 from trt_lookahead.lookahead.layout import StepLayout
-from trt_lookahead.lookahead.sampling import SamplingParams
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -41,7 +39,7 @@ class OnnxRuntimeUnsupported(UserError):
     """The engine is valid but onnxruntime's CPU kernels cannot run it (e.g. bfloat16)."""
 
 
-class OnnxRuntimeEngine:
+class OnnxRuntimeEngine(OpenedEngine):
     """An engine dir's graphs as onnxruntime sessions (created on first use, shared by its executors)."""
 
     def __init__(self, config: EngineConfig, max_seq_len: int | None = None, threads: int | None = None) -> None:
@@ -50,11 +48,7 @@ class OnnxRuntimeEngine:
                 f"engine {config.path} holds {config.dtype} weights, which onnxruntime's CPU kernels cannot run "
                 "(no bfloat16 MatMul); build a float32 engine for the onnxruntime backend, or use --backend tensorrt"
             )
-        self.config = config
-        self.lookahead: LookaheadConfig = config.lookahead
-        self.step_tokens = config.step_tokens
-        self.max_seq_len = config.max_seq_len if max_seq_len is None else int(max_seq_len)
-        self.dtype = config.dtype
+        super().__init__(config, max_seq_len)
         self.threads = threads
         self._sessions: dict[str, object] = {}
         self._lock = threading.Lock()
@@ -98,19 +92,13 @@ def _torch_threads() -> int:
     return torch.get_num_threads()
 
 
-class OnnxRuntimeExecutor:
+class OnnxRuntimeExecutor(EngineExecutor):
     """Executor contract on an OnnxRuntimeEngine; see the module docstring."""
 
     def __init__(self, engine: OnnxRuntimeEngine, layout: StepLayout) -> None:
-        cfg = engine.config
-        T = layout.step_tokens
-        run = engine_step(cfg, layout)
+        super().__init__(engine, layout)
+        cfg, run, T = engine.config, self.run, self.step_tokens
         self.engine = engine
-        self.layout = layout
-        self.vocab_size = cfg.vocab_size
-        self.max_seq_len = engine.max_seq_len
-        self.step_tokens = T
-        self.output_slots = layout.output_slots
         dtype = _NUMPY_DTYPES[cfg.dtype]
         L, Hkv, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
         self._layers = L
@@ -133,9 +121,6 @@ class OnnxRuntimeExecutor:
         }
         self._session = engine.session("step" if run.step_graph else "prefill")
         self._binding = self._bind(self._session, self._inputs, self._outputs)
-        self._result = np.full(T, -1, np.int64)
-        self._cache_len = 0
-        self.sampling = SamplingParams()
 
     def _bind(self, session, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray]):
         """IOBinding of every graph input and output to these numpy buffers, by address (no copies)."""
@@ -150,14 +135,6 @@ class OnnxRuntimeExecutor:
         return binding
 
     # -- contract ---------------------------------------------------------------------------------
-
-    @property
-    def cache_len(self) -> int:
-        return self._cache_len
-
-    def reset(self, sampling: SamplingParams | None = None) -> None:
-        self.sampling = sampling or SamplingParams()
-        self._cache_len = 0
 
     def prefill(self, prompt_ids: np.ndarray) -> int:
         ids = check_prompt(prompt_ids, self.max_seq_len, self.vocab_size)
@@ -181,8 +158,7 @@ class OnnxRuntimeExecutor:
         return int(self._select(outputs, np.array([P - 1]))[0])
 
     def step(self, input_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        if self._cache_len > self.max_seq_len:
-            raise ValueError(f"KV cache full: {self._cache_len} tokens cached, max_seq_len={self.max_seq_len}")
+        self._check_room()
         inputs = self._inputs
         inputs["input_ids"][:] = input_ids
         inputs["positions"][:] = positions
@@ -190,9 +166,7 @@ class OnnxRuntimeExecutor:
         self._session.run_with_iobinding(self._binding)
         out = self._outputs
         chosen = self._select(out, inputs["positions"][self.output_slots])
-        result = self._result.copy()
-        result[self.output_slots] = chosen
-        return result
+        return self._at_output_slots(chosen)
 
     def commit(self, slots: np.ndarray) -> None:
         slots = check_commit(slots, self.step_tokens, self._cache_len, self.max_seq_len)

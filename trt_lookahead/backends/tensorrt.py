@@ -13,10 +13,12 @@ documented and its tests skip where TensorRT or a GPU is missing.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from trt_lookahead.backends.devices import import_tensorrt, tensorrt_unavailable_reason
-from trt_lookahead.backends.graphs import choose_tokens, engine_step, prefill_chunks
+from trt_lookahead.backends.graphs import EngineExecutor, OpenedEngine, choose_tokens, prefill_chunks
 from trt_lookahead.engine.format import (
     PLAN_FILE,
     PREFILL_PROFILE,
@@ -29,10 +31,9 @@ from trt_lookahead.engine.format import (
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.executor import check_commit, check_prompt
 from trt_lookahead.lookahead.layout import StepLayout
-from trt_lookahead.lookahead.sampling import SamplingParams
 
 
-class TensorRTEngine:
+class TensorRTEngine(OpenedEngine):
     """engine.plan deserialized once; executors share its weights and device memory."""
 
     def __init__(self, config: EngineConfig, max_seq_len: int | None = None) -> None:
@@ -52,11 +53,7 @@ class TensorRTEngine:
         from trt_lookahead.kernels import tensorrt_plugin
 
         tensorrt_plugin.register(trt, trtp)
-        self.config = config
-        self.lookahead = config.lookahead
-        self.step_tokens = config.step_tokens
-        self.max_seq_len = config.max_seq_len if max_seq_len is None else int(max_seq_len)
-        self.dtype = config.dtype
+        super().__init__(config, max_seq_len)
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
         self.engine = self._runtime.deserialize_cuda_engine(plan.read_bytes())
@@ -79,21 +76,15 @@ class TensorRTEngine:
         return TensorRTExecutor(self, layout)
 
 
-class TensorRTExecutor:
+class TensorRTExecutor(EngineExecutor):
     """Executor contract on a TensorRTEngine (static CUDA buffers, the step replayed as a CUDA graph)."""
 
     def __init__(self, engine: TensorRTEngine, layout: StepLayout) -> None:
         import torch
 
-        cfg = engine.config
-        T = layout.step_tokens
-        run = engine_step(cfg, layout)
-        self.engine = engine
-        self.layout = layout
-        self.vocab_size = cfg.vocab_size
-        self.max_seq_len = engine.max_seq_len
-        self.step_tokens = T
-        self.output_slots = layout.output_slots
+        super().__init__(engine, layout)
+        cfg, run, T = engine.config, self.run, self.step_tokens
+        self.engine: TensorRTEngine = engine
         dev, dtype = engine.device, getattr(torch, cfg.dtype)
         L, Hkv, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
         K = len(self.output_slots)
@@ -124,10 +115,7 @@ class TensorRTExecutor:
         self._ctx = engine.context(STEP_PROFILE if run.step_graph else SINGLE_PROFILE)
         self._bind(self._ctx, self._buffers, T, K)
         self._graph = self._capture()
-        self._prefill_ctx = None
-        self._result = np.full(T, -1, np.int64)
-        self._cache_len = 0
-        self.sampling = SamplingParams()
+        self._prefill_ctx: Any = None  # the prefill profile's context, made on first use
 
     @staticmethod
     def _bind(ctx, buffers: dict, tokens: int, rows: int) -> None:
@@ -160,14 +148,6 @@ class TensorRTExecutor:
 
     # -- contract ---------------------------------------------------------------------------------
 
-    @property
-    def cache_len(self) -> int:
-        return self._cache_len
-
-    def reset(self, sampling: SamplingParams | None = None) -> None:
-        self.sampling = sampling or SamplingParams()
-        self._cache_len = 0
-
     def prefill(self, prompt_ids: np.ndarray) -> int:
         import torch
 
@@ -175,6 +155,7 @@ class TensorRTExecutor:
         P = len(ids)
         if self._prefill_ctx is None:
             self._prefill_ctx = self.engine.context(PREFILL_PROFILE)
+        ctx = self._prefill_ctx
         cfg, dev = self.engine.config, self.engine.device
         chunk = cfg.max_input_len
         buffers: dict = {}
@@ -190,8 +171,8 @@ class TensorRTExecutor:
                 }
                 for name, layer in zip(cache_names(cfg.num_layers), [*self.k_cache, *self.v_cache], strict=True):
                     buffers[name] = layer
-                self._bind(self._prefill_ctx, buffers, n, 1)
-                if not self._prefill_ctx.execute_async_v3(self._stream.cuda_stream):
+                self._bind(ctx, buffers, n, 1)
+                if not ctx.execute_async_v3(self._stream.cuda_stream):
                     raise RuntimeError("TensorRT execute_async_v3 failed")
                 self.k_cache[:, :, start : start + n] = buffers["present_keys"]
                 self.v_cache[:, :, start : start + n] = buffers["present_values"]
@@ -202,8 +183,7 @@ class TensorRTExecutor:
         return int(chosen[0])
 
     def step(self, input_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        if self._cache_len > self.max_seq_len:
-            raise ValueError(f"KV cache full: {self._cache_len} tokens cached, max_seq_len={self.max_seq_len}")
+        self._check_room()
         import torch
 
         T, stride = self.step_tokens, self._stride
@@ -216,9 +196,7 @@ class TensorRTExecutor:
         self._stream.synchronize()
         chosen = choose_tokens(self.sampling, self._h_out.numpy(), lambda: self._buffers["logits"].cpu().numpy(),
                                np.asarray(positions)[self.output_slots])
-        result = self._result.copy()
-        result[self.output_slots] = chosen
-        return result
+        return self._at_output_slots(chosen)
 
     def commit(self, slots: np.ndarray) -> None:
         import torch

@@ -99,7 +99,8 @@ class TorchExecutor:
     @torch.inference_mode()
     def reset(self, sampling: SamplingParams | None = None) -> None:
         self.sampling = sampling = sampling or SamplingParams()
-        self._mode = (True,) if sampling.greedy else (False, sampling.top_k, sampling.top_p < 1.0)
+        # what selects a captured graph: greedy, else top-k and whether top-p is on
+        self._mode = (True, 0, False) if sampling.greedy else (False, sampling.top_k, sampling.top_p < 1.0)
         self._seed.fill_(sampling.seed & MASK32)
         self._temperature.fill_(sampling.temperature if not sampling.greedy else 1.0)
         self._top_p.fill_(sampling.top_p)

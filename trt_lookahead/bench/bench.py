@@ -244,8 +244,7 @@ def _fraction(flags: Sequence[bool | None]) -> float | None:
 
 def _speedup(reference: dict[tuple[str, int], RunRecord], recs: Sequence[RunRecord]) -> float | None:
     """Reference decode time per token over this group's, summed over the prompts both have."""
-    pairs = [(reference.get((r.dataset, r.prompt_index)), r) for r in recs]
-    pairs = [(g, r) for g, r in pairs if g is not None and g.decoded and r.decoded]
+    pairs = [(g, r) for r in recs if (g := reference.get((r.dataset, r.prompt_index))) and g.decoded and r.decoded]
     g_s, g_t = sum(g.decode_seconds for g, _ in pairs), sum(g.decoded for g, _ in pairs)
     r_s, r_t = sum(r.decode_seconds for _, r in pairs), sum(r.decoded for _, r in pairs)
     if not pairs or g_s <= 0 or r_s <= 0:
@@ -492,8 +491,7 @@ def run_bench(rt: LookaheadRuntime, plan: BenchPlan, *, progress: bool = True, w
                     hf.generate(first, min(16, max_new_tokens), peer)
             for ds in sets:
                 for i, (row, ids) in enumerate(zip(ds.rows, prompts[ds.name], strict=True)):
-                    order = plan.peers if i % 2 == 0 else plan.peers[::-1]
-                    for peer in order:
+                    for peer in plan.peers if i % 2 == 0 else plan.peers[::-1]:
                         bar.set_postfix_str(f"{ds.name} #{i} {peer}")
                         records.append(run_peer(hf, peer, ds.name, i, row.id, ids, max_new_tokens))
                         bar.update(1)
@@ -503,9 +501,9 @@ def run_bench(rt: LookaheadRuntime, plan: BenchPlan, *, progress: bool = True, w
         bar.close()
 
     mark_exact(records)
-    order = {label: k for k, label in enumerate([*plan.labels, *plan.peers])}
+    rank = {label: k for k, label in enumerate([*plan.labels, *plan.peers])}
     names = [ds.name for ds in sets]
-    records.sort(key=lambda r: (names.index(r.dataset), order[r.config], r.prompt_index))
+    records.sort(key=lambda r: (names.index(r.dataset), rank[r.config], r.prompt_index))
     return {
         "schema": SCHEMA_VERSION,
         "model": str(plan.model_path),

@@ -133,8 +133,8 @@ def plot_step_latency(result: dict[str, Any], path: Path, step_cost_ms: dict[str
             for t, (ms, labels) in by_t.items():
                 ax.annotate(", ".join(labels), (t, ms), textcoords="offset points", xytext=(4, 4), fontsize=7)
     if step_cost_ms:
-        pts = sorted((int(t), v) for t, v in step_cost_ms.items())
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], color="black", marker="x",
+        costs = sorted((int(t), v) for t, v in step_cost_ms.items())
+        ax.plot([c[0] for c in costs], [c[1] for c in costs], color="black", marker="x",
                 label="tune: executor step + commit (its own run)")
     ax.set_xscale("log", base=2)
     ticks = sorted({int(r["T"]) for r in rows} | {int(t) for t in (step_cost_ms or {})})

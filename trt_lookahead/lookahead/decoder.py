@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -314,7 +314,7 @@ class LookaheadDecoder:
 
     def stream(
         self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None = None
-    ) -> Iterator[list[int]]:
+    ) -> Generator[list[int], None, None]:
         """Yield each step's accepted tokens as soon as the step is verified; self.stats is live.
 
         Decode time excludes the consumer's time between yields; executor time is inside step and commit.

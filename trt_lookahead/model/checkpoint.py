@@ -51,7 +51,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise UserError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
 
 
-def read_config(path: str | Path) -> ModelConfig:
+def read_config(path: str | os.PathLike) -> ModelConfig:
     """Validate `path` as a Llama checkpoint directory and return its ModelConfig."""
     root = Path(path)
     if not root.exists():

@@ -369,6 +369,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.output = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        self.inv_freq: Tensor
         self.tie_weights()
         # float32 always; computed on the CPU even when built under torch.device("meta")
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)

@@ -72,6 +72,7 @@ def write_repository(
         params["engine"] = str(built.path.resolve())
         dtype = built.dtype  # an engine runs in the dtype it was built for
     else:
+        assert model is not None  # exactly one of model and engine
         model_dir = resolve_model(model).resolve()
         if not (model_dir / "config.json").is_file():
             raise UserError(f"--model {model}: {model_dir} has no config.json (expected a HF Llama checkpoint dir)")

@@ -25,6 +25,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 from trt_lookahead.errors import UserError
 
@@ -121,7 +122,7 @@ class TritonServer:
         self.die_with_parent = die_with_parent
         self.extra_args = list(extra_args)
         self.proc: subprocess.Popen | None = None
-        self._log_file = None
+        self._log_file: IO[bytes] | None = None
 
     @property
     def http_url(self) -> str:
@@ -256,6 +257,7 @@ def serve(repo: str | os.PathLike, http_port: int, grpc_port: int, metrics_port:
             f"grpc {server.grpc_url}, metrics http://{HOST}:{server.metrics_port}/metrics; Ctrl-C stops it",
             file=sys.stderr, flush=True,
         )
+        assert server.proc is not None  # started above
         code = server.proc.wait()  # a signal runs on_signal, which stops the server; wait() then returns
         return 0 if stopping else code
     finally:

@@ -245,7 +245,8 @@ def tuning_prompts(
         for row in rows:
             try:
                 encoded.append((ds.name, encode_row(tokenizer, row)))
-            except UserError:
+            except UserError:  # a chat row, and no chat template: its last message as raw text
+                assert row.messages is not None
                 encoded.append((ds.name, encode_row(tokenizer, PromptRow(row.id, text=row.messages[-1][1]))))
         pools.append(encoded)
     prompts: list[tuple[str, list[int]]] = []
@@ -341,7 +342,7 @@ def tune(
         cand.screen_compression = cand.compression
         _say(progress, f"screen {_describe(cand)} (greedy {greedy_ms:.1f})")
     screened = sorted(
-        (c for c in report.candidates if c.predicted_ms_per_token), key=lambda c: c.predicted_ms_per_token
+        (c for c in report.candidates if c.predicted_ms_per_token), key=lambda c: c.predicted_ms_per_token or 0.0
     )
     for cand in screened[:4]:
         if clock() > start + 0.75 * budget_seconds or len(ids) <= n_screen:
@@ -359,7 +360,7 @@ def tune(
             and c.predicted_ms_per_token < 0.97 * greedy_ms
             and (c.worst_set_ms_per_token or 0.0) <= greedy_ms  # not slower than greedy on any set
         ),
-        key=lambda c: c.predicted_ms_per_token,
+        key=lambda c: c.predicted_ms_per_token or 0.0,
     )
     report.config, report.reason = GREEDY, "no candidate is predicted to beat greedy on this machine"
     for cand in contenders[:3]:
