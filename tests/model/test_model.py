@@ -87,22 +87,26 @@ def lookahead_step(vocab: int, p: int, seed: int = 0):
     return layout, ids, positions
 
 
+def hf_step_logits(hf: LlamaForCausalLM, prompt: list[int], layout: StepLayout, ids, positions) -> torch.Tensor:
+    """transformers' logits of a step after `prompt`: DynamicCache and a 4D mask built from layout.mask."""
+    T, P = layout.step_tokens, len(prompt)
+    hf_cache = DynamicCache(config=hf.config)
+    with torch.inference_mode():
+        hf(torch.tensor([prompt]), past_key_values=hf_cache, use_cache=True)
+        allow = torch.cat([torch.ones(T, P, dtype=torch.bool), torch.from_numpy(layout.mask.copy())], 1)
+        mask4d = torch.zeros(1, 1, T, P + T).masked_fill(~allow, torch.finfo(torch.float32).min)
+        return hf(ids[None], attention_mask=mask4d, position_ids=positions[None], past_key_values=hf_cache).logits[0]
+
+
 def test_masked_step_matches_transformers_4d_mask(stories):
     """A lookahead-shaped step after a cached prompt == transformers with a 4D mask and DynamicCache."""
     model, cfg, hf = stories
     P = len(PROMPT)
     _, cache = run(model, PROMPT)
     layout, ids, positions = lookahead_step(cfg.vocab_size, P)
-    T = layout.step_tokens
     logits, _ = run(model, ids, positions, cache, cache_len=P, mask=layout.mask)
 
-    hf_cache = DynamicCache(config=hf.config)
-    with torch.inference_mode():
-        hf(torch.tensor([PROMPT]), past_key_values=hf_cache, use_cache=True)
-        allow = torch.cat([torch.ones(T, P, dtype=torch.bool), torch.from_numpy(layout.mask.copy())], 1)
-        mask4d = torch.zeros(1, 1, T, P + T).masked_fill(~allow, torch.finfo(torch.float32).min)
-        ref = hf(ids[None], attention_mask=mask4d, position_ids=positions[None], past_key_values=hf_cache).logits[0]
-    assert (logits - ref).abs().max().item() < 1e-4
+    assert (logits - hf_step_logits(hf, PROMPT, layout, ids, positions)).abs().max().item() < 1e-4
     # output_slots: only those rows, same values
     slots = torch.from_numpy(layout.output_slots)
     _, cache2 = run(model, PROMPT)
@@ -225,15 +229,9 @@ def test_llama3_rope_untied_matches_transformers(tmp_path, bias, layout):
     assert (logits - ref).abs().max().item() < 1e-4
 
     layout, ids, positions = lookahead_step(97, len(prompt), seed=2)
-    T, P = layout.step_tokens, len(prompt)
+    P = len(prompt)
     step, _ = run(model, ids, positions, cache, cache_len=P, mask=layout.mask)
-    hf_cache = DynamicCache(config=hf.config)
-    with torch.inference_mode():
-        hf(torch.tensor([prompt]), past_key_values=hf_cache, use_cache=True)
-        allow = torch.cat([torch.ones(T, P, dtype=torch.bool), torch.from_numpy(layout.mask.copy())], 1)
-        mask4d = torch.zeros(1, 1, T, P + T).masked_fill(~allow, torch.finfo(torch.float32).min)
-        ref = hf(ids[None], attention_mask=mask4d, position_ids=positions[None], past_key_values=hf_cache).logits[0]
-    assert (step - ref).abs().max().item() < 1e-4
+    assert (step - hf_step_logits(hf, prompt, layout, ids, positions)).abs().max().item() < 1e-4
 
 
 def test_config_formats_agree():

@@ -55,10 +55,15 @@ def server(tmp_path_factory):
     for name, batch in ((NAME, "0"), (BATCHED, "4")):  # one server, two models: ~7 s per start saved
         assert main(["triton-repo", "--model", str(STORIES), "--output", str(root / "repo"), "--name", name,
                      "--lookahead_config", SERVED, "--max_batch_size", batch]) == 0
+    yield from serve(root, timeout=180)
+
+
+def serve(root: Path, timeout: float):
+    """Run tritonserver on root/repo (log and backends beside it) while the caller's fixture lives."""
     srv = TritonServer(root / "repo", log=root / "server.log", backend_dir=root / "backends", die_with_parent=True)
     srv.start()
     try:
-        srv.wait_ready(timeout=180)
+        srv.wait_ready(timeout=timeout)
         yield srv
     finally:
         srv.stop()
@@ -504,14 +509,9 @@ def slow_server(tmp_path_factory):
                  "--name", "engine"]) == 0
     assert main(["triton-repo", "--model", "smollm2-135m-instruct", "--output", str(root / "repo"), "--name", "smollm2",
                  "--lookahead_config", "4,3,4", "--max_seq_len", "1024"]) == 0
-    srv = TritonServer(root / "repo", log=root / "server.log", backend_dir=root / "backends")
-    srv.engine = root / "engine"
-    srv.start()
-    try:
-        srv.wait_ready(timeout=600)
+    for srv in serve(root, timeout=600):
+        srv.engine = root / "engine"
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.mark.server

@@ -12,6 +12,7 @@ import numpy as np
 from trt_lookahead.engine.format import EngineConfig
 from trt_lookahead.errors import UserError
 from trt_lookahead.kernels.mask import CAUSAL
+from trt_lookahead.lookahead.executor import check_commit
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.sampling import SamplingParams, select_tokens
 
@@ -72,9 +73,15 @@ class EngineExecutor:
         self.sampling = sampling or SamplingParams()
         self._cache_len = 0
 
-    def _check_room(self) -> None:
-        if self._cache_len > self.max_seq_len:
-            raise ValueError(f"KV cache full: {self._cache_len} tokens cached, max_seq_len={self.max_seq_len}")
+    def commit(self, slots: np.ndarray) -> None:
+        slots = check_commit(slots, self.step_tokens, self._cache_len, self.max_seq_len)
+        if len(slots):
+            self._keep(slots, self._cache_len)
+            self._cache_len += len(slots)
+
+    def _keep(self, slots: np.ndarray, row: int) -> None:
+        """Copy the last step's K/V of `slots` (graph outputs) to cache rows row, row+1, ..."""
+        raise NotImplementedError
 
     def _at_output_slots(self, chosen: np.ndarray) -> np.ndarray:
         """[T] int64: the chosen tokens at the output slots, -1 elsewhere."""

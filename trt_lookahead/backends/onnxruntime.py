@@ -29,7 +29,7 @@ import numpy as np
 from trt_lookahead.backends.graphs import EngineExecutor, OpenedEngine, choose_tokens, prefill_chunks
 from trt_lookahead.engine.format import EngineConfig, cache_names
 from trt_lookahead.errors import UserError
-from trt_lookahead.lookahead.executor import check_commit, check_prompt
+from trt_lookahead.lookahead.executor import check_prompt, check_room
 from trt_lookahead.lookahead.layout import StepLayout
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -158,7 +158,7 @@ class OnnxRuntimeExecutor(EngineExecutor):
         return int(self._select(outputs, np.array([P - 1]))[0])
 
     def step(self, input_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        self._check_room()
+        check_room(self._cache_len, self.max_seq_len)
         inputs = self._inputs
         inputs["input_ids"][:] = input_ids
         inputs["positions"][:] = positions
@@ -168,15 +168,10 @@ class OnnxRuntimeExecutor(EngineExecutor):
         chosen = self._select(out, inputs["positions"][self.output_slots])
         return self._at_output_slots(chosen)
 
-    def commit(self, slots: np.ndarray) -> None:
-        slots = check_commit(slots, self.step_tokens, self._cache_len, self.max_seq_len)
-        k = len(slots)
-        if k == 0:
-            return
-        p = self._cache_len
-        self.k_cache[:, :, p : p + k] = self._outputs["present_keys"][:, :, slots]
-        self.v_cache[:, :, p : p + k] = self._outputs["present_values"][:, :, slots]
-        self._cache_len += k
+    def _keep(self, slots: np.ndarray, row: int) -> None:
+        end = row + len(slots)
+        self.k_cache[:, :, row:end] = self._outputs["present_keys"][:, :, slots]
+        self.v_cache[:, :, row:end] = self._outputs["present_values"][:, :, slots]
 
     def _select(self, outputs: dict[str, np.ndarray], positions: np.ndarray) -> np.ndarray:
         return choose_tokens(self.sampling, outputs["next_ids"], lambda: outputs["logits"], positions)

@@ -29,7 +29,7 @@ from trt_lookahead.engine.format import (
     plan_command,
 )
 from trt_lookahead.errors import UserError
-from trt_lookahead.lookahead.executor import check_commit, check_prompt
+from trt_lookahead.lookahead.executor import check_prompt, check_room
 from trt_lookahead.lookahead.layout import StepLayout
 
 
@@ -183,7 +183,7 @@ class TensorRTExecutor(EngineExecutor):
         return int(chosen[0])
 
     def step(self, input_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        self._check_room()
+        check_room(self._cache_len, self.max_seq_len)
         import torch
 
         T, stride = self.step_tokens, self._stride
@@ -198,16 +198,11 @@ class TensorRTExecutor(EngineExecutor):
                                np.asarray(positions)[self.output_slots])
         return self._at_output_slots(chosen)
 
-    def commit(self, slots: np.ndarray) -> None:
+    def _keep(self, slots: np.ndarray, row: int) -> None:
         import torch
 
-        slots = check_commit(slots, self.step_tokens, self._cache_len, self.max_seq_len)
-        k = len(slots)
-        if k == 0:
-            return
-        p = self._cache_len
+        end = row + len(slots)
         with torch.cuda.stream(self._stream):
             index = torch.from_numpy(slots).to(self.engine.device)
-            self.k_cache[:, :, p : p + k] = self._buffers["present_keys"].index_select(2, index)
-            self.v_cache[:, :, p : p + k] = self._buffers["present_values"].index_select(2, index)
-        self._cache_len += k
+            self.k_cache[:, :, row:end] = self._buffers["present_keys"].index_select(2, index)
+            self.v_cache[:, :, row:end] = self._buffers["present_values"].index_select(2, index)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from trt_lookahead.kernels.sampling_torch import sample_tokens_torch, vocab_salts
-from trt_lookahead.lookahead.executor import check_commit, check_prompt
+from trt_lookahead.lookahead.executor import check_commit, check_prompt, check_room
 from trt_lookahead.lookahead.sampling import MASK32, SamplingParams
 from trt_lookahead.model.llama import Llama, sdpa_attention, sdpa_attention_static
 
@@ -132,8 +132,7 @@ class TorchExecutor:
 
     @torch.inference_mode()
     def step(self, input_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        if self._cache_len > self.max_seq_len:
-            raise ValueError(f"KV cache full: {self._cache_len} tokens cached, max_seq_len={self.max_seq_len}")
+        check_room(self._cache_len, self.max_seq_len)
         T = self.step_tokens
         h = self._h_in_np
         h[:T] = input_ids

@@ -33,6 +33,23 @@ step_visible = triton.jit(types.FunctionType(mask.step_visible.__code__, globals
 
 
 @triton.jit
+def _attend_block(q, k, v, seen, m_i, l_i, acc, QK_SCALE: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """One online-softmax update of (m_i, l_i, acc) with a block of keys k and values v [BLOCK_N, BLOCK_D],
+    `seen` (broadcast to [BLOCK_M, BLOCK_N]) saying which query row sees which key."""
+    if UPCAST_DOT:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * QK_SCALE
+    s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
 def lookahead_attention_kernel(
     q_ptr,
     k_ptr,
@@ -87,17 +104,7 @@ def lookahead_attention_kernel(
         kv_mask = col_ok[:, None] & d_ok[None, :]
         k = tl.load(kc_base + offs_n[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(vc_base + offs_n[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST_DOT:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * QK_SCALE
-        s = tl.where(col_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(q, k, v, col_ok[None, :], m_i, l_i, acc, QK_SCALE, UPCAST_DOT)
 
     # The step tokens, under the in-kernel mask.
     step_end = T
@@ -109,18 +116,8 @@ def lookahead_attention_kernel(
         kv_mask = col_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + offs_n[:, None] * (HKV * D) + kv_head * D + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + offs_n[:, None] * (HKV * D) + kv_head * D + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST_DOT:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * QK_SCALE
-        seen = step_visible(offs_m[:, None], offs_n[None, :], window, ngram, verify)
-        s = tl.where(seen & col_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        seen = step_visible(offs_m[:, None], offs_n[None, :], window, ngram, verify) & col_ok[None, :]
+        m_i, l_i, acc = _attend_block(q, k, v, seen, m_i, l_i, acc, QK_SCALE, UPCAST_DOT)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(

@@ -50,6 +50,12 @@ def check_prompt(prompt_ids: np.ndarray, max_seq_len: int, vocab_size: int) -> n
     return ids
 
 
+def check_room(cache_len: int, max_seq_len: int) -> None:
+    """ValueError if no step fits any more: the cache already holds max_seq_len tokens or more."""
+    if cache_len > max_seq_len:
+        raise ValueError(f"KV cache full: {cache_len} tokens cached, max_seq_len={max_seq_len}")
+
+
 def check_commit(slots: np.ndarray, step_tokens: int, cache_len: int, max_seq_len: int) -> np.ndarray:
     """The commit slots as a flat int64 array; ValueError if outside the step or past the cache."""
     slots = np.asarray(slots, dtype=np.int64).reshape(-1)
