@@ -248,6 +248,7 @@ def stories_set(tmp_path_factory):
     return _jsonl(path, [{"prompt": "Once upon a time"}, {"prompt": "Lily and Tom went to the park. They"}])
 
 
+@pytest.mark.slow  # our rows and transformers' peers end to end (seconds)
 def test_bench_cli_on_stories260k(stories_set, tmp_path, capsys):
     tuning_file.write_tuning_entry(tuning_file.tuning_key(str(STORIES), "float32", "torch"), {"config": "7/5/7"})
     out = tmp_path / "out"

@@ -169,6 +169,7 @@ def test_tune_rejects_a_winner_that_verification_finds_slower():
 
 
 
+@pytest.mark.slow  # tunes for its 2 s budget
 def test_auto_tunes_on_first_use_and_caches(monkeypatch, capsys):
     monkeypatch.setenv("TRT_LOOKAHEAD_TUNE_BUDGET", "2")
     monkeypatch.setattr(tune, "CANDIDATES", (LookaheadConfig(4, 3, 4), LookaheadConfig(2, 2, 1)))
@@ -183,6 +184,7 @@ def test_auto_tunes_on_first_use_and_caches(monkeypatch, capsys):
     assert "tuning now" not in capsys.readouterr().err
 
 
+@pytest.mark.slow  # tunes for its 3 s budget
 def test_tune_cli_writes_the_tuning_file(capsys):
     code = main(["tune", "--model", str(STORIES), "--dataset", "humaneval", "--budget-seconds", "3", "--json"])
     assert code == 0

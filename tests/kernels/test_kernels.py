@@ -143,6 +143,7 @@ print(json.dumps(report))
 """
 
 
+@pytest.mark.slow  # compiles in a fresh interpreter (seconds)
 def test_aot_kernel_compiles_to_ptx_with_the_plugin_launch_order():
     """The AOT route needs PTX whose explicit parameters are (7 inputs, int32 T, int32 S, output).
 
