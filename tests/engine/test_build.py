@@ -104,12 +104,34 @@ def test_tensorrt_target_writes_everything_else_and_says_what_remains(engine):
     config = json.loads((engine / "config.json").read_text())
     reason = tensorrt_unavailable_reason()
     if reason is None:
-        assert config["targets"]["tensorrt"]["built"] and (engine / "engine.plan").is_file()
+        target = config["targets"]["tensorrt"]  # the plan build's own entry, not overwritten by the build
+        assert target["built"] and target["tensorrt"] and target["profiles"] and (engine / "engine.plan").is_file()
         return
     target = config["targets"]["tensorrt"]
     assert not target["built"] and target["reason"] == reason
     assert target["command"] == f"python -m trt_lookahead.engine.tensorrt_plan {engine}"
     assert not (engine / "engine.plan").exists()
+
+
+def test_a_plan_built_afterwards_is_recorded_with_its_entry_and_checksum(engine, tmp_path):
+    """`python -m trt_lookahead.engine.tensorrt_plan` records build_plan's entry as given (version,
+    profiles) and the plan's checksum, and keeps every other field (the plan's bytes here are a stand-in:
+    TensorRT cannot run on this machine)."""
+    from trt_lookahead.engine.tensorrt_plan import record_plan
+
+    copy = tmp_path / "copy"
+    shutil.copytree(engine, copy)
+    before = json.loads((copy / "config.json").read_text())
+    (copy / "engine.plan").write_bytes(b"plan bytes")
+    entry = {"built": True, "plan": "engine.plan", "tensorrt": "11.1.0", "profiles": [{"tokens": [16, 16, 16]}],
+             "build_seconds": 1.5}
+    record_plan(copy, entry)
+    after = json.loads((copy / "config.json").read_text())
+    assert after["targets"] == {**before["targets"], "tensorrt": entry}
+    assert after["files"]["engine.plan"] == {"bytes": 10, "sha256": sha256_file(copy / "engine.plan")}
+    assert {k: v for k, v in after.items() if k not in ("targets", "files")} == {
+        k: v for k, v in before.items() if k not in ("targets", "files")}
+    assert format.load_engine_config(copy).path == copy
 
 
 def test_tensorrt_remaining_step_is_printed(tmp_path, capsys):

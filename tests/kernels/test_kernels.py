@@ -1,13 +1,11 @@
 """LookaheadAttention: closed-form mask, torch reference, Triton kernel (interpreter), AOT PTX, ONNX node.
 
-The Triton kernel runs under TRITON_INTERPRET=1 on CPU (set before triton is imported; small shapes,
-the interpreter is slow). GPU and TensorRT tests gate on cuda-python's cudaGetDeviceCount and on
-`import tensorrt`, and skip with the reason.
+Without a GPU the Triton kernel runs under TRITON_INTERPRET=1 on CPU (tests/conftest.py decides once per
+session, before triton is imported; small shapes, the interpreter is slow); with one it runs compiled.
+GPU and TensorRT tests gate on backends.devices and skip with the reason.
 """
 
 import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np
 import onnx
@@ -125,29 +123,35 @@ def test_in_kernel_mask_equals_step_layout(cfg):
 
 
 AOT_PROBE = """
-import json, re, sys
+import json, re
 from triton.backends.compiler import GPUTarget
-from trt_lookahead.kernels.tensorrt_plugin import compile_kernel, kernel_signature
+from trt_lookahead.errors import UserError
+from trt_lookahead.kernels.tensorrt_plugin import compile_aot_kernel, kernel_signature
 report = {}
-for dtype in ("float32", "bfloat16", "float16"):
-    kernel = compile_kernel(dtype, 9, 3, 64, 0.125, target=GPUTarget("cuda", 90, 32))
-    entry = re.search(r"\\.visible \\.entry (\\w+)\\(([^)]*)\\)", kernel.asm["ptx"])
-    report[dtype] = {
-        "entry": entry.group(1), "name": kernel.metadata.name,
+for dtype, head_dim in (("float32", 64), ("float32", 128), ("bfloat16", 128), ("float32", 256)):
+    try:
+        kernel = compile_aot_kernel(dtype, 9, 3, head_dim, 0.125, target=GPUTarget("cuda", 90, 32))
+    except UserError as exc:
+        report[f"{dtype} {head_dim}"] = {"refused": str(exc)}
+        continue
+    entry = re.search(r"\\.visible \\.entry (\\w+)\\(([^)]*)\\)", kernel.ptx)
+    report[f"{dtype} {head_dim}"] = {
+        "entry": entry.group(1), "name": kernel.name, "ptx": re.search(r"\\.version (\\S+)", kernel.ptx).group(1),
         "params": re.findall(r"\\.param \\.(\\w+)", entry.group(2)),
         "signature": list(kernel_signature(dtype).values()),
-        "scratch": getattr(kernel.metadata, "global_scratch_size", 0) or 0,
-        "threads": kernel.metadata.num_warps * 32,
+        "shared": kernel.shared_mem, "block_n": kernel.block_n, "threads": kernel.threads,
     }
 print(json.dumps(report))
 """
 
 
 @pytest.mark.slow  # compiles in a fresh interpreter (seconds)
-def test_aot_kernel_compiles_to_ptx_with_the_plugin_launch_order():
-    """The AOT route needs PTX whose explicit parameters are (7 inputs, int32 T, int32 S, output).
+def test_aot_kernel_is_what_tensorrt_can_launch():
+    """PTX ISA 8.7 (not the 9.4 of Triton 3.9's default), explicit parameters (7 inputs, int32 T, int32 S,
+    output) then Triton's two hidden scratch pointers, and at most 48 KiB of shared memory: float32 with
+    head_dim 128 needs 75,776 bytes at BLOCK_N 32, so it gets BLOCK_N 16; head_dim 256 in float32 cannot fit.
 
-    Compiled for sm_90 without a GPU, in a subprocess: this module runs Triton in interpreter mode.
+    Compiled for sm_90 without a GPU, in a subprocess (on CPU this session runs Triton's interpreter).
     """
     import json
     import subprocess
@@ -157,11 +161,28 @@ def test_aot_kernel_compiles_to_ptx_with_the_plugin_launch_order():
     done = subprocess.run([sys.executable, "-c", AOT_PROBE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    for dtype, kernel in report.items():
-        assert kernel["entry"] == kernel["name"] == "lookahead_attention_kernel", dtype
-        assert kernel["params"][:10] == ["u64"] * 7 + ["u32", "u32"] + ["u64"], dtype
-        assert kernel["signature"][7:9] == ["i32", "i32"]
-        assert kernel["scratch"] == 0 and kernel["threads"] == 128
+    refused = report.pop("float32 256")["refused"]
+    assert "float32" in refused and "head_dim 256" in refused and "49152" in refused
+    for case, kernel in report.items():
+        assert kernel["entry"] == kernel["name"] == "lookahead_attention_kernel", case
+        assert kernel["ptx"] == "8.7", case
+        assert kernel["params"] == ["u64"] * 7 + ["u32", "u32"] + ["u64"] + ["u64", "u64"], case
+        assert kernel["signature"][7:9] == ["i32", "i32"], case
+        assert kernel["shared"] <= 48 * 1024 and kernel["threads"] == 128, case
+    assert [report[c]["block_n"] for c in ("float32 64", "float32 128", "bfloat16 128")] == [32, 16, 32]
+
+
+@pytest.mark.slow  # a fresh interpreter imports torch (seconds)
+def test_registering_the_plugin_imports_no_triton():
+    """Running an AOT plan registers the plugin; that must work where triton is not installed."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, trt_lookahead.kernels.tensorrt_plugin, trt_lookahead.backends.tensorrt; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton'))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
 
 
 # -- the ONNX node and its onnxruntime decomposition -----------------------------------------------
@@ -238,6 +259,22 @@ def test_compiled_kernel_replays_in_a_cuda_graph():
         torch.cuda.synchronize()
         expected = reference.lookahead_attention(q.cpu(), k.cpu(), v.cpu(), kc.cpu(), vc.cpu(), P, (4, 3, 4))
         assert reference.relative_error(out.cpu(), expected) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "int32"])
+def test_device_tensor_views_memory_tensorrt_owns(dtype):
+    """The JIT plugin's view of TensorRT's buffers: bfloat16 too (__cuda_array_interface__ cannot name it)."""
+    if gpu_count() == 0 or not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device and a CUDA build of torch")
+    from trt_lookahead.kernels.tensorrt_plugin import device_tensor
+
+    source = (torch.arange(24, device="cuda") * 3 - 7).to(getattr(torch, dtype)).reshape(2, 3, 4)
+    part = source[:, 1:]  # strided: elements, as TensorRT gives them
+    view = device_tensor(part.data_ptr(), part.shape, part.stride(), dtype)
+    assert view.dtype == source.dtype and view.data_ptr() == part.data_ptr() and torch.equal(view, part)
+    view.zero_()  # a view, not a copy
+    assert not source[:, 1:].any() and source[:, 0].any()
 
 
 @pytest.mark.gpu

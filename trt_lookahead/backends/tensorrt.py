@@ -13,6 +13,7 @@ documented and its tests skip where TensorRT or a GPU is missing.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,25 @@ from trt_lookahead.engine.format import (
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.executor import check_prompt, check_room
 from trt_lookahead.lookahead.layout import StepLayout
+
+
+def bind(ctx, shapes: Mapping[str, tuple[int, ...]], addresses: Mapping[str, int]) -> None:
+    """Set input shapes and tensor addresses on an execution context, refusing what TensorRT refuses.
+
+    TensorRT answers a wrong name or an out-of-profile shape with False (and a log line), not an
+    exception; unchecked, the mistake would surface only as a failed execute_async_v3.
+    """
+    for name, shape in shapes.items():
+        if not ctx.set_input_shape(name, shape):
+            raise RuntimeError(f"TensorRT refused shape {shape} for input {name!r} (unknown name, or outside "
+                               "the optimisation profile the context runs)")
+    for name, address in addresses.items():
+        if not ctx.set_tensor_address(name, address):
+            raise RuntimeError(f"TensorRT refused the address of tensor {name!r} (unknown name, or not 256-byte "
+                               "aligned)")
+    unresolved = ctx.infer_shapes()
+    if unresolved:
+        raise RuntimeError(f"TensorRT could not infer the shapes of {unresolved}")
 
 
 class TensorRTEngine(OpenedEngine):
@@ -119,14 +139,8 @@ class TensorRTExecutor(EngineExecutor):
 
     @staticmethod
     def _bind(ctx, buffers: dict, tokens: int, rows: int) -> None:
-        ctx.set_input_shape("input_ids", (tokens,))
-        ctx.set_input_shape("positions", (tokens,))
-        ctx.set_input_shape("output_slots", (rows,))
-        for name, tensor in buffers.items():
-            ctx.set_tensor_address(name, tensor.data_ptr())
-        unresolved = ctx.infer_shapes()
-        if unresolved:
-            raise RuntimeError(f"TensorRT could not infer the shapes of {unresolved}")
+        shapes = {"input_ids": (tokens,), "positions": (tokens,), "output_slots": (rows,)}
+        bind(ctx, shapes, {name: tensor.data_ptr() for name, tensor in buffers.items()})
 
     def _run_step(self) -> None:
         self._d_in.copy_(self._h_in, non_blocking=True)

@@ -294,8 +294,7 @@ def tensorrt_target(out: Path, request: BuildRequest) -> dict[str, Any]:
 
     missing = tensorrt_unavailable_reason()
     if missing is None:
-        seconds = tensorrt_plan.build_plan(out)
-        return {"built": True, "plan": PLAN_FILE, "build_seconds": round(seconds, 2)}
+        return tensorrt_plan.build_plan(out)  # the entry as the plan build records it (version, profiles)
     final = request.output
     command = plan_command(final)
     remaining = (

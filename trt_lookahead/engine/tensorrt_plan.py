@@ -4,7 +4,8 @@
 
 `build_plan` registers the LookaheadAttention QDP (kernels/tensorrt_plugin.py), parses prefill.onnx (the
 dynamic-length graph) with trt.OnnxParser into a strongly typed network, adds the optimisation
-profiles below, builds and serializes engine.plan and records it in config.json.
+profiles below and writes engine.plan; it returns config.json's `targets.tensorrt` entry, which the
+build records with the rest of config.json and `record_plan` records for a plan built afterwards.
 
     profile 0  prefill   input_ids/positions [1 .. max_input_len], output_slots [1 .. max_input_len]
     profile 1  step      T = (W+G)(N-1) fixed, output_slots [1 .. T]
@@ -20,9 +21,17 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from trt_lookahead.backends.devices import import_tensorrt, tensorrt_unavailable_reason
-from trt_lookahead.engine.format import PLAN_FILE, PREFILL_GRAPH, EngineConfig, load_engine_config, write_engine_config
+from trt_lookahead.engine.format import (
+    PLAN_FILE,
+    PREFILL_GRAPH,
+    EngineConfig,
+    file_checksums,
+    load_engine_config,
+    write_engine_config,
+)
 from trt_lookahead.errors import UserError
 
 
@@ -39,8 +48,11 @@ def _profiles(config: EngineConfig) -> list[dict[str, tuple[int, int, int]]]:
     return profiles
 
 
-def build_plan(engine_dir: str | Path) -> float:
-    """Parse the engine dir's prefill graph with the plugin registered and write engine.plan; -> seconds."""
+def build_plan(engine_dir: str | Path) -> dict[str, Any]:
+    """Parse the engine dir's prefill graph with the plugin registered and write engine.plan.
+
+    -> the `targets.tensorrt` entry of config.json (written by the caller: the build or `record_plan`).
+    """
     trt = import_tensorrt()
     import tensorrt.plugin as trtp
 
@@ -70,14 +82,17 @@ def build_plan(engine_dir: str | Path) -> float:
     if plan is None:
         raise UserError(f"TensorRT failed to build a plan from {config.path / PREFILL_GRAPH} (see its log above)")
     (config.path / PLAN_FILE).write_bytes(bytes(plan))
-    seconds = time.perf_counter() - start
+    return {"built": True, "plan": PLAN_FILE, "tensorrt": trt.__version__, "profiles": _profiles(config),
+            "build_seconds": round(time.perf_counter() - start, 2)}
+
+
+def record_plan(engine_dir: str | Path, entry: dict[str, Any]) -> None:
+    """Record a plan built after the engine dir: its `targets.tensorrt` entry and the files' checksums."""
+    config = load_engine_config(engine_dir)
     raw = dict(config.raw)
-    raw.setdefault("targets", {})["tensorrt"] = {
-        "built": True, "plan": PLAN_FILE, "tensorrt": trt.__version__, "profiles": _profiles(config),
-        "build_seconds": round(seconds, 2),
-    }
+    raw["targets"] = {**raw.get("targets", {}), "tensorrt": entry}
+    raw["files"] = file_checksums(config.path)
     write_engine_config(config.path, raw)
-    return seconds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,11 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot build a TensorRT plan here: {reason}", file=sys.stderr)
         return 2
     try:
-        seconds = build_plan(argv[0])
+        entry = build_plan(argv[0])
+        record_plan(argv[0], entry)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"{Path(argv[0]) / PLAN_FILE} built in {seconds:.1f} s")
+    print(f"{Path(argv[0]) / PLAN_FILE} built in {entry['build_seconds']:.1f} s")
     return 0
 
 
