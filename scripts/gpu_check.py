@@ -698,7 +698,7 @@ def over_limit_probe(stream: int) -> dict[str, Any]:
 
 
 def batched_contract():
-    """The batched executor contract's StepBatch (docs/design.md section 9), or None before it lands."""
+    """lookahead.executor.StepBatch of the batched executor (planned: docs/design.md section 9), or None."""
     from trt_lookahead.lookahead import executor
 
     return getattr(executor, "StepBatch", None)

@@ -1,4 +1,4 @@
-"""TensorRT executor: an engine dir's engine.plan through the executor contract on a GPU (docs/design.md 5).
+"""TensorRT executor: an engine dir's engine.plan through the executor contract on a GPU (docs/design.md section 5).
 
 `TensorRTEngine.make_executor(layout)` -> `TensorRTExecutor`: one execution context per profile sharing one
 block of device memory (USER_MANAGED); every buffer is a torch CUDA tensor allocated once and bound by
