@@ -6,8 +6,13 @@
 
 One executor is built per step layout on first use; the MAX_EXECUTORS most recently used are kept (each
 holds its own KV buffers; greedy is the T = 1 layout). A runtime serialises its calls with a lock: use one
-runtime per model instance (per thread that serves). `auto` is resolved by trt_lookahead.tuning on this
+runtime per model instance (per thread that serves); a thread that opens a second request while its own
+stream is still open gets a UserError, never a deadlock. `auto` is resolved by trt_lookahead.tuning on this
 runtime (tuned on first use). See docs/design.md sections 1.3 and 5.
+
+Every request is checked by `check_request` before any work (ValueError naming the argument). A stop
+string ends the text where it starts and the token ids with the token that completes it, whatever the
+block boundaries (lookahead's ids equal greedy's).
 """
 
 from __future__ import annotations
@@ -20,10 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
+
 from trt_lookahead.engine.format import is_engine_dir
-from trt_lookahead.errors import UserError
+from trt_lookahead.errors import UserError, as_int
 from trt_lookahead.lookahead.config import AUTO, DEFAULT, DEFAULT_LOOKAHEAD, GREEDY, LookaheadConfig
 from trt_lookahead.lookahead.decoder import DecodeStats, LookaheadDecoder
+from trt_lookahead.lookahead.decoder import check_request as check_decode_request
 from trt_lookahead.lookahead.executor import Executor
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.sampling import SamplingParams
@@ -31,7 +39,8 @@ from trt_lookahead.lookahead.sampling import SamplingParams
 DEFAULT_MAX_SEQ_LEN = 4096
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_EXECUTORS = 4
-Prompt = str | Sequence[dict[str, str]] | Sequence[int]
+Prompt = str | Sequence[dict[str, str]] | Sequence[int] | np.ndarray
+PROMPT_KINDS = "a prompt is text, a list of chat messages {'role': ..., 'content': ...}, or a list of token ids"
 
 
 @dataclass
@@ -92,6 +101,17 @@ class GenerationOutput:
         }
 
 
+@dataclass(frozen=True)
+class Request:
+    """One checked request: what `stream` runs (made by `LookaheadRuntime.check_request`)."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    config: LookaheadConfig
+    stop: tuple[str, ...]  # non-empty stop strings
+
+
 @dataclass
 class StreamChunk:
     text: str  # new text since the previous chunk
@@ -137,11 +157,13 @@ class LookaheadRuntime:
         backend: str,
         dtype: str,
         model_path: Path,
+        vocab_size: int,
         max_lookahead: LookaheadConfig | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.lookahead = lookahead
         self.max_seq_len = max_seq_len
+        self.vocab_size = vocab_size
         self.stop_token_ids = list(dict.fromkeys(int(t) for t in stop_token_ids))
         self.backend = backend
         self.dtype = dtype
@@ -150,6 +172,7 @@ class LookaheadRuntime:
         self._make_executor: Callable[[StepLayout], Executor] | None = make_executor
         self._executors: OrderedDict[LookaheadConfig, Executor] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
+        self._owner: int | None = None  # the thread whose request holds the lock
 
     @classmethod
     def from_pretrained(
@@ -172,6 +195,8 @@ class LookaheadRuntime:
         if threads is not None:
             import torch
 
+            if as_int("threads", threads) < 1:
+                raise UserError(f"threads must be >= 1 (torch's CPU threads), got {threads}")
             torch.set_num_threads(threads)
         if is_engine_dir(path):
             rt = cls._from_engine(path, backend or "onnxruntime", dtype, max_seq_len)
@@ -207,6 +232,7 @@ class LookaheadRuntime:
             backend="torch",
             dtype=dtype,
             model_path=path,
+            vocab_size=config.vocab_size,
         )
 
     @classmethod
@@ -224,6 +250,7 @@ class LookaheadRuntime:
             backend=backend,
             dtype=engine.dtype,
             model_path=path,
+            vocab_size=engine.config.vocab_size,
             max_lookahead=engine.lookahead,
         )
 
@@ -237,21 +264,32 @@ class LookaheadRuntime:
 
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
         """Token ids of a text prompt, of chat messages (chat template), or the ids themselves."""
+        if not isinstance(chat, bool):
+            raise UserError(f"chat must be True or False, got {chat!r}")
         if isinstance(prompt, str):
             if chat:
                 return self._apply_chat_template([{"role": "user", "content": prompt}])
             return list(self.tokenizer(prompt, verbose=False)["input_ids"])
+        if not isinstance(prompt, Sequence | np.ndarray) or isinstance(prompt, bytes | bytearray):
+            raise UserError(f"{PROMPT_KINDS}, got {type(prompt).__name__}")
         items = list(prompt)
         if items and all(isinstance(m, dict) for m in items):
-            return self._apply_chat_template(cast(list[dict[str, str]], items))
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-            return cast(list[int], items)
-        raise UserError("a prompt is text, a list of chat messages {'role', 'content'}, or a list of token ids")
+            return self._apply_chat_template(_check_messages(items))
+        try:
+            ids = [as_int("token id", t) for t in items]
+        except UserError:
+            raise UserError(f"{PROMPT_KINDS}, got a list holding {sorted({type(t).__name__ for t in items})}") from None
+        if chat:
+            raise UserError("chat=True wraps text in the chat template; a list of token ids is used as it is")
+        return ids
 
     def _apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise UserError(f"{self.model_path} has no chat template; send a plain text prompt (drop --chat)")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # the template is the model's own Jinja code: any error means these messages
+            raise UserError(f"the chat template of {self.model_path} cannot render these messages ({exc})") from exc
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -259,6 +297,11 @@ class LookaheadRuntime:
 
     def request_config(self, lookahead: LookaheadConfig | str | None = None) -> LookaheadConfig:
         """The layout config of one request: None for the runtime's default, GREEDY, AUTO or W,N,G."""
+        if not isinstance(lookahead, LookaheadConfig | str | None):
+            raise UserError(
+                f"lookahead must be None (the runtime's default), {GREEDY!r}, {AUTO!r}, 'W,N,G' text or a "
+                f"LookaheadConfig, got {lookahead!r}"
+            )
         config = (self.lookahead if lookahead is None else self._resolve(lookahead)) or LookaheadConfig.greedy()
         if self.max_lookahead is not None:
             config.check_fits(self.max_lookahead)
@@ -284,7 +327,7 @@ class LookaheadRuntime:
                 return chunk.output
         raise AssertionError("stream ended without a final chunk")
 
-    def stream(
+    def check_request(
         self,
         prompt: Prompt,
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
@@ -293,50 +336,88 @@ class LookaheadRuntime:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int = 0,
-        stop: Sequence[str] | None = None,
+        stop: str | Sequence[str] | None = None,
         lookahead: LookaheadConfig | str | None = None,
         chat: bool = False,
-    ) -> Iterator[StreamChunk]:
-        """Yield text as each step's tokens are accepted; the last chunk carries the GenerationOutput."""
+    ) -> Request:
+        """Check every argument of a request (ValueError naming the argument); `stream` runs the result."""
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         config = self.request_config(lookahead)
         prompt_ids = self.encode(prompt, chat=chat)
-        stop_strings = [s for s in (stop or []) if s]
-        with self._lock:
-            decoder = self._decoder(config, seed)
-            decoder.check_request(prompt_ids, max_new_tokens)
-            detokenizer = _Detokenizer(self.decode)
-            text, emitted, finish = "", 0, "length"
-            blocks = decoder.stream(prompt_ids, max_new_tokens, sampling)
-            try:
-                for block in blocks:
-                    text = detokenizer.push(block)
-                    cut = _stop_string_cut(text, stop_strings)
-                    if cut is not None or block[-1] in decoder.stop_tokens:
-                        finish = "stop"
-                    text = text if cut is None else text[:cut]
-                    end = len(text) if finish == "stop" else _stable_end(text, stop_strings)
-                    yield StreamChunk(text[emitted:end], block)
-                    emitted = max(emitted, end)
-                    if cut is not None:
-                        break
-            finally:
-                blocks.close()
-            ids = detokenizer.ids
-            text = self.decode(ids)  # once in full: the final text never depends on block boundaries
-            cut = _stop_string_cut(text, stop_strings)
-            text = text if cut is None else text[:cut]
-            output = GenerationOutput(
-                text=text,
-                token_ids=ids,
-                prompt_tokens=len(prompt_ids),
-                finish_reason=finish,
-                config=config.label,
-                backend=self.backend,
-                dtype=self.dtype,
-                stats=decoder.stats,
+        check_decode_request(prompt_ids, max_new_tokens, self.vocab_size, self.max_seq_len)
+        return Request(prompt_ids, int(max_new_tokens), sampling, config, _stop_strings(stop))
+
+    def stream(
+        self, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **kwargs: Any
+    ) -> Iterator[StreamChunk]:
+        """Yield text as each step's tokens are accepted; the last chunk carries the GenerationOutput.
+
+        Arguments as `check_request`, checked in this call (before any work), not at the first chunk.
+        """
+        return self._run(self.check_request(prompt, max_new_tokens, **kwargs))
+
+    def _run(self, request: Request) -> Iterator[StreamChunk]:
+        if self._owner == threading.get_ident():
+            raise UserError(
+                "this thread already has an open request on this runtime (a stream not yet exhausted or closed); "
+                "finish or close() that stream first: a runtime serves one request at a time"
             )
+        stops = request.stop
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                decoder = self._decoder(request.config, request.sampling.seed)
+                detokenizer = _Detokenizer(self.decode)
+                text, emitted, finish = "", 0, "length"
+                blocks = decoder.stream(request.prompt_ids, request.max_new_tokens, request.sampling)
+                try:
+                    for block in blocks:
+                        text = detokenizer.push(block)
+                        cut = _stop_string_cut(text, stops)
+                        if cut is not None:
+                            block = self._end_at_stop_string(detokenizer.ids, len(block), stops)
+                            text = text[:cut]
+                        if cut is not None or block[-1] in decoder.stop_tokens:
+                            finish = "stop"
+                        end = len(text) if finish == "stop" else _stable_end(text, stops)
+                        yield StreamChunk(text[emitted:end], block)
+                        emitted = max(emitted, end)
+                        if cut is not None:
+                            break
+                finally:
+                    blocks.close()
+                ids = detokenizer.ids
+                decoder.stats.generated_tokens = len(ids)  # a stop string may end the output inside a block
+                text = self.decode(ids)  # once in full: the final text never depends on block boundaries
+                cut = _stop_string_cut(text, stops)
+                text = text if cut is None else text[:cut]
+                output = GenerationOutput(
+                    text=text,
+                    token_ids=ids,
+                    prompt_tokens=len(request.prompt_ids),
+                    finish_reason=finish,
+                    config=request.config.label,
+                    backend=self.backend,
+                    dtype=self.dtype,
+                    stats=decoder.stats,
+                )
+            finally:
+                self._owner = None
         yield StreamChunk(text[emitted:], [], done=True, output=output)
+
+    def _end_at_stop_string(self, ids: list[int], block_len: int, stops: Sequence[str]) -> list[int]:
+        """Drop (in place) the ids after the one that completes a stop string; returns the block's kept ids.
+
+        The stop string appeared within the last `block_len` ids, so the shortest prefix whose text holds
+        it ends inside this block: that is where one-token-per-step decoding would have stopped.
+        """
+        start = len(ids) - block_len
+        end = next(
+            (n for n in range(start + 1, len(ids)) if _stop_string_cut(self.decode(ids[:n]), stops) is not None),
+            len(ids),
+        )
+        del ids[end:]
+        return ids[start:]
 
     def executor_for(self, config: LookaheadConfig) -> tuple[Executor, StepLayout]:
         """The executor for `config` and its step layout (built on first use; engines pad to their built T)."""
@@ -355,6 +436,24 @@ class LookaheadRuntime:
     def _decoder(self, config: LookaheadConfig, seed: int) -> LookaheadDecoder:
         executor, layout = self.executor_for(config)
         return LookaheadDecoder(executor, layout, stop_tokens=self.stop_token_ids, seed=seed)
+
+
+def _check_messages(items: list[Any]) -> list[dict[str, str]]:
+    """Chat messages: dicts whose `role` and `content` are strings (UserError naming the first bad one)."""
+    for i, message in enumerate(items):
+        if not all(isinstance(message.get(key), str) for key in ("role", "content")):
+            raise UserError(
+                f"chat message {i} must have string 'role' and 'content' entries, got {message!r}"
+            )
+    return cast(list[dict[str, str]], items)
+
+
+def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    """None, one stop string, or a sequence of them -> the non-empty ones (empty strings never match)."""
+    stops = [stop] if isinstance(stop, str) else [] if stop is None else stop
+    if not isinstance(stops, Sequence) or not all(isinstance(s, str) for s in stops):
+        raise UserError(f"stop must be a string or a list of strings, got {stop!r}")
+    return tuple(s for s in stops if s)
 
 
 def _stop_string_cut(text: str, stops: Sequence[str]) -> int | None:
@@ -390,7 +489,12 @@ def _stop_token_ids(path: Path) -> list[int]:
     ids: list[int] = []
     for name in ("generation_config.json", "config.json"):
         file = path / name
-        if file.is_file():
-            value = json.loads(file.read_text()).get("eos_token_id")
-            ids.extend(value if isinstance(value, list) else [] if value is None else [value])
+        if not file.is_file():
+            continue
+        try:
+            value = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id")
+            values = value if isinstance(value, list) else [] if value is None else [value]
+            ids.extend(as_int("eos_token_id", t) for t in values)
+        except (OSError, ValueError, AttributeError) as exc:
+            raise UserError(f"{file} is unreadable or malformed ({exc}); restore it from the original files") from exc
     return ids

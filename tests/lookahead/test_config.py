@@ -1,6 +1,8 @@
+import re
+
 import pytest
 
-from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.config import MAX_STEP_TOKENS, LookaheadConfig
 
 
 @pytest.mark.parametrize("text", ["4,3,4", "4/3/4", "[4,3,4]", " [4, 3, 4] ", "4 3 4"])
@@ -53,3 +55,30 @@ def test_fits_engine():
         LookaheadConfig(15, 5, 15).check_fits(engine)
     with pytest.raises(ValueError, match="N=6 > 5"):
         LookaheadConfig(4, 6, 4).check_fits(engine)
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        ((100000, 100000, 100000), "T = (W+G)(N-1) = 19999800000"),  # issue 10: a numpy OOM traceback before
+        ((300, 30, 300), "= 17400 tokens, above the limit of 1024"),  # issue 10: a 19 GB build before
+        ((1025, 2, 0), "above the limit of 1024"),
+        ((1, 1026, 0), "above the limit of 1024"),
+    ],
+)
+def test_step_size_is_bounded_with_the_limit_in_the_message(args, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        LookaheadConfig(*args)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        LookaheadConfig.parse(",".join(str(v) for v in args))
+
+
+def test_the_largest_step_is_allowed():
+    assert LookaheadConfig(512, 3, 0).step_tokens == MAX_STEP_TOKENS
+    assert LookaheadConfig(1, 1025, 0).step_tokens == MAX_STEP_TOKENS
+
+
+@pytest.mark.parametrize("text", ["٤,3,4", "4,３,4", "1" * 40 + ",3,4"])
+def test_parse_takes_short_ascii_numbers_only(text):
+    with pytest.raises(ValueError, match="W,N,G"):
+        LookaheadConfig.parse(text)

@@ -3,7 +3,13 @@
 import numpy as np
 import pytest
 
-from trt_lookahead.lookahead.sampling import SamplingParams, filter_logits, select_tokens, uniform_noise
+from trt_lookahead.lookahead.sampling import (
+    MIN_TEMPERATURE,
+    SamplingParams,
+    filter_logits,
+    select_tokens,
+    uniform_noise,
+)
 
 LOGITS = np.log(np.array([0.5, 0.25, 0.15, 0.07, 0.03]))
 
@@ -55,3 +61,50 @@ def test_greedy_params_take_the_argmax():
 def test_bad_sampling_params(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+@pytest.mark.parametrize(
+    ("bad", "name"),
+    [
+        (dict(temperature=float("inf")), "temperature"),  # issue 10: token id 0 sixteen times before
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature="0.5"), "temperature"),
+        (dict(temperature=None), "temperature"),
+        (dict(temperature=True), "temperature"),
+        (dict(top_k=2.5), "top_k"),  # issue 10: failed inside torch.topk after the prefill before
+        (dict(top_k="5"), "top_k"),
+        (dict(top_k=None), "top_k"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(top_p="0.9"), "top_p"),
+        (dict(seed=-1), "seed"),
+        (dict(seed=2**64), "seed"),
+        (dict(seed=1.0), "seed"),
+        (dict(seed="1"), "seed"),
+    ],
+)
+def test_sampling_params_name_the_bad_value(bad, name):
+    with pytest.raises(ValueError, match=f"^{name} must be"):
+        SamplingParams(**bad)
+
+
+def test_sampling_params_take_numpy_scalars_and_keep_python_types():
+    params = SamplingParams(np.float32(0.5), np.int64(40), np.float64(0.9), np.uint64(2**64 - 1))
+    assert params == SamplingParams(0.5, 40, 0.9, 2**64 - 1)
+    assert [type(v) for v in (params.temperature, params.top_k, params.top_p, params.seed)] == [float, int, float, int]
+
+
+@pytest.mark.parametrize("temperature", [1e-320, 1e-308, 1e-100, MIN_TEMPERATURE / 2])
+def test_tiny_temperatures_are_greedy(temperature):
+    # issue 10: 1e-320 and 1e-308 drew "t t t" (logits / t overflowed to inf, inf - inf = nan)
+    logits = np.random.default_rng(0).normal(size=(64, 50)) * 5
+    params = SamplingParams(temperature=temperature, top_k=5, seed=3)
+    assert params.greedy
+    assert select_tokens(logits, np.arange(64), params).tolist() == logits.argmax(-1).tolist()
+
+
+def test_a_huge_finite_temperature_samples_only_what_the_filter_keeps():
+    logits = np.random.default_rng(1).normal(size=(2000, 50))
+    drawn = select_tokens(logits, np.arange(2000), SamplingParams(temperature=1e300, top_k=3, seed=4))
+    top3 = np.argsort(-logits, axis=-1)[:, :3]
+    assert all(token in row for token, row in zip(drawn.tolist(), top3.tolist(), strict=True))
+    assert len(set(drawn.tolist())) > 3  # and it does sample (nearly uniformly) among them

@@ -29,7 +29,7 @@ import numpy as np
 from trt_lookahead.backends.graphs import EngineExecutor, OpenedEngine, choose_tokens, prefill_chunks
 from trt_lookahead.engine.format import EngineConfig, cache_names
 from trt_lookahead.errors import UserError
-from trt_lookahead.lookahead.executor import check_prompt, check_room
+from trt_lookahead.lookahead.executor import check_kv_memory, check_prompt, check_room
 from trt_lookahead.lookahead.layout import StepLayout
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -103,6 +103,7 @@ class OnnxRuntimeExecutor(EngineExecutor):
         L, Hkv, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
         self._layers = L
         self._rows = cfg.cache_rows
+        check_kv_memory((L, Hkv, self._rows, D), np.dtype(dtype).itemsize, engine.max_seq_len)
         self.k_cache = np.zeros((L, Hkv, self._rows, D), dtype)
         self.v_cache = np.zeros((L, Hkv, self._rows, D), dtype)
         K = len(self.output_slots)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from trt_lookahead.kernels.sampling_torch import sample_tokens_torch, vocab_salts
-from trt_lookahead.lookahead.executor import check_commit, check_prompt, check_room
+from trt_lookahead.lookahead.executor import check_commit, check_kv_memory, check_prompt, check_room
 from trt_lookahead.lookahead.sampling import MASK32, SamplingParams
 from trt_lookahead.model.llama import Llama, sdpa_attention, sdpa_attention_static
 
@@ -67,6 +67,8 @@ class TorchExecutor:
             raise ValueError("cuda_graph needs device='cuda' and static attention")
 
         dev = self.device
+        if not is_cuda:
+            check_kv_memory(model.cache_shape(self.max_seq_len + T), model.dtype.itemsize, self.max_seq_len)
         self.k_cache, self.v_cache = model.new_cache(self.max_seq_len + T, dev)
         self._mask = torch.from_numpy(mask).to(dev)
         self._all_slots = output_slots is None

@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass
 
 _SEPARATORS = re.compile(r"[,/\s]+")
+_INTEGER = re.compile(r"-?[0-9]{1,30}")  # ASCII digits only (str.isdigit also takes other scripts' digits)
+MAX_STEP_TOKENS = 1024  # the largest T = (W+G)(N-1) a step may feed; so W, G <= 1024 and N <= 1025
 GREEDY = "greedy"  # the label of the (1, 2, 0) config: plain greedy (or sampled) decoding
 AUTO = "auto"  # the label of the config tuned for this machine, model and workload (trt_lookahead.tuning)
 DEFAULT = "default"  # the runtime's default: DEFAULT_LOOKAHEAD, or an engine's built config
@@ -30,6 +32,11 @@ class LookaheadConfig:
             raise ValueError(f"lookahead n-gram size N={self.N} is impossible: N must be >= 2")
         if self.G < 0:
             raise ValueError(f"lookahead verification size G={self.G} is impossible: G must be >= 0")
+        if self.step_tokens > MAX_STEP_TOKENS:
+            raise ValueError(
+                f"lookahead config {self} steps T = (W+G)(N-1) = {self.step_tokens} tokens, above the limit of "
+                f"{MAX_STEP_TOKENS}; lower W, N or G (15/5/15 is T = 120)"
+            )
 
     @classmethod
     def greedy(cls) -> LookaheadConfig:
@@ -41,7 +48,7 @@ class LookaheadConfig:
         """Parse `W,N,G`, `W/N/G` or `[W,N,G]` (as TensorRT-LLM users type it)."""
         body = text.strip().removeprefix("[").removesuffix("]").strip()
         parts = [p for p in _SEPARATORS.split(body) if p]
-        if len(parts) != 3 or not all(p.lstrip("-").isdigit() for p in parts):
+        if len(parts) != 3 or not all(_INTEGER.fullmatch(p) for p in parts):
             raise ValueError(
                 f"lookahead config {text!r} is not of the form W,N,G (also W/N/G or [W,N,G]), e.g. 4,3,4"
             )

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from trt_lookahead.errors import UserError, as_int
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.executor import Executor
 from trt_lookahead.lookahead.layout import StepLayout
@@ -133,16 +134,19 @@ def verify(drafts: np.ndarray, out: np.ndarray, index: np.ndarray, max_accept: i
 def check_request(prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int, vocab_size: int,
                   max_seq_len: int) -> np.ndarray:
     """Validate a request before any work; returns the prompt as an int64 array."""
-    prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
-    if prompt.size == 0:
-        raise ValueError("the prompt is empty: give at least one token")
+    ids = np.asarray(prompt_ids).reshape(-1)
+    if ids.size == 0:
+        raise UserError("the prompt is empty: give at least one token")
+    # integer arrays compare as they are; anything else (bools, floats, ints beyond 64 bits) id by id
+    values = ids.tolist() if ids.dtype.kind in "iu" else [as_int("token id", t) for t in ids.tolist()]
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    bad = prompt[(prompt < 0) | (prompt >= vocab_size)]
-    if bad.size:
-        raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {vocab_size}); check the tokenizer")
+        raise UserError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    bad = [t for t in values if not 0 <= t < vocab_size]
+    if bad:
+        raise UserError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size}); check the tokenizer")
+    prompt = np.array(values, np.int64)
     if prompt.size + max_new_tokens > max_seq_len:
-        raise ValueError(
+        raise UserError(
             f"prompt of {prompt.size} tokens + max_new_tokens {max_new_tokens} exceeds max_seq_len {max_seq_len}; "
             "shorten the prompt, lower max_new_tokens or raise max_seq_len"
         )

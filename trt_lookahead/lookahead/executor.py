@@ -15,10 +15,12 @@ only ones whose ids are read; an executor may leave the others unset.
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import numpy as np
 
+from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.sampling import SamplingParams
 
 
@@ -64,3 +66,14 @@ def check_commit(slots: np.ndarray, step_tokens: int, cache_len: int, max_seq_le
     if cache_len + len(slots) > max_seq_len:
         raise ValueError(f"commit of {len(slots)} tokens at p={cache_len} overflows max_seq_len={max_seq_len}")
     return slots
+
+
+def check_kv_memory(shape: tuple[int, ...], itemsize: int, max_seq_len: int) -> None:
+    """UserError, before allocating, if the K and V caches of `shape` cannot fit in this machine's memory."""
+    needed = 2 * itemsize * int(np.prod(shape, dtype=object))
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed > total:
+        raise UserError(
+            f"max_seq_len {max_seq_len} needs a KV cache of {needed / 2**30:.1f} GiB, more than this machine's "
+            f"{total / 2**30:.1f} GiB of memory; lower max_seq_len"
+        )

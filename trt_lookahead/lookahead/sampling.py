@@ -9,6 +9,12 @@ The hash is 32-bit integer arithmetic done in int64 (every product stays below 2
 torch and ONNX graphs compute the same noise. This module is the numpy reference; `mix32` and
 `noise_bits` are array-generic, and the torch twin (kernels/sampling_torch.py) calls them on tensors.
 See docs/design.md section 4.
+
+Valid parameters (SamplingParams checks them once for the API, the CLI and the server): a finite
+temperature >= 0, an integer top_k >= 0, top_p in (0, 1], an integer seed in [0, 2**64). A temperature
+below MIN_TEMPERATURE samples greedily: the 24-bit uniforms bound the Gumbel noise to a span of about 20,
+so below 1e-5 only logits closer than 2e-4 could still change the draw, and logits / t overflows float64
+as t -> 0 (vLLM draws the same line).
 """
 
 from __future__ import annotations
@@ -18,15 +24,22 @@ from typing import Any
 
 import numpy as np
 
+from trt_lookahead.errors import UserError, as_float, as_int
+
 MASK32 = 0xFFFFFFFF
 HASH_MULTIPLIERS = (0x7FEB352D, 0x2C1B3C6D, 0x297A2D39)
 POSITION_SALT = 0x5BD1E995
 VOCAB_SALT = 0x1B873593
+MIN_TEMPERATURE = 1e-5  # below it, sampling is greedy (see the module docstring)
+SEED_LIMIT = 1 << 64  # seeds are unsigned 64-bit (Triton's random_seed is UINT64)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1.0 mean no filtering."""
+    """temperature 0 (or below MIN_TEMPERATURE) means greedy; top_k 0 and top_p 1.0 mean no filtering.
+
+    Checked and normalised to Python int/float on construction (UserError naming the parameter).
+    """
 
     temperature: float = 0.0
     top_k: int = 0
@@ -34,16 +47,22 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        temperature, top_p = as_float("temperature", self.temperature), as_float("top_p", self.top_p)
+        top_k, seed = as_int("top_k", self.top_k), as_int("seed", self.seed)
+        if temperature < 0:
+            raise UserError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+        if top_k < 0:
+            raise UserError(f"top_k must be >= 0 (0 disables it), got {top_k}")
+        if not 0.0 < top_p <= 1.0:
+            raise UserError(f"top_p must be in (0, 1] (1 disables it), got {top_p}")
+        if not 0 <= seed < SEED_LIMIT:
+            raise UserError(f"seed must be in [0, 2**64), got {seed}")
+        for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed)):
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
 
 def mix32(x: Any) -> Any:

@@ -139,7 +139,13 @@ def load_tokenizer(path: str | Path) -> Any:
     root = Path(path)
     if not any((root / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
         raise UserError(f"{root} has no tokenizer (tokenizer.json); copy the model's tokenizer files into it")
-    return AutoTokenizer.from_pretrained(str(root))
+    try:
+        return AutoTokenizer.from_pretrained(str(root))
+    except Exception as exc:  # transformers and tokenizers raise many types for a corrupt file
+        raise UserError(
+            f"the tokenizer files in {root} cannot be read ({type(exc).__name__}: {exc}); restore them from the "
+            "original checkpoint"
+        ) from exc
 
 
 def hf_key(name: str) -> str:

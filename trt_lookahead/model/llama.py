@@ -71,6 +71,14 @@ class ModelConfig:
     mlp_bias: bool = False
 
     def __post_init__(self) -> None:
+        sizes = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                 "vocab_size", "max_position_embeddings")
+        for name in sizes:
+            if getattr(self, name) < 1:
+                raise UserError(f"model config has {name} = {getattr(self, name)}; it must be >= 1")
+        for name in ("rope_theta", "rms_norm_eps"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise UserError(f"model config has {name} = {getattr(self, name)}; it must be a finite number > 0")
         if self.num_heads % self.num_kv_heads:
             raise UserError(
                 f"model config has {self.num_heads} attention heads, not a multiple of its "
@@ -410,9 +418,13 @@ class Llama(nn.Module):
     def device(self) -> torch.device:
         return self.tok_embeddings.weight.device
 
+    def cache_shape(self, rows: int) -> tuple[int, int, int, int]:
+        """[layers, rows, kv_heads, head_dim]: the shape of each of the K and V caches."""
+        return (self.cfg.num_layers, rows, self.cfg.num_kv_heads, self.cfg.head_dim)
+
     def new_cache(self, rows: int, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
-        """Zeroed (k_cache, v_cache), each [layers, rows, kv_heads, head_dim] in the model dtype."""
-        shape = (self.cfg.num_layers, rows, self.cfg.num_kv_heads, self.cfg.head_dim)
+        """Zeroed (k_cache, v_cache), each `cache_shape(rows)` in the model dtype."""
+        shape = self.cache_shape(rows)
         device = self.device if device is None else device
         return (
             torch.zeros(shape, dtype=self.dtype, device=device),

@@ -1,0 +1,186 @@
+"""Every request argument is checked before any work, stop strings end text and ids alike, re-entry never hangs.
+
+Regression tests for issue 10 (hostile input to LookaheadRuntime), on stories260K.
+"""
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trt_lookahead.errors import UserError
+from trt_lookahead.runtime import LookaheadRuntime
+
+STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
+PROMPTS = ["Once upon a time", "Lily and Tom went to the park. They", "The cat sat on the"]
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+@pytest.fixture(scope="module")
+def stories():
+    torch.set_num_threads(1)
+    return LookaheadRuntime.from_pretrained(STORIES, lookahead="4,3,4")
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """stories260K with a (plain) chat template, so chat messages reach a real template."""
+    root = tmp_path_factory.mktemp("chat") / "stories-chat"
+    shutil.copytree(STORIES, root)
+    config = json.loads((root / "tokenizer_config.json").read_text())
+    (root / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return LookaheadRuntime.from_pretrained(root, lookahead="4,3,4")
+
+
+BAD_REQUESTS = [
+    dict(temperature="0.5"), dict(temperature=None), dict(temperature=float("inf"), top_k=5),
+    dict(temperature=float("nan")), dict(top_k=2.5, temperature=0.5), dict(top_k="5"), dict(top_p=None),
+    dict(top_p="0.5"), dict(seed="1"), dict(seed=None), dict(seed=1.5), dict(seed=-1), dict(seed=2**64),
+    dict(stop=[5]), dict(stop=5), dict(stop=[None]), dict(stop=b"x"), dict(prompt=None), dict(prompt=5),
+    dict(prompt=[2**63]), dict(prompt=[2**64 + 3]), dict(prompt=[-1]), dict(prompt=[512]), dict(prompt=[]),
+    dict(prompt=[True]), dict(prompt=[1.0]), dict(prompt=b"Once"), dict(prompt=[1, "a"]),
+    dict(max_new_tokens=0), dict(max_new_tokens=2.0), dict(max_new_tokens="3"), dict(max_new_tokens=None),
+    dict(max_new_tokens=True), dict(max_new_tokens=10**6), dict(lookahead=5), dict(lookahead=(4, 3, 4)),
+    dict(lookahead="abc"), dict(lookahead="100000,100000,100000"), dict(lookahead="0,0,0"), dict(chat="yes"),
+    dict(chat=True), dict(prompt=[1, 2], chat=True),
+]
+
+
+@pytest.mark.parametrize("bad", BAD_REQUESTS, ids=[repr(b)[:60] for b in BAD_REQUESTS])
+def test_bad_arguments_raise_value_error_when_the_stream_is_opened(stories, bad):
+    request = {"prompt": "Once upon a time", "max_new_tokens": 8, **bad}
+    with pytest.raises(ValueError):
+        stories.stream(**request)  # raised by the call itself: nothing was iterated, nothing ran
+    with pytest.raises(ValueError):
+        stories.generate(**request)
+    assert stories.generate("Once upon a time", 8).generated_tokens == 8  # and the runtime still serves
+
+
+def test_numpy_values_are_taken_as_their_python_equals(stories):
+    plain = stories.generate([1, 403, 407], 12, temperature=0.8, top_k=40, top_p=0.9, seed=3)
+    same = stories.generate(np.array([1, 403, 407]), np.int64(12), temperature=np.float32(0.8), top_k=np.int32(40),
+                            top_p=np.float64(0.9), seed=np.uint64(3))
+    assert same.token_ids == plain.token_ids
+
+
+@pytest.mark.parametrize("temperature", [1e-320, 1e-308, 1e-6])
+def test_tiny_temperatures_give_the_greedy_text(stories, temperature):
+    greedy = stories.generate("Once upon a time", 16, lookahead="greedy")
+    for lookahead in ("greedy", "4,3,4"):
+        tiny = stories.generate("Once upon a time", 16, temperature=temperature, top_k=5, lookahead=lookahead)
+        assert tiny.token_ids == greedy.token_ids, (temperature, lookahead)
+
+
+def test_a_huge_temperature_with_top_k_1_is_still_the_argmax(stories):
+    greedy = stories.generate("Once upon a time", 16, lookahead="greedy")
+    assert stories.generate("Once upon a time", 16, temperature=1e300, top_k=1, seed=2).token_ids == greedy.token_ids
+
+
+def test_a_plain_string_is_one_stop_string(stories):
+    full = stories.generate("Once upon a time", 60)
+    assert "Lily." in full.text
+    out = stories.generate("Once upon a time", 60, stop="Lily.")  # issue 10: split into characters before
+    assert out.text == full.text[: full.text.index("Lily.")] and out.finish_reason == "stop"
+    assert out.token_ids == stories.generate("Once upon a time", 60, stop=["Lily."]).token_ids
+
+
+@pytest.mark.parametrize("config", ["4,3,4", pytest.param("7,5,7", marks=pytest.mark.slow)])
+def test_stop_strings_end_token_ids_where_greedy_ends_them(stories, config):
+    # issue 10: lookahead kept the rest of the accepted block after the token completing the stop string
+    checked = 0
+    for prompt in PROMPTS:
+        full = stories.generate(prompt, 60, lookahead="greedy").text
+        for start in range(0, len(full) - 6, 11):
+            stop = [full[start : start + 4]]
+            greedy = stories.generate(prompt, 60, lookahead="greedy", stop=stop)
+            chunks = list(stories.stream(prompt, 60, lookahead=config, stop=stop))
+            ahead = chunks[-1].output
+            assert ahead.token_ids == greedy.token_ids, (prompt, stop)
+            assert (ahead.text, ahead.finish_reason) == (greedy.text, greedy.finish_reason)
+            assert [t for c in chunks for t in c.token_ids] == ahead.token_ids
+            assert ahead.generated_tokens == ahead.stats.generated_tokens == len(ahead.token_ids)
+            checked += 1
+    assert checked > 12
+
+
+def test_a_second_request_on_the_same_thread_raises_instead_of_hanging(stories):
+    # issue 10: stream + next + generate on one thread deadlocked. The check runs in a worker thread so
+    # that a regression fails here (join times out) instead of hanging the suite.
+    want = stories.generate("Once upon a time", 8).token_ids
+    outcome: dict = {}
+
+    def reenter() -> None:
+        chunks = stories.stream("Lily and Tom went to the park. They", 40)
+        next(chunks)
+        try:
+            outcome["second"] = stories.generate("Once upon a time", 8).token_ids
+        except ValueError as exc:
+            outcome["error"] = str(exc)
+        finally:
+            chunks.close()
+        outcome["after"] = stories.generate("Once upon a time", 8).token_ids
+
+    worker = threading.Thread(target=reenter, daemon=True)
+    worker.start()
+    worker.join(timeout=300)
+    assert not worker.is_alive(), "a second request on the thread holding an open stream hangs"
+    # either a clear error now, or (once requests are batched) the right answer
+    assert ("close()" in outcome.get("error", "")) or outcome.get("second") == want, outcome
+    assert outcome["after"] == want
+
+
+def test_chat_messages_are_checked_before_the_template(chat_model):
+    good = [{"role": "user", "content": "Once upon a time"}]
+    assert chat_model.generate(good, 4).generated_tokens == 4
+    assert chat_model.encode("Once upon a time", chat=True) == chat_model.encode(good)
+    for messages in ([{"role": "user"}], [{"content": "hi"}], [{"role": "user", "content": 5}],
+                     [{"role": None, "content": "hi"}], [good[0], {"role": "user", "content": ["a"]}]):
+        with pytest.raises(ValueError, match="chat message"):
+            chat_model.generate(messages, 4)
+
+
+def test_threads_must_be_a_positive_integer():
+    for threads in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="threads"):
+            LookaheadRuntime.from_pretrained(STORIES, threads=threads)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "words"),
+    [
+        ("tokenizer.json", "garbage", "tokenizer files"),
+        ("tokenizer_config.json", "garbage", "tokenizer files"),
+        ("generation_config.json", "garbage", "generation_config.json"),
+        ("generation_config.json", '{"eos_token_id": "x"}', "generation_config.json"),
+    ],
+)
+def test_corrupt_model_files_are_named(tmp_path, name, content, words):
+    model = tmp_path / "model"
+    shutil.copytree(STORIES, model)
+    (model / name).write_text(content)
+    with pytest.raises(UserError, match=words):
+        LookaheadRuntime.from_pretrained(model)
+
+
+@pytest.mark.parametrize(("key", "value"), [("rope_theta", -1.0), ("num_attention_heads", 0), ("rms_norm_eps", 0)])
+def test_impossible_model_config_values_are_refused(tmp_path, key, value):
+    model = tmp_path / "model"
+    shutil.copytree(STORIES, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(UserError, match="config"):
+        LookaheadRuntime.from_pretrained(model)
+
+
+def test_a_kv_cache_larger_than_the_machine_is_refused_before_allocating(tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(STORIES, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 10**9}))
+    rt = LookaheadRuntime.from_pretrained(model, max_seq_len=10**8)  # 59.6 GiB of KV cache
+    with pytest.raises(UserError, match=r"GiB of memory; lower max_seq_len"):
+        rt.generate("Once upon a time", 4)
