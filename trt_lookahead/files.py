@@ -1,11 +1,14 @@
-"""Leaf helpers that several layers share: file checksums, atomic writes and the cache directory."""
+"""Leaf helpers that several layers share: file checksums, atomic writes, output checks and the cache directory."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 from pathlib import Path
+
+from trt_lookahead.errors import UserError
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
@@ -32,6 +35,45 @@ def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def check_output_dir(path: str | os.PathLike, flag: str) -> Path:
+    """`path` if it is a directory or can be made one; else UserError naming `flag` (checked before any work)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{flag} {path} is a file, not a directory; choose another {flag}")
+    ancestor = path.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UserError(f"{flag} {path} cannot be created: {ancestor} is a file; choose another {flag}")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path} cannot be created: {ancestor} is not writable; choose another {flag}")
+    return path
+
+
+def work_dir(target: Path) -> Path:
+    """Where a directory for `target` is written before `replace_dir` renames it into place."""
+    return target.with_name(f".{target.name}.building-{os.getpid()}")
+
+
+def remove_stale_work_dirs(target: Path) -> None:
+    """Remove what killed writers of `target` left beside it: `work_dir`s and moved-aside olds of dead PIDs."""
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.(building|old)-(\d+)")
+    for entry in target.parent.iterdir() if target.parent.is_dir() else ():
+        match = pattern.fullmatch(entry.name)
+        if match and not _alive(int(match.group(2))):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def replace_dir(new: Path, target: Path) -> None:

@@ -183,11 +183,12 @@ class LookaheadRuntime:
         lookahead: LookaheadConfig | str | None = DEFAULT,
         max_seq_len: int | None = None,
         threads: int | None = None,
+        verify: bool = True,
     ) -> LookaheadRuntime:
         """Load a HF Llama checkpoint dir, a known model name, or an engine dir from `trt-lookahead build`.
 
         lookahead: DEFAULT (4,3,4; an engine's built config), W,N,G, a LookaheadConfig, AUTO (tuned on this
-        runtime), or None / GREEDY (greedy).
+        runtime), or None / GREEDY (greedy). verify: check an engine dir's files against their checksums.
         """
         from trt_lookahead.model.fetch import resolve_model
 
@@ -199,7 +200,7 @@ class LookaheadRuntime:
                 raise UserError(f"threads must be >= 1 (torch's CPU threads), got {threads}")
             torch.set_num_threads(threads)
         if is_engine_dir(path):
-            rt = cls._from_engine(path, backend or "onnxruntime", dtype, max_seq_len)
+            rt = cls._from_engine(path, backend or "onnxruntime", dtype, max_seq_len, verify)
         elif backend not in (None, "torch"):
             raise UserError(f"backend {backend!r} runs engine dirs; build one with `trt-lookahead build` or use torch")
         else:
@@ -215,10 +216,10 @@ class LookaheadRuntime:
     @classmethod
     def _from_checkpoint(cls, path: Path, dtype: str, max_seq_len: int | None) -> LookaheadRuntime:
         from trt_lookahead.backends.torch import TorchExecutor
-        from trt_lookahead.model.checkpoint import load_llama, load_tokenizer
+        from trt_lookahead.model.checkpoint import check_max_seq_len, load_llama, load_tokenizer
 
         model, config = load_llama(path, dtype=dtype, weight_layout="auto")
-        seq_len = _check_max_seq_len(max_seq_len, config.max_position_embeddings)
+        seq_len = check_max_seq_len(max_seq_len, config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
 
         def make_executor(layout: StepLayout) -> Executor:
             return TorchExecutor(model, layout.mask, seq_len, output_slots=layout.output_slots)
@@ -236,11 +237,13 @@ class LookaheadRuntime:
         )
 
     @classmethod
-    def _from_engine(cls, path: Path, backend: str, dtype: str, max_seq_len: int | None) -> LookaheadRuntime:
+    def _from_engine(
+        cls, path: Path, backend: str, dtype: str, max_seq_len: int | None, verify: bool
+    ) -> LookaheadRuntime:
         from trt_lookahead.backends.open import open_engine
         from trt_lookahead.model.checkpoint import load_tokenizer
 
-        engine = open_engine(path, backend=backend, dtype=dtype, max_seq_len=max_seq_len)
+        engine = open_engine(path, backend=backend, dtype=dtype, max_seq_len=max_seq_len, verify=verify)
         return cls(
             load_tokenizer(path),
             engine.make_executor,
@@ -471,17 +474,6 @@ def _stable_end(text: str, stops: Sequence[str]) -> int:
                 end = min(end, len(text) - k)
                 break
     return end
-
-
-def _check_max_seq_len(requested: int | None, model_limit: int | None) -> int:
-    limit = model_limit or DEFAULT_MAX_SEQ_LEN
-    if requested is None:
-        return min(limit, DEFAULT_MAX_SEQ_LEN)
-    if requested < 2:
-        raise UserError(f"max_seq_len {requested} is too small; give at least 2 (prompt + one new token)")
-    if requested > limit:
-        raise UserError(f"max_seq_len {requested} exceeds the model's context of {limit}; ask for at most {limit}")
-    return requested
 
 
 def _stop_token_ids(path: Path) -> list[int]:

@@ -264,8 +264,8 @@ def test_config_formats_agree():
 def test_weight_layouts_agree(stories):
     plain, _ = load_llama(STORIES)
     assert plain.weight_layout == "out_in" and plain.output.weight is plain.tok_embeddings.weight
-    expect = "onednn" if onednn_linear_available() else "out_in"
-    assert fast_weight_layout("cpu", torch.float32, 576) == fast_weight_layout("cpu", torch.bfloat16, 576) == expect
+    for dtype in (torch.float32, torch.bfloat16):  # checked per dtype: AVX2-only CPUs run fp32 but not bf16
+        assert fast_weight_layout("cpu", dtype, 576) == ("onednn" if onednn_linear_available(dtype) else "out_in")
     assert fast_weight_layout("cpu", torch.float32, 64) == fast_weight_layout("cuda", torch.float32, 576) == "out_in"
     ref, _ = run(plain, PROMPT)
     for layout in LAYOUTS[1:]:
@@ -515,3 +515,23 @@ def test_smollm2_logits_match_transformers():
         mask4d = torch.zeros(1, 1, T, P + T).masked_fill(~allow, torch.finfo(torch.float32).min)
         ref = hf(ids[None], attention_mask=mask4d, position_ids=positions[None], past_key_values=hf_cache).logits[0]
     assert (step - ref).abs().max().item() < 2e-3
+
+
+def test_bfloat16_auto_layout_runs_where_onednn_cannot(tmp_path, capsys):
+    # issue 10: on AVX2-only CPUs (like this dev machine) the auto layout picked oneDNN for bfloat16 after
+    # probing it in float32 only, and generate died in mkldnn_reorder_linear_weight
+    from trt_lookahead.cli import main
+
+    model, _ = save_random(tmp_path / "wide", tiny_hf_config(hidden_size=256, vocab_size=512))  # auto may pick onednn
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        shutil.copyfile(STORIES / name, model / name)
+    loaded, _ = load_llama(model, dtype="bfloat16", weight_layout="auto")
+    assert loaded.weight_layout == ("onednn" if onednn_linear_available(torch.bfloat16) else "out_in")
+    code = main(["generate", "--model", str(model), "--dtype", "bfloat16", "--prompt", "Once upon a time",
+                 "--max-new-tokens", "6", "--greedy", "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert json.loads(out.out)["generated_tokens"] == 6
+    if not onednn_linear_available(torch.bfloat16):
+        with pytest.raises(ValueError, match="bfloat16"):
+            loaded.set_weight_layout("onednn")

@@ -67,7 +67,16 @@ class OnnxRuntimeEngine(OpenedEngine):
         from trt_lookahead.kernels import onnx_op
 
         path = self.config.graph(which)
-        proto = onnx_op.decompose(onnx.load(str(path), load_external_data=False))
+        try:
+            proto = onnx.load(str(path), load_external_data=False)
+        except Exception as exc:  # protobuf's DecodeError and friends: a truncated or replaced file
+            raise UserError(f"engine file {path} is not a readable ONNX graph ({exc}); rebuild the engine") from exc
+        self.config.check_graph_io(which, {
+            value.name: tuple(dim.dim_value if dim.HasField("dim_value") else None
+                              for dim in value.type.tensor_type.shape.dim)
+            for value in (*proto.graph.input, *proto.graph.output)
+        })
+        proto = onnx_op.decompose(proto)
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.intra_op_num_threads = self.threads or _torch_threads()
@@ -80,7 +89,11 @@ class OnnxRuntimeEngine(OpenedEngine):
                 raise OnnxRuntimeUnsupported(
                     f"onnxruntime's CPU kernels cannot run {path.name} of {self.config.path} ({exc})"
                 ) from exc
-            raise
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(
+                f"onnxruntime cannot load {path.name} of engine {self.config.path} ({first_line}); its files are "
+                "damaged or from different builds: rebuild the engine (loading without --no-verify checks them)"
+            ) from exc
 
     def make_executor(self, layout: StepLayout) -> OnnxRuntimeExecutor:
         return OnnxRuntimeExecutor(self, layout)

@@ -32,16 +32,17 @@ class Engine(Protocol):
 
 def open_engine(path: str | os.PathLike, backend: str = "onnxruntime", dtype: str | None = None,
                 max_seq_len: int | None = None, threads: int | None = None, lookahead: LookaheadConfig | None = None,
-                model: str | os.PathLike | None = None) -> Engine:
+                model: str | os.PathLike | None = None, verify: bool = True) -> Engine:
     """Open an engine dir for `backend`, refusing (UserError naming what differs) a mismatching request.
 
     `model`: a checkpoint dir the engine must have been built from (checked by its weights' sha256).
+    `verify`: check every file against the checksums config.json recorded (engine/format.py).
     """
     from trt_lookahead.model.checkpoint import weights_sha256
 
     if backend not in BACKENDS:
         raise UserError(f"an engine dir runs on the onnxruntime or tensorrt backend, not {backend!r}")
-    config = load_engine_config(path)
+    config = load_engine_config(path, verify=verify)
     model_sha = None if model is None else weights_sha256(model)
     config.check_request(lookahead=lookahead, dtype=dtype, max_seq_len=max_seq_len, model_sha256=model_sha)
     if backend == "tensorrt":

@@ -37,15 +37,32 @@ def read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
         return args.prompt
     path = Path(args.prompt_file)
+    if path.is_dir():
+        raise UserError(f"--prompt-file {path} is a directory; give the file that holds the prompt")
     if not path.is_file():
         raise UserError(f"prompt file {path} does not exist; check the path given to --prompt-file")
-    return path.read_text(encoding="utf-8")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"--prompt-file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
 def model_source(args: argparse.Namespace) -> str:
     if bool(args.model) == bool(getattr(args, "engine", None)):
         raise UserError("give exactly one of --model (checkpoint dir or known name) or --engine (engine dir)")
-    return args.model or args.engine
+    return args.model or engine_dir(args.engine)
+
+
+def engine_dir(path: str) -> str:
+    """--engine PATH, if PATH holds an engine dir's config.json; else UserError saying what to pass instead."""
+    from trt_lookahead.engine.format import is_engine_dir
+
+    if not is_engine_dir(path):
+        what = "does not exist" if not Path(path).exists() else "is not an engine dir (no engine config.json)"
+        raise UserError(
+            f"--engine {path} {what}; build one with `trt-lookahead build`, or pass a checkpoint as --model"
+        )
+    return path
 
 
 def fetch_model(args: argparse.Namespace) -> int:
@@ -67,7 +84,7 @@ def generate(args: argparse.Namespace) -> int:
 
     runtime = LookaheadRuntime.from_pretrained(
         source, backend=args.backend, dtype=args.dtype, lookahead=lookahead, max_seq_len=args.max_seq_len,
-        threads=args.threads,
+        threads=args.threads, verify=args.verify,
     )
     request = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -96,9 +113,10 @@ def bench(args: argparse.Namespace) -> int:
     if args.model and args.engine:
         raise UserError("give one of --model or --engine, not both")
     result, paths = bench_model(
-        args.engine or args.model or DEFAULT_MODEL, datasets=args.dataset, limit=args.limit,
-        max_new_tokens=args.max_new_tokens, configs=args.configs, peers=args.peers, backend=args.backend,
-        dtype=args.dtype, max_seq_len=args.max_seq_len, threads=args.threads, out=args.out,
+        engine_dir(args.engine) if args.engine else args.model or DEFAULT_MODEL, datasets=args.dataset,
+        limit=args.limit, max_new_tokens=args.max_new_tokens, configs=args.configs, peers=args.peers,
+        backend=args.backend, dtype=args.dtype, max_seq_len=args.max_seq_len, threads=args.threads, out=args.out,
+        verify=args.verify,
     )
     if paths:
         print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
@@ -111,16 +129,20 @@ def bench(args: argparse.Namespace) -> int:
 def bench_model(
     source: str, *, datasets: str, limit: int | None, max_new_tokens: int, configs: str, peers: str,
     backend: str | None, dtype: str, max_seq_len: int | None, threads: int | None, out: str | Path | None,
+    verify: bool = True,
 ) -> tuple[dict, list[Path]]:
     """Plan, load the runtime, run; with `out`, write the result files (step cost overlay from tuning)."""
     from trt_lookahead.bench.bench import plan_bench, run_bench, write_outputs
+    from trt_lookahead.files import check_output_dir
     from trt_lookahead.runtime import LookaheadRuntime
     from trt_lookahead.tuning.file import tuned_step_cost
 
+    if out is not None:
+        check_output_dir(out, "--out")  # before the benchmark, not after it
     plan = plan_bench(source, datasets=datasets, limit=limit, max_new_tokens=max_new_tokens, configs=configs,
                       peers=peers, max_seq_len=max_seq_len)
     rt = LookaheadRuntime.from_pretrained(plan.model_path, backend=backend, dtype=dtype, lookahead=None,
-                                          max_seq_len=plan.max_seq_len, threads=threads)
+                                          max_seq_len=plan.max_seq_len, threads=threads, verify=verify)
     result = run_bench(rt, plan)
     del rt
     gc.collect()
@@ -183,7 +205,7 @@ def triton_repo(args: argparse.Namespace) -> int:
     model_root = write_repository(
         output=args.output, name=args.name, model=args.model, engine=args.engine,
         lookahead_config=args.lookahead_config, instances=args.instances, max_batch_size=args.max_batch_size,
-        max_seq_len=args.max_seq_len, dtype=args.dtype,
+        max_seq_len=args.max_seq_len, dtype=args.dtype, verify=args.verify,
     )
     print(model_root.parent.resolve())
     return 0

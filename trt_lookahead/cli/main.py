@@ -1,7 +1,7 @@
 """`trt-lookahead` entry point: the argument parser of every command, and the dispatch to its handler.
 
-User errors (UserError, ValueError, FileNotFoundError) print one `error:` line and exit 2; set
-TRT_LOOKAHEAD_DEBUG=1 to see the traceback instead.
+User errors (UserError, ValueError, FileNotFoundError) and argument errors print one `error:` line and
+exit 2; set TRT_LOOKAHEAD_DEBUG=1 to see the traceback instead. SIGINT prints "interrupted", exit 130.
 """
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import NoReturn
 
 from trt_lookahead.cli import commands
-from trt_lookahead.engine.format import ATTENTION_MODES, DTYPES, TARGETS
+from trt_lookahead.engine.format import ATTENTION_MODES, DEFAULT_BUILD_SEQ_LEN, DTYPES, TARGETS
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import DEFAULT_LOOKAHEAD
 from trt_lookahead.lookahead.sampling import SamplingParams
@@ -31,6 +32,18 @@ DEFAULT = f"{DEFAULT_LOOKAHEAD.W},{DEFAULT_LOOKAHEAD.N},{DEFAULT_LOOKAHEAD.G}"
 SAMPLING = SamplingParams()
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one `error:` line naming the command's --help (exit 2), like every error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message}; see `{self.prog} --help`\n")
+
+
+def _add_verify_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-verify", "--no_verify", dest="verify", action="store_false",
+                   help="skip checking an engine dir's files against the checksums of its config.json")
+
+
 def _add_model_arguments(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--model", help=f"local HF Llama checkpoint dir, or a known name: {DEFAULT_MODEL}")
     if engine:
@@ -41,6 +54,8 @@ def _add_model_arguments(p: argparse.ArgumentParser, engine: bool = True) -> Non
     p.add_argument("--max-seq-len", "--max_seq_len", dest="max_seq_len", type=int, default=None,
                    help="KV-cache length (default: min(model context, 4096))")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    if engine:
+        _add_verify_argument(p)
 
 
 def _add_lookahead_argument(p: argparse.ArgumentParser) -> None:
@@ -49,8 +64,8 @@ def _add_lookahead_argument(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trt-lookahead", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = Parser(prog="trt-lookahead", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
 
     p = sub.add_parser("fetch-model", help="download and convert a known model; prints its directory")
     p.add_argument("name", help=DEFAULT_MODEL)
@@ -96,12 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True)
     p.add_argument("--output", required=True, help="engine dir, e.g. engines/NAME")
     _add_lookahead_argument(p)
-    p.add_argument("--max_seq_len", "--max-seq-len", dest="max_seq_len", type=int, default=2048)
+    p.add_argument("--max_seq_len", "--max-seq-len", dest="max_seq_len", type=int, default=None,
+                   help=f"prompt + generated tokens (default: min(model context, {DEFAULT_BUILD_SEQ_LEN}))")
     p.add_argument("--max_input_len", "--max-input-len", dest="max_input_len", type=int, default=None)
     p.add_argument("--dtype", default=DTYPES[0], help=", ".join(DTYPES))
     p.add_argument("--attention", choices=ATTENTION_MODES, default=ATTENTION_MODES[0])
     p.add_argument("--target", choices=TARGETS, default=TARGETS[0])
-    p.add_argument("--force", action="store_true", help="overwrite an existing engine dir")
+    p.add_argument("--force", action="store_true", help="replace an existing engine dir (never anything else)")
 
     p = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository")
     p.add_argument("--model")
@@ -113,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_batch_size", "--max-batch-size", dest="max_batch_size", type=int, default=0)
     p.add_argument("--max_seq_len", "--max-seq-len", dest="max_seq_len", type=int, default=None)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    _add_verify_argument(p)
 
     p = sub.add_parser("triton-serve", help="run tritonserver (from nvidia-pytriton) on a repository")
     p.add_argument("--repo", required=True)

@@ -11,11 +11,15 @@ The engine dir's layout and names are engine/format.py's; the graphs come from e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +29,7 @@ from trt_lookahead.engine.export import OPSET, export_graph, fix_tokens, plugin_
 from trt_lookahead.engine.format import (
     ATTENTION_MODES,
     CONFIG_FILE,
+    DEFAULT_BUILD_SEQ_LEN,
     DTYPES,
     FORMAT_KEY,
     FORMAT_VERSION,
@@ -37,11 +42,12 @@ from trt_lookahead.engine.format import (
     TOKENIZER_FILES,
     WEIGHTS_FILE,
     file_checksums,
+    is_engine_dir,
     plan_command,
     write_engine_config,
 )
-from trt_lookahead.errors import UserError
-from trt_lookahead.files import replace_dir
+from trt_lookahead.errors import UserError, as_int
+from trt_lookahead.files import check_output_dir, remove_stale_work_dirs, replace_dir, work_dir
 from trt_lookahead.lookahead.config import DEFAULT_LOOKAHEAD, LookaheadConfig
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.sampling import SamplingParams
@@ -88,18 +94,27 @@ def build_request(
     output: str | os.PathLike,
     *,
     lookahead: LookaheadConfig = DEFAULT_LOOKAHEAD,
-    max_seq_len: int = 2048,
+    max_seq_len: int | None = None,
     max_input_len: int | None = None,
     dtype: str = "float32",
     attention: str = "plugin",
     target: str = "onnx",
     force: bool = False,
 ) -> BuildRequest:
-    """Validate a build before any work (UserError with one clear line); `model` is a dir or a known name."""
+    """Validate a build before any work (UserError with one clear line); `model` is a dir or a known name.
+
+    max_seq_len defaults to min(the model's context, DEFAULT_BUILD_SEQ_LEN); max_input_len to max_seq_len.
+    """
+    from trt_lookahead.model.checkpoint import check_max_seq_len, read_config
     from trt_lookahead.model.fetch import resolve_model
 
     dtype = _choice("dtype", str(dtype).lower(), DTYPES)
-    max_input_len = max_seq_len if max_input_len is None else max_input_len
+    attention, target = _choice("attention", attention, ATTENTION_MODES), _choice("target", target, TARGETS)
+    output = check_output_dir(output, "--output")
+    model_dir = resolve_model(model)
+    context = read_config(model_dir).max_position_embeddings
+    max_seq_len = check_max_seq_len(max_seq_len, context, DEFAULT_BUILD_SEQ_LEN)
+    max_input_len = max_seq_len if max_input_len is None else as_int("max_input_len", max_input_len)
     if max_input_len < 1:
         raise UserError(f"max_input_len {max_input_len} is impossible; a prompt has at least one token")
     if max_seq_len < max_input_len:
@@ -107,8 +122,7 @@ def build_request(
             f"max_seq_len {max_seq_len} is below the prompt limit max_input_len {max_input_len}; "
             "max_seq_len counts the prompt plus the generated tokens, so give max_seq_len >= max_input_len"
         )
-    return BuildRequest(resolve_model(model), Path(output), lookahead, max_seq_len, max_input_len, dtype,
-                        _choice("attention", attention, ATTENTION_MODES), _choice("target", target, TARGETS), force)
+    return BuildRequest(model_dir, output, lookahead, max_seq_len, max_input_len, dtype, attention, target, force)
 
 
 def _existing_build(output: Path) -> dict | None:
@@ -118,41 +132,75 @@ def _existing_build(output: Path) -> dict | None:
         return None
 
 
+def _check_replaceable(output: Path, key: dict[str, Any], force: bool) -> bool:
+    """Whether `output` already is this build (nothing to do); UserError unless it may be (re)placed.
+
+    Only an empty dir or an engine dir (the marker in its config.json) is ever replaced, and a different
+    engine only with force: anything else is refused, naming what is there, whatever the flags.
+    """
+    if not output.exists():
+        return False
+    entries = sorted(p.name for p in output.iterdir())
+    if entries and not is_engine_dir(output):
+        shown = ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
+        raise UserError(
+            f"{output} already exists and is not an engine dir (it holds {shown}); build only replaces engine "
+            "dirs, even with --force: choose another --output"
+        )
+    if entries and _existing_build(output) == key:
+        return True
+    if entries and not force:
+        raise UserError(
+            f"{output} already exists and holds a different engine; pass --force to replace it or choose another "
+            "--output"
+        )
+    return False
+
+
+@contextlib.contextmanager
+def _interrupted_by_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt (as SIGINT does), so every exit path cleans up."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
+        yield
+        return
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def build(request: BuildRequest) -> dict[str, Any] | None:
     """Build the engine dir; returns a summary (seconds, size_mb, tensorrt_remaining), or None when the
-    output already holds this very build. Refuses (UserError) to replace anything else without force."""
+    output already holds this very build. Refuses (UserError) to replace anything but an engine dir, and
+    a different engine without force. The build is written beside the output and renamed into place; it
+    is removed on every failure, SIGINT, SIGTERM and SIGHUP included (a SIGKILLed one on the next build)."""
     from trt_lookahead.model.checkpoint import read_config, weights_sha256
 
     cfg = read_config(request.model_dir)
-    if request.max_seq_len > cfg.max_position_embeddings:
-        raise UserError(
-            f"max_seq_len {request.max_seq_len} exceeds the model's context of {cfg.max_position_embeddings}; "
-            f"ask for at most {cfg.max_position_embeddings}"
-        )
     weights_sha = weights_sha256(request.model_dir)
     key = request.key(weights_sha)
-    output = request.output
-    if output.exists() and not request.force:
-        if _existing_build(output) == key:
-            _log(f"{output} already holds this engine (same model, config and targets); nothing to do")
-            return None
-        what = "a different engine" if _existing_build(output) is not None else "something that is not this engine"
-        raise UserError(
-            f"{output} already exists and holds {what}; pass --force to replace it or choose another --output"
-        )
-    if output.exists() and not output.is_dir():
-        raise UserError(f"{output} exists and is a file; choose another --output")
+    output = request.output.absolute()
+    remove_stale_work_dirs(output)
+    if _check_replaceable(output, key, request.force):
+        _log(f"{request.output} already holds this engine (same model, config and targets); nothing to do")
+        return None
     output.parent.mkdir(parents=True, exist_ok=True)
-    work = output.parent / f".{output.name}.building-{os.getpid()}"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
-    try:
-        summary = _build_engine_dir(request, cfg, weights_sha, key, work)
-        replace_dir(work, output)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    _log(f"engine dir ready: {output} ({summary['size_mb']:.1f} MB, built in {summary['seconds']:.1f} s)")
+    work = work_dir(output)
+    with _interrupted_by_signals():
+        try:
+            work.mkdir()
+            summary = _build_engine_dir(request, cfg, weights_sha, key, work)
+            replace_dir(work, output)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+    _log(f"engine dir ready: {request.output} ({summary['size_mb']:.1f} MB, built in {summary['seconds']:.1f} s)")
     return summary
 
 
@@ -254,7 +302,7 @@ def smoke_check(engine_dir: Path, model: Llama, lookahead: LookaheadConfig, max_
     vocab = model.cfg.vocab_size
     prompt = rng.integers(0, vocab, min(SMOKE_PROMPT_TOKENS, max_seq_len - 1))
     try:
-        engine = open_engine(engine_dir, backend="onnxruntime", threads=1)
+        engine = open_engine(engine_dir, backend="onnxruntime", threads=1, verify=False)  # checksums come last
         ours = engine.make_executor(layout)
     except OnnxRuntimeUnsupported as exc:
         _log(f"      not run: {exc}")

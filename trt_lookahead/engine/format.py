@@ -18,25 +18,37 @@ Graph I/O (both graphs; the cache layout is [Hkv, S, D] per layer, S = max_seq_l
     input_ids int32 [T]   positions int32 [T]   cache_len int32 [1]   step_config int32 [3] (W, N, G; 0 = causal)
     output_slots int32 [K]   key_cache_{l}, value_cache_{l} [Hkv, S, D] for each layer l
     -> next_ids int32 [K] (argmax)   logits float32 [K, V]   present_keys, present_values [L, Hkv, T, D]
+
+Integrity (docs/design.md section 6): config.json records the size and sha256 of every other file
+(`files`) and the sha256 of its own other fields (`config_sha256`). Loading checks both by default: the
+hashes are streamed, and a match is remembered in the cache dir by path, size, mtime and ctime, so a
+second load of an unchanged engine reads no file again. `verify=False` (CLI `--no-verify`) skips the
+hashes; the fields of config.json are checked for type, range and consistency either way.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trt_lookahead.errors import UserError
-from trt_lookahead.files import sha256_file, write_text_atomic
+from trt_lookahead.errors import UserError, as_int
+from trt_lookahead.files import cache_dir, sha256_file, write_text_atomic
 from trt_lookahead.lookahead.config import LookaheadConfig
 
 FORMAT_KEY = "trt_lookahead_engine"
-FORMAT_VERSION = 2  # 2: tokens_per_step was renamed step_tokens
+FORMAT_VERSION = 3  # 2: tokens_per_step was renamed step_tokens; 3: config_sha256
 CONFIG_FILE = "config.json"
+CONFIG_DIGEST = "config_sha256"  # config.json's key for the sha256 of its other fields
+VERIFIED_FILE = "verified.json"  # in the cache dir: files whose sha256 matched, by path, size, mtime, ctime
+NO_VERIFY = "pass --no-verify (verify=False) to run it anyway"
 STEP_GRAPH, PREFILL_GRAPH, WEIGHTS_FILE, PLAN_FILE = "step.onnx", "prefill.onnx", "weights.bin", "engine.plan"
 DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_BUILD_SEQ_LEN = 2048  # a build's max_seq_len when none is given (at most the model's context)
 ATTENTION_MODES = ("plugin", "native")
 TARGETS = ("onnx", "tensorrt")
 PREFILL_PROFILE, STEP_PROFILE, SINGLE_PROFILE = 0, 1, 2  # engine.plan's optimisation profiles (section 6.7)
@@ -78,22 +90,36 @@ class EngineConfig:
 
     @classmethod
     def from_raw(cls, path: Path, raw: dict[str, Any]) -> EngineConfig:
-        model = raw["model"]
-        return cls(
+        """The typed config; UserError naming the first field of the wrong type, range or consistency."""
+        lookahead = LookaheadConfig(*(as_int(f"lookahead.{k}", _field(raw, "lookahead", k)) for k in "WNG"))
+        config = cls(
             path=path,
-            lookahead=LookaheadConfig(**raw["lookahead"]),
-            step_tokens=int(raw["step_tokens"]),
-            max_seq_len=int(raw["max_seq_len"]),
-            max_input_len=int(raw["max_input_len"]),
-            cache_rows=int(raw["cache_rows"]),
-            dtype=str(raw["dtype"]),
-            attention=str(raw["attention"]),
-            vocab_size=int(model["vocab_size"]),
-            num_layers=int(model["num_layers"]),
-            num_kv_heads=int(model["num_kv_heads"]),
-            head_dim=int(model["head_dim"]),
+            lookahead=lookahead,
+            step_tokens=_positive(raw, "step_tokens"),
+            max_seq_len=_positive(raw, "max_seq_len"),
+            max_input_len=_positive(raw, "max_input_len"),
+            cache_rows=_positive(raw, "cache_rows"),
+            dtype=_choice(raw, "dtype", DTYPES),
+            attention=_choice(raw, "attention", ATTENTION_MODES),
+            vocab_size=_positive(raw, "model", "vocab_size"),
+            num_layers=_positive(raw, "model", "num_layers"),
+            num_kv_heads=_positive(raw, "model", "num_kv_heads"),
+            head_dim=_positive(raw, "model", "head_dim"),
             raw=raw,
         )
+        rules = (
+            (config.step_tokens == lookahead.step_tokens, f"step_tokens is not (W+G)(N-1) of {lookahead}"),
+            (config.max_input_len <= config.max_seq_len, "max_input_len exceeds max_seq_len"),
+            (config.cache_rows == config.max_seq_len + config.step_tokens, "cache_rows is not max_seq_len + T"),
+        )
+        for holds, broken in rules:
+            if not holds:
+                raise UserError(broken)
+        for which in GRAPHS:
+            _file_name(f"graphs.{which}", _field(raw, "graphs", which))
+        for eos in _field(raw, "eos_token_id") if isinstance(_field(raw, "eos_token_id"), list) else [None]:
+            as_int("eos_token_id", eos)
+        return config
 
     @property
     def source(self) -> str | None:
@@ -107,6 +133,33 @@ class EngineConfig:
         """The file of graph `which` ("step" or "prefill")."""
         return self.path / self.raw["graphs"][which]
 
+    def graph_io(self, which: str) -> dict[str, tuple[int | None, ...]]:
+        """The dims each input and output of graph `which` must have (None: dynamic), from these fields."""
+        T = self.step_tokens if which == "step" else None
+        cache = (self.num_kv_heads, self.cache_rows, self.head_dim)
+        present = (self.num_layers, self.num_kv_heads, T, self.head_dim)
+        return {
+            "input_ids": (T,), "positions": (T,), "cache_len": (1,), "step_config": (3,), "output_slots": (None,),
+            **{name: cache for name in cache_names(self.num_layers)},
+            "next_ids": (None,), "logits": (None, self.vocab_size), "present_keys": present, "present_values": present,
+        }
+
+    def check_graph_io(self, which: str, dims: Mapping[str, tuple[int | None, ...]]) -> None:
+        """UserError if graph `which` (its I/O name -> dims, None for a dynamic dim) disagrees with config.json."""
+        def fits(shape: tuple[int | None, ...], got: tuple[int | None, ...]) -> bool:
+            return len(got) == len(shape) and all(w is None or w == d for w, d in zip(shape, got, strict=True))
+
+        want = self.graph_io(which)
+        differ = [
+            f"{name} {list(dims.get(name, ()))} (config.json implies {list(shape)})"
+            for name, shape in want.items() if not fits(shape, dims.get(name, ()))
+        ] + [f"{name} (config.json has no such input)" for name in dims if name not in want]
+        if differ:
+            raise UserError(
+                f"engine {self.path}: {self.raw['graphs'][which]} does not match its config.json: "
+                f"{'; '.join(differ[:3])}; the config.json was edited or the files come from different builds: rebuild"
+            )
+
     def check_request(self, *, lookahead: LookaheadConfig | None = None, dtype: str | None = None,
                       max_seq_len: int | None = None, model_sha256: str | None = None) -> None:
         """Raise UserError naming every way a request differs from what this engine was built for."""
@@ -119,6 +172,8 @@ class EngineConfig:
         if dtype is not None and dtype != self.dtype:
             problems.append(f"dtype {dtype} was asked for but the engine holds {self.dtype} weights "
                             f"(pass --dtype {self.dtype} or rebuild)")
+        if max_seq_len is not None and as_int("max_seq_len", max_seq_len) < 2:
+            problems.append(f"max_seq_len {max_seq_len} is too small (give at least 2: prompt + one new token)")
         if max_seq_len is not None and max_seq_len > self.max_seq_len:
             problems.append(f"max_seq_len {max_seq_len} exceeds the engine's {self.max_seq_len} "
                             "(rebuild with a larger one)")
@@ -128,12 +183,62 @@ class EngineConfig:
             raise UserError(f"engine {self.path} does not fit the request: " + "; ".join(problems))
 
 
+GRAPHS = ("step", "prefill")
+
+
+def _field(raw: dict[str, Any], *keys: str) -> Any:
+    value: Any = raw
+    for i, key in enumerate(keys):
+        if not isinstance(value, dict) or key not in value:
+            raise UserError(f"config.json has no {'.'.join(keys[: i + 1])}")
+        value = value[key]
+    return value
+
+
+def _positive(raw: dict[str, Any], *keys: str) -> int:
+    name = ".".join(keys)
+    value = as_int(name, _field(raw, *keys))
+    if value < 1:
+        raise UserError(f"{name} = {value}; it must be >= 1")
+    return value
+
+
+def _choice(raw: dict[str, Any], key: str, allowed: tuple[str, ...]) -> str:
+    value = _field(raw, key)
+    if value not in allowed:
+        raise UserError(f"{key} = {value!r}; it must be one of {', '.join(allowed)}")
+    return value
+
+
+def _file_name(key: str, name: Any) -> str:
+    """`name` if it names a file inside the engine dir (no path), else UserError naming `key`."""
+    if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+        raise UserError(f"{key} must be a file name in the engine dir, got {name!r}")
+    return name
+
+
+def _listed_files(raw: dict[str, Any]) -> dict[str, Any]:
+    """config.json's `files`: file name -> {"bytes", "sha256"}."""
+    files = _field(raw, "files")
+    if not isinstance(files, dict):
+        raise UserError(f"files must map file names to their bytes and sha256, got {type(files).__name__}")
+    for name in files:
+        _file_name("files", name)
+    return files
+
+
 def _read_json(file: Path) -> Any:
     return json.loads(file.read_text(encoding="utf-8"))
 
 
+def config_digest(raw: Mapping[str, Any]) -> str:
+    """sha256 of config.json's fields but CONFIG_DIGEST, as canonical JSON (sorted keys, no spaces)."""
+    body = {key: value for key, value in raw.items() if key != CONFIG_DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def is_engine_dir(path: str | os.PathLike) -> bool:
-    """Whether `path` holds a trt-lookahead engine's config.json (any format version)."""
+    """Whether `path` holds a trt-lookahead engine's config.json (any format version): the engine marker."""
     try:
         raw = _read_json(Path(path) / CONFIG_FILE)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
@@ -141,8 +246,9 @@ def is_engine_dir(path: str | os.PathLike) -> bool:
     return isinstance(raw, dict) and FORMAT_KEY in raw
 
 
-def load_engine_config(path: str | os.PathLike) -> EngineConfig:
-    """Read and validate an engine dir's config.json (UserError naming what is wrong and the fix)."""
+def load_engine_config(path: str | os.PathLike, verify: bool = True) -> EngineConfig:
+    """Read and check an engine dir's config.json, and with `verify` every file's checksum (UserError naming
+    what is wrong and the fix)."""
     root = Path(path)
     file = root / CONFIG_FILE
     if not file.is_file():
@@ -159,17 +265,27 @@ def load_engine_config(path: str | os.PathLike) -> EngineConfig:
             f"engine {root} has format version {version!r} but this trt-lookahead reads version {FORMAT_VERSION}; "
             "rebuild it with `trt-lookahead build --force`"
         )
-    missing = [name for name in raw.get("graphs", {}).values() if not (root / name).is_file()]
-    if "graphs" not in raw or missing:
-        raise UserError(f"engine {root} is incomplete (missing {', '.join(missing) or 'graphs'}); rebuild it")
+    if verify and raw.get(CONFIG_DIGEST) != config_digest(raw):
+        raise UserError(
+            f"{file} was changed after the build (its {CONFIG_DIGEST} does not match its fields); rebuild the "
+            f"engine, or {NO_VERIFY}"
+        )
     try:
-        return EngineConfig.from_raw(root, raw)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise UserError(f"engine {root} has a malformed config.json ({exc!r}); rebuild it") from exc
+        config = EngineConfig.from_raw(root, raw)
+        listed = _listed_files(raw) if verify else {}
+    except UserError as exc:
+        raise UserError(f"engine {root} has a malformed config.json: {exc}; rebuild it") from exc
+    missing = [name for name in (*raw["graphs"].values(), *listed) if not (root / name).is_file()]
+    if missing:
+        raise UserError(f"engine {root} is incomplete (missing {', '.join(dict.fromkeys(missing))}); rebuild it")
+    if verify:
+        verify_files(root, listed)
+    return config
 
 
 def write_engine_config(root: Path, raw: dict[str, Any]) -> None:
-    """Write config.json atomically (a reader never sees half of it)."""
+    """Write config.json atomically (a reader never sees half of it), with its CONFIG_DIGEST."""
+    raw[CONFIG_DIGEST] = config_digest(raw)
     write_text_atomic(root / CONFIG_FILE, json.dumps(raw, indent=2) + "\n")
 
 
@@ -177,3 +293,43 @@ def file_checksums(root: Path) -> dict[str, dict[str, Any]]:
     """bytes and sha256 of every file in an engine dir but config.json (what config.json records as `files`)."""
     return {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
             for p in sorted(root.iterdir()) if p.is_file() and p.name != CONFIG_FILE}
+
+
+def verify_files(root: Path, files: dict[str, Any]) -> None:
+    """Every file `files` lists has its recorded size and sha256; UserError naming the first that differs.
+
+    A file whose (size, mtime, ctime) match a remembered match is not read again (the cache dir's
+    VERIFIED_FILE); an unwritable cache dir only costs the hashing.
+    """
+    cache = cache_dir() / VERIFIED_FILE
+    try:
+        seen = _read_json(cache)
+        seen = seen if isinstance(seen, dict) else {}
+    except (OSError, ValueError):
+        seen = {}
+    changed = False
+    for name in files:
+        file = root / name
+        want_bytes = as_int(f"files.{name}.bytes", _field(files, name, "bytes"))
+        want_sha = _field(files, name, "sha256")
+        stat = file.stat()
+        if stat.st_size != want_bytes:
+            raise UserError(
+                f"engine file {file} has {stat.st_size} bytes but config.json recorded {want_bytes} at build time "
+                f"(truncated or replaced); rebuild the engine, or {NO_VERIFY}"
+            )
+        key, mark = str(file.resolve()), [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, want_sha]
+        if seen.get(key) == mark:
+            continue
+        if sha256_file(file) != want_sha:
+            raise UserError(
+                f"engine file {file} does not match the sha256 config.json recorded at build time (modified or "
+                f"corrupted); rebuild the engine, or {NO_VERIFY}"
+            )
+        seen[key], changed = mark, True
+    if changed:
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(cache, json.dumps({k: v for k, v in seen.items() if Path(k).exists()}))
+        except OSError:
+            pass  # nothing remembered: the next load hashes again

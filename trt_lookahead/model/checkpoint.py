@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from trt_lookahead.errors import UserError
+from trt_lookahead.errors import UserError, as_int
 from trt_lookahead.files import sha256_file
 from trt_lookahead.model.llama import WEIGHT_LAYOUTS, Llama, ModelConfig
 
@@ -130,6 +130,18 @@ def weight_files(root: Path) -> list[Path]:
 def weights_sha256(root: str | os.PathLike) -> str:
     """One checksum over a checkpoint's weight files: the model's identity an engine dir records."""
     return hashlib.sha256("".join(sha256_file(f) for f in weight_files(Path(root))).encode()).hexdigest()
+
+
+def check_max_seq_len(requested: int | None, context: int, default: int) -> int:
+    """`requested` (prompt + generated tokens), or min(context, default) for None; UserError if it is below 2
+    or beyond the model's context."""
+    if requested is None:
+        return min(context, default)
+    if as_int("max_seq_len", requested) < 2:
+        raise UserError(f"max_seq_len {requested} is too small; give at least 2 (prompt + one new token)")
+    if requested > context:
+        raise UserError(f"max_seq_len {requested} exceeds the model's context of {context}; ask for at most {context}")
+    return int(requested)
 
 
 def load_tokenizer(path: str | Path) -> Any:

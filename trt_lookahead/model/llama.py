@@ -233,13 +233,15 @@ ONEDNN_BATCH_HINT = 16  # oneDNN picks the packed blocking for this many rows; a
 
 
 @functools.cache
-def onednn_linear_available() -> bool:
-    """Whether this torch has oneDNN's packed linear (x86 CPU builds) and it computes a linear."""
+def onednn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch has oneDNN's packed linear (x86 CPU builds) and it computes a linear in `dtype` on
+    this CPU (bfloat16 needs AVX-512 or AVX-NE-CONVERT: AVX2-only CPUs refuse it)."""
     try:
-        w, x = torch.randn(8, 4), torch.randn(2, 4)
+        w, x = torch.randn(8, 4, dtype=dtype), torch.randn(2, 4, dtype=dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 2)
         y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        return bool(torch.allclose(y, x @ w.t(), atol=1e-5))
+        tolerance = 1e-5 if dtype == torch.float32 else 0.1  # the inputs' own rounding in bfloat16
+        return bool(torch.allclose(y.float(), x.float() @ w.float().t(), atol=tolerance))
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
 
@@ -354,12 +356,13 @@ class Block(nn.Module):
 def fast_weight_layout(device: torch.device | str, dtype: torch.dtype, hidden_size: int) -> str:
     """The fastest layout for running on `device`.
 
-    onednn on x86 CPUs in float32/bfloat16 once matrices are big enough to amortise its ~10 us call
-    overhead (hidden >= 256; SmolLM2-135M: 1.5x at 1 row, 2-3x at 16-120 rows over MKL sgemm), else
-    nn.Linear's out_in (tiny models such as stories260K are call-overhead bound; CUDA).
+    onednn on x86 CPUs in float32/bfloat16 (where this CPU runs oneDNN's packed path in that dtype) once
+    matrices are big enough to amortise its ~10 us call overhead (hidden >= 256; SmolLM2-135M: 1.5x at 1
+    row, 2-3x at 16-120 rows over MKL sgemm), else nn.Linear's out_in (tiny models such as stories260K
+    are call-overhead bound; CUDA; bfloat16 on AVX2-only CPUs).
     """
     cpu = torch.device(device).type == "cpu"
-    if cpu and hidden_size >= 256 and dtype in (torch.float32, torch.bfloat16) and onednn_linear_available():
+    if cpu and hidden_size >= 256 and dtype in (torch.float32, torch.bfloat16) and onednn_linear_available(dtype):
         return "onednn"
     return "out_in"
 
@@ -402,8 +405,11 @@ class Llama(nn.Module):
             layout = fast_weight_layout(self.device, self.dtype, self.cfg.hidden_size)
         if layout not in WEIGHT_LAYOUTS:
             raise ValueError(f"weight layout must be one of auto, {', '.join(WEIGHT_LAYOUTS)}; got {layout!r}")
-        if layout == "onednn" and not (self.device.type == "cpu" and onednn_linear_available()):
-            raise ValueError("the onednn weight layout needs a CPU model and a torch built with oneDNN (x86)")
+        if layout == "onednn" and not (self.device.type == "cpu" and onednn_linear_available(self.dtype)):
+            raise ValueError(
+                f"the onednn weight layout needs a CPU model and a torch whose oneDNN runs {self.dtype} on this "
+                "CPU (x86; bfloat16 also needs AVX-512 or AVX-NE-CONVERT); use weight_layout 'auto' or 'out_in'"
+            )
         for module in self.modules():
             if isinstance(module, Linear):
                 module.set_layout(layout)

@@ -6,9 +6,11 @@ REPO/NAME/config.pbtxt   Python backend, decoupled; inputs and outputs from sche
                          max_tokens.
 REPO/NAME/1/model.py     drives one LookaheadRuntime per model instance (templates/model.py).
 
-model.py imports `trt_lookahead`; in another Python (a user's Triton container) install it there
-(`pip install trt-lookahead`) or put its source on PYTHONPATH. As a fallback model.py also tries the
-`trt_lookahead_path` parameter: the directory this package was imported from when the repo was written.
+model.py imports `trt_lookahead` from the `trt_lookahead_path` parameter (the directory this package was
+imported from when the repository was written) when it is there, else from the server's Python: in
+another Python (a user's Triton container) install it there (`pip install trt-lookahead`); PYTHONPATH
+does not reach the Python backend's stub. Everything the server would refuse at load time (a bad name,
+config, max_seq_len beyond the model's context or the engine's, an unwritable output) is refused here.
 See docs/design.md section 7.
 """
 
@@ -20,14 +22,16 @@ from pathlib import Path
 from string import Template
 
 import trt_lookahead
-from trt_lookahead.errors import UserError
+from trt_lookahead.errors import UserError, as_int
+from trt_lookahead.files import check_output_dir, write_text_atomic
 from trt_lookahead.lookahead.config import AUTO, DEFAULT_LOOKAHEAD, LookaheadConfig
 from trt_lookahead.model.fetch import resolve_model
-from trt_lookahead.runtime import DEFAULT_MAX_NEW_TOKENS
+from trt_lookahead.runtime import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SEQ_LEN
 from trt_lookahead.serving.schema import INPUTS, OUTPUTS, pbtxt_list
 
 TEMPLATES = Path(__file__).parent / "templates"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+INT32_MAX = 2**31 - 1  # config.pbtxt's max_batch_size and instance count are int32 fields
 
 
 def _pbtxt_parameters(params: dict[str, str]) -> str:
@@ -50,32 +54,34 @@ def write_repository(
     dtype: str = "float32",
     backend: str | None = None,
     default_max_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    verify: bool = True,
 ) -> Path:
     """Write REPO/NAME/{config.pbtxt,1/model.py}; returns the model directory."""
     if (model is None) == (engine is None):
         raise UserError("give exactly one of --model (checkpoint dir or known name) and --engine (engine dir)")
     if not _NAME.match(name or ""):
         raise UserError(f"--name {name!r} must be a plain directory name (letters, digits, _ . -)")
-    if instances < 1:
-        raise UserError(f"--instances must be >= 1, got {instances}")
-    if max_batch_size < 0:
-        raise UserError(f"--max_batch_size must be >= 0, got {max_batch_size}")
-    if max_seq_len is not None and max_seq_len < 2:
-        raise UserError(f"--max_seq_len must be >= 2, got {max_seq_len}")
+    if not 1 <= as_int("--instances", instances) <= INT32_MAX:
+        raise UserError(f"--instances must be in [1, {INT32_MAX}], got {instances}")
+    if not 0 <= as_int("--max_batch_size", max_batch_size) <= INT32_MAX:
+        raise UserError(f"--max_batch_size must be in [0, {INT32_MAX}], got {max_batch_size}")
+    check_output_dir(output, "--output")
     params: dict[str, str] = {}
     if engine is not None:
         from trt_lookahead.engine.format import load_engine_config
 
-        built = load_engine_config(Path(engine).expanduser())  # UserError if it is not an engine dir
+        built = load_engine_config(Path(engine).expanduser(), verify=verify)  # UserError if not an engine dir
         served = LookaheadConfig.parse(lookahead_config) if lookahead_config else built.lookahead
         served.check_fits(built.lookahead)
+        built.check_request(max_seq_len=max_seq_len)
         params["engine"] = str(built.path.resolve())
         dtype = built.dtype  # an engine runs in the dtype it was built for
     else:
+        from trt_lookahead.model.checkpoint import check_max_seq_len, read_config
+
         assert model is not None  # exactly one of model and engine
         model_dir = resolve_model(model).resolve()
-        if not (model_dir / "config.json").is_file():
-            raise UserError(f"--model {model}: {model_dir} has no config.json (expected a HF Llama checkpoint dir)")
+        check_max_seq_len(max_seq_len, read_config(model_dir).max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
         params["model"] = str(model_dir)
         if (lookahead_config or "").strip().lower() == AUTO:  # tuned for this machine, fixed in the repo
             served = _tuned_config(model_dir, dtype)
@@ -87,6 +93,7 @@ def write_repository(
         lookahead_config=f"{served.W},{served.N},{served.G}",
         max_seq_len="" if max_seq_len is None else str(max_seq_len),
         default_max_tokens=str(default_max_tokens),
+        verify=str(verify).lower(),
         trt_lookahead_path=str(Path(trt_lookahead.__file__).resolve().parent.parent),
     )
 
@@ -96,8 +103,8 @@ def write_repository(
         name=name, max_batch_size=max_batch_size, instances=instances, parameters=_pbtxt_parameters(params),
         inputs=pbtxt_list(INPUTS), outputs=pbtxt_list(OUTPUTS),
     )
-    (model_root / "config.pbtxt").write_text(config)
-    (model_root / "1" / "model.py").write_text((TEMPLATES / "model.py").read_text())
+    write_text_atomic(model_root / "config.pbtxt", config)
+    write_text_atomic(model_root / "1" / "model.py", (TEMPLATES / "model.py").read_text())
     return model_root
 
 

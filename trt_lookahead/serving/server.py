@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from trt_lookahead.errors import UserError
+from trt_lookahead.errors import UserError, as_int
 
 HOST = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1
@@ -87,6 +87,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_ports(ports: dict[str, int | None]) -> None:
+    """UserError unless every given port (name -> port; 0 or None: pick a free one) is in 1..65535, distinct,
+    and free on HOST now (else tritonserver would wait forever, or our readiness probe reach another server)."""
+    given = {name: as_int(name, port) for name, port in ports.items() if port not in (None, 0)}
+    for name, port in given.items():
+        if not 1 <= port <= 65535:
+            raise UserError(f"{name} {port} is not a TCP port; give one in 1..65535 (or 0 for any free port)")
+        if list(given.values()).count(port) > 1:
+            raise UserError(f"{name} {port} is given twice; the HTTP, gRPC and metrics ports must differ")
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is no conflict
+            try:
+                s.bind((HOST, port))
+            except OSError as exc:
+                raise UserError(f"{name} {port} is not free on {HOST} ({exc.strerror}); choose another port") from None
+
+
 def _die_with_parent() -> None:
     """preexec_fn: the kernel sends SIGTERM to the server when the process that started it dies."""
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -113,6 +130,7 @@ class TritonServer:
         self.repo = Path(repo).resolve()
         if not self.repo.is_dir():
             raise UserError(f"model repository {self.repo} does not exist; write one with `trt-lookahead triton-repo`")
+        check_ports({"--http-port": http_port, "--grpc-port": grpc_port, "--metrics-port": metrics_port})
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
         self.metrics_port = metrics_port or free_port()

@@ -69,8 +69,8 @@ CANDIDATES: tuple[LookaheadConfig, ...] = tuple(
 
 
 def check_budget(budget_seconds: float) -> float:
-    if not budget_seconds > 0:
-        raise UserError(f"--budget-seconds must be positive, got {budget_seconds}")
+    if not 0 < budget_seconds < math.inf:
+        raise UserError(f"--budget-seconds must be a finite number of seconds > 0, got {budget_seconds}")
     return budget_seconds
 
 

@@ -1,0 +1,230 @@
+"""Engine dirs that were damaged, edited or half-written: a clear one-line error, never a traceback or other text.
+
+Regression tests for issue 10: checksums verified on load (and the opt-out), config.json checked field by
+field and against its graphs, `build --force` replacing only engine dirs, interrupted builds cleaned up.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trt_lookahead.engine.format import CONFIG_DIGEST, VERIFIED_FILE, config_digest
+
+STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
+PROMPT = "Once upon a time"
+
+pytestmark = pytest.mark.export  # builds engine dirs
+
+
+def cli(*argv: str, cache: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`trt-lookahead ...` in a subprocess with its own cache dir (where verdicts are remembered)."""
+    env = {**os.environ, "TRT_LOOKAHEAD_CACHE": str(cache)}
+    return subprocess.run([sys.executable, "-m", "trt_lookahead.cli", *argv], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def one_error_line(result: subprocess.CompletedProcess) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
+    return lines[0]
+
+
+def generate(engine: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
+    return cli("generate", "--engine", str(engine), "--prompt", PROMPT, "--max-new-tokens", "16", "--json",
+               "--threads", "1", *extra, cache=cache)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """stories260K at 2,2,1 with the default max_seq_len (min(context 512, 2048)), and its reference text."""
+    root = tmp_path_factory.mktemp("integrity")
+    out = root / "engine"
+    built = cli("build", "--model", str(STORIES), "--output", str(out), "--lookahead_config", "2,2,1",
+                "--max_input_len", "64", cache=root / "cache")
+    assert built.returncode == 0, built.stderr[-2000:]
+    first = generate(out, root / "cache")
+    assert first.returncode == 0, first.stderr[-2000:]
+    return out, json.loads(first.stdout)
+
+
+def damaged(engine_dir: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "copy"
+    shutil.copytree(engine_dir, copy)
+    return copy
+
+
+def test_the_default_build_fits_the_models_context_and_records_its_checksums(engine):
+    # issue 10: --max_seq_len defaulted to 2048 and failed on every model with a shorter context
+    engine_dir, _ = engine
+    config = json.loads((engine_dir / "config.json").read_text())
+    assert config["max_seq_len"] == 512
+    assert config[CONFIG_DIGEST] == config_digest(config)
+    assert {"weights.bin", "step.onnx", "prefill.onnx", "tokenizer.json"} <= set(config["files"])
+
+
+def test_flipped_bytes_in_the_weights_are_refused_naming_the_file(engine, tmp_path):
+    # issue 10: xor of 4096 bytes at 1000 ran silently with different text
+    engine_dir, _ = engine
+    copy = damaged(engine_dir, tmp_path)
+    with open(copy / "weights.bin", "r+b") as f:
+        f.seek(1000)
+        block = f.read(4096)
+        f.seek(1000)
+        f.write(bytes(b ^ 255 for b in block))
+    line = one_error_line(generate(copy, tmp_path / "cache"))
+    assert str(copy / "weights.bin") in line and "sha256" in line and "--no-verify" in line
+    opted_out = generate(copy, tmp_path / "cache", "--no-verify")  # the user verifies elsewhere: it runs
+    assert opted_out.returncode == 0, opted_out.stderr[-2000:]
+
+
+def test_a_verified_engine_is_remembered_and_any_change_is_checked_again(engine, tmp_path):
+    engine_dir, reference = engine
+    copy, cache = damaged(engine_dir, tmp_path), tmp_path / "cache"
+    assert json.loads(generate(copy, cache).stdout)["token_ids"] == reference["token_ids"]
+    remembered = json.loads((cache / VERIFIED_FILE).read_text())
+    files = json.loads((copy / "config.json").read_text())["files"]
+    for name, entry in files.items():  # size, mtime, ctime and the matching sha256 of every file
+        stat = (copy / name).stat()
+        assert remembered[str((copy / name).resolve())] == [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns,
+                                                             entry["sha256"]]
+    # same size, mtime put back: the changed ctime still sends the file through the hash
+    weights = copy / "weights.bin"
+    before = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[5000] ^= 1
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert "weights.bin" in one_error_line(generate(copy, cache))
+
+
+@pytest.mark.parametrize(
+    ("name", "damage"),
+    [
+        ("weights.bin", lambda p: os.truncate(p, 5000)),
+        ("weights.bin", lambda p: os.truncate(p, 0)),
+        ("weights.bin", os.remove),
+        ("step.onnx", lambda p: os.truncate(p, 20000)),
+        ("prefill.onnx", lambda p: os.truncate(p, 20000)),
+        ("tokenizer.json", lambda p: Path(p).write_text("garbage")),
+    ],
+)
+def test_truncated_empty_or_missing_files_get_one_line_naming_them(engine, tmp_path, name, damage):
+    engine_dir, _ = engine
+    copy = damaged(engine_dir, tmp_path)
+    damage(copy / name)
+    assert name in one_error_line(generate(copy, tmp_path / "cache"))
+    assert one_error_line(generate(copy, tmp_path / "cache", "--no-verify"))  # opted out: still no traceback
+
+
+LIES = {  # config.json field -> a lie; issue 10 saw tracebacks, "range() arg 3", broadcast errors or silent runs
+    "cache_rows": 10, "model.num_kv_heads": 3, "model.num_layers": 1, "model.vocab_size": 100000,
+    "model.head_dim": 5, "max_seq_len": 1000, "max_input_len": 0, "lookahead": None, "model": [],
+    "eos_token_id": "x", "step_tokens": 7, "graphs.step": "../x", "dtype": "float64",
+}
+
+
+def lie(config: dict, key: str, value) -> dict:
+    *path, last = key.split(".")
+    target = config
+    for part in path:
+        target = target[part]
+    target[last] = value
+    return config
+
+
+@pytest.mark.parametrize("key", sorted(LIES))
+def test_an_edited_config_json_is_refused_with_or_without_verification(engine, tmp_path, key):
+    engine_dir, _ = engine
+    copy = damaged(engine_dir, tmp_path)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps(lie(config, key, LIES[key])))
+    assert "config.json was changed after the build" in one_error_line(generate(copy, tmp_path / "cache"))
+    assert one_error_line(generate(copy, tmp_path / "cache", "--no-verify"))
+
+
+def test_a_consistent_lie_is_caught_by_the_graphs_themselves(engine, tmp_path):
+    # max_seq_len and cache_rows edited together (and the digest recomputed): the step graph's cache inputs
+    # still have the built rows
+    engine_dir, _ = engine
+    copy = damaged(engine_dir, tmp_path)
+    config = json.loads((copy / "config.json").read_text())
+    config.update(max_seq_len=1000, cache_rows=1000 + config["step_tokens"])
+    config[CONFIG_DIGEST] = config_digest(config)
+    (copy / "config.json").write_text(json.dumps(config))
+    line = one_error_line(generate(copy, tmp_path / "cache", "--no-verify"))
+    assert "does not match its config.json" in line and "key_cache_0" in line
+
+
+def test_force_never_replaces_a_directory_that_is_not_an_engine(tmp_path):
+    # issue 10: `build --output d --force` destroyed d/notes.txt
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    for flags in ((), ("--force",)):
+        result = cli("build", "--model", str(STORIES), "--output", str(out), "--lookahead_config", "2,2,1", *flags,
+                     cache=tmp_path / "cache")
+        line = one_error_line(result)
+        assert "not an engine dir" in line and "notes.txt" in line and "pass --force" not in line
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == ["mine"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--lookahead_config", "300,30,300"], "above the limit of 1024"),  # issue 10: grew to 19 GB
+        (["--output", "{file}/engine"], "is a file"),
+        (["--output", "{file}"], "is a file"),
+    ],
+)
+def test_impossible_builds_are_refused_before_any_work(tmp_path, argv, words):
+    (tmp_path / "file").write_text("x")
+    argv = [a.format(file=tmp_path / "file") for a in argv]
+    base = ["build", "--model", str(STORIES), "--output", str(tmp_path / "out")]
+    line = one_error_line(cli(*base, *argv, cache=tmp_path / "cache", timeout=120))
+    assert words in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signalled_build_leaves_nothing_behind(tmp_path, signum):
+    # issue 10: SIGTERM left `.NAME.building-PID` behind
+    env = {**os.environ, "TRT_LOOKAHEAD_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen([sys.executable, "-m", "trt_lookahead.cli", "build", "--model", str(STORIES),
+                             "--output", str(tmp_path / "out"), "--lookahead_config", "2,2,1"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(p.name.startswith(".out.building-") for p in tmp_path.iterdir()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.05)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted", err[-2000:]
+    assert [p.name for p in tmp_path.iterdir() if p.name != "cache"] == []
+
+
+def test_what_a_killed_build_left_is_removed_by_the_next_one(engine, tmp_path):
+    engine_dir, _ = engine
+    gone = subprocess.Popen(["true"])  # a PID that has exited
+    gone.wait()
+    stale = tmp_path / f".out.building-{gone.pid}"
+    stale.mkdir()
+    (stale / "weights.bin").write_bytes(b"half")
+    shutil.copytree(engine_dir, tmp_path / "out")  # the same build: nothing to do, but the leftovers go
+    result = cli("build", "--model", str(STORIES), "--output", str(tmp_path / "out"), "--lookahead_config", "2,2,1",
+                 "--max_input_len", "64", "--force", cache=tmp_path / "cache")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert not stale.exists()
+
