@@ -104,11 +104,11 @@ def generate_stream(server: TritonServer, model: str = NAME, **body) -> tuple[in
 
 
 INPUT_TYPES = {
-    "text_input": ("BYTES", object), "max_tokens": ("INT32", np.int32), "stream": ("BOOL", bool),
-    "temperature": ("FP32", np.float32), "top_k": ("INT32", np.int32), "top_p": ("FP32", np.float32),
+    "text_input": ("BYTES", object), "max_tokens": ("INT64", np.int64), "stream": ("BOOL", bool),
+    "temperature": ("FP64", np.float64), "top_k": ("INT64", np.int64), "top_p": ("FP64", np.float64),
     "random_seed": ("UINT64", np.uint64), "stop_words": ("BYTES", object),
-    "lookahead_window_size": ("INT32", np.int32), "lookahead_ngram_size": ("INT32", np.int32),
-    "lookahead_verification_set_size": ("INT32", np.int32),
+    "lookahead_window_size": ("INT64", np.int64), "lookahead_ngram_size": ("INT64", np.int64),
+    "lookahead_verification_set_size": ("INT64", np.int64),
 }
 
 
@@ -427,6 +427,57 @@ def test_malformed_requests_get_errors_and_the_server_keeps_serving(server, runt
         assert words.lower() in json.loads(message)["error"].lower(), text
     want = runtime.generate(PROMPTS[0], max_new_tokens=16).text
     assert generate(server, text_input=PROMPTS[0], max_tokens=16)["text_output"] == want
+
+
+OUT_OF_RANGE = [  # issue 10: tritonserver wrapped these into INT32/FP32 inputs, and they were served as 1, 0, 8, inf
+    ({"max_tokens": 2**32 + 8}, "exceeds max_seq_len 512"),
+    ({"max_tokens": 2**31}, "max_new_tokens 2147483648 exceeds"),  # was refused naming -2147483648
+    ({"lookahead_verification_set_size": 2**40}, "above the limit of 1024"),
+    ({"lookahead_window_size": 2**32 + 1}, "above the limit of 1024"),
+    ({"temperature": float("nan")}, "temperature must be a finite number"),
+    ({"temperature": float("inf"), "top_k": 5}, "temperature must be a finite number"),
+    ({"parameters": {"temperature": float("-inf")}}, "temperature must be a finite number"),
+    ({"top_p": 1e39}, "top_p must be in (0, 1]"),
+    ({"parameters": {"chat": "yes"}}, "chat must be bool"),
+    ({"temprature": 0.7}, "unknown request parameter(s) temprature"),  # a typo was ignored in silence
+    ({"parameters": {"repetition_penalty": 1.2}}, "unknown request parameter(s) repetition_penalty"),
+]
+
+
+@pytest.mark.server
+@pytest.mark.parametrize(("body", "words"), OUT_OF_RANGE, ids=[str(b)[:50] for b, _ in OUT_OF_RANGE])
+def test_out_of_range_values_get_400_naming_them(server, runtime, body, words):
+    for endpoint in ("generate", "generate_stream"):
+        code, text = http_post(server, endpoint, {"text_input": "Hi", "max_tokens": 8, **body})
+        message = text if endpoint == "generate" else text.split("data: ", 1)[-1]
+        expect(server, code == 400 and words.lower() in json.loads(message)["error"].lower(),
+               f"{endpoint} {body} -> {code} {text[:300]}")
+    want = runtime.generate(PROMPTS[0], max_new_tokens=16).text
+    assert generate(server, text_input=PROMPTS[0], max_tokens=16)["text_output"] == want
+
+
+@pytest.mark.server
+def test_64_bit_values_are_served_as_sent(server, runtime):
+    kwargs = dict(temperature=0.9, top_k=2**40 + 1, seed=3)  # top_k above the vocabulary: no filter (not 1)
+    want = runtime.generate(PROMPTS[1], max_new_tokens=24, **kwargs).text
+    assert want == runtime.generate(PROMPTS[1], max_new_tokens=24, temperature=0.9, seed=3).text
+    got = generate(server, text_input=PROMPTS[1], max_tokens=24, temperature=0.9, top_k=2**40 + 1, random_seed=3)
+    assert got["text_output"] == want
+    # a huge but finite temperature samples among the top_k (it was inf, then token 0, in FP32)
+    want = runtime.generate(PROMPTS[1], max_new_tokens=16, temperature=1e39, top_k=5, seed=1)
+    got = generate(server, text_input=PROMPTS[1], max_tokens=16, temperature=1e39, top_k=5, random_seed=1)
+    assert got["text_output"] == want.text and got["generated_tokens"] == 16 and 0 not in want.token_ids
+
+
+@pytest.mark.server
+def test_generate_with_stream_true_is_answered_by_tritonservers_front_end(server, runtime):
+    """Issue 10 asked for a 400 here; tritonserver decides this status itself (README, "What tritonserver
+    answers"): it takes the HTTP status from the first response and only then counts them, and /generate and
+    /generate_stream hand the model identical requests. So: 200 with tritonserver's error body, documented."""
+    code, text = http_post(server, "generate", {"text_input": PROMPTS[0], "max_tokens": 8, "stream": True})
+    assert code == 200 and "generate expects model to produce exactly 1 response" in json.loads(text)["error"]
+    status, events = generate_stream(server, text_input=PROMPTS[0], max_tokens=8, stream=True)
+    assert status == 200 and "".join(e["text_output"] for e in events) == runtime.generate(PROMPTS[0], 8).text
 
 
 @pytest.mark.server

@@ -7,13 +7,16 @@ One LookaheadRuntime per model instance; each instance serves one request at a t
 Inputs and outputs are trt_lookahead.serving.schema's (TensorRT-LLM ensemble names; all but text_input
 optional; the lookahead inputs at most the served config, unset ones taking the served value). The
 same names, and `chat` (wrap text_input in the chat template), are also read from the request
-parameters when no tensor of that name is sent. finish_reason is "length", "stop", or "" while
-streaming. With stream=true: one response per accepted block (new text only; token and step counts
-so far), then a final one with the held-back rest of the text, the totals and the finish reason.
-Otherwise one response with the whole text. Bad requests get an INVALID_ARG error response.
+parameters when no tensor of that name is sent; any other request parameter is refused.
+finish_reason is "length", "stop", or "" while streaming. With stream=true: one response per accepted
+block (new text only; token and step counts so far), then a final one with the held-back rest of the
+text, the totals and the finish reason. Otherwise one response with the whole text. Every bad request
+that reaches this model gets an INVALID_ARG error (HTTP 400); INTERNAL (500) is a bug, logged with its
+traceback.
 """
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -29,14 +32,12 @@ class BadRequest(ValueError):
     pass
 
 
-def _find_trt_lookahead(fallback_path):
-    """trt_lookahead from the stub's Python (pip install / PYTHONPATH), else from the path that wrote the repo."""
-    try:
-        import trt_lookahead  # noqa: F401
-    except ImportError:
-        if not fallback_path:
-            raise
-        sys.path.insert(0, fallback_path)
+def _find_trt_lookahead(writer_path):
+    """trt_lookahead from the directory that wrote this repository (config.pbtxt's trt_lookahead_path) if it
+    is there, else the one installed in the stub's Python: the writer's package is the one whose inputs
+    config.pbtxt declares, and the stub ignores PYTHONPATH (its sys.flags.ignore_environment is set)."""
+    if writer_path and os.path.isfile(os.path.join(writer_path, "trt_lookahead", "__init__.py")):
+        sys.path.insert(0, writer_path)
 
 
 class TritonPythonModel:
@@ -63,6 +64,7 @@ class TritonPythonModel:
             dtype=params.get("dtype") or "float32",
             lookahead=params.get("lookahead_config") or DEFAULT,
             max_seq_len=int(max_seq_len) if max_seq_len else None,
+            verify=params.get("verify") != "false",
         )
         self.served = self.runtime.lookahead or LookaheadConfig.greedy()
         self.runtime.generate([1], max_new_tokens=2)  # build the served executor now, not on the first request
@@ -100,10 +102,12 @@ class TritonPythonModel:
         raise BadRequest(f"{name} must be {kind.__name__}, got {type(value).__name__} {value!r}")
 
     def _parse(self, request):
-        try:
-            parameters = json.loads(request.parameters() or "{}")
-        except json.JSONDecodeError:
-            parameters = {}
+        parameters = json.loads(request.parameters() or "{}")
+        unknown = sorted(set(parameters) - set(self.schema.INPUT) - set(self.schema.RESERVED_PARAMETERS))
+        if unknown:  # a typo ("temprature") would otherwise be ignored in silence
+            raise BadRequest(
+                f"unknown request parameter(s) {', '.join(unknown)}; this model reads {', '.join(self.schema.INPUT)}"
+            )
         prompt = self._value(request, parameters, "text_input")  # one prompt per request
         if prompt is None:
             raise BadRequest("text_input is required: send the prompt text as text_input")
@@ -185,13 +189,16 @@ class TritonPythonModel:
 
     def _serve(self, request, sender):
         prompt_ids, max_tokens, stream, kwargs = self._parse(request)
-        chunks = self.runtime.stream(prompt_ids, max_tokens, **kwargs)
+        try:
+            chunks = self.runtime.stream(prompt_ids, max_tokens, **kwargs)  # checks every argument
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
         generated = steps = 0
         text = []
         started = time.perf_counter()
         try:
             try:
-                chunk = next(chunks)  # runtime validation errors surface here, before any response
+                chunk = next(chunks)
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
             while not chunk.done:
