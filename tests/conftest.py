@@ -21,3 +21,85 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+class CliWorker:
+    """`trt-lookahead` argument vectors run one after another in a long-lived subprocess (torch imported once).
+
+    Each case gets its own stdout/stderr capture at the file-descriptor level (what a terminal would show,
+    C libraries' output included) and a time limit: a case that hangs fails the test, and the worker is
+    replaced. A traceback is reported as it is, never hidden.
+    """
+
+    CODE = r"""
+import contextlib, io, json, os, sys, tempfile, traceback
+from trt_lookahead.cli import main
+reply = os.fdopen(os.dup(1), "w")
+for line in sys.stdin:
+    argv = json.loads(line)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        saved = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = -1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+        out.seek(0)
+        err.seek(0)
+        reply.write(json.dumps({"code": code, "out": out.read().decode(errors="replace"),
+                                "err": err.read().decode(errors="replace")}) + "\n")
+        reply.flush()
+"""
+
+    def __init__(self, cwd, env: dict[str, str]) -> None:
+        self.cwd, self.env, self.proc = cwd, env, None
+        self.cases = 0
+
+    def _start(self):
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-c", self.CODE], cwd=self.cwd, env=self.env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+    def run(self, argv: list[str], timeout: float = 120) -> tuple[int, str, str]:
+        """(exit code, stdout, stderr) of `trt-lookahead *argv`; pytest.fail if it runs past `timeout`."""
+        import json
+        import select
+
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        self.cases += 1
+        self.proc.stdin.write(json.dumps(argv) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            pytest.fail(f"trt-lookahead {argv} hung or died (no answer within {timeout} s)")
+        result = json.loads(line)
+        return result["code"], result["out"], result["err"]
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture(scope="module")
+def cli_worker(tmp_path_factory):
+    """A CliWorker in a scratch directory, with its own cache dir (so nothing touches the user's)."""
+    root = tmp_path_factory.mktemp("cli-worker")
+    worker = CliWorker(root, {**os.environ, "TRT_LOOKAHEAD_CACHE": str(root / "cache")})
+    yield worker
+    worker.close()

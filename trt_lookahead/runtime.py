@@ -12,7 +12,11 @@ runtime (tuned on first use). See docs/design.md sections 1.3 and 5.
 
 Every request is checked by `check_request` before any work (ValueError naming the argument). A stop
 string ends the text where it starts and the token ids with the token that completes it, whatever the
-block boundaries (lookahead's ids equal greedy's).
+block boundaries (lookahead's ids equal greedy's). The streamed chunks add up to the final text, except
+where the model emitted byte tokens that are not valid UTF-8 (random sampling at a huge temperature,
+say): a byte-fallback decode renders a run of bytes as one replacement character per byte once the run
+turns out invalid, even bytes that were text a moment before, so no stream can know their final form.
+The final text (one decode of all ids) is the reference.
 """
 
 from __future__ import annotations

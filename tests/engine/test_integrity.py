@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from trt_lookahead.engine.format import CONFIG_DIGEST, VERIFIED_FILE, config_digest
 
@@ -228,3 +230,66 @@ def test_what_a_killed_build_left_is_removed_by_the_next_one(engine, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert not stale.exists()
 
+
+# -- fuzz: random byte damage to an engine dir (issue 10) ---------------------------------------------
+
+FILES = ["config.json", "weights.bin", "step.onnx", "prefill.onnx", "tokenizer.json", "tokenizer_config.json",
+         "generation_config.json", "tokenizer.model"]
+DAMAGE = st.one_of(
+    st.tuples(st.just("flip"), st.integers(0, 2**20), st.integers(1, 4096), st.integers(1, 255)),
+    st.tuples(st.just("truncate"), st.integers(0, 2**20)),
+    st.tuples(st.just("append"), st.binary(min_size=1, max_size=64)),
+    st.tuples(st.just("replace"), st.binary(max_size=64)),
+    st.tuples(st.just("delete")),
+)
+
+
+def apply(file: Path, damage: tuple) -> None:
+    kind, *args = damage
+    data = bytearray(file.read_bytes())
+    if kind == "flip" and data:
+        start, length, mask = args[0] % len(data), args[1], args[2]
+        data[start : start + length] = bytes(b ^ mask for b in data[start : start + length])
+    elif kind == "truncate":
+        del data[args[0] % (len(data) + 1) :]
+    elif kind == "append":
+        data += args[0]
+    elif kind == "replace":
+        data = bytearray(args[0])
+    if kind == "delete":
+        file.unlink()
+    else:
+        file.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+def test_random_damage_gives_a_clear_error_never_other_text(engine, tmp_path_factory, cli_worker, record_property):
+    engine_dir, reference = engine
+    ran = {"refused": 0, "same text": 0, "ran with --no-verify": 0}
+
+    @settings(max_examples=40, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(damage=st.lists(st.tuples(st.sampled_from(FILES), DAMAGE), min_size=1, max_size=3),
+           verify=st.booleans())
+    def case(damage: list, verify: bool) -> None:
+        copy = tmp_path_factory.mktemp("damaged") / "engine"
+        shutil.copytree(engine_dir, copy)
+        for name, what in damage:
+            if (copy / name).exists():
+                apply(copy / name, what)
+        argv = ["generate", "--engine", str(copy), "--prompt", PROMPT, "--max-new-tokens", "16", "--json",
+                "--threads", "1", *(() if verify else ("--no-verify",))]
+        code, out, err = cli_worker.run(argv)
+        assert "Traceback" not in err, f"{damage}\n{err}"
+        if code == 0 and verify:  # everything verified: exactly the undamaged engine's tokens
+            assert json.loads(out.strip().splitlines()[-1])["token_ids"] == reference["token_ids"], damage
+        if code != 0:
+            lines = err.strip().splitlines()
+            assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), f"{damage} -> {code}\n{err}"
+        ran["refused" if code else "same text" if verify else "ran with --no-verify"] += 1
+        shutil.rmtree(copy.parent)
+
+    case()
+    record_property("cases", ran)
+    print(f"{ran} cases")
+    assert ran["refused"] >= 20

@@ -11,9 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from trt_lookahead.errors import UserError
-from trt_lookahead.runtime import LookaheadRuntime
+from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.runtime import LookaheadRuntime, StreamChunk
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 PROMPTS = ["Once upon a time", "Lily and Tom went to the park. They", "The cat sat on the"]
@@ -184,3 +187,80 @@ def test_a_kv_cache_larger_than_the_machine_is_refused_before_allocating(tmp_pat
     rt = LookaheadRuntime.from_pretrained(model, max_seq_len=10**8)  # 59.6 GiB of KV cache
     with pytest.raises(UserError, match=r"GiB of memory; lower max_seq_len"):
         rt.generate("Once upon a time", 4)
+
+
+# -- fuzz: random keyword values (issue 10) -----------------------------------------------------------
+
+ANYTHING = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=6), st.binary(max_size=4), st.lists(st.integers(-3, 600), max_size=4),
+    st.lists(st.text(max_size=3), max_size=3), st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2),
+    st.tuples(st.integers(0, 5), st.integers(0, 5), st.integers(0, 5)),
+)
+MESSAGES = st.lists(st.dictionaries(st.sampled_from(["role", "content", "name"]), st.one_of(st.text(max_size=6),
+                                    st.integers()), max_size=3), min_size=1, max_size=2)
+VALID = {  # keyword -> plausible valid values
+    "temperature": st.one_of(st.floats(0, 2), st.sampled_from([0, 1e-320, 1e-6, 1e300])),
+    "top_k": st.one_of(st.integers(0, 600), st.sampled_from([2**40, 2**64])),
+    "top_p": st.floats(0.01, 1.0),
+    "seed": st.integers(0, 2**64 - 1),
+    "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4), max_size=3)),
+    "lookahead": st.one_of(st.sampled_from(["greedy", "4,3,4", "2,2,1", "7,5,7", "1,3,3"]),
+                           st.builds(LookaheadConfig, st.integers(1, 6), st.integers(2, 5), st.integers(0, 6))),
+    "chat": st.just(False),
+}
+HOSTILE = {  # the same keywords with edge values and anything at all (auto would tune for minutes)
+    **{name: st.one_of(values, ANYTHING) for name, values in VALID.items()},
+    "temperature": st.one_of(VALID["temperature"], st.sampled_from([-1.0, float("inf"), float("nan")]), ANYTHING),
+    "top_k": st.one_of(VALID["top_k"], st.integers(-3, -1), ANYTHING),
+    "seed": st.one_of(st.integers(-5, 2**65), ANYTHING),
+    "lookahead": st.one_of(VALID["lookahead"], st.sampled_from(["0,3,4", "300,30,300", "4,3"]),
+                           ANYTHING.filter(lambda v: v != "auto")),
+}
+PROMPTS_ANY = st.one_of(st.text(max_size=30), st.lists(st.integers(-2, 515), max_size=6), MESSAGES, ANYTHING)
+REQUESTS = st.one_of(  # all valid (so results are common), or anything
+    st.fixed_dictionaries({"prompt": st.one_of(st.text(min_size=1, max_size=30), st.lists(st.integers(0, 511),
+                                                                                           min_size=1, max_size=6)),
+                           "max_new_tokens": st.integers(1, 12)}, optional=VALID),
+    st.fixed_dictionaries({"prompt": PROMPTS_ANY, "max_new_tokens": st.one_of(st.integers(-2, 12), ANYTHING)},
+                          optional=HOSTILE),
+)
+FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+def check_result(request: dict, chunks: list) -> None:
+    """What a successful request must look like: chunks that add up to the output, within the limits."""
+    output = chunks[-1].output
+    assert chunks[-1].done and output is not None
+    assert [t for c in chunks for t in c.token_ids] == output.token_ids
+    if "\ufffd" not in output.text:  # invalid UTF-8 may render differently once more bytes came (runtime.py)
+        assert "".join(c.text for c in chunks) == output.text
+    assert 1 <= output.generated_tokens <= request["max_new_tokens"]
+    assert output.finish_reason in ("stop", "length")
+
+
+@pytest.mark.slow
+def test_random_keyword_values_give_a_result_or_value_error(stories, record_property):
+    ran = {"result": 0, "ValueError": 0}
+
+    @FUZZ
+    @given(request=REQUESTS, streamed=st.booleans())
+    def case(request: dict, streamed: bool) -> None:
+        try:
+            if streamed:
+                chunks = list(stories.stream(**request))
+            else:
+                out = stories.generate(**request)
+                chunks = [StreamChunk(out.text, out.token_ids, done=True, output=out)]
+        except ValueError:
+            ran["ValueError"] += 1
+            return
+        check_result(request, chunks)
+        ran["result"] += 1
+
+    case()
+    record_property("cases", ran)
+    print(f"{ran} cases")
+    assert ran["result"] >= 10 and ran["ValueError"] >= 10  # both sides of the contract were exercised
+    assert stories.generate("Once upon a time", 8).generated_tokens == 8

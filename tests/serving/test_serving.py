@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("pytriton", reason="serving tests need nvidia-pytriton (pip install 'trt-lookahead[serve]')")
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -594,3 +596,62 @@ def test_smollm2_chat_request(slow_server):
     status, events = generate_stream(slow_server, "smollm2", **body)
     assert status == 200 and "".join(e["text_output"] for e in events) == want.text, events
     assert events[-1]["prompt_tokens"] == want.prompt_tokens
+
+
+# -- fuzz: random JSON bodies (issue 10) --------------------------------------------------------------
+
+INT64 = st.one_of(st.integers(-5, 40), st.integers(-(2**63), 2**63 - 1))
+REAL = st.one_of(st.floats(-1, 3), st.floats(allow_nan=True, allow_infinity=True), st.integers(-3, 3))
+JSON_SCALAR = st.one_of(st.booleans(), st.integers(-(2**63), 2**63 - 1), st.floats(-1e6, 1e6), st.text(max_size=6))
+BODIES = st.fixed_dictionaries(
+    {"text_input": st.text(max_size=24)},
+    optional={
+        "max_tokens": INT64, "stream": st.booleans(), "temperature": REAL, "top_k": INT64, "top_p": REAL,
+        "random_seed": st.integers(0, 2**64 - 1), "stop_words": st.one_of(st.text(max_size=4),
+                                                                            st.lists(st.text(max_size=4), max_size=3)),
+        "lookahead_window_size": INT64, "lookahead_ngram_size": INT64, "lookahead_verification_set_size": INT64,
+        "parameters": st.fixed_dictionaries({}, optional={"chat": JSON_SCALAR, "bogus": JSON_SCALAR, "top_k": INT64,
+                                                          "temperature": REAL, "stream": st.booleans()}),
+        "extra_key": JSON_SCALAR,  # not an input: tritonserver passes it on as a request parameter
+    },
+)
+FRONT_END = "generate expects model to produce exactly 1 response"  # /generate with several responses (README)
+
+
+def answered(status: int, text: str, endpoint: str) -> str:
+    """'result' or 'refused'; fails on anything else (a 500, an error inside a 200 but the documented one)."""
+    if text.startswith("data: "):  # server-sent events: one record per response
+        records = [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: ")]
+    else:  # one JSON body: /generate, or an error the front end answered before any event
+        records = [json.loads(text)]
+    errors = [r["error"] for r in records if "error" in r]
+    if status == 400 and errors:
+        return "refused"
+    if status == 200 and errors == [FRONT_END] and endpoint == "generate":
+        return "refused"
+    assert status == 200 and records and not errors, f"{status} {text[:400]}"
+    assert all(isinstance(r["text_output"], str) for r in records)
+    return "result"
+
+
+@pytest.mark.server
+def test_random_json_bodies_get_a_result_or_a_400(server, runtime, record_property):
+    want = runtime.generate(PROMPTS[0], max_new_tokens=6).text
+    ran = {"result": 0, "refused": 0}
+
+    @settings(max_examples=80, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(body=BODIES, endpoint=st.sampled_from(["generate", "generate_stream"]))
+    def case(body: dict, endpoint: str) -> None:
+        body.setdefault("max_tokens", 8)  # keep the valid ones short: the default is 128 tokens
+        if 0 < body["max_tokens"] < 2**31:
+            body["max_tokens"] = min(body["max_tokens"], 24)
+        status, text = http_post(server, endpoint, body)
+        ran[answered(status, text, endpoint)] += 1
+        expect(server, generate(server, text_input=PROMPTS[0], max_tokens=6)["text_output"] == want,
+               f"after {body}: the server no longer answers correctly")
+
+    case()
+    record_property("cases", ran)
+    print(f"{ran} cases")
+    assert ran["result"] >= 10 and ran["refused"] >= 10
