@@ -60,7 +60,13 @@ def test_bad_arguments_raise_value_error_when_the_stream_is_opened(stories, bad)
         stories.stream(**request)  # raised by the call itself: nothing was iterated, nothing ran
     with pytest.raises(ValueError):
         stories.generate(**request)
-    assert stories.generate("Once upon a time", 8).generated_tokens == 8  # and the runtime still serves
+
+
+def test_the_runtime_serves_after_bad_requests(stories):
+    for bad in BAD_REQUESTS:
+        with pytest.raises(ValueError):
+            stories.generate(**{"prompt": "Once upon a time", "max_new_tokens": 8, **bad})
+    assert stories.generate("Once upon a time", 8).generated_tokens == 8
 
 
 def test_numpy_values_are_taken_as_their_python_equals(stories):

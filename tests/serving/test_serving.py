@@ -472,6 +472,15 @@ def test_64_bit_values_are_served_as_sent(server, runtime):
 
 
 @pytest.mark.server
+def test_the_server_runs_the_package_that_wrote_the_repository(server):
+    # the Python backend's stub ignores PYTHONPATH: model.py takes config.pbtxt's trt_lookahead_path first
+    import trt_lookahead
+
+    here = f"trt_lookahead={Path(trt_lookahead.__file__).resolve().parent}"
+    expect(server, server.log_tail(100000).count(here) == 2, f"both models should log {here}")
+
+
+@pytest.mark.server
 def test_generate_with_stream_true_is_answered_by_tritonservers_front_end(server, runtime):
     """Issue 10 asked for a 400 here; tritonserver decides this status itself (README, "What tritonserver
     answers"): it takes the HTTP status from the first response and only then counts them, and /generate and

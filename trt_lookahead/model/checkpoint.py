@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -151,6 +152,9 @@ def load_tokenizer(path: str | Path) -> Any:
     root = Path(path)
     if not any((root / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
         raise UserError(f"{root} has no tokenizer (tokenizer.json); copy the model's tokenizer files into it")
+    library_log = logging.getLogger("transformers")
+    level = library_log.level
+    library_log.setLevel(logging.ERROR)  # its fallback warnings would precede our one error line
     try:
         return AutoTokenizer.from_pretrained(str(root))
     except Exception as exc:  # transformers and tokenizers raise many types for a corrupt file
@@ -158,6 +162,8 @@ def load_tokenizer(path: str | Path) -> Any:
             f"the tokenizer files in {root} cannot be read ({type(exc).__name__}: {exc}); restore them from the "
             "original checkpoint"
         ) from exc
+    finally:
+        library_log.setLevel(level)
 
 
 def hf_key(name: str) -> str:

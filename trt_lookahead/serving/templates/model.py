@@ -48,6 +48,7 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
         _find_trt_lookahead(params.get("trt_lookahead_path"))
+        import trt_lookahead
         from trt_lookahead.lookahead.config import DEFAULT, LookaheadConfig
         from trt_lookahead.runtime import DEFAULT_MAX_NEW_TOKENS, LookaheadRuntime
         from trt_lookahead.serving import schema
@@ -71,7 +72,8 @@ class TritonPythonModel:
         self.name = f"{args['model_name']}[{args['model_instance_name']}]"
         pb_utils.Logger.log_info(
             f"{self.name}: {source} backend={self.runtime.backend} dtype={self.runtime.dtype} "
-            f"lookahead={self.served} max_seq_len={self.runtime.max_seq_len}"
+            f"lookahead={self.served} max_seq_len={self.runtime.max_seq_len} "
+            f"trt_lookahead={os.path.dirname(trt_lookahead.__file__)}"
         )
 
     # -- request parsing ---------------------------------------------------------------------------
