@@ -30,11 +30,19 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "trt-lookahead"
 
 
-def write_text_atomic(path: Path, text: str) -> None:
+def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Write beside `path` and rename over it, so a reader sees the old file or the new one, never half."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # only left when the write or the rename failed (disk full, signal)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """write_bytes_atomic of `text` as UTF-8."""
+    write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def check_output_dir(path: str | os.PathLike, flag: str) -> Path:

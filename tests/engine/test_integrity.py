@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trt_lookahead.engine.format import CONFIG_DIGEST, VERIFIED_FILE, config_digest
+from trt_lookahead.files import write_bytes_atomic
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 PROMPT = "Once upon a time"
@@ -229,6 +230,22 @@ def test_what_a_killed_build_left_is_removed_by_the_next_one(engine, tmp_path):
                  "--max_input_len", "64", "--force", cache=tmp_path / "cache")
     assert result.returncode == 0, result.stderr[-2000:]
     assert not stale.exists()
+
+
+def test_an_atomic_write_replaces_whole_or_not_at_all(tmp_path):
+    """engine.plan and config.json are written beside and renamed: a failed rename keeps the old state and
+    leaves no temporary behind."""
+    target = tmp_path / "engine.plan"
+    write_bytes_atomic(target, b"old")
+    write_bytes_atomic(target, b"new plan")
+    assert target.read_bytes() == b"new plan"
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "keep").write_text("keep")
+    with pytest.raises(OSError):
+        write_bytes_atomic(blocked, b"data")  # the rename onto a non-empty directory fails
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blocked", "engine.plan"]
+    assert (blocked / "keep").read_text() == "keep"
 
 
 # -- fuzz: random byte damage to an engine dir (issue 10) ---------------------------------------------

@@ -76,20 +76,13 @@ def _status_kb(field: str) -> int | None:
     return None
 
 
-_resettable: bool | None = None
-
-
 def reset_peak_rss() -> bool:
-    """Reset the peak-RSS mark; False where the kernel does not allow it."""
-    global _resettable
-    if _resettable is False:
-        return False
+    """Reset the peak-RSS mark; False where the kernel does not allow it (tried on every call: one syscall)."""
     try:
         _CLEAR_REFS.write_text("5")
-        _resettable = True
     except OSError:
-        _resettable = False
-    return _resettable
+        return False
+    return True
 
 
 def peak_rss_mb() -> float:

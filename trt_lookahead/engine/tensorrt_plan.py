@@ -33,6 +33,7 @@ from trt_lookahead.engine.format import (
     write_engine_config,
 )
 from trt_lookahead.errors import UserError
+from trt_lookahead.files import write_bytes_atomic
 
 
 def _profiles(config: EngineConfig) -> list[dict[str, tuple[int, int, int]]]:
@@ -48,10 +49,11 @@ def _profiles(config: EngineConfig) -> list[dict[str, tuple[int, int, int]]]:
     return profiles
 
 
-def build_plan(engine_dir: str | Path) -> dict[str, Any]:
+def build_plan(engine_dir: str | Path, verify: bool = True) -> dict[str, Any]:
     """Parse the engine dir's prefill graph with the plugin registered and write engine.plan.
 
     -> the `targets.tensorrt` entry of config.json (written by the caller: the build or `record_plan`).
+    `verify=False` for the build itself, whose config.json does not list the files' checksums yet.
     """
     trt = import_tensorrt()
     import tensorrt.plugin as trtp
@@ -59,7 +61,7 @@ def build_plan(engine_dir: str | Path) -> dict[str, Any]:
     from trt_lookahead.kernels import tensorrt_plugin
 
     start = time.perf_counter()
-    config = load_engine_config(engine_dir)
+    config = load_engine_config(engine_dir, verify=verify)
     tensorrt_plugin.register(trt, trtp)
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
@@ -81,7 +83,7 @@ def build_plan(engine_dir: str | Path) -> dict[str, Any]:
     plan = builder.build_serialized_network(network, build_config)
     if plan is None:
         raise UserError(f"TensorRT failed to build a plan from {config.path / PREFILL_GRAPH} (see its log above)")
-    (config.path / PLAN_FILE).write_bytes(bytes(plan))
+    write_bytes_atomic(config.path / PLAN_FILE, bytes(plan))  # an interrupted write leaves no half plan
     return {"built": True, "plan": PLAN_FILE, "tensorrt": trt.__version__, "profiles": _profiles(config),
             "build_seconds": round(time.perf_counter() - start, 2)}
 
