@@ -3,12 +3,13 @@
 
 Writes a model repository for --model, starts tritonserver on loopback (trt_lookahead.serving.server),
 then for each concurrency level runs that many gRPC streaming clients, each sending --requests requests
-(stream=true) in turn. Every answer is compared with LookaheadRuntime.generate in this process for the
-same prompt and settings; errors, timeouts and wrong text count as failures.
+(stream=true) in turn. Each instance serves up to --max-batch requests at once, batched in every step by
+its runtime's scheduler. Every answer is compared with LookaheadRuntime.generate of the same prompt and
+settings run alone in this process; errors, timeouts and wrong text count as failures.
 
-    python scripts/load_test.py                                  # stories260K, 1/4/8 streams
+    python scripts/load_test.py                                  # stories260K, 1/4/8/16 streams
     python scripts/load_test.py --model smollm2-135m-instruct --dataset mt_bench --chat --max-tokens 64 \
-        --requests 2 --instances 2 --json
+        --requests 2 --lookahead_config auto --json
 
 time to first token (ttft) = send -> first response (the prefill's token); latency = send -> final response.
 """
@@ -148,8 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=str(ROOT / "tests" / "fixtures" / "stories260K"),
                    help="checkpoint dir or known name (default: stories260K)")
     p.add_argument("--lookahead_config", "--lookahead-config", dest="lookahead_config", default="4,3,4")
-    p.add_argument("--instances", type=int, default=1, help="model instances (one runtime, one request each)")
-    p.add_argument("--concurrency", default="1,4,8", help="comma list of concurrent streams")
+    p.add_argument("--instances", type=int, default=1, help="model instances (one runtime each)")
+    p.add_argument("--max-batch", "--max_batch", dest="max_batch", type=int, default=None,
+                   help="concurrent requests per instance (default: the largest --concurrency)")
+    p.add_argument("--concurrency", default="1,4,8,16", help="comma list of concurrent streams")
     p.add_argument("--requests", type=int, default=4, help="requests per stream at each level")
     p.add_argument("--max-tokens", "--max_tokens", dest="max_tokens", type=int, default=64)
     p.add_argument("--dataset", default=None, help="mt_bench, humaneval, gsm8k or a JSONL path (default: stories)")
@@ -166,18 +169,18 @@ def main(argv: list[str] | None = None) -> int:
 
     prompts = load_prompts(args.dataset, args.limit)
     levels = [int(c) for c in args.concurrency.split(",")]
-    torch.set_num_threads(1)
-    runtime = LookaheadRuntime.from_pretrained(args.model, lookahead=args.lookahead_config)
+    max_batch = args.max_batch or max(levels)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.instances))  # as each server instance does
     reference, alone = {}, []
-    for prompt in prompts:
-        out = runtime.generate(prompt, max_new_tokens=args.max_tokens, chat=args.chat)
-        reference[prompt] = out.text
-        alone.append(out.prefill_seconds + out.decode_seconds)
-    del runtime
+    with LookaheadRuntime.from_pretrained(args.model, lookahead=args.lookahead_config, max_batch=1) as runtime:
+        for prompt in prompts:  # each prompt alone: what every answer under load must equal
+            out = runtime.generate(prompt, max_new_tokens=args.max_tokens, chat=args.chat)
+            reference[prompt] = out.text
+            alone.append(out.prefill_seconds + out.decode_seconds)
 
     work = Path(tempfile.mkdtemp(prefix="trt-lookahead-load-"))
     write_repository(work / "repo", NAME, model=args.model, lookahead_config=args.lookahead_config,
-                     instances=args.instances)
+                     instances=args.instances, max_batch=max_batch)
     server = TritonServer(work / "repo", log=work / "server.log", backend_dir=work / "backends")
     start = time.perf_counter()
     server.start()
@@ -202,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "lookahead_config": args.lookahead_config,
         "instances": args.instances,
+        "max_batch": max_batch,
+        "threads": torch.get_num_threads(),
         "max_tokens": args.max_tokens,
         "prompts": len(prompts),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),

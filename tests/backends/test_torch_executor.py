@@ -1,4 +1,5 @@
-"""TorchExecutor: the executor contract on stories260K (greedy parity, masked steps, commit, sampling)."""
+"""BatchedTorchExecutor on stories260K and a random GQA Llama: the contract, rows exact alone or batched,
+commit, sampling, the padded (CUDA) path on the CPU, and the single-request adapter."""
 
 from __future__ import annotations
 
@@ -10,18 +11,20 @@ import torch
 from transformers import LlamaForCausalLM
 
 from trt_lookahead.backends.devices import gpu_count
-from trt_lookahead.backends.torch import TorchExecutor
-from trt_lookahead.kernels.sampling_torch import select_tokens_torch
+from trt_lookahead.backends.torch import BatchedTorchExecutor, RowAttention, TorchExecutor, layout_config
+from trt_lookahead.kernels.mask import CAUSAL, step_mask
+from trt_lookahead.kernels.sampling_torch import select_rows_torch, select_tokens_torch, vocab_salts
 from trt_lookahead.lookahead.config import LookaheadConfig
-from trt_lookahead.lookahead.executor import Executor
+from trt_lookahead.lookahead.decoder import LookaheadDecoder
+from trt_lookahead.lookahead.executor import StepBatch
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.sampling import SamplingParams, select_tokens
 from trt_lookahead.model.checkpoint import load_llama
-from trt_lookahead.model.llama import onednn_linear_available
+from trt_lookahead.model.llama import Llama, ModelConfig
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
-GREEDY_MASK = np.ones((1, 1), bool)
 PROMPT = np.array([1, 403, 407, 261, 378, 505, 263, 260, 345, 411, 280, 306, 263, 417, 300, 45])
+GREEDY = LookaheadConfig.greedy()
 
 
 def has_cuda_device() -> tuple[bool, str]:
@@ -41,42 +44,71 @@ def model():
     return load_llama(STORIES, weight_layout="auto")[0]
 
 
-def greedy_decode(ex: TorchExecutor, prompt, n: int) -> list[int]:
-    x = ex.prefill(np.asarray(prompt))
+@pytest.fixture(scope="module")
+def gqa():
+    """A random-weight Llama with grouped-query attention (4 query heads share 2 KV heads)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
+                      vocab_size=97, max_position_embeddings=512)
+    m = Llama(cfg, dtype=torch.float32).eval().requires_grad_(False)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.5)
+    return m.set_weight_layout("auto")
+
+
+def row(config: tuple[int, int, int], ids, positions, tokens: int | None = None):
+    """One row of a batch: ids/positions padded to `tokens` (pads at the row's first position), its output slots."""
+    real = len(ids)
+    T = tokens or real
+    out = np.arange(real) if config == CAUSAL else StepLayout(LookaheadConfig(*config)).output_slots
+    return config, np.pad(ids, (0, T - real)), np.pad(positions, (0, T - real), constant_values=positions[0]), out
+
+
+def make_batch(slots, rows) -> StepBatch:
+    T = max(len(r[1]) for r in rows)
+    K = max(len(r[3]) for r in rows)
+    pad = lambda a, n, v: np.concatenate([a, np.full(n - len(a), v)])  # noqa: E731
+    return StepBatch(
+        np.array(slots, np.int64),
+        np.stack([pad(r[1], T, 0) for r in rows]).astype(np.int64),
+        np.stack([pad(r[2], T, r[2][0]) for r in rows]).astype(np.int64),
+        np.array([r[0] for r in rows], np.int32),
+        np.stack([pad(r[3], K, r[3][-1]) for r in rows]).astype(np.int64),
+    )
+
+
+def greedy_decode(ex: BatchedTorchExecutor, slot: int, prompt, n: int, sampling=None) -> list[int]:
+    x = ex.prefill(slot, np.asarray(prompt), sampling or SamplingParams())
     out = [x]
     for _ in range(n - 1):
-        p = ex.cache_len
-        x = int(ex.step(np.array([x]), np.array([p]))[0])
-        ex.commit(np.array([0]))
+        p = ex.cache_len(slot)
+        x = int(ex.step(make_batch([slot], [row((1, 2, 0), np.array([x]), np.array([p]))]))[0, 0])
+        ex.commit(slot, np.array([0]))
         out.append(x)
     return out
 
 
-def test_executor_satisfies_the_contract(model):
-    ex = TorchExecutor(model, GREEDY_MASK, 64)
-    for name in ("vocab_size", "max_seq_len", "step_tokens", "reset", "prefill", "step", "commit"):
-        assert hasattr(Executor, name) or name in Executor.__annotations__
-        assert hasattr(ex, name), name
-    assert (ex.vocab_size, ex.max_seq_len, ex.step_tokens) == (512, 64, 1)
-    assert ex.k_cache.shape == (5, 65, 4, 8)
+def test_executor_sizes(model):
+    ex = BatchedTorchExecutor(model, max_batch=3, max_seq_len=64, step_tokens=16)
+    assert (ex.vocab_size, ex.max_seq_len, ex.max_batch, ex.step_tokens) == (512, 64, 3, 16)
+    assert ex.k_cache.shape == (5, 3 * 80, 4, 8) and not ex.padded
+    assert [ex.cache_len(s) for s in range(3)] == [0, 0, 0]
 
 
-@pytest.mark.parametrize("layout", ["auto", "onednn"])
+@pytest.mark.parametrize("layout", ["auto", "out_in"])
 @pytest.mark.parametrize("prompt", [[1], PROMPT.tolist()])
-def test_greedy_t1_reproduces_transformers_generate(model, prompt, layout):
-    if layout == "onednn":
-        if not onednn_linear_available():
-            pytest.skip("this torch has no oneDNN packed linear (non-x86 build)")
-        model = load_llama(STORIES, weight_layout="onednn")[0]
-    n = 256 if len(prompt) == 1 else 120
+def test_greedy_rows_reproduce_transformers_generate(prompt, layout):
+    model = load_llama(STORIES, weight_layout=layout)[0]
+    n = 200 if len(prompt) == 1 else 100
     hf = LlamaForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval()
     ref = hf.generate(
         torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
     )[0, len(prompt) :].tolist()
-    ex = TorchExecutor(model, GREEDY_MASK, 512)
-    assert greedy_decode(ex, prompt, n) == ref
-    ex.reset(SamplingParams())  # same buffers, a new request
-    assert greedy_decode(ex, prompt, 20) == ref[:20]
+    ex = BatchedTorchExecutor(model, 2, 512, 8)
+    assert greedy_decode(ex, 1, prompt, n) == ref
+    ex.release(1)
+    assert greedy_decode(ex, 1, prompt, 20) == ref[:20]  # the same buffers, a new request
 
 
 _SEQUENTIAL: dict[tuple[int, ...], int] = {}
@@ -86,46 +118,53 @@ def sequential_argmax(model, prefix: list[int]) -> int:
     """Greedy next token after `prefix`, by prefilling it (memoized: the same prefixes recur)."""
     key = tuple(prefix)
     if key not in _SEQUENTIAL:
-        _SEQUENTIAL[key] = TorchExecutor(model, GREEDY_MASK, 512).prefill(np.array(prefix))
+        _SEQUENTIAL[key] = BatchedTorchExecutor(model, 1, 512, 1).prefill(0, np.array(prefix), SamplingParams())
     return _SEQUENTIAL[key]
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_lookahead_step_matches_each_slots_sequential_prefix(model, static):
-    layout = StepLayout(LookaheadConfig(4, 3, 4))
+@pytest.mark.parametrize("padded", [False, True], ids=["packed", "padded"])
+def test_each_row_slot_sees_exactly_its_own_prefix(model, padded):
+    """A batch of rows with different configs and cache lengths: every output slot == greedy on its prefix."""
     rng = np.random.default_rng(0)
-    ids = rng.integers(3, 512, layout.step_tokens)
-    P = len(PROMPT)
-    ex = TorchExecutor(model, layout.mask, 128, static_attention=static)
-    ids[0] = ex.prefill(PROMPT)
-    out = ex.step(ids, P + layout.rel_positions)
-    assert out.shape == (layout.step_tokens,) and out.dtype == np.int64
-    for i in range(layout.step_tokens):
-        visible = np.flatnonzero(layout.mask[i])
-        visible = visible[np.argsort(layout.rel_positions[visible], kind="stable")]
-        assert layout.rel_positions[visible].tolist() == list(range(layout.rel_positions[i] + 1))
-        assert out[i] == sequential_argmax(model, [*PROMPT.tolist(), *ids[visible].tolist()]), f"slot {i}"
+    prompts = [PROMPT, PROMPT[:5], PROMPT[3:12]]
+    configs = [(4, 3, 4), (2, 2, 1), CAUSAL]
+    ex = BatchedTorchExecutor(model, 4, 128, 16, padded=padded)
+    rows, contexts = [], []
+    for slot, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
+        x = ex.prefill(slot, prompt, SamplingParams())
+        if config == CAUSAL:  # a causal chunk of 6 tokens after the prompt
+            ids = np.concatenate([[x], rng.integers(3, 512, 5)])
+            rel, mask = np.arange(6), step_mask(6, CAUSAL)
+        else:
+            layout = StepLayout(LookaheadConfig(*config))
+            ids = rng.integers(3, 512, layout.step_tokens)
+            ids[0] = x
+            rel, mask = layout.rel_positions, layout.mask
+        rows.append(row(config, ids, len(prompt) + rel))
+        contexts.append((prompt, ids, rel, mask))
+    batch = make_batch([2, 0, 1], [rows[2], rows[0], rows[1]])  # rows in another order than slots
+    out = ex.step(batch)
+    assert out.shape == batch.input_ids.shape and out.dtype == np.int64
+    for b, (prompt, ids, rel, mask) in zip((1, 2, 0), contexts, strict=True):
+        reads = np.unique(batch.output_slots[b])
+        for i in reads:
+            visible = np.flatnonzero(mask[i])
+            visible = visible[np.argsort(rel[visible], kind="stable")]
+            assert out[b, i] == sequential_argmax(model, [*prompt.tolist(), *ids[visible].tolist()]), (b, i)
+        assert (np.delete(out[b], reads) == -1).all()
 
-    # output_slots: the same ids there, -1 elsewhere
-    only = TorchExecutor(model, layout.mask, 128, output_slots=layout.output_slots, static_attention=static)
-    only.prefill(PROMPT)
-    part = only.step(ids, P + layout.rel_positions)
-    assert np.array_equal(part[layout.output_slots], out[layout.output_slots])
-    others = np.setdiff1d(np.arange(layout.step_tokens), layout.output_slots)
-    assert len(others) and (part[others] == -1).all()
 
-
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_commit_keeps_the_accepted_rows(model, static):
+@pytest.mark.parametrize("padded", [False, True], ids=["packed", "padded"])
+def test_commit_keeps_the_accepted_rows(model, padded):
     """Speculate the true greedy continuation in a candidate row; commit moves its KV; decoding goes on exactly."""
     cfg = LookaheadConfig(3, 4, 2)
     layout = StepLayout(cfg)
-    reference = greedy_decode(TorchExecutor(model, GREEDY_MASK, 512), PROMPT, 80)
-    ex = TorchExecutor(model, layout.mask, 256, output_slots=layout.output_slots, static_attention=static)
-    x = ex.prefill(PROMPT)
+    reference = greedy_decode(BatchedTorchExecutor(model, 1, 512, 1), 0, PROMPT, 60)
+    ex = BatchedTorchExecutor(model, 2, 256, layout.step_tokens, padded=padded)
+    x = ex.prefill(1, PROMPT, SamplingParams())
     produced, rng, steps = [x], np.random.default_rng(1), 0
     while len(produced) < len(reference):
-        p = ex.cache_len
+        p = ex.cache_len(1)
         ids = rng.integers(3, 512, layout.step_tokens)
         ids[0] = x
         k_row = steps % cfg.G  # the right draft sits in a varying candidate row
@@ -133,28 +172,134 @@ def test_commit_keeps_the_accepted_rows(model, static):
         accept = min(len(truth), 1 + steps % (cfg.N - 1))  # accept 1..N-1 drafted tokens
         draft = layout.candidate_slots[k_row]
         ids[draft[: len(truth)]] = truth
-        out = ex.step(ids, p + layout.rel_positions)
+        out = ex.step(make_batch([1], [row((3, 4, 2), ids, p + layout.rel_positions)]))[0]
         assert out[0] == truth[0]
         assert list(out[draft[: accept - 1]]) == truth[1:accept]
         bonus = int(out[draft[accept - 1]])
-        ex.commit(np.concatenate(([0], draft[:accept])))
-        assert ex.cache_len == p + 1 + accept
+        ex.commit(1, np.concatenate(([0], draft[:accept])))
+        assert ex.cache_len(1) == p + 1 + accept
         produced += [*truth[:accept], bonus]
         x, steps = bonus, steps + 1
     assert produced[: len(reference)] == reference
 
-    # the committed KV rows equal a fresh prefill of the same sequence
-    n = ex.cache_len
-    fresh = TorchExecutor(model, GREEDY_MASK, 256)
-    fresh.prefill(np.array([*PROMPT.tolist(), *produced])[:n])
-    assert torch.allclose(ex.k_cache[:, :n], fresh.k_cache[:, :n], atol=1e-5)
-    assert torch.allclose(ex.v_cache[:, :n], fresh.v_cache[:, :n], atol=1e-5)
+    # the committed KV rows equal a fresh prefill of the same sequence (slot 1's rows of the flat cache)
+    n, S = ex.cache_len(1), ex.rows_per_slot
+    fresh = BatchedTorchExecutor(model, 1, 256, 1)
+    fresh.prefill(0, np.array([*PROMPT.tolist(), *produced])[:n], SamplingParams())
+    first = ex._physical[1] * S
+    assert torch.allclose(ex.k_cache[:, first : first + n], fresh.k_cache[:, :n], atol=1e-5)
+    assert torch.allclose(ex.v_cache[:, first : first + n], fresh.v_cache[:, :n], atol=1e-5)
 
 
-def test_static_and_dynamic_greedy_agree(model):
-    a = greedy_decode(TorchExecutor(model, GREEDY_MASK, 256), PROMPT, 60)
-    b = greedy_decode(TorchExecutor(model, GREEDY_MASK, 256, static_attention=True), PROMPT, 60)
-    assert a == b
+def random_rows(rng, vocab, slots, cache_lens, step_tokens):
+    """A random row per slot: a lookahead layout, greedy, or a causal chunk, at the slot's cache_len."""
+    rows = []
+    for slot in slots:
+        kind = rng.integers(3)
+        if kind == 0:
+            config = (int(rng.integers(1, 4)), int(rng.integers(2, 5)), int(rng.integers(0, 4)))
+            layout = StepLayout(LookaheadConfig(*config))
+            rel = layout.rel_positions
+        else:
+            config = (1, 2, 0) if kind == 1 else CAUSAL
+            rel = np.arange(1 if kind == 1 else int(rng.integers(2, 6)))
+        rows.append(row(config, rng.integers(0, vocab, len(rel)), cache_lens[slot] + rel))
+    return rows
+
+
+@pytest.mark.parametrize("which", ["stories", "gqa"])
+def test_a_row_gets_the_same_tokens_alone_and_in_any_batch(model, gqa, which):
+    """The batched-vs-solo invariant through the executor: each row's outputs equal the row run alone."""
+    m = model if which == "stories" else gqa
+    vocab = m.cfg.vocab_size
+    rng = np.random.default_rng(3)
+    batched, alone = BatchedTorchExecutor(m, 6, 256, 32), BatchedTorchExecutor(m, 1, 256, 32)
+    prompts = [rng.integers(0, vocab, int(rng.integers(1, 40))) for _ in range(6)]
+    params = [SamplingParams() if s % 2 else SamplingParams(0.9, 20, 0.9, s) for s in range(6)]
+    history: dict[int, list] = {s: [] for s in range(6)}  # (row, kept rows) of each committed step
+    for slot in range(6):
+        batched.prefill(slot, prompts[slot], params[slot])
+    for _ in range(5):
+        slots = sorted(rng.choice(6, int(rng.integers(1, 7)), replace=False).tolist())
+        rows = random_rows(rng, vocab, slots, {s: batched.cache_len(s) for s in slots}, 32)
+        out = batched.step(make_batch(slots, rows))
+        for b, (slot, r) in enumerate(zip(slots, rows, strict=True)):
+            alone.prefill(0, prompts[slot], params[slot])
+            for earlier, kept in history[slot]:
+                alone.step(make_batch([0], [earlier]))
+                alone.commit(0, kept)
+            solo = alone.step(make_batch([0], [r]))[0]
+            reads = np.unique(r[3])
+            assert np.array_equal(out[b, reads], solo[reads]), (which, slot)
+            alone.release(0)
+        for slot, r in zip(slots, rows, strict=True):  # keep x_t, sometimes the next token too
+            kept = np.arange(min(len(r[1]), 1 + int(rng.integers(0, 2))))
+            batched.commit(slot, kept)
+            history[slot].append((r, kept))
+
+
+@pytest.mark.parametrize("which", ["stories", "gqa"])
+def test_row_attention_makes_a_rows_logits_bit_identical_alone_and_batched(model, gqa, which):
+    """The mechanism behind the invariant: packed rows with per-row attention give each row the same logits,
+    to the bit, as the row alone (float32, the row-invariant weight layout)."""
+    m = model if which == "stories" else gqa
+    cfg, rng = m.cfg, np.random.default_rng(5)
+    S = 64
+    shape = (cfg.num_layers, 3 * S, cfg.num_kv_heads, cfg.head_dim)
+    k, v = torch.randn(shape), torch.randn(shape)  # three slots' caches, any content
+    rows = [(0, 10, LookaheadConfig(4, 3, 4)), (1, 3, GREEDY), (2, 25, LookaheadConfig(2, 4, 1))]
+
+    def run(selected):
+        ids, pos, cache_rows, spans, start = [], [], [], [], 0
+        for slot, p, config in selected:
+            layout = StepLayout(config)
+            t = layout.step_tokens
+            ids.append(np.random.default_rng(slot).integers(0, cfg.vocab_size, t))
+            pos.append(p + layout.rel_positions)
+            cache_rows.append(slot * S + p + np.arange(t))
+            mask = None
+            if t > 1:
+                mask = torch.ones(t, p + t, dtype=torch.bool)
+                mask[:, p:] = torch.from_numpy(layout.mask.copy())
+            spans.append((start, start + t, slot * S, p + t, mask))
+            start += t
+        with torch.inference_mode():
+            return m(torch.from_numpy(np.concatenate(ids)), torch.from_numpy(np.concatenate(pos)), k.clone(), v.clone(),
+                     None, None, None, attention=RowAttention(spans),
+                     cache_rows=torch.from_numpy(np.concatenate(cache_rows)))
+
+    together = run(rows)
+    start = 0
+    for r in rows:
+        t = r[2].step_tokens
+        assert torch.equal(run([r]), together[start : start + t]), (which, r)
+        start += t
+    assert rng is not None
+
+
+def test_padded_path_gives_the_packed_tokens_and_survives_releases(model):
+    """The padded (CUDA-graph) layout run eagerly on the CPU: same tokens as the packed path, also after
+    releasing a slot in the middle moves another slot's cache into its place."""
+    rng = np.random.default_rng(7)
+    packed, padded = BatchedTorchExecutor(model, 4, 128, 16), BatchedTorchExecutor(model, 4, 128, 16, padded=True)
+    prompts = {s: rng.integers(0, 512, 5 + 3 * s) for s in range(4)}
+    params = {s: SamplingParams() if s != 2 else SamplingParams(1.0, 0, 0.9, 3) for s in range(4)}
+    for ex in (packed, padded):
+        for s in range(4):
+            ex.prefill(s, prompts[s], params[s])
+    live = [0, 1, 2, 3]
+    for step in range(8):
+        if step == 3:
+            live.remove(1)  # physical slot 1 is refilled from the last one
+            packed.release(1)
+            padded.release(1)
+        rows = random_rows(rng, 512, live, {s: packed.cache_len(s) for s in live}, 16)
+        a, b = packed.step(make_batch(live, rows)), padded.step(make_batch(live, rows))
+        assert np.array_equal(a, b), step
+        for s in live:
+            packed.commit(s, np.array([0]))
+            padded.commit(s, np.array([0]))
+    assert padded._active == 3 and sorted(padded._physical[live].tolist()) == [0, 1, 2]
 
 
 # -- sampling ---------------------------------------------------------------------------------------
@@ -182,91 +327,110 @@ def test_sampling_twin_equals_numpy_reference(params):
         assert np.array_equal(got.numpy(), ref)
 
 
+def test_rows_with_their_own_sampling_parameters_equal_each_alone():
+    rng = np.random.default_rng(8)
+    logits = torch.from_numpy((rng.normal(size=(len(SAMPLING), 512)) * 3).astype(np.float32))
+    positions = torch.from_numpy(rng.integers(0, 1000, len(SAMPLING)))
+    column = lambda name, dtype: torch.tensor([getattr(p, name) for p in SAMPLING], dtype=dtype)  # noqa: E731
+    together = select_rows_torch(logits, positions, column("temperature", torch.float64), column("top_k", torch.int64),
+                                 column("top_p", torch.float64), column("seed", torch.int64) & 0xFFFFFFFF,
+                                 vocab_salts(512))
+    for i, params in enumerate(SAMPLING):
+        assert together[i] == select_tokens(logits[i : i + 1].double().numpy(), positions[i : i + 1].numpy(), params)[0]
+
+
 def test_seeded_sampling_in_the_executor_equals_numpy_reference(model):
-    """T=1 sampling through the executor == numpy select_tokens on the model's logits, keyed by position."""
+    """One-token sampled rows == numpy select_tokens on the model's logits, keyed by position."""
     params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=11)
-    ex = TorchExecutor(model, GREEDY_MASK, 256)
-    ex.reset(params)
-    x = ex.prefill(PROMPT)
-    tokens = [*PROMPT.tolist(), x]
-    ref_ex = TorchExecutor(model, GREEDY_MASK, 256)
-    for _ in range(30):
-        p = ex.cache_len
-        x = int(ex.step(np.array([x]), np.array([p]))[0])
-        ex.commit(np.array([0]))
+    ex = BatchedTorchExecutor(model, 2, 256, 4)
+    got = greedy_decode(ex, 1, PROMPT, 30, params)
+    tokens = PROMPT.tolist()
+    for x in got:
+        ref = BatchedTorchExecutor(model, 1, 256, 1)
         with torch.inference_mode():
-            k, v = ref_ex.k_cache, ref_ex.v_cache
             ids = torch.tensor(tokens)
-            logits = model(
-                ids, torch.arange(len(ids)), k, v, torch.tensor(0), torch.ones(len(ids), len(ids)).tril().bool()
-            )
-        expect = select_tokens(logits[-1:].double().numpy(), np.array([len(tokens) - 1]), params)[0]
-        assert x == expect
+            logits = model(ids, torch.arange(len(ids)), ref.k_cache, ref.v_cache, torch.tensor(0),
+                           torch.ones(len(ids), len(ids)).tril().bool())
+        assert x == select_tokens(logits[-1:].double().numpy(), np.array([len(tokens) - 1]), params)[0]
         tokens.append(x)
-    ex.reset(params)  # the same seed replays the same draws
-    again = [ex.prefill(PROMPT)]
-    for _ in range(30):
-        again.append(int(ex.step(np.array([again[-1]]), np.array([ex.cache_len]))[0]))
-        ex.commit(np.array([0]))
-    assert again == tokens[len(PROMPT) :]
+    ex.release(1)
+    assert greedy_decode(ex, 1, PROMPT, 30, params) == got  # the same seed replays the same draws
 
 
-def test_sampled_lookahead_step_equals_sampled_sequential(model):
-    """With seeded sampling, each slot's draw equals the T=1 draw on its visible prefix (position-keyed noise)."""
+def test_sampled_lookahead_row_equals_sampled_sequential(model):
+    """With seeded sampling, each slot's draw equals the one-token draw on its visible prefix."""
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=3)
     layout = StepLayout(LookaheadConfig(3, 3, 2))
     ids = np.random.default_rng(2).integers(3, 512, layout.step_tokens)
-    ex = TorchExecutor(model, layout.mask, 128)
-    ex.reset(params)
-    ids[0] = ex.prefill(PROMPT)
-    out = ex.step(ids, len(PROMPT) + layout.rel_positions)
-    seq = TorchExecutor(model, GREEDY_MASK, 128)
-    seq.reset(params)
-    for i in range(layout.step_tokens):
+    ex = BatchedTorchExecutor(model, 1, 128, 16)
+    ids[0] = ex.prefill(0, PROMPT, params)
+    out = ex.step(make_batch([0], [row((3, 3, 2), ids, len(PROMPT) + layout.rel_positions)]))[0]
+    seq = BatchedTorchExecutor(model, 1, 128, 1)
+    for i in layout.output_slots:
         visible = np.flatnonzero(layout.mask[i])
         visible = visible[np.argsort(layout.rel_positions[visible], kind="stable")]
-        assert out[i] == seq.prefill(np.array([*PROMPT.tolist(), *ids[visible].tolist()])), f"slot {i}"
+        seq.release(0)
+        assert out[i] == seq.prefill(0, np.array([*PROMPT.tolist(), *ids[visible].tolist()]), params), f"slot {i}"
 
 
-# -- dtypes, errors, GPU ----------------------------------------------------------------------------
+# -- dtypes, errors, the single-request adapter, GPU ------------------------------------------------
 
 
 def test_bfloat16_executor_runs_and_mostly_agrees(model):
-    ref = greedy_decode(TorchExecutor(model, GREEDY_MASK, 256), PROMPT, 40)
+    ref = greedy_decode(BatchedTorchExecutor(model, 1, 256, 1), 0, PROMPT, 40)
     bf16, _ = load_llama(STORIES, dtype="bfloat16")
-    ex = TorchExecutor(bf16, GREEDY_MASK, 256)
+    ex = BatchedTorchExecutor(bf16, 2, 256, 16)
     assert ex.k_cache.dtype == torch.bfloat16
-    got = greedy_decode(ex, PROMPT, 40)
+    got = greedy_decode(ex, 0, PROMPT, 40)
     assert all(0 <= t < 512 for t in got)
     assert got[:3] == ref[:3]  # the first tokens are far from ties; the rest is reported by the bench
     layout = StepLayout(LookaheadConfig(4, 3, 4))
-    la = TorchExecutor(bf16, layout.mask, 256, output_slots=layout.output_slots)
     ids = np.full(layout.step_tokens, 5)
-    ids[0] = la.prefill(PROMPT)
-    out = la.step(ids, len(PROMPT) + layout.rel_positions)
+    ids[0] = ex.prefill(1, PROMPT, SamplingParams())
+    out = ex.step(make_batch([1], [row((4, 3, 4), ids, len(PROMPT) + layout.rel_positions)]))[0]
     assert (out[layout.output_slots] >= 0).all()
 
 
 def test_contract_errors(model):
-    with pytest.raises(ValueError, match="square"):
-        TorchExecutor(model, np.ones((2, 3), bool), 16)
-    with pytest.raises(ValueError, match="output_slots"):
-        TorchExecutor(model, np.eye(2, dtype=bool), 16, output_slots=np.array([2]))
-    ex = TorchExecutor(model, np.eye(2, dtype=bool), 16)
+    ex = BatchedTorchExecutor(model, 2, 16, 4)
+    with pytest.raises(ValueError, match=r"slots are 0 \.\. 1"):
+        ex.prefill(2, np.ones(3, np.int64), SamplingParams())
     with pytest.raises(ValueError, match="does not fit"):
-        ex.prefill(np.ones(17, np.int64))
+        ex.prefill(0, np.ones(17, np.int64), SamplingParams())
     with pytest.raises(ValueError, match=r"\[0, 512\)"):
-        ex.prefill(np.array([1, 512]))
-    ex.prefill(np.ones(15, np.int64))
-    ex.step(np.array([1, 2]), np.array([15, 16]))
+        ex.prefill(0, np.array([1, 512]), SamplingParams())
+    with pytest.raises(ValueError, match="never prefilled"):
+        ex.step(make_batch([1], [row((1, 2, 0), np.array([1]), np.array([0]))]))
+    ex.prefill(0, np.ones(15, np.int64), SamplingParams())
+    with pytest.raises(ValueError, match=r"1 \.\. 4 tokens"):
+        ex.step(make_batch([0], [row((2, 2, 3), np.ones(5, np.int64), np.arange(15, 20))]))
+    with pytest.raises(ValueError, match="real slots of the last step"):
+        ex.commit(0, np.array([0]))  # nothing stepped yet
+    ex.step(make_batch([0], [row((2, 2, 0), np.array([1, 2]), np.array([15, 16]))]))
     with pytest.raises(ValueError, match="overflows"):
-        ex.commit(np.array([0, 1]))
-    with pytest.raises(ValueError, match="slots must lie"):
-        ex.commit(np.array([2]))
-    ex.commit(np.array([1]))
-    assert ex.cache_len == 16
+        ex.commit(0, np.array([0, 1]))
+    with pytest.raises(ValueError, match="real slots"):
+        ex.commit(0, np.array([2]))
+    ex.commit(0, np.array([1]))
+    assert ex.cache_len(0) == 16
+    ex.release(0)
+    assert ex.cache_len(0) == 0
     with pytest.raises(ValueError, match="is on"):
-        TorchExecutor(model, GREEDY_MASK, 16, device="meta")
+        BatchedTorchExecutor(model, 1, 16, device="meta")
+    with pytest.raises(ValueError, match="max_batch must be a positive integer"):
+        BatchedTorchExecutor(model, 0, 16)
+
+
+def test_the_single_request_adapter_keeps_the_old_signature(model):
+    """The single-request contract of one layout (the engine build's smoke check calls it) over slot 0."""
+    for config in (LookaheadConfig(4, 3, 4), LookaheadConfig(2, 2, 1), GREEDY, LookaheadConfig(5, 4, 0)):
+        layout = StepLayout(config)
+        assert np.array_equal(step_mask(layout.step_tokens, layout_config(layout.mask)), layout.mask)
+        legacy = TorchExecutor(model, layout.mask, 256, output_slots=layout.output_slots)
+        got = LookaheadDecoder(legacy, layout).generate(PROMPT, 40).token_ids
+        assert got == greedy_decode(BatchedTorchExecutor(model, 1, 256, 1), 0, PROMPT, 40), config
+    with pytest.raises(ValueError, match="neither a lookahead layout"):
+        TorchExecutor(model, np.eye(3, dtype=bool)[::-1], 16)
 
 
 CUDA_OK, CUDA_REASON = has_cuda_device()
@@ -275,34 +439,32 @@ CUDA_OK, CUDA_REASON = has_cuda_device()
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA_OK, reason=CUDA_REASON)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_graph_executor_matches_cpu(dtype):
+def test_cuda_graph_batches_match_the_cpu(dtype):
+    """The padded step captured per batch-size bucket: one-token, lookahead and sampled rows vs the CPU."""
     cpu_model, _ = load_llama(STORIES, dtype=dtype)
     gpu_model, _ = load_llama(STORIES, dtype=dtype, device="cuda")
-    ref = greedy_decode(TorchExecutor(cpu_model, GREEDY_MASK, 256), PROMPT, 60)
-    ex = TorchExecutor(gpu_model, GREEDY_MASK, 256, device="cuda")
-    assert ex.cuda_graph and ex.static_attention
-    got = greedy_decode(ex, PROMPT, 60)
-    if dtype == "float32":
-        assert got == ref
-    else:
-        assert got[:3] == ref[:3]
-    layout = StepLayout(LookaheadConfig(4, 3, 4))
-    ids = np.random.default_rng(0).integers(3, 512, layout.step_tokens)
-    outs = []
-    for m, device in ((cpu_model, "cpu"), (gpu_model, "cuda")):
-        ex = TorchExecutor(m, layout.mask, 256, output_slots=layout.output_slots, device=device)
-        ids[0] = ex.prefill(PROMPT)
-        for _ in range(3):  # replays of the captured graph at growing p
-            out = ex.step(ids, ex.cache_len + layout.rel_positions)
-            ex.commit(np.array([0, 5]))
-        outs.append(out)
-    if dtype == "float32":
-        assert np.array_equal(outs[0], outs[1])
-    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1)
-    draws = []
-    for m, device in ((cpu_model, "cpu"), (gpu_model, "cuda")):
-        ex = TorchExecutor(m, GREEDY_MASK, 256, device=device)
-        ex.reset(params)
-        draws.append(greedy_decode(ex, PROMPT, 20))
-    if dtype == "float32":
-        assert draws[0] == draws[1]
+    ref = greedy_decode(BatchedTorchExecutor(cpu_model, 1, 256, 1), 0, PROMPT, 60)
+    ex = BatchedTorchExecutor(gpu_model, 8, 256, 16)
+    assert ex.cuda_graph and ex.padded and ex.buckets == [1, 2, 4, 8]
+    got = greedy_decode(ex, 3, PROMPT, 60)
+    assert got == ref if dtype == "float32" else got[:3] == ref[:3]
+    rng = np.random.default_rng(0)
+    cpu = BatchedTorchExecutor(cpu_model, 8, 256, 16)
+    gpu = BatchedTorchExecutor(gpu_model, 8, 256, 16)
+    prompts = {s: rng.integers(0, 512, 4 + s) for s in range(5)}
+    for e in (cpu, gpu):
+        for s in range(5):
+            e.prefill(s, prompts[s], SamplingParams() if s % 2 else SamplingParams(0.8, 20, 0.9, s))
+    for step in range(6):  # buckets 8 then 4 after releases; replays at growing cache lengths
+        live = [0, 1, 2, 3, 4] if step < 3 else [0, 2, 4]
+        if step == 3:
+            for e in (cpu, gpu):
+                e.release(1)
+                e.release(3)
+        rows = random_rows(rng, 512, live, {s: cpu.cache_len(s) for s in live}, 16)
+        a, b = cpu.step(make_batch(live, rows)), gpu.step(make_batch(live, rows))
+        if dtype == "float32":
+            assert np.array_equal(a, b), step
+        for s in live:
+            cpu.commit(s, np.array([0]))
+            gpu.commit(s, np.array([0]))

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from trt_lookahead.bench import bench, datasets
 from trt_lookahead.bench.bench import RunRecord, aggregate, format_markdown, mark_exact, parse_configs, parse_peers
 from trt_lookahead.cli import main
 from trt_lookahead.errors import UserError
+from trt_lookahead.lookahead.policy import StepCost
 from trt_lookahead.runtime import LookaheadRuntime
 from trt_lookahead.tuning import file as tuning_file
 
@@ -27,10 +27,19 @@ CHATML = (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread_and_private_tuning_file(tmp_path, monkeypatch):
-    torch.set_num_threads(1)
-    monkeypatch.setattr(tuning_file, "cache_dir", lambda: tmp_path / "cache")  # models stay in the real cache
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tuning keys name the thread count
+
+
+@pytest.fixture
+def tuning(tmp_path):
+    """A tuning file of the test's own (given to the runtime or the CLI); the real cache is never written."""
+    return tmp_path / "tuning.json"
+
+
+def cheap_entry(config):
+    """A tuning entry whose wide steps cost almost nothing: the policy climbs to lookahead."""
+    cost = StepCost.linear(10.0, 0.01).to_dict()
+    return {"config": config, "step_cost": cost, "priors": {"2/5/2": 1.8, "4/5/4": 2.2, "7/5/7": 2.4}}
 
 
 @pytest.fixture(scope="module")
@@ -249,12 +258,14 @@ def stories_set(tmp_path_factory):
 
 
 @pytest.mark.slow  # our rows and transformers' peers end to end (seconds)
-def test_bench_cli_on_stories260k(stories_set, tmp_path, capsys):
-    tuning_file.write_tuning_entry(tuning_file.tuning_key(str(STORIES), "float32", "torch"), {"config": "7/5/7"})
+def test_bench_cli_on_stories260k(stories_set, tmp_path, tuning, capsys):
+    tuning_file.write_tuning_entry(tuning_file.tuning_key(str(STORIES), "float32", "torch"), cheap_entry("7/5/7"),
+                                   tuning)
     out = tmp_path / "out"
     code = main([
         "bench", "--model", str(STORIES), "--dataset", str(stories_set), "--limit", "2", "--max-new-tokens", "24",
         "--configs", "greedy,4/3/4,auto", "--peers", "hf-greedy,hf-prompt-lookup", "--out", str(out), "--json",
+        "--tuning-file", str(tuning),
     ])
     captured = capsys.readouterr()
     assert code == 0
@@ -263,7 +274,7 @@ def test_bench_cli_on_stories260k(stories_set, tmp_path, capsys):
     assert set(result["machine"]) >= {"cpu", "threads", "load"}
     rows = {r["config"]: r for r in result["results"]}
     assert list(rows) == ["greedy", "4/3/4", "auto", "hf-greedy", "hf-prompt-lookup"]
-    assert rows["auto"]["resolved"] == "7/5/7" and rows["auto"]["T"] == 56
+    assert rows["auto"]["resolved"] == "auto (up to 7/5/7)" and rows["auto"]["T"] == 56
     for label in ("greedy", "4/3/4", "auto"):
         row = rows[label]
         assert row["exact"] == 1.0 and row["prompts"] == 2, label  # float32 lookahead is exact
@@ -281,9 +292,39 @@ def test_bench_cli_on_stories260k(stories_set, tmp_path, capsys):
     ]
 
 
+def test_bench_concurrency_on_stories260k(stories_set, tmp_path, tuning, capsys):
+    tuning_file.write_tuning_entry(tuning_file.tuning_key(str(STORIES), "float32", "torch"), cheap_entry("7/5/7"),
+                                   tuning)
+    out = tmp_path / "conc"
+    code = main([
+        "bench", "--model", str(STORIES), "--dataset", str(stories_set), "--limit", "3", "--max-new-tokens", "16",
+        "--concurrency", "1,3", "--requests", "2", "--out", str(out), "--json", "--tuning-file", str(tuning),
+    ])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    assert result["kind"] == "concurrency" and result["max_batch"] == 3 and set(result["machine"]) >= {"cpu", "load"}
+    levels = {(r["mode"], r["concurrency"]): r for r in result["levels"]}
+    assert list(levels) == [(m, c) for c in (1, 3) for m in ("greedy", "auto", "serial")]
+    assert result["auto_up_to"] == "7/5/7" and sum(levels[("auto", 3)]["configs"].values()) > 0
+    for (mode, streams), r in levels.items():
+        assert r["requests"] == 2 * streams and r["output_tokens"] > 0 and r["tokens_per_second"] > 0
+        assert r["exact"] == 1.0, (mode, streams)  # batched and one-at-a-time answers equal greedy's alone
+        assert r["ttft_p95_ms"] >= r["ttft_p50_ms"] > 0 and r["itl_p95_ms"] >= r["itl_p50_ms"] >= 0
+        assert r["peak_rss_mb"] > 0 and r["host_ms_per_request_step"] > 0 and r["load"]
+    assert levels[("serial", 3)]["mean_rows_per_step"] == 1.0  # one request at a time
+    assert levels[("greedy", 3)]["mean_rows_per_step"] > 1.0  # the streams shared steps
+    assert levels[("auto", 1)]["compression"] > 1.0  # cheap wide steps: the policy used lookahead
+    assert (out / "results.md").read_text().count("| greedy |") == 2
+    assert sorted(p.name for p in out.glob("*.png")) == ["concurrency.png"]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
+        (["--dataset", "gsm8k", "--concurrency", "0,4"], "--concurrency takes positive integers"),
+        (["--dataset", "gsm8k", "--concurrency", "1,x"], "--concurrency takes a comma list"),
+        (["--dataset", "gsm8k", "--concurrency", "2", "--modes", "fast"], "--modes: unknown"),
         (["--dataset", "nope"], "neither a built-in set"),
         (["--dataset", "gsm8k", "--configs", "greedy,4/x/4"], "--configs entry"),
         (["--dataset", "gsm8k", "--peers", "llama.cpp"], "unknown peer"),
@@ -298,14 +339,15 @@ def test_bench_bad_input_is_one_error_line(argv, message, capsys):
 
 
 @pytest.mark.slow
-def test_bench_smollm2_chat_sets_and_peers(tmp_path):
+def test_bench_smollm2_chat_sets_and_peers(tuning):
     key = tuning_file.tuning_key("smollm2-135m-instruct", "float32", "torch")
-    tuning_file.write_tuning_entry(key, {"config": "greedy"})
+    tuning_file.write_tuning_entry(key, cheap_entry("greedy"), tuning)  # auto is greedy here
     plan = bench.plan_bench(
         "smollm2-135m-instruct", datasets="mt_bench,humaneval", limit=1, max_new_tokens=32,
         configs="greedy,4/3/4,auto", peers="hf-greedy,hf-prompt-lookup",
     )
-    rt = LookaheadRuntime.from_pretrained(plan.model_path, lookahead=None, max_seq_len=plan.max_seq_len)
+    rt = LookaheadRuntime.from_pretrained(plan.model_path, lookahead=None, max_seq_len=plan.max_seq_len,
+                                          tuning_file=tuning)
     result = bench.run_bench(rt, plan, progress=False)
     rows = {(r["dataset"], r["config"]): r for r in result["results"]}
     assert result["stop_token_ids"] == [2]

@@ -7,8 +7,7 @@ from hypothesis import strategies as st
 
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.decoder import CHAIN, LookaheadDecoder, Switches
-from trt_lookahead.lookahead.layout import StepLayout
-from trt_lookahead.lookahead.oracles import OracleExecutor, adversarial_logits, induction_logits, markov_logits
+from trt_lookahead.lookahead.oracles import ORACLES, OracleExecutor, induction_logits, markov_logits
 from trt_lookahead.lookahead.pool import PROMPT
 from trt_lookahead.lookahead.sampling import SamplingParams
 
@@ -28,31 +27,26 @@ def script_logits(script: list[int]):
     return logits
 
 
-class Recorder:
-    """Wraps an executor and records committed slot lists."""
+class Recorder(OracleExecutor):
+    """An oracle that also records each step's row width and each commit's slots."""
 
-    def __init__(self, inner):
-        self.inner, self.commits = inner, []
-        self.vocab_size, self.max_seq_len, self.step_tokens = inner.vocab_size, inner.max_seq_len, inner.step_tokens
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.commits, self.widths = [], []
 
-    def reset(self, sampling):
-        self.inner.reset(sampling)
+    def step(self, batch):
+        self.widths.append(batch.tokens)
+        return super().step(batch)
 
-    def prefill(self, ids):
-        return self.inner.prefill(ids)
-
-    def step(self, ids, positions):
-        return self.inner.step(ids, positions)
-
-    def commit(self, slots):
-        self.commits.append(list(slots))
-        self.inner.commit(slots)
+    def commit(self, slot, rows):
+        self.commits.append(list(rows))
+        super().commit(slot, rows)
 
 
 def make(config, logits_fn, vocab=VOCAB, max_seq_len=4096, **kwargs):
-    layout = StepLayout(config if isinstance(config, LookaheadConfig) else LookaheadConfig(*config))
-    executor = OracleExecutor(logits_fn, vocab, layout.mask, max_seq_len)
-    return LookaheadDecoder(executor, layout, **kwargs)
+    config = config if isinstance(config, LookaheadConfig) else LookaheadConfig(*config)
+    executor = Recorder(logits_fn, vocab, max_batch=1, step_tokens=config.step_tokens, max_seq_len=max_seq_len)
+    return LookaheadDecoder(executor, config, **kwargs)
 
 
 def greedy(logits_fn, prompt, max_new, vocab=VOCAB, stop=(), sampling=None):
@@ -89,12 +83,10 @@ def test_tie_between_candidates_commits_the_newest():
     prompt = [10, 11, 12, 50, 7, 11, 12, 51, 7, 10]  # key 11 -> (12, 50) then (12, 51)
     script = [*prompt, 11, 12, 13, 14, 15]
     decoder = make((2, 3, 2), script_logits(script))
-    recorder = Recorder(decoder.executor)
-    decoder.executor = recorder
     result = decoder.generate(prompt, 4)
     assert result.token_ids[:3] == [11, 12, 13]
     newest_first_slot = int(decoder.layout.candidate_slots[0, 0])
-    assert recorder.commits[0] == [0, newest_first_slot]
+    assert decoder.executor.commits[0] == [0, newest_first_slot]
 
 
 def test_stop_token_inside_an_accepted_block_ends_generation_there():
@@ -146,11 +138,8 @@ def test_same_seed_same_run_and_stats():
 def test_every_step_feeds_the_same_number_of_tokens():
     logits = induction_logits(30, seed=1)
     decoder = make((4, 3, 4), logits, vocab=30)
-    seen = []
-    inner_step = decoder.executor.step
-    decoder.executor.step = lambda ids, pos: seen.append(len(ids)) or inner_step(ids, pos)
     decoder.generate([3, 4, 5, 6, 3, 4], 30)
-    assert seen and set(seen) == {16}
+    assert decoder.executor.widths and set(decoder.executor.widths) == {16}
 
 
 def test_stats_are_consistent():
@@ -180,30 +169,29 @@ def test_bad_requests_fail_before_any_work(prompt, max_new, match):
     decoder = make((4, 3, 4), markov_logits(VOCAB, 1, 0), max_seq_len=100)
     with pytest.raises(ValueError, match=match):
         decoder.generate(prompt, max_new)
-    assert decoder.executor.steps == 0 and decoder.executor.cache == []
+    assert decoder.executor.steps == 0 and decoder.executor.caches[0] == []
 
 
-def test_executor_built_for_another_layout_is_refused():
-    layout = StepLayout(LookaheadConfig(4, 3, 4))
-    executor = OracleExecutor(markov_logits(VOCAB, 1, 0), VOCAB, layout.mask)
-    with pytest.raises(ValueError, match="needs 56"):
+def test_a_layout_wider_than_the_executor_is_refused():
+    executor = OracleExecutor(markov_logits(VOCAB, 1, 0), VOCAB, step_tokens=16)
+    with pytest.raises(ValueError, match="needs 56 tokens per step but the executor takes at most 16"):
         LookaheadDecoder(executor, LookaheadConfig(7, 5, 7))
 
 
+class CausalClaim(OracleExecutor):
+    """Runs every row as if it were causal (0, 0, 0): a lookahead row's slots then see far too much."""
+
+    def step(self, batch):
+        batch.step_config[:] = 0
+        return super().step(batch)
+
+
 def test_oracle_catches_a_wrong_mask():
-    layout = StepLayout(LookaheadConfig(4, 3, 4))
-    wrong = layout.mask.copy()
-    wrong[int(layout.candidate_slots[1, 1]), int(layout.candidate_slots[0, 0])] = True  # candidates see each other
-    executor = OracleExecutor(markov_logits(VOCAB, 1, 0), VOCAB, wrong)
+    executor = CausalClaim(markov_logits(VOCAB, 1, 0), VOCAB)
     with pytest.raises(AssertionError, match="sees positions"):
-        LookaheadDecoder(executor, layout).generate([1, 2, 3], 5)
+        LookaheadDecoder(executor, LookaheadConfig(4, 3, 4)).generate([1, 2, 3], 5)
 
 
-ORACLES = {
-    "markov": lambda vocab, seed: markov_logits(vocab, 2, seed),
-    "induction": induction_logits,
-    "adversarial": adversarial_logits,
-}
 
 
 @st.composite

@@ -78,8 +78,8 @@ def test_stop_string_ends_generation_and_is_cut(stories):
 
 
 def test_request_config_and_token_id_prompts(stories):
-    assert stories.request_config(None) == LookaheadConfig(4, 3, 4)
-    assert stories.request_config("greedy").is_greedy
+    assert stories.request_config(None) == (LookaheadConfig(4, 3, 4), True)
+    assert stories.request_config("greedy")[0].is_greedy
     ids = stories.encode("Once upon a time")
     assert ids[0] == 1  # stories260K prompts start with BOS
     assert stories.generate(ids, max_new_tokens=10).token_ids == stories.generate("Once upon a time", 10).token_ids
@@ -94,15 +94,15 @@ def test_runtime_errors_are_clear(stories):
         stories.generate("Hi", chat=True)
 
 
-def test_runtime_keeps_a_bounded_number_of_executors(stories):
-    from trt_lookahead.runtime import MAX_EXECUTORS
-
-    configs = ["2,2,1", "2,3,1", "3,3,1", "3,2,2", "4,3,4", "greedy"]
+def test_every_config_runs_on_the_one_executor_and_frees_its_slot(stories):
+    configs = ["2,2,1", "2,3,1", "3,3,1", "3,2,2", "4,3,4", "15,5,15", "greedy"]
     reference = stories.generate("Once upon a time", max_new_tokens=20, lookahead="greedy").token_ids
     for config in configs:
         assert stories.generate("Once upon a time", max_new_tokens=20, lookahead=config).token_ids == reference
-    assert len(stories._executors) == MAX_EXECUTORS
-    assert list(stories._executors)[-1].is_greedy  # the most recent request's executor is kept
+    assert stories.scheduler.free_slots == stories.max_batch
+    assert all(stories.executor.cache_len(s) == 0 for s in range(stories.max_batch))
+    with pytest.raises(ValueError, match="takes at most 128"):
+        stories.generate("Once", max_new_tokens=5, lookahead="20,5,20")
 
 
 def test_incremental_detokenizer_matches_a_full_decode(stories):

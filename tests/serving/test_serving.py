@@ -166,7 +166,7 @@ class GrpcStream:
 
 def test_triton_repo_writes_config_and_model(tmp_path, capsys):
     code = main(["triton-repo", "--model", str(STORIES), "--output", str(tmp_path / "repo"), "--name", "la",
-                 "--lookahead_config", "[7,5,7]", "--instances", "2", "--max_batch_size", "4"])
+                 "--lookahead_config", "[7,5,7]", "--instances", "2", "--max_batch_size", "4", "--max-batch", "6"])
     assert code == 0
     assert capsys.readouterr().out.strip() == str((tmp_path / "repo").resolve())
     config = (tmp_path / "repo" / "la" / "config.pbtxt").read_text()
@@ -178,6 +178,7 @@ def test_triton_repo_writes_config_and_model(tmp_path, capsys):
         assert f'name: "{name}"' in config, name
     assert f'key: "model" value: {{ string_value: "{STORIES.resolve()}" }}' in config
     assert 'key: "lookahead_config" value: { string_value: "7,5,7" }' in config
+    assert 'key: "max_batch" value: { string_value: "6" }' in config
     model_py = (tmp_path / "repo" / "la" / "1" / "model.py").read_text()
     assert "class TritonPythonModel" in model_py and "is_cancelled" in model_py
 
@@ -191,6 +192,7 @@ def test_triton_repo_writes_config_and_model(tmp_path, capsys):
         (["--model", str(STORIES), "--name", "a/b"], "plain directory name"),
         (["--model", str(STORIES), "--lookahead_config", "0,3,4"], "W=0 is impossible"),
         (["--model", str(STORIES), "--instances", "0"], "--instances"),
+        (["--model", str(STORIES), "--max-batch", "0"], "--max-batch must be >= 1"),
     ],
 )
 def test_triton_repo_bad_arguments(tmp_path, capsys, argv, words):
@@ -334,6 +336,7 @@ def test_grpc_stream_equals_runtime_stream(server, runtime):
     [
         {},
         {"lookahead_window_size": 1, "lookahead_ngram_size": 2, "lookahead_verification_set_size": 0},  # greedy
+        {"lookahead_window_size": 0},  # no lookahead for this request: greedy
         {"lookahead_window_size": 2, "lookahead_ngram_size": 2, "lookahead_verification_set_size": 1},
         {"lookahead_window_size": 3},  # the others from the served config: 3,3,4
         {"lookahead_verification_set_size": 0},
@@ -343,6 +346,7 @@ def test_per_request_lookahead_settings(server, runtime, settings):
     served = dict(zip(("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size"),
                       (4, 3, 4), strict=True))
     config = ",".join(str(v) for v in {**served, **settings}.values())
+    config = "greedy" if settings.get("lookahead_window_size") == 0 else config
     want = runtime.generate(PROMPTS[3], max_new_tokens=64, lookahead=config)
     greedy = runtime.generate(PROMPTS[3], max_new_tokens=64, lookahead="greedy")
     got = generate(server, text_input=PROMPTS[3], max_tokens=64, **settings)
@@ -414,7 +418,7 @@ LONG_PROMPT = "Once upon a time " * 200  # ~800 tokens; stories260K holds 512
         ({"text_input": "Hi", "lookahead_window_size": 5}, 400, "exceeds the served config"),
         ({"text_input": "Hi", "lookahead_ngram_size": 4}, 400, "exceeds the served config"),
         ({"text_input": "Hi", "lookahead_verification_set_size": 9}, 400, "exceeds the served config"),
-        ({"text_input": "Hi", "lookahead_window_size": 0}, 400, "W=0 is impossible"),
+        ({"text_input": "Hi", "lookahead_window_size": -1}, 400, "W=-1 is impossible"),  # 0: no lookahead
         ({"text_input": "Hi", "temperature": -1.0}, 400, "temperature must be >= 0"),
         ({"text_input": "Hi", "top_p": 0.0}, 400, "top_p must be in (0, 1]"),
     ],

@@ -12,7 +12,7 @@ from typing import Protocol
 from trt_lookahead.engine.format import EngineConfig, load_engine_config
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import LookaheadConfig
-from trt_lookahead.lookahead.executor import Executor
+from trt_lookahead.lookahead.executor import LayoutExecutor
 from trt_lookahead.lookahead.layout import StepLayout
 
 BACKENDS = ("onnxruntime", "tensorrt")
@@ -27,7 +27,7 @@ class Engine(Protocol):
     max_seq_len: int
     dtype: str
 
-    def make_executor(self, layout: StepLayout) -> Executor: ...
+    def make_executor(self, layout: StepLayout) -> LayoutExecutor: ...  # the single-request contract, for now
 
 
 def open_engine(path: str | os.PathLike, backend: str = "onnxruntime", dtype: str | None = None,

@@ -1,18 +1,28 @@
-"""TorchExecutor: the executor contract (lookahead/executor.py) on the torch `Llama`, CPU or CUDA.
+"""BatchedTorchExecutor: the batched executor contract (lookahead/executor.py) on the torch `Llama`.
 
-    ex = TorchExecutor(model, step_mask, max_seq_len, output_slots=None, device="cpu")
-    ex.reset(SamplingParams())            # new request (greedy, or seeded sampling)
-    x = ex.prefill(prompt_ids)            # KV rows 0..P-1, returns the next token; cache_len = P
-    ids = ex.step(input_ids, positions)   # [T] int64; valid at output_slots, -1 elsewhere
-    ex.commit(slots)                      # KV of step slots -> rows cache_len, ...; cache_len += len(slots)
+    ex = BatchedTorchExecutor(model, max_batch=8, max_seq_len=2048, step_tokens=128)
+    x = ex.prefill(slot, prompt_ids, SamplingParams())    # KV rows [0, P) of the slot; next token
+    out = ex.step(StepBatch(...))                          # [B, T]; valid at each row's output slots
+    ex.commit(slot, rows); ex.release(slot)
 
-All buffers are allocated once: KV for max_seq_len + T rows, the step inputs, the mask. Token
-selection (argmax, or the seeded Gumbel-max draw of `lookahead.sampling`) runs inside the step in
-torch (kernels/sampling_torch.py holds its twins); the draw of slot i is keyed
-by positions[i], the absolute position of the token whose logits it reads, and the prefill draw by
-P - 1. On CUDA the fixed-shape step (static attention over all rows, masked from cache_len held in a
-device tensor) is captured once per sampling mode in a CUDA graph and replayed; on CPU it runs eagerly
-with keys sliced to cache_len + T rows (docs/design.md section 5).
+The KV cache is [layers, max_batch * S, kv_heads, head_dim] (S = max_seq_len + step_tokens rows per
+slot), allocated once; nothing is allocated per request. Two step paths, one contract:
+
+  packed (CPU): only the real tokens of each row are fed (pads skipped), flattened over the rows, so
+    the linear layers see M = the step's real tokens; attention runs per row (`RowAttention`) over that
+    row's own cache_len + t keys. A row therefore makes exactly the calls it makes alone: with the
+    row-invariant oneDNN weight layout (model/llama.py `auto_weight_layout`) its tokens are the same
+    whatever shares the step.
+  padded (CUDA): rows padded to [Bb, step_tokens], Bb the batch-size bucket (1, 2, 4, ..., max_batch);
+    masks come from cache_len [Bb] and step_config [Bb, 3] device tensors through the one closed form
+    (kernels/mask.py); the active slots are kept in physical slots 0 .. n-1 (a release moves the last one
+    into the hole), so bucket Bb attends over the cache view of the first Bb slots; each (bucket, any
+    row sampled) pair is captured once as a CUDA graph and replayed. It also runs eagerly on the CPU.
+
+Token choice: argmax, or the seeded Gumbel-max draw with each slot's temperature, top-k, top-p and seed
+(kernels/sampling_torch.py `select_rows_torch`), keyed by the position of the output slot (docs/design.md
+section 4.3). `TorchExecutor` is the single-request contract of one layout over slot 0 of this executor,
+kept for the engine build's smoke check until the engine path is batched.
 """
 
 from __future__ import annotations
@@ -21,14 +31,384 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from trt_lookahead.kernels.sampling_torch import sample_tokens_torch, vocab_salts
-from trt_lookahead.lookahead.executor import check_commit, check_kv_memory, check_prompt, check_room
+from trt_lookahead.kernels.mask import CAUSAL, step_mask, step_visible
+from trt_lookahead.kernels.sampling_torch import select_rows_torch, vocab_salts
+from trt_lookahead.lookahead.executor import (
+    StepBatch,
+    check_batch,
+    check_commit,
+    check_kv_memory,
+    check_prompt,
+    check_slot,
+)
 from trt_lookahead.lookahead.sampling import MASK32, SamplingParams
-from trt_lookahead.model.llama import Llama, sdpa_attention, sdpa_attention_static
+from trt_lookahead.model.llama import Llama, attend
+
+DEFAULT_STEP_TOKENS = 128  # the largest row a runtime's torch executor takes (15/5/15 is 120)
+
+
+class RowAttention:
+    """Attention of a packed step, row by row: a row's queries see its own slot's cache rows and tokens.
+
+    spans: (first query, end query, first cache row, key rows, mask [t, keys] bool or None for one token),
+    the keys being the slot's cached prefix followed by the row's own step tokens (written before the call).
+    """
+
+    def __init__(self, spans: list[tuple[int, int, int, int, Tensor | None]]) -> None:
+        self.spans = spans
+
+    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, step_mask: Tensor) -> Tensor:
+        out = torch.empty_like(q)
+        for start, end, first, keys, mask in self.spans:
+            out[start:end] = attend(q[start:end], k_cache[first : first + keys], v_cache[first : first + keys], mask)
+        return out
+
+
+class PaddedAttention:
+    """Attention of a padded step: row b's T queries over its slot's S cache rows under mask[b] [T, S]."""
+
+    def __init__(self, mask: Tensor, rows_per_slot: int) -> None:
+        self.mask = mask[:, None]  # [Bb, 1, T, S]: one mask for every head
+        self.S = rows_per_slot
+
+    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, step_mask: Tensor) -> Tensor:
+        B, S = self.mask.shape[0], self.S
+        qb = q.view(B, -1, *q.shape[1:]).transpose(1, 2)  # [Bb, Hq, T, D]
+        kb = k_cache[: B * S].view(B, S, *k_cache.shape[1:]).transpose(1, 2)  # [Bb, Hkv, S, D]
+        vb = v_cache[: B * S].view(B, S, *v_cache.shape[1:]).transpose(1, 2)
+        o = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=self.mask, enable_gqa=True)
+        return o.transpose(1, 2).reshape(q.shape)
+
+
+class BatchedTorchExecutor:
+    """The batched executor contract on a torch `Llama`; see the module docstring."""
+
+    def __init__(
+        self,
+        model: Llama,
+        max_batch: int,
+        max_seq_len: int,
+        step_tokens: int = DEFAULT_STEP_TOKENS,
+        device: str | torch.device | None = None,
+        *,
+        padded: bool | None = None,
+        cuda_graph: bool | None = None,
+    ) -> None:
+        self.device = model.device if device is None else torch.device(device)
+        if model.device.type != self.device.type or (
+            self.device.index is not None and model.device.index != self.device.index
+        ):
+            raise ValueError(f"model is on {model.device} but the executor was asked for {self.device}")
+        for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len), ("step_tokens", step_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        is_cuda = self.device.type == "cuda"
+        self.padded = is_cuda if padded is None else padded
+        self.cuda_graph = (is_cuda and self.padded) if cuda_graph is None else cuda_graph
+        if self.cuda_graph and not (is_cuda and self.padded):
+            raise ValueError("cuda_graph needs device='cuda' and the padded step")
+        self.model = model
+        self.vocab_size = model.cfg.vocab_size
+        self.max_batch, self.max_seq_len, self.step_tokens = int(max_batch), int(max_seq_len), int(step_tokens)
+        self.rows_per_slot = S = self.max_seq_len + self.step_tokens
+        cfg, dev = model.cfg, self.device
+        shape = (cfg.num_layers, self.max_batch * S, cfg.num_kv_heads, cfg.head_dim)
+        # the packed step reads only rows it wrote (so untouched memory is never resident); the padded step
+        # reads every row under a mask, and masked garbage could be NaN (NaN * 0 = NaN), so it starts zeroed
+        alloc = torch.zeros if self.padded else torch.empty
+        if not is_cuda:
+            check_kv_memory(shape, model.dtype.itemsize, self.max_seq_len, self.max_batch)
+        self.k_cache = alloc(shape, dtype=model.dtype, device=dev)
+        self.v_cache = alloc(shape, dtype=model.dtype, device=dev)
+        B = self.max_batch
+        self._cache_len = np.zeros(B, np.int64)  # per logical slot
+        self._step_real = np.zeros(B, np.int64)  # real tokens of the slot's uncommitted step (0: none)
+        self._live = np.zeros(B, bool)
+        self._physical = np.arange(B)  # logical slot -> physical slot (the padded path keeps live ones first)
+        self._logical = np.arange(B)  # physical -> logical
+        self._active = 0  # live slots
+        self._row_masks: dict[tuple[tuple[int, int, int], int], Tensor] = {}
+        self._salts = vocab_salts(self.vocab_size, dev)
+        # sampling parameters per physical slot (device tensors, read inside captured graphs)
+        self._temperature = torch.zeros(B, dtype=torch.float64, device=dev)
+        self._top_k = torch.zeros(B, dtype=torch.int64, device=dev)
+        self._top_p = torch.ones(B, dtype=torch.float64, device=dev)
+        self._seed = torch.zeros(B, dtype=torch.int64, device=dev)
+        self._sampled = np.zeros(B, bool)  # host copy: does the physical slot sample?
+        if self.padded:
+            T = self.step_tokens
+            # per-step inputs of every physical slot in one device buffer [ids | positions | outputs | cache_len,
+            # W, N, G]; the host fills a (pinned on CUDA) staging copy and never freezes values into a graph
+            self._d_in = torch.zeros(B, 3 * T + 4, dtype=torch.int64, device=dev)
+            self._h_in = torch.zeros(B, 3 * T + 4, dtype=torch.int64, pin_memory=is_cuda)
+            self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+            self.buckets = sorted({min(1 << i, B) for i in range(B.bit_length() + 1)})
+
+    # -- contract ---------------------------------------------------------------------------------
+
+    def cache_len(self, slot: int) -> int:
+        return int(self._cache_len[check_slot(slot, self.max_batch)])
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, prompt_ids: np.ndarray, sampling: SamplingParams) -> int:
+        slot = check_slot(slot, self.max_batch)
+        ids = check_prompt(prompt_ids, self.max_seq_len, self.vocab_size)
+        self._claim(slot)
+        phys = int(self._physical[slot])
+        self._cache_len[slot] = self._step_real[slot] = 0
+        self._set_sampling(phys, sampling)
+        P, dev = len(ids), self.device
+        first = phys * self.rows_per_slot
+        mask = None if P == 1 else torch.from_numpy(step_mask(P, CAUSAL)).to(dev)
+        last = torch.tensor([P - 1], device=dev)
+        logits = self.model(
+            torch.from_numpy(ids).to(dev),
+            torch.arange(P, device=dev),
+            self.k_cache,
+            self.v_cache,
+            None,
+            None,
+            last,
+            attention=RowAttention([(0, P, first, P, mask)]),
+            cache_rows=torch.arange(first, first + P, device=dev),
+        )
+        token = self._select(logits, last, np.array([phys]))
+        self._cache_len[slot] = P
+        return int(token[0])
+
+    @torch.inference_mode()
+    def step(self, batch: StepBatch) -> np.ndarray:
+        real = check_batch(batch, self.max_batch, self.step_tokens, self.vocab_size)
+        slots = np.asarray(batch.slots, np.int64)
+        if not self._live[slots].all():
+            raise ValueError(f"step rows name slots that were never prefilled: {slots[~self._live[slots]].tolist()}")
+        full = self._cache_len[slots] + real > self.rows_per_slot
+        if full.any():
+            raise ValueError(f"KV cache full in slot {int(slots[full][0])}: max_seq_len={self.max_seq_len}")
+        out = self._step_padded(batch) if self.padded else self._step_packed(batch, real)
+        self._step_real[slots] = real
+        return out
+
+    @torch.inference_mode()
+    def commit(self, slot: int, rows: np.ndarray) -> None:
+        slot = check_slot(slot, self.max_batch)
+        cache_len = int(self._cache_len[slot])
+        rows = check_commit(rows, int(self._step_real[slot]), cache_len, self.max_seq_len)
+        self._step_real[slot] = 0
+        k = len(rows)
+        if k and not np.array_equal(rows, np.arange(k)):  # rows already in place otherwise (greedy: [0])
+            base = int(self._physical[slot]) * self.rows_per_slot + cache_len
+            src = torch.from_numpy(rows + base).to(self.device)
+            dst = torch.arange(base, base + k, device=self.device)
+            for cache in (self.k_cache, self.v_cache):
+                cache.index_copy_(1, dst, cache.index_select(1, src))
+        self._cache_len[slot] = cache_len + k
+
+    @torch.inference_mode()
+    def release(self, slot: int) -> None:
+        slot = check_slot(slot, self.max_batch)
+        if not self._live[slot]:
+            return
+        if self.padded:
+            self._compact(slot)
+        self._live[slot] = False
+        self._active -= 1
+        self._cache_len[slot] = self._step_real[slot] = 0
+
+    # -- slots ------------------------------------------------------------------------------------
+
+    def _claim(self, slot: int) -> None:
+        """Make `slot` live (prefilling a live slot restarts it in place); padded: it takes physical slot n."""
+        if self._live[slot]:
+            return
+        if self.padded:
+            phys, old = self._active, int(self._physical[slot])
+            other = int(self._logical[phys])
+            self._physical[slot], self._physical[other] = phys, old
+            self._logical[phys], self._logical[old] = slot, other
+        self._live[slot] = True
+        self._active += 1
+
+    def _compact(self, slot: int) -> None:
+        """Move the last live physical slot into the released one's place: live slots stay 0 .. n-1."""
+        hole, last = int(self._physical[slot]), self._active - 1
+        if hole == last:
+            return
+        moved = int(self._logical[last])
+        S, n = self.rows_per_slot, int(self._cache_len[moved])
+        for cache in (self.k_cache, self.v_cache):
+            cache[:, hole * S : hole * S + n] = cache[:, last * S : last * S + n]
+        for params in (self._temperature, self._top_k, self._top_p, self._seed):
+            params[hole] = params[last]
+        self._sampled[hole] = self._sampled[last]
+        self._physical[moved], self._physical[slot] = hole, last
+        self._logical[hole], self._logical[last] = moved, slot
+
+    def _set_sampling(self, phys: int, sampling: SamplingParams) -> None:
+        self._sampled[phys] = not sampling.greedy
+        self._temperature[phys] = sampling.temperature
+        self._top_k[phys] = sampling.top_k
+        self._top_p[phys] = sampling.top_p
+        self._seed[phys] = sampling.seed & MASK32
+
+    def _select(self, logits: Tensor, positions: Tensor, phys: np.ndarray) -> np.ndarray:
+        """Tokens for rows of logits [R, V]; row r draws with physical slot phys[r]'s sampling parameters."""
+        tokens = torch.argmax(logits, dim=-1)
+        sampled = np.flatnonzero(self._sampled[phys])
+        if len(sampled):
+            rows = torch.from_numpy(sampled).to(self.device)
+            which = torch.from_numpy(phys[sampled]).to(self.device)
+            tokens[rows] = select_rows_torch(
+                logits.index_select(0, rows), positions.index_select(0, rows), self._temperature[which],
+                self._top_k[which], self._top_p[which], self._seed[which], self._salts,
+            )
+        return tokens.cpu().numpy()
+
+    # -- packed step (CPU) ------------------------------------------------------------------------
+
+    def _step_packed(self, batch: StepBatch, real: np.ndarray) -> np.ndarray:
+        B, T = batch.input_ids.shape
+        dev, S = self.device, self.rows_per_slot
+        slots = np.asarray(batch.slots, np.int64)
+        phys, cache_len = self._physical[slots], self._cache_len[slots]
+        keep = np.arange(T)[None, :] < real[:, None]  # [B, T] the real tokens, row after row
+        starts = np.concatenate(([0], np.cumsum(real)[:-1]))
+        spans = [
+            (int(starts[b]), int(starts[b] + real[b]), int(phys[b] * S), int(cache_len[b] + real[b]),
+             self._row_mask(batch.step_config[b], int(real[b]), int(cache_len[b])))
+            for b in range(B)
+        ]
+        out_slots = np.asarray(batch.output_slots, np.int64)
+        distinct = np.ones(out_slots.shape, bool)
+        distinct[:, 1:] = out_slots[:, 1:] != out_slots[:, :-1]  # padding repeats the last entry
+        row_of, col_of = np.nonzero(distinct)
+        read = out_slots[row_of, col_of]
+        logits = self.model(
+            torch.from_numpy(batch.input_ids[keep]).to(dev),
+            torch.from_numpy(batch.positions[keep]).to(dev),
+            self.k_cache,
+            self.v_cache,
+            None,
+            None,
+            torch.from_numpy(starts[row_of] + read).to(dev),
+            attention=RowAttention(spans),
+            cache_rows=torch.from_numpy(((phys * S + cache_len)[:, None] + np.arange(T)[None, :])[keep]).to(dev),
+        )
+        positions = torch.from_numpy(batch.positions[row_of, read]).to(dev)
+        result = np.full((B, T), -1, np.int64)
+        result[row_of, read] = self._select(logits, positions, phys[row_of])
+        return result
+
+    def _row_mask(self, step_config: np.ndarray, tokens: int, cache_len: int) -> Tensor | None:
+        """[t, cache_len + t] bool: the whole cached prefix, then the row's step mask; None for one token."""
+        if tokens == 1:
+            return None
+        W, N, G = (int(v) for v in step_config)
+        key = ((W, N, G), tokens)
+        step = self._row_masks.get(key)
+        if step is None:
+            step = self._row_masks[key] = torch.from_numpy(step_mask(tokens, (W, N, G))).to(self.device)
+        mask = torch.ones(tokens, cache_len + tokens, dtype=torch.bool, device=self.device)
+        mask[:, cache_len:] = step
+        return mask
+
+    # -- padded step (CUDA; also eager on the CPU) -------------------------------------------------
+
+    def _step_padded(self, batch: StepBatch) -> np.ndarray:
+        B, T = batch.input_ids.shape
+        TT, K = self.step_tokens, batch.output_slots.shape[1]
+        phys = self._physical[np.asarray(batch.slots, np.int64)]
+        bucket = next(b for b in self.buckets if b >= self._active)
+        h = self._h_in.numpy()
+        idle = self._cache_len[self._logical[:bucket]]  # rows not in this step: causal pads at cache_len
+        h[:bucket] = 0
+        h[:bucket, TT : 2 * TT] = idle[:, None]
+        h[:bucket, 3 * TT] = idle
+        h[phys, :T] = batch.input_ids
+        h[phys, TT : TT + T] = batch.positions
+        h[phys, 2 * TT : 3 * TT] = batch.output_slots[:, -1:]
+        h[phys, 2 * TT : 2 * TT + K] = batch.output_slots
+        h[phys, 3 * TT + 1 :] = batch.step_config
+        self._d_in[:bucket].copy_(self._h_in[:bucket], non_blocking=True)
+        sampled = bool(self._sampled[:bucket].any())
+        if self.cuda_graph:
+            graph, tokens = self._graph(bucket, sampled)
+            graph.replay()
+        else:
+            tokens = self._run_padded(bucket, sampled)
+        chosen = tokens.cpu().numpy()  # [bucket, TT]: the token at each output slot entry
+        result = np.full((B, T), -1, np.int64)
+        result[np.arange(B)[:, None], batch.output_slots] = chosen[phys, :K]
+        return result
+
+    def _run_padded(self, bucket: int, sampled: bool) -> Tensor:
+        """The fixed-shape step of physical slots 0 .. bucket-1 (no host synchronisation: capturable)."""
+        T, S, dev = self.step_tokens, self.rows_per_slot, self.device
+        d = self._d_in[:bucket]
+        ids, positions, outputs = d[:, :T], d[:, T : 2 * T], d[:, 2 * T : 3 * T]
+        cache_len, config = d[:, 3 * T], d[:, 3 * T + 1 :]
+        i = torch.arange(T, device=dev)
+        rel = torch.arange(S, device=dev)[None, None, :] - cache_len[:, None, None]  # [Bb, 1, S] key - cache_len
+        W, N, G = (config[:, c, None, None] for c in range(3))
+        own = step_visible(i[None, :, None], rel.clamp(0, T - 1), W, N, G) & (rel >= 0) & (rel < T)
+        mask = (rel < 0) | own  # [Bb, T, S]: the cached prefix, then the row's step mask
+        rows = (torch.arange(bucket, device=dev)[:, None] * S + cache_len[:, None]) + i[None, :]
+        logits = self.model(
+            ids.reshape(-1),
+            positions.reshape(-1),
+            self.k_cache,
+            self.v_cache,
+            None,
+            None,
+            (torch.arange(bucket, device=dev)[:, None] * T + outputs).reshape(-1),
+            attention=PaddedAttention(mask, S),
+            cache_rows=rows.reshape(-1),
+        )
+        if not sampled:
+            return torch.argmax(logits, dim=-1).view(bucket, T)
+        each = torch.arange(bucket, device=dev).repeat_interleave(T)  # the physical slot of each output row
+        return select_rows_torch(
+            logits, positions.gather(1, outputs).reshape(-1), self._temperature[each], self._top_k[each],
+            self._top_p[each], self._seed[each], self._salts,
+        ).view(bucket, T)
+
+    def _graph(self, bucket: int, sampled: bool) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        """The CUDA graph of `_run_padded` for (bucket, sampled), captured on first use."""
+        entry = self._graphs.get((bucket, sampled))
+        if entry is None:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: writes only scratch rows at or past each slot's cache_len
+                    self._run_padded(bucket, sampled)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                tokens = self._run_padded(bucket, sampled)
+            entry = self._graphs[(bucket, sampled)] = (graph, tokens)
+        return entry
+
+
+def layout_config(mask: np.ndarray) -> tuple[int, int, int]:
+    """The step_config whose closed-form mask (kernels/mask.py) is `mask`: a lookahead layout, else CAUSAL."""
+    mask = np.asarray(mask, bool)
+    T = len(mask)
+    for levels in (d for d in range(1, T + 1) if T % d == 0):
+        for W in range(1, T // levels + 1):
+            config = (W, levels + 1, T // levels - W)
+            if np.array_equal(step_mask(T, config), mask):
+                return config
+    if np.array_equal(step_mask(T, CAUSAL), mask):
+        return CAUSAL
+    raise ValueError(f"step_mask of shape {mask.shape} is neither a lookahead layout's mask nor causal")
 
 
 class TorchExecutor:
-    """Executor contract on a torch `Llama`; see the module docstring."""
+    """The single-request contract of one layout (reset/prefill/step/commit) over slot 0 of a batched executor.
+
+    Transitional: the engine build's smoke check and the engine tests call this signature until the engine
+    path is batched; then BatchedTorchExecutor takes this name.
+    """
 
     def __init__(
         self,
@@ -41,171 +421,36 @@ class TorchExecutor:
         static_attention: bool | None = None,
         cuda_graph: bool | None = None,
     ) -> None:
-        self.device = torch.device(device)
-        if model.device.type != self.device.type or (
-            self.device.index is not None and model.device.index != self.device.index
-        ):
-            raise ValueError(f"model is on {model.device} but the executor was asked for {self.device}")
-        mask = np.array(step_mask, dtype=bool)  # a writable copy
-        if mask.ndim != 2 or mask.shape[0] != mask.shape[1] or not mask.diagonal().all():
-            raise ValueError(f"step_mask must be a square [T, T] bool array whose diagonal is set, got {mask.shape}")
-        if max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
-        self.model = model
-        self.config = model.cfg
-        self.vocab_size = model.cfg.vocab_size
-        self.max_seq_len = int(max_seq_len)
-        self.step_tokens = T = mask.shape[0]
+        self.config = layout_config(step_mask)
+        T = len(step_mask)
+        self.batched = BatchedTorchExecutor(
+            model, 1, max_seq_len, T, device, padded=static_attention, cuda_graph=cuda_graph
+        )
+        self.vocab_size, self.max_seq_len, self.step_tokens = model.cfg.vocab_size, int(max_seq_len), T
         slots = np.arange(T) if output_slots is None else np.unique(np.asarray(output_slots, np.int64))
         if len(slots) == 0 or slots[0] < 0 or slots[-1] >= T:
             raise ValueError(f"output_slots must be non-empty step slots in [0, {T}), got {output_slots}")
         self.output_slots = slots
-        is_cuda = self.device.type == "cuda"
-        self.static_attention = is_cuda if static_attention is None else static_attention
-        self.cuda_graph = is_cuda if cuda_graph is None else cuda_graph
-        if self.cuda_graph and not (is_cuda and self.static_attention):
-            raise ValueError("cuda_graph needs device='cuda' and static attention")
-
-        dev = self.device
-        if not is_cuda:
-            check_kv_memory(model.cache_shape(self.max_seq_len + T), model.dtype.itemsize, self.max_seq_len)
-        self.k_cache, self.v_cache = model.new_cache(self.max_seq_len + T, dev)
-        self._mask = torch.from_numpy(mask).to(dev)
-        self._all_slots = output_slots is None
-        self._out_slots = torch.from_numpy(slots).to(dev)
-        self._salts = vocab_salts(self.vocab_size, dev)
-        # per-step values live in one device buffer [ids | positions | p]; the host writes them through a
-        # numpy view (CPU) or a pinned staging copy (CUDA) and never freezes them into a graph
-        self._d_in = torch.zeros(2 * T + 1, dtype=torch.int64, device=dev)
-        self._ids, self._pos, self._d_cache_len = self._d_in[:T], self._d_in[T : 2 * T], self._d_in[2 * T]
-        self._seed = torch.zeros((), dtype=torch.int64, device=dev)
-        self._temperature = torch.ones((), dtype=torch.float64, device=dev)
-        self._top_p = torch.ones((), dtype=torch.float64, device=dev)
-        self._h_in = torch.zeros(2 * T + 1, dtype=torch.int64, pin_memory=is_cuda) if is_cuda else self._d_in
-        self._h_in_np = self._h_in.numpy()
-        if is_cuda:
-            self._h_out = torch.zeros(len(slots), dtype=torch.int64, pin_memory=True)
-        self._result = np.full(T, -1, np.int64)
-        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
-        self._attention = sdpa_attention_static if self.static_attention else sdpa_attention
-        self._cache_len = 0
-        self.reset(SamplingParams())
-
-    # -- contract ---------------------------------------------------------------------------------
+        self.sampling = SamplingParams()
 
     @property
     def cache_len(self) -> int:
-        """Tokens whose KV is committed (rows 0..cache_len-1)."""
-        return self._cache_len
+        return self.batched.cache_len(0)
 
-    @torch.inference_mode()
     def reset(self, sampling: SamplingParams | None = None) -> None:
-        self.sampling = sampling = sampling or SamplingParams()
-        # what selects a captured graph: greedy, else top-k and whether top-p is on
-        self._mode = (True, 0, False) if sampling.greedy else (False, sampling.top_k, sampling.top_p < 1.0)
-        self._seed.fill_(sampling.seed & MASK32)
-        self._temperature.fill_(sampling.temperature if not sampling.greedy else 1.0)
-        self._top_p.fill_(sampling.top_p)
-        self._cache_len = 0
+        self.sampling = sampling or SamplingParams()
+        self.batched.release(0)
 
-    @torch.inference_mode()
     def prefill(self, prompt_ids: np.ndarray) -> int:
-        ids = check_prompt(prompt_ids, self.max_seq_len, self.vocab_size)
-        P = len(ids)
-        dev = self.device
-        ids_t = torch.from_numpy(ids).to(dev)
-        pos_t = torch.arange(P, device=dev)
-        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril_()
-        last = torch.tensor([P - 1], device=dev)
-        self._cache_len = 0
-        logits = self.model(
-            ids_t,
-            pos_t,
-            self.k_cache,
-            self.v_cache,
-            torch.zeros((), dtype=torch.int64, device=dev),
-            causal,
-            last,
-            attention=sdpa_attention,
-        )
-        token = self._select(logits, last)
-        self._cache_len = P
-        return int(token[0])
+        return self.batched.prefill(0, prompt_ids, self.sampling)
 
-    @torch.inference_mode()
     def step(self, input_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        check_room(self._cache_len, self.max_seq_len)
-        T = self.step_tokens
-        h = self._h_in_np
-        h[:T] = input_ids
-        h[T : 2 * T] = positions
-        h[2 * T] = self._cache_len
-        if self.device.type == "cuda":
-            self._d_in.copy_(self._h_in, non_blocking=True)
-            if self.cuda_graph:
-                graph, tokens = self._graph()
-                graph.replay()
-            else:
-                tokens = self._run_step()
-            self._h_out.copy_(tokens, non_blocking=True)
-            torch.cuda.current_stream(self.device).synchronize()
-            chosen = self._h_out.numpy()
-        else:
-            chosen = self._run_step().numpy()
-        if self._all_slots:
-            return chosen.copy()
-        out = self._result.copy()
-        out[self.output_slots] = chosen
-        return out
-
-    @torch.inference_mode()
-    def commit(self, slots: np.ndarray) -> None:
-        slots = check_commit(slots, self.step_tokens, self._cache_len, self.max_seq_len)
-        k = len(slots)
-        if k == 0:
-            return
-        if not np.array_equal(slots, np.arange(k)):  # rows already in place otherwise (greedy: [0])
-            src = torch.from_numpy(slots + self._cache_len).to(self.device)
-            dst = torch.arange(self._cache_len, self._cache_len + k, device=self.device)
-            for cache in (self.k_cache, self.v_cache):
-                cache.index_copy_(1, dst, cache.index_select(1, src))
-        self._cache_len += k
-
-    # -- internals --------------------------------------------------------------------------------
-
-    def _select(self, logits: Tensor, slots: Tensor) -> Tensor:
-        mode = self._mode
-        if mode[0]:
-            return torch.argmax(logits, dim=-1)
-        positions = self._pos.index_select(0, slots) if slots is self._out_slots else slots
-        top_p = self._top_p if mode[2] else None
-        return sample_tokens_torch(logits, positions, mode[1], top_p, self._temperature, self._seed, self._salts)
-
-    def _run_step(self) -> Tensor:
-        logits = self.model(
-            self._ids,
-            self._pos,
-            self.k_cache,
-            self.v_cache,
-            self._d_cache_len,
-            self._mask,
-            None if self._all_slots else self._out_slots,
-            attention=self._attention,
+        batch = StepBatch(
+            np.zeros(1, np.int64), np.asarray(input_ids, np.int64)[None], np.asarray(positions, np.int64)[None],
+            np.array([self.config], np.int32), self.output_slots[None],
         )
-        return self._select(logits, self._out_slots)
+        return self.batched.step(batch)[0]
 
-    def _graph(self) -> tuple[torch.cuda.CUDAGraph, Tensor]:
-        """The CUDA graph of `_run_step` for the current sampling mode (captured on first use)."""
-        entry = self._graphs.get(self._mode)
-        if entry is None:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: writes only scratch KV rows p..p+T-1
-                    self._run_step()
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                tokens = self._run_step()
-            entry = self._graphs[self._mode] = (graph, tokens)
-        return entry
+    def commit(self, slots: np.ndarray) -> None:
+        self.batched.commit(0, slots)
+

@@ -63,11 +63,12 @@ class ConfigSpec:
     """One `--configs` entry: its label, and the config it runs."""
 
     label: str  # "greedy", "W/N/G" or "auto"
-    config: LookaheadConfig
+    config: LookaheadConfig  # what it runs; for auto, the largest config the policy may use
+    explicit: bool = True  # False: auto, the policy chooses each step
 
     @property
     def resolved(self) -> str:
-        return self.config.label
+        return self.config.label if self.explicit else f"{AUTO} (up to {self.config.label})"
 
     @property
     def step_tokens(self) -> int:
@@ -312,7 +313,7 @@ def format_markdown(result: dict[str, Any]) -> str:
 
 def _runtime_generate(rt: LookaheadRuntime, ids: Sequence[int], max_new_tokens: int,
                       spec: ConfigSpec) -> GenerationOutput:
-    return rt.generate(list(ids), max_new_tokens=max_new_tokens, lookahead=spec.config)
+    return rt.generate(list(ids), max_new_tokens=max_new_tokens, lookahead=spec.config if spec.explicit else AUTO)
 
 
 def run_ours(
@@ -443,7 +444,7 @@ def plan_bench(
 def run_bench(rt: LookaheadRuntime, plan: BenchPlan, *, progress: bool = True, warmup: bool = True) -> dict[str, Any]:
     """Run the plan on `rt` (then the peers, after closing `rt`); returns the `bench --json` object."""
     machine = machine_info()
-    specs = [ConfigSpec(label, rt.request_config(label)) for label in plan.labels]  # auto: tuned on rt
+    specs = [ConfigSpec(label, *rt.request_config(label)) for label in plan.labels]  # auto: tuned on rt
 
     # an `auto` that resolved to a config already in the list reuses those runs
     runs_of: dict[str, ConfigSpec] = {}

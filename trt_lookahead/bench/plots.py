@@ -163,3 +163,38 @@ def write_plots(
         plot_step_latency(result, out / "step_latency.png", step_cost_ms),
     ]
     return [p for p in written if p is not None]
+
+
+def write_concurrency_plots(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """concurrency.png: output tokens/s, TTFT and ITL (p50 solid, p95 dashed) against streams, per mode."""
+    plt = _pyplot()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 3, figsize=(13.0, 4.2))
+    panels = (
+        ("tokens_per_second", None, "output tokens / s"),
+        ("ttft_p50_ms", "ttft_p95_ms", "time to first token (ms)"),
+        ("itl_p50_ms", "itl_p95_ms", "inter-token latency (ms)"),
+    )
+    for ax, (p50, p95, title) in zip(axes, panels, strict=True):
+        for mode in _ordered([r["mode"] for r in result["levels"]]):
+            rows = sorted((r for r in result["levels"] if r["mode"] == mode), key=lambda r: r["concurrency"])
+            xs = [r["concurrency"] for r in rows]
+            (line,) = ax.plot(xs, [r[p50] for r in rows], marker="o", label=mode)
+            if p95:
+                ax.plot(xs, [r[p95] for r in rows], marker=".", linestyle="--", color=line.get_color())
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r["concurrency"] for r in result["levels"]})
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(title)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{Path(result['model']).name} {result['dtype']}: " + _subtitle(result), fontsize=8)
+    fig.tight_layout()
+    path = out / "concurrency.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]

@@ -13,13 +13,14 @@ import sys
 from pathlib import Path
 
 from trt_lookahead.bench.bench import DEFAULT_CONFIGS
+from trt_lookahead.bench.concurrency import MODES as CONCURRENCY_MODES
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import AUTO, DEFAULT, DEFAULT_LOOKAHEAD, GREEDY, LookaheadConfig
 from trt_lookahead.model.fetch import DEFAULT_MODEL
 from trt_lookahead.runtime import DEFAULT_MAX_NEW_TOKENS
 from trt_lookahead.tuning.tune import DEFAULT_BUDGET, DEFAULT_TUNE_DATASETS
 
-__all__ = ["DEFAULT_BUDGET", "DEFAULT_CONFIGS", "DEFAULT_MAX_NEW_TOKENS", "DEFAULT_TUNE_DATASETS"]
+__all__ = ["CONCURRENCY_MODES", "DEFAULT_BUDGET", "DEFAULT_CONFIGS", "DEFAULT_MAX_NEW_TOKENS", "DEFAULT_TUNE_DATASETS"]
 
 
 def lookahead_choice(args: argparse.Namespace) -> LookaheadConfig | str:
@@ -84,7 +85,7 @@ def generate(args: argparse.Namespace) -> int:
 
     runtime = LookaheadRuntime.from_pretrained(
         source, backend=args.backend, dtype=args.dtype, lookahead=lookahead, max_seq_len=args.max_seq_len,
-        threads=args.threads, verify=args.verify,
+        threads=args.threads, verify=args.verify, tuning_file=args.tuning_file,
     )
     request = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -112,11 +113,13 @@ def generate(args: argparse.Namespace) -> int:
 def bench(args: argparse.Namespace) -> int:
     if args.model and args.engine:
         raise UserError("give one of --model or --engine, not both")
+    if args.concurrency is not None:
+        return bench_concurrency(args)
     result, paths = bench_model(
         engine_dir(args.engine) if args.engine else args.model or DEFAULT_MODEL, datasets=args.dataset,
         limit=args.limit, max_new_tokens=args.max_new_tokens, configs=args.configs, peers=args.peers,
         backend=args.backend, dtype=args.dtype, max_seq_len=args.max_seq_len, threads=args.threads, out=args.out,
-        verify=args.verify,
+        verify=args.verify, tuning_file=args.tuning_file,
     )
     if paths:
         print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
@@ -130,6 +133,7 @@ def bench_model(
     source: str, *, datasets: str, limit: int | None, max_new_tokens: int, configs: str, peers: str,
     backend: str | None, dtype: str, max_seq_len: int | None, threads: int | None, out: str | Path | None,
     verify: bool = True,
+    tuning_file: str | None = None,
 ) -> tuple[dict, list[Path]]:
     """Plan, load the runtime, run; with `out`, write the result files (step cost overlay from tuning)."""
     from trt_lookahead.bench.bench import plan_bench, run_bench, write_outputs
@@ -142,14 +146,53 @@ def bench_model(
     plan = plan_bench(source, datasets=datasets, limit=limit, max_new_tokens=max_new_tokens, configs=configs,
                       peers=peers, max_seq_len=max_seq_len)
     rt = LookaheadRuntime.from_pretrained(plan.model_path, backend=backend, dtype=dtype, lookahead=None,
-                                          max_seq_len=plan.max_seq_len, threads=threads, verify=verify)
+                                          max_seq_len=plan.max_seq_len, threads=threads, verify=verify,
+                                          tuning_file=tuning_file)
     result = run_bench(rt, plan)
+    rt.close()
     del rt
     gc.collect()
     if out is None:
         return result, []
-    step_cost = tuned_step_cost(result["model"], result["dtype"], result["backend"], result["machine"]["threads"])
+    step_cost = tuned_step_cost(result["model"], result["dtype"], result["backend"], result["machine"]["threads"],
+                                None if tuning_file is None else Path(tuning_file))
     return result, write_outputs(result, out, step_cost)
+
+
+def bench_concurrency(args: argparse.Namespace) -> int:
+    """`bench --concurrency`: streams at once on one runtime (bench/concurrency.py)."""
+    from trt_lookahead.bench.bench import plan_bench
+    from trt_lookahead.bench.concurrency import format_concurrency_markdown, parse_levels, parse_modes, run_concurrency
+    from trt_lookahead.bench.plots import write_concurrency_plots
+    from trt_lookahead.runtime import LookaheadRuntime
+
+    levels, modes = parse_levels(args.concurrency), parse_modes(args.modes)
+    if args.requests < 1:
+        raise UserError(f"--requests must be >= 1 (requests per stream), got {args.requests}")
+    out = None if args.out is None else Path(args.out)
+    if out is not None and out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; give a directory for results.json, results.md and the plots")
+    source = engine_dir(args.engine) if args.engine else args.model or DEFAULT_MODEL
+    plan = plan_bench(source, datasets=args.dataset, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                      configs=GREEDY, max_seq_len=args.max_seq_len)
+    prompts = [p for ps in plan.prompts.values() for p in ps]
+    with LookaheadRuntime.from_pretrained(
+        plan.model_path, backend=args.backend, dtype=args.dtype, lookahead=None, max_seq_len=plan.max_seq_len,
+        threads=args.threads, verify=args.verify, max_batch=max(levels), max_queue=max(levels),
+        tuning_file=args.tuning_file,
+    ) as rt:
+        result = run_concurrency(rt, prompts, levels=levels, modes=modes, requests=args.requests,
+                                 max_new_tokens=args.max_new_tokens, seed=args.seed)
+    result["datasets"] = [ds.name for ds in plan.sets]
+    markdown = format_concurrency_markdown(result)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+        (out / "results.md").write_text(markdown + "\n")
+        paths = [out / "results.json", out / "results.md", *write_concurrency_plots(result, out)]
+        print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
+    print(json.dumps(result) if args.json else markdown)
+    return 0
 
 
 def tune(args: argparse.Namespace) -> int:
@@ -157,18 +200,20 @@ def tune(args: argparse.Namespace) -> int:
     from trt_lookahead.tuning.tune import format_report
 
     entry = tune_model(args.model or DEFAULT_MODEL, backend=args.backend, dtype=args.dtype, datasets=args.dataset,
-                       budget_seconds=args.budget_seconds, max_seq_len=args.max_seq_len, threads=args.threads)
+                       budget_seconds=args.budget_seconds, max_seq_len=args.max_seq_len, threads=args.threads,
+                       tuning_file=args.tuning_file)
     if args.json:
         print(json.dumps(entry))
     else:
         print(format_report(entry))
-        print(f"tuning file: {tuning_path()}")
+        print(f"tuning file: {args.tuning_file or tuning_path()}")
     return 0
 
 
 def tune_model(
     model: str, *, backend: str | None = None, dtype: str = "float32", datasets: str = DEFAULT_TUNE_DATASETS,
     budget_seconds: float = DEFAULT_BUDGET, max_seq_len: int | None = None, threads: int | None = None,
+    tuning_file: str | None = None,
 ) -> dict:
     """Load the model greedy-only with small KV buffers, tune, store and return the tuning entry."""
     from trt_lookahead.model.fetch import resolve_model
@@ -179,9 +224,10 @@ def tune_model(
     path = resolve_model(model)
     rt = LookaheadRuntime.from_pretrained(
         path, backend=None if backend == "torch" else backend, dtype=dtype, lookahead=None,
-        max_seq_len=max_seq_len or tuning_seq_len(path), threads=threads,
+        max_seq_len=max_seq_len or tuning_seq_len(path), threads=threads, tuning_file=tuning_file,
     )
-    return tune_and_store(rt, datasets=datasets, budget_seconds=budget_seconds, progress=True)
+    with rt:
+        return tune_and_store(rt, datasets=datasets, budget_seconds=budget_seconds, progress=True)
 
 
 def build(args: argparse.Namespace) -> int:
@@ -205,7 +251,7 @@ def triton_repo(args: argparse.Namespace) -> int:
     model_root = write_repository(
         output=args.output, name=args.name, model=args.model, engine=args.engine,
         lookahead_config=args.lookahead_config, instances=args.instances, max_batch_size=args.max_batch_size,
-        max_seq_len=args.max_seq_len, dtype=args.dtype, verify=args.verify,
+        max_seq_len=args.max_seq_len, dtype=args.dtype, verify=args.verify, max_batch=args.max_batch,
     )
     print(model_root.parent.resolve())
     return 0

@@ -17,6 +17,7 @@ from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import DEFAULT_LOOKAHEAD
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.model.fetch import DEFAULT_MODEL
+from trt_lookahead.runtime import DEFAULT_MAX_BATCH
 
 # command -> handler; each handler imports the modules its command needs only when it runs.
 COMMANDS = {
@@ -56,6 +57,8 @@ def _add_model_arguments(p: argparse.ArgumentParser, engine: bool = True) -> Non
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     if engine:
         _add_verify_argument(p)
+    p.add_argument("--tuning-file", "--tuning_file", dest="tuning_file", default=None,
+                   help="what `tune` measured, read by `auto` (default: tuning.json in the cache dir)")
 
 
 def _add_lookahead_argument(p: argparse.ArgumentParser) -> None:
@@ -99,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", default="", help="extra rows: hf-greedy,hf-prompt-lookup")
     p.add_argument("--out", default=None, help="write results.json, results.md and plots here")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--concurrency", default=None,
+                   help="instead: streams at once on one runtime, e.g. 1,4,8,16 (modes greedy, auto, serial)")
+    p.add_argument("--modes", default=",".join(commands.CONCURRENCY_MODES),
+                   help="with --concurrency: greedy (batched), auto (batched, the policy), serial (one at a time)")
+    p.add_argument("--requests", type=int, default=4, help="with --concurrency: requests per stream, in turn")
+    p.add_argument("--seed", type=int, default=0, help="with --concurrency: the arrival pattern")
 
     p = sub.add_parser("tune", help="choose W,N,G for this machine, model and workload")
     _add_model_arguments(p, engine=False)
@@ -126,7 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="lookahead")
     _add_lookahead_argument(p)
     p.add_argument("--instances", type=int, default=1)
-    p.add_argument("--max_batch_size", "--max-batch-size", dest="max_batch_size", type=int, default=0)
+    p.add_argument("--max-batch", "--max_batch", dest="max_batch", type=int, default=None,
+                   help=f"concurrent requests per instance, batched in one runtime (default {DEFAULT_MAX_BATCH}; "
+                        "an engine: 1)")
+    p.add_argument("--max_batch_size", "--max-batch-size", dest="max_batch_size", type=int, default=0,
+                   help="Triton's own batch dimension of the inputs (0: none); not the concurrency")
     p.add_argument("--max_seq_len", "--max-seq-len", dest="max_seq_len", type=int, default=None)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     _add_verify_argument(p)

@@ -1,7 +1,7 @@
 """Torch twins of lookahead.sampling: the seeded, position-keyed token choice inside a torch step.
 
-Bit-identical to the numpy reference (docs/design.md section 4.3): the hash is the reference's own
-array-generic `noise_bits`; only the top-k / top-p filter is written again in torch ops.
+The hash is the reference's own array-generic `noise_bits` (docs/design.md section 4.3); the top-k /
+top-p filter is written again in torch ops, per row (each row may have its own parameters).
 """
 
 from __future__ import annotations
@@ -24,31 +24,34 @@ def uniform_noise_torch(seed: Tensor | int, positions: Tensor, salts: Tensor) ->
     return (noise_bits(seed_term, pos, salts[None, :]).double() + 0.5) / float(1 << 24)
 
 
-def filter_logits_torch(logits: Tensor, top_k: int, top_p: Tensor | float | None) -> Tensor:
-    """Twin of `sampling.filter_logits` in float64; top_p None skips the nucleus step (top_p == 1)."""
-    logits = logits.double()
-    vocab = logits.shape[-1]
-    if 0 < top_k < vocab:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-        probs = torch.exp(sorted_logits - sorted_logits[:, :1])
-        probs = probs / probs.sum(-1, keepdim=True)
-        before = torch.cumsum(probs, -1) - probs
-        drop = torch.zeros_like(before, dtype=torch.bool).scatter_(-1, order, before >= top_p)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def sample_tokens_torch(
-    logits: Tensor, positions: Tensor, top_k: int, top_p: Tensor | float | None, temperature: Tensor | float,
-    seed: Tensor | int, salts: Tensor,
+def select_rows_torch(
+    logits: Tensor, positions: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, salts: Tensor
 ) -> Tensor:
-    """argmax(filter(logits) / temperature + gumbel(seed, position, v)) per row: the seeded draw."""
-    scores = filter_logits_torch(logits, top_k, top_p) / temperature
-    noise = uniform_noise_torch(seed, positions, salts)
-    return torch.argmax(scores - torch.log(-torch.log(noise)), dim=-1)
+    """Next token per row of logits [R, V] with that row's own parameters (each a [R] tensor).
+
+    argmax where temperature is 0, else argmax(filter(logits) / temperature + gumbel(seed, position, v))
+    with the filter of `sampling.filter_logits` (top-k keeps logits >= the k-th largest, then the top-p
+    nucleus of what is left; top_k 0 and top_p 1 are off). Every reduction a row's result depends on
+    runs along that row in a fixed order (sort, cumsum: a multi-threaded `sum` of one row would split it
+    differently than of many), so a row's token never depends on the other rows in the call. No host
+    synchronisation: it can be captured in a CUDA graph.
+    """
+    greedy = torch.argmax(logits, dim=-1)
+    values = logits.double()
+    vocab = values.shape[-1]
+    ordered, order = torch.sort(values, dim=-1, descending=True, stable=True)
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).to(torch.int64)
+    kept = ordered >= ordered.gather(1, (k - 1)[:, None])  # top-k, ties at the k-th kept
+    ordered = ordered.masked_fill(~kept, float("-inf"))
+    probs = torch.exp(ordered - ordered[:, :1])
+    probs = probs / probs.cumsum(-1)[:, -1:]
+    ahead = probs.cumsum(-1) - probs  # probability mass strictly ahead of each token
+    drop_sorted = ~kept | ((ahead >= top_p[:, None]) & (top_p[:, None] < 1.0))
+    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    scores = values.masked_fill(drop, float("-inf")) / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    noise = uniform_noise_torch(seed[:, None], positions, salts)
+    sampled = torch.argmax(scores - torch.log(-torch.log(noise)), dim=-1)
+    return torch.where(temperature > 0, sampled, greedy)
 
 
 def select_tokens_torch(
@@ -59,5 +62,11 @@ def select_tokens_torch(
         return torch.argmax(logits, dim=-1)
     if salts is None:
         salts = vocab_salts(logits.shape[-1], logits.device)
-    top_p = params.top_p if params.top_p < 1.0 else None
-    return sample_tokens_torch(logits, positions, params.top_k, top_p, params.temperature, params.seed, salts)
+
+    def each(value: float, dtype: torch.dtype) -> Tensor:
+        return torch.full((logits.shape[0],), value, dtype=dtype, device=logits.device)
+
+    return select_rows_torch(
+        logits, positions, each(params.temperature, torch.float64), each(params.top_k, torch.int64),
+        each(params.top_p, torch.float64), each(params.seed & MASK32, torch.int64), salts,
+    )

@@ -1,17 +1,24 @@
 """Model-free executors for tests and scripts: next-token logits are a pure function of the prefix.
 
-`OracleExecutor` rebuilds, for every step slot, the sequence that slot can see (KV cache + the step
-tokens its mask row allows, ordered by position) and checks those positions are exactly p..q, so a
-wrong mask, position or commit raises or yields a wrong token instead of passing silently.
+`OracleExecutor` implements the batched contract (lookahead/executor.py). For every slot of every row
+it rebuilds the sequence that slot can see (its own KV slot's cache + the step tokens its mask row
+allows, ordered by position) and checks those positions are exactly cache_len .. q, so a wrong mask,
+position or commit, or a row reading another slot's cache, raises or yields a wrong token instead of
+passing silently. `reference_generate` is plain one-token-at-a-time decoding over the same logits, with
+no decoder code: what every request must emit. `InstantExecutor` is a bigram table in O(B T) numpy, for
+host-overhead measurements.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 import numpy as np
 
+from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.executor import StepBatch, check_batch, check_commit, check_prompt, check_slot
+from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.sampling import SamplingParams, select_tokens
 
 LogitsFn = Callable[[tuple[int, ...]], np.ndarray]
@@ -60,72 +67,147 @@ def adversarial_logits(vocab: int, seed: int) -> LogitsFn:
     return logits
 
 
+# the oracles by name, each (vocab, seed) -> logits: the property tests draw from them
+ORACLES: dict[str, Callable[[int, int], LogitsFn]] = {
+    "markov": lambda vocab, seed: markov_logits(vocab, 2, seed),
+    "induction": induction_logits,
+    "adversarial": adversarial_logits,
+}
+
+
+@lru_cache(maxsize=256)
+def row_mask(step_config: tuple[int, int, int], tokens: int) -> np.ndarray:
+    """[T, T] bool mask of one row: its layout padded to T, or causal for (0, 0, 0)."""
+    if step_config[0] == 0:
+        return np.tri(tokens, dtype=bool)
+    return StepLayout(LookaheadConfig(*step_config), padded_tokens=tokens).mask
+
+
+def reference_generate(
+    logits_fn: LogitsFn,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    sampling: SamplingParams | None = None,
+    stop_tokens: Sequence[int] = (),
+) -> list[int]:
+    """Plain one-token-at-a-time decoding over `logits_fn` (argmax or the seeded draw), up to a stop token."""
+    sampling = sampling or SamplingParams()
+    sequence = [int(t) for t in prompt]
+    out: list[int] = []
+    while len(out) < max_new_tokens:
+        logits = logits_fn(tuple(sequence))[None]
+        token = int(select_tokens(logits, np.array([len(sequence) - 1]), sampling)[0])
+        out.append(token)
+        sequence.append(token)
+        if token in stop_tokens:
+            break
+    return out
+
+
 class OracleExecutor:
-    """Executor contract over a logits function; validates every slot's visible prefix."""
+    """The batched executor contract over a logits function; validates every slot's visible prefix."""
 
-    def __init__(self, logits_fn: LogitsFn, vocab_size: int, step_mask: np.ndarray, max_seq_len: int = 4096) -> None:
+    def __init__(
+        self,
+        logits_fn: LogitsFn,
+        vocab_size: int,
+        max_batch: int = 8,
+        step_tokens: int = 256,
+        max_seq_len: int = 4096,
+    ) -> None:
         self.logits_fn = lru_cache(maxsize=100_000)(logits_fn)
-        self.vocab_size = vocab_size
-        self.max_seq_len = max_seq_len
-        self.step_tokens = len(step_mask)
-        self._visible = [np.flatnonzero(row) for row in np.asarray(step_mask, bool)]
-        self.sampling = SamplingParams()
-        self.cache: list[int] = []
+        self.vocab_size, self.max_batch, self.step_tokens, self.max_seq_len = (
+            vocab_size, max_batch, step_tokens, max_seq_len
+        )
+        self.caches: list[list[int]] = [[] for _ in range(max_batch)]
+        self.sampling = [SamplingParams()] * max_batch
+        self._last: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # slot -> last step's ids, positions, real
         self.steps = 0
+        self.rows_per_step: list[int] = []
 
-    @property
-    def cache_len(self) -> int:
-        return len(self.cache)
+    def cache_len(self, slot: int) -> int:
+        return len(self.caches[check_slot(slot, self.max_batch)])
 
-    def reset(self, sampling: SamplingParams) -> None:
-        self.sampling, self.cache, self.steps = sampling, [], 0
+    def prefill(self, slot: int, prompt_ids: np.ndarray, sampling: SamplingParams) -> int:
+        slot = check_slot(slot, self.max_batch)
+        ids = check_prompt(prompt_ids, self.max_seq_len, self.vocab_size)
+        self.caches[slot] = [int(t) for t in ids]
+        self.sampling[slot] = sampling
+        self._last.pop(slot, None)
+        logits = self.logits_fn(tuple(self.caches[slot]))[None]
+        return int(select_tokens(logits, np.array([len(ids) - 1]), sampling)[0])
 
-    def prefill(self, prompt_ids: np.ndarray) -> int:
-        self.cache = [int(t) for t in prompt_ids]
-        logits = self.logits_fn(tuple(self.cache))[None]
-        return int(select_tokens(logits, np.array([len(self.cache) - 1]), self.sampling)[0])
-
-    def step(self, input_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        assert len(input_ids) == len(positions) == self.step_tokens
-        p = len(self.cache)
-        rows = []
-        for i, visible in enumerate(self._visible):
-            order = visible[np.argsort(positions[visible], kind="stable")]
-            seen = positions[order].tolist()
-            if seen != list(range(p, int(positions[i]) + 1)):
-                raise AssertionError(f"slot {i} at position {positions[i]} sees positions {seen} after prefix {p}")
-            rows.append(self.logits_fn(tuple(self.cache) + tuple(int(t) for t in input_ids[order])))
-        self._last = (np.array(input_ids), np.array(positions))
+    def step(self, batch: StepBatch) -> np.ndarray:
+        real = check_batch(batch, self.max_batch, self.step_tokens, self.vocab_size)
+        T = batch.tokens
+        out = np.full((batch.rows, T), -1, np.int64)
+        for b, slot in enumerate(batch.slots.tolist()):
+            cache, ids, positions = self.caches[slot], batch.input_ids[b], batch.positions[b]
+            mask = row_mask(tuple(int(v) for v in batch.step_config[b]), T)
+            p = len(cache)
+            contexts = []
+            for i in range(T):
+                visible = np.flatnonzero(mask[i])
+                order = visible[np.argsort(positions[visible], kind="stable")]
+                seen = positions[order].tolist()
+                if seen != list(range(p, int(positions[i]) + 1)):
+                    raise AssertionError(
+                        f"row {b} (slot {slot}) step slot {i} at position {positions[i]} sees positions {seen} "
+                        f"after a cached prefix of {p}"
+                    )
+                contexts.append(tuple(cache) + tuple(int(t) for t in ids[order]))
+            reads = np.unique(batch.output_slots[b])
+            logits = np.stack([self.logits_fn(contexts[i]) for i in reads])
+            out[b, reads] = select_tokens(logits, positions[reads], self.sampling[slot])
+            self._last[slot] = (np.array(ids), np.array(positions), int(real[b]))
         self.steps += 1
-        return select_tokens(np.stack(rows), positions, self.sampling).astype(np.int64)
+        self.rows_per_step.append(batch.rows)
+        return out
 
-    def commit(self, slots: np.ndarray) -> None:
-        ids, positions = self._last
-        p = len(self.cache)
-        expected = list(range(p, p + len(slots)))
-        if positions[slots].tolist() != expected:
-            raise AssertionError(f"commit of slots {list(slots)} at positions {positions[slots]} != {expected}")
-        self.cache.extend(int(t) for t in ids[slots])
+    def commit(self, slot: int, rows: np.ndarray) -> None:
+        slot = check_slot(slot, self.max_batch)
+        if slot not in self._last:
+            raise ValueError(f"slot {slot} has no step to commit")
+        ids, positions, real = self._last.pop(slot)
+        cache = self.caches[slot]
+        rows = check_commit(rows, real, len(cache), self.max_seq_len)
+        expected = list(range(len(cache), len(cache) + len(rows)))
+        if positions[rows].tolist() != expected:
+            raise AssertionError(
+                f"commit of rows {rows.tolist()} at positions {positions[rows].tolist()} != {expected}"
+            )
+        cache.extend(int(t) for t in ids[rows])
+
+    def release(self, slot: int) -> None:
+        slot = check_slot(slot, self.max_batch)
+        self.caches[slot] = []
+        self._last.pop(slot, None)
 
 
 class InstantExecutor:
-    """A bigram 'model' in O(T) numpy: next token = table[token]. For host-overhead measurements."""
+    """A bigram 'model': next token = table[token], in O(B T) numpy. For host-overhead measurements."""
 
-    def __init__(self, vocab_size: int, step_tokens: int, seed: int = 0, max_seq_len: int = 1 << 20) -> None:
-        rng = np.random.default_rng(seed)
-        self.table = rng.integers(0, vocab_size, size=vocab_size)
-        self.vocab_size, self.step_tokens, self.max_seq_len = vocab_size, step_tokens, max_seq_len
-        self.cache_len = 0
+    def __init__(
+        self, vocab_size: int, max_batch: int = 8, step_tokens: int = 256, seed: int = 0, max_seq_len: int = 1 << 20
+    ) -> None:
+        self.table = np.random.default_rng(seed).integers(0, vocab_size, size=vocab_size)
+        self.vocab_size, self.max_batch, self.step_tokens, self.max_seq_len = (
+            vocab_size, max_batch, step_tokens, max_seq_len
+        )
+        self._cache_len = np.zeros(max_batch, np.int64)
 
-    def reset(self, sampling: SamplingParams) -> None:
-        self.cache_len = 0
+    def cache_len(self, slot: int) -> int:
+        return int(self._cache_len[slot])
 
-    def prefill(self, prompt_ids: np.ndarray) -> int:
-        self.cache_len = len(prompt_ids)
+    def prefill(self, slot: int, prompt_ids: np.ndarray, sampling: SamplingParams) -> int:
+        self._cache_len[slot] = len(prompt_ids)
         return int(self.table[prompt_ids[-1]])
 
-    def step(self, input_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        return self.table[input_ids]
+    def step(self, batch: StepBatch) -> np.ndarray:
+        return self.table[batch.input_ids]
 
-    def commit(self, slots: np.ndarray) -> None:
-        self.cache_len += len(slots)
+    def commit(self, slot: int, rows: np.ndarray) -> None:
+        self._cache_len[slot] += len(rows)
+
+    def release(self, slot: int) -> None:
+        self._cache_len[slot] = 0

@@ -266,8 +266,8 @@ def load_llama(
 
     weight_layout: 'out_in' (nn.Linear's [out, in], lm_head tied as in the checkpoint: the layout to
     export or to move between devices), or 'auto' for running the torch executor: 'onednn' on x86
-    CPUs for models with hidden >= 256 (oneDNN-packed weights: faster and batch-invariant), else
-    'out_in'; 'in_out' and 'onednn' may be named too. See `llama.fast_weight_layout`.
+    CPUs (oneDNN-packed weights: row-invariant, and faster from hidden >= 256), else 'out_in';
+    'in_out' and 'onednn' may be named too. See `llama.auto_weight_layout`.
     """
     torch_dtype = parse_dtype(dtype)
     layouts = ("auto", *WEIGHT_LAYOUTS)

@@ -8,11 +8,13 @@ cache and the step description as arguments:
                    cache_len,                 # 0-dim long tensor p: rows 0..p-1 are cached tokens
                    step_mask,                 # [T, T] bool, step_mask[i, j]: step token i sees step token j
                    output_slots=None,         # LongTensor [k] of step slots that need logits (None: all)
-                   attention=None)            # per-call override of `model.attention`
+                   attention=None,            # per-call override of `model.attention`
+                   cache_rows=None)           # LongTensor [T]: the cache row of each token (None: p + i)
              -> [k or T, vocab]
 
-The step's K/V are written into cache rows p .. p+T-1; every query sees rows 0..p-1 and the step
-rows its `step_mask` row allows. The final norm and lm_head run only at `output_slots`.
+The step's K/V are written into cache rows p .. p+T-1 (or `cache_rows`: a batched executor packs many
+requests' tokens into one call, each writing into its own slot's rows); every query sees rows 0..p-1
+and the step rows its `step_mask` row allows. The final norm and lm_head run only at `output_slots`.
 
 Attention seam: every layer calls `attention(q, k_cache_layer, v_cache_layer, cache_len, step_mask)`
 with q [T, Hq, D] (RoPE applied), the layer's cache [S, Hkv, D] (step rows already written) and
@@ -196,7 +198,7 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     """q [T, Hq, D], k/v [n, Hkv, D] (any strides), mask [T, n] bool or None -> [T, Hq, D]."""
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True
@@ -212,7 +214,7 @@ def sdpa_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tenso
     if T > 1:
         mask = torch.ones(T, n, dtype=torch.bool, device=q.device)
         mask[:, n - T :] = step_mask
-    return _sdpa(q, k_cache[:n], v_cache[:n], mask)
+    return attend(q, k_cache[:n], v_cache[:n], mask)
 
 
 def static_attention_mask(cache_len: Tensor, step_mask: Tensor, rows: int) -> Tensor:
@@ -225,7 +227,7 @@ def static_attention_mask(cache_len: Tensor, step_mask: Tensor, rows: int) -> Te
 
 def sdpa_attention_static(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, step_mask: Tensor) -> Tensor:
     """Fixed-shape attention over all S cache rows, masked from `cache_len` as a tensor (graph-capturable)."""
-    return _sdpa(q, k_cache, v_cache, static_attention_mask(cache_len, step_mask, k_cache.shape[0]))
+    return attend(q, k_cache, v_cache, static_attention_mask(cache_len, step_mask, k_cache.shape[0]))
 
 
 WEIGHT_LAYOUTS = ("out_in", "in_out", "onednn")
@@ -353,16 +355,17 @@ class Block(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def fast_weight_layout(device: torch.device | str, dtype: torch.dtype, hidden_size: int) -> str:
-    """The fastest layout for running on `device`.
+def auto_weight_layout(device: torch.device | str, dtype: torch.dtype) -> str:
+    """The layout the executor runs in on `device`: onednn on x86 CPUs, else nn.Linear's out_in (CUDA).
 
-    onednn on x86 CPUs in float32/bfloat16 (where this CPU runs oneDNN's packed path in that dtype) once
-    matrices are big enough to amortise its ~10 us call overhead (hidden >= 256; SmolLM2-135M: 1.5x at 1
-    row, 2-3x at 16-120 rows over MKL sgemm), else nn.Linear's out_in (tiny models such as stories260K
-    are call-overhead bound; CUDA; bfloat16 on AVX2-only CPUs).
+    onednn on x86 CPUs in float32/bfloat16 wherever this CPU runs oneDNN's packed path in that dtype: it is
+    row-invariant (a row's result does not depend on how many rows the call holds, which MKL sgemm's
+    F.linear does not give), so a request decodes the same tokens alone or in a batch; it is also 1.5x
+    (1 row) to 2-3x (16-120 rows) faster than sgemm on SmolLM2-135M. Tiny models (stories260K) pay its
+    ~10 us call overhead, for the same exactness. Else nn.Linear's out_in (CUDA; bfloat16 on AVX2-only CPUs).
     """
     cpu = torch.device(device).type == "cpu"
-    if cpu and hidden_size >= 256 and dtype in (torch.float32, torch.bfloat16) and onednn_linear_available(dtype):
+    if cpu and dtype in (torch.float32, torch.bfloat16) and onednn_linear_available(dtype):
         return "onednn"
     return "out_in"
 
@@ -395,14 +398,14 @@ class Llama(nn.Module):
         return self.output.layout
 
     def set_weight_layout(self, layout: str) -> Llama:
-        """Hold every projection and the lm_head in `layout` (see `Linear`); 'auto' picks `fast_weight_layout`.
+        """Hold every projection and the lm_head in `layout` (see `Linear`); 'auto' picks `auto_weight_layout`.
 
         'out_in' is nn.Linear's (the layout to export or move to CUDA); 'in_out' and 'onednn' are CPU
         layouts for the torch executor. Numerics are the same up to GEMM rounding. Outside 'out_in' a
         tied lm_head gets its own copy (vocab x hidden more memory); 'out_in' ties it again.
         """
         if layout == "auto":
-            layout = fast_weight_layout(self.device, self.dtype, self.cfg.hidden_size)
+            layout = auto_weight_layout(self.device, self.dtype)
         if layout not in WEIGHT_LAYOUTS:
             raise ValueError(f"weight layout must be one of auto, {', '.join(WEIGHT_LAYOUTS)}; got {layout!r}")
         if layout == "onednn" and not (self.device.type == "cpu" and onednn_linear_available(self.dtype)):
@@ -455,12 +458,13 @@ class Llama(nn.Module):
         step_mask: Tensor,
         output_slots: Tensor | None = None,
         attention: AttentionFn | None = None,
+        cache_rows: Tensor | None = None,
     ) -> Tensor:
         attention = attention or self.attention
         T = input_ids.shape[0]
         x = self.tok_embeddings(input_ids)
         cos, sin = self.rope(positions)
-        rows = torch.arange(T, device=input_ids.device) + cache_len
+        rows = torch.arange(T, device=input_ids.device) + cache_len if cache_rows is None else cache_rows
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, k_cache[i], v_cache[i], rows, cache_len, step_mask, attention)
         if output_slots is not None:

@@ -2,9 +2,10 @@
 
 REPO/NAME/config.pbtxt   Python backend, decoupled; inputs and outputs from schema.py (TensorRT-LLM's
                          ensemble names); the `parameters` block records what model.py needs: model or
-                         engine path, backend, dtype, served lookahead config, max_seq_len, default
-                         max_tokens.
-REPO/NAME/1/model.py     drives one LookaheadRuntime per model instance (templates/model.py).
+                         engine path, backend, dtype, served lookahead config (W,N,G or auto), max_seq_len,
+                         default max_tokens, max_batch (concurrent requests per instance).
+REPO/NAME/1/model.py     one LookaheadRuntime per model instance, serving up to max_batch decoupled requests
+                         at once through its scheduler (templates/model.py).
 
 model.py imports `trt_lookahead` from the `trt_lookahead_path` parameter (the directory this package was
 imported from when the repository was written) when it is there, else from the server's Python: in
@@ -55,6 +56,7 @@ def write_repository(
     backend: str | None = None,
     default_max_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     verify: bool = True,
+    max_batch: int | None = None,
 ) -> Path:
     """Write REPO/NAME/{config.pbtxt,1/model.py}; returns the model directory."""
     if (model is None) == (engine is None):
@@ -65,6 +67,8 @@ def write_repository(
         raise UserError(f"--instances must be in [1, {INT32_MAX}], got {instances}")
     if not 0 <= as_int("--max_batch_size", max_batch_size) <= INT32_MAX:
         raise UserError(f"--max_batch_size must be in [0, {INT32_MAX}], got {max_batch_size}")
+    if max_batch is not None and as_int("--max-batch", max_batch) < 1:
+        raise UserError(f"--max-batch must be >= 1 (concurrent requests per instance), got {max_batch}")
     check_output_dir(output, "--output")
     params: dict[str, str] = {}
     if engine is not None:
@@ -76,6 +80,12 @@ def write_repository(
         built.check_request(max_seq_len=max_seq_len)
         params["engine"] = str(built.path.resolve())
         dtype = built.dtype  # an engine runs in the dtype it was built for
+        if max_batch not in (None, 1):
+            raise UserError(
+                f"--max-batch {max_batch}: an engine serves one request per instance until the engine path is "
+                "batched; use --instances for parallel requests, or --model for batching"
+            )
+        lookahead = f"{served.W},{served.N},{served.G}"
     else:
         from trt_lookahead.model.checkpoint import check_max_seq_len, read_config
 
@@ -83,14 +93,17 @@ def write_repository(
         model_dir = resolve_model(model).resolve()
         check_max_seq_len(max_seq_len, read_config(model_dir).max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
         params["model"] = str(model_dir)
-        if (lookahead_config or "").strip().lower() == AUTO:  # tuned for this machine, fixed in the repo
-            served = _tuned_config(model_dir, dtype)
+        if (lookahead_config or "").strip().lower() == AUTO:  # the policy, tuned now for this machine
+            _tune(model_dir, dtype)
+            lookahead = AUTO
         else:
             served = LookaheadConfig.parse(lookahead_config) if lookahead_config else DEFAULT_LOOKAHEAD
+            lookahead = f"{served.W},{served.N},{served.G}"
     params.update(
         backend=backend or "",
         dtype=dtype,
-        lookahead_config=f"{served.W},{served.N},{served.G}",
+        lookahead_config=lookahead,
+        max_batch="" if max_batch is None else str(max_batch),
         max_seq_len="" if max_seq_len is None else str(max_seq_len),
         default_max_tokens=str(default_max_tokens),
         verify=str(verify).lower(),
@@ -108,10 +121,12 @@ def write_repository(
     return model_root
 
 
-def _tuned_config(model_dir: Path, dtype: str) -> LookaheadConfig:
-    """`auto` for a checkpoint on this machine, resolved by a runtime of it (tuned there on first use)."""
+def _tune(model_dir: Path, dtype: str) -> LookaheadConfig:
+    """`auto` for a checkpoint on this machine (tuned now if the tuning file has no entry): its largest config."""
     from trt_lookahead.runtime import LookaheadRuntime
     from trt_lookahead.tuning.tune import tuning_seq_len
 
-    rt = LookaheadRuntime.from_pretrained(model_dir, dtype=dtype, lookahead=None, max_seq_len=tuning_seq_len(model_dir))
-    return rt.request_config(AUTO)
+    with LookaheadRuntime.from_pretrained(
+        model_dir, dtype=dtype, lookahead=None, max_seq_len=tuning_seq_len(model_dir)
+    ) as rt:
+        return rt.request_config(AUTO)[0]

@@ -1,6 +1,8 @@
-"""The tuning file: the chosen `auto` config and its measurements per model, dtype, backend and machine.
+"""The tuning file: what the `auto` policy was measured to need, per model, dtype, backend and machine.
 
-    <cache dir>/tuning.json   {"version": 1, "entries": {key: entry}}
+    <cache dir>/tuning.json   {"version": 2, "entries": {key: entry}}   (or the file a runtime was given)
+    entry: step_cost (c(M, B) points), priors (compression per config), config (the largest `auto` uses),
+           and how they were measured (tuning/tune.py TuneReport)
     key = model=<resolved model dir>|dtype=<dtype>|backend=<backend>|machine=<cpu model xcores tthreads>
 
 The cache dir is trt_lookahead.files.cache_dir() ($TRT_LOOKAHEAD_CACHE, else $XDG_CACHE_HOME/trt-lookahead,
@@ -20,11 +22,10 @@ from typing import Any
 
 from trt_lookahead.bench.machine import machine_key
 from trt_lookahead.files import cache_dir, write_text_atomic
-from trt_lookahead.lookahead.config import GREEDY, LookaheadConfig
 from trt_lookahead.model.fetch import KNOWN_MODELS, model_dir
 
 TUNING_FILE = "tuning.json"
-TUNING_VERSION = 1
+TUNING_VERSION = 2  # 2: the policy's step cost and priors (1 held one chosen config)
 
 
 def tuning_path() -> Path:
@@ -95,14 +96,10 @@ def lookup_tuning(model_id: str | os.PathLike, dtype: str, backend: str, machine
     return read_tuning_file(path)["entries"].get(tuning_key(model_id, dtype, backend, machine))
 
 
-def config_from_entry(entry: dict[str, Any]) -> LookaheadConfig | None:
-    """The chosen config of a tuning entry; None means greedy."""
-    chosen = entry.get("config", GREEDY)
-    return None if chosen in (None, GREEDY) else LookaheadConfig.parse(str(chosen))
-
-
-def tuned_step_cost(model_id: str | os.PathLike, dtype: str, backend: str,
-                    threads: int | None) -> dict[str, float] | None:
-    """The step cost per T (ms) that tuning measured for this model on this machine at `threads`, if any."""
-    entry = lookup_tuning(model_id, dtype, backend, machine_key(threads))
-    return entry.get("step_cost_ms") if entry else None
+def tuned_step_cost(model_id: str | os.PathLike, dtype: str, backend: str, threads: int | None,
+                    path: Path | None = None) -> dict[str, float] | None:
+    """One request's step cost by step tokens (ms) that tuning measured on this machine at `threads`, if any."""
+    entry = lookup_tuning(model_id, dtype, backend, machine_key(threads), path)
+    if not entry or "1" not in entry.get("step_cost", {}):
+        return None
+    return {str(int(m)): float(ms) for m, ms in entry["step_cost"]["1"]}

@@ -1,23 +1,28 @@
 """Triton Python backend model (decoupled): lookahead decoding with trt_lookahead.LookaheadRuntime.
 
 Written by `trt-lookahead triton-repo`; config.pbtxt's `parameters` say which model to load.
-One LookaheadRuntime per model instance; each instance serves one request at a time (raise
-`instance_group.count` for parallel requests).
+One LookaheadRuntime per model instance serves up to `max_batch` requests at once, batched in every
+step by its scheduler (one copy of the weights); more wait in its queue. execute() checks and queues
+each request and returns at once; a thread per request sends its responses; a cancelled request (or a
+client gone) leaves at the next step and frees its slot. `instance_group.count` runs more instances.
 
 Inputs and outputs are trt_lookahead.serving.schema's (TensorRT-LLM ensemble names; all but text_input
-optional; the lookahead inputs at most the served config, unset ones taking the served value). The
+optional; the lookahead inputs at most the served config, unset ones taking the served value;
+lookahead_window_size 0 means no lookahead for this request; no lookahead input at all: the served
+config, `auto` included, where the policy chooses each step). The
 same names, and `chat` (wrap text_input in the chat template), are also read from the request
 parameters when no tensor of that name is sent; any other request parameter is refused.
 finish_reason is "length", "stop", or "" while streaming. With stream=true: one response per accepted
 block (new text only; token and step counts so far), then a final one with the held-back rest of the
 text, the totals and the finish reason. Otherwise one response with the whole text. Every bad request
-that reaches this model gets an INVALID_ARG error (HTTP 400); INTERNAL (500) is a bug, logged with its
-traceback.
+that reaches this model gets an INVALID_ARG error (HTTP 400); a full queue gets UNAVAILABLE (503);
+INTERNAL (500) is a bug, logged with its traceback.
 """
 
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 
@@ -44,21 +49,26 @@ class TritonPythonModel:
     def initialize(self, args):
         import torch
 
-        torch.set_num_threads(1)  # one runtime per instance; instances are the parallelism
         model_config = json.loads(args["model_config"])
+        instances = sum(int(g.get("count", 1)) for g in model_config.get("instance_group", [{}])) or 1
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // instances))  # the instances share the cores
         params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
         _find_trt_lookahead(params.get("trt_lookahead_path"))
         import trt_lookahead
-        from trt_lookahead.lookahead.config import DEFAULT, LookaheadConfig
+        from trt_lookahead.lookahead.config import DEFAULT, GREEDY, LookaheadConfig
         from trt_lookahead.runtime import DEFAULT_MAX_NEW_TOKENS, LookaheadRuntime
+        from trt_lookahead.runtime.scheduler import QueueFull
         from trt_lookahead.serving import schema
 
         self._config_type = LookaheadConfig
+        self._greedy = GREEDY
+        self._queue_full = QueueFull
         self.schema = schema
         self.batched = model_config.get("max_batch_size", 0) > 0
         self.default_max_tokens = int(params.get("default_max_tokens") or DEFAULT_MAX_NEW_TOKENS)
         source = params.get("engine") or params.get("model")
         max_seq_len = params.get("max_seq_len")
+        max_batch = params.get("max_batch")
         self.runtime = LookaheadRuntime.from_pretrained(
             source,
             backend=params.get("backend") or None,
@@ -66,13 +76,15 @@ class TritonPythonModel:
             lookahead=params.get("lookahead_config") or DEFAULT,
             max_seq_len=int(max_seq_len) if max_seq_len else None,
             verify=params.get("verify") != "false",
+            max_batch=int(max_batch) if max_batch else None,
         )
-        self.served = self.runtime.lookahead or LookaheadConfig.greedy()
-        self.runtime.generate([1], max_new_tokens=2)  # build the served executor now, not on the first request
+        self.served = self.runtime.request_config(None)[0]  # per-request lookahead inputs fit inside it
+        self.runtime.generate([1], max_new_tokens=2)  # warm the executor now, not on the first request
         self.name = f"{args['model_name']}[{args['model_instance_name']}]"
         pb_utils.Logger.log_info(
             f"{self.name}: {source} backend={self.runtime.backend} dtype={self.runtime.dtype} "
-            f"lookahead={self.served} max_seq_len={self.runtime.max_seq_len} "
+            f"lookahead={self.runtime.lookahead} (largest {self.served}) max_batch={self.runtime.max_batch} "
+            f"max_seq_len={self.runtime.max_seq_len} threads={torch.get_num_threads()} "
             f"trt_lookahead={os.path.dirname(trt_lookahead.__file__)}"
         )
 
@@ -145,7 +157,9 @@ class TritonPythonModel:
         served = self.served
         values = [self._value(request, parameters, name) for name in self.schema.LOOKAHEAD_INPUTS]
         if all(v is None for v in values):
-            return served
+            return None  # the served default: W,N,G, or `auto`
+        if values[0] == 0:
+            return self._greedy  # window size 0: no lookahead for this request
         defaults = (served.W, served.N, served.G)
         W, N, G = (default if v is None else v for v, default in zip(values, defaults, strict=True))
         try:
@@ -177,56 +191,69 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn(f"{self.name}: could not send the error {message!r}: {exc}")
 
     def execute(self, requests):
+        """Check and queue each request, then return: a thread per request sends its responses."""
         for request in requests:
             sender = request.get_response_sender()
             try:
-                self._serve(request, sender)
+                prompt_ids, max_tokens, stream, kwargs = self._parse(request)
+                try:
+                    chunks = self.runtime.stream(prompt_ids, max_tokens, **kwargs)  # checked and queued here
+                except self._queue_full as exc:
+                    self._error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
+                    continue
+                except ValueError as exc:
+                    raise BadRequest(str(exc)) from None
             except BadRequest as exc:
                 self._error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+                continue
             except Exception as exc:  # keep serving: report this request's failure, log the traceback
-                pb_utils.Logger.log_error(f"{self.name}: request {request.request_id()!r} failed:\n"
-                                          f"{traceback.format_exc()}")
-                self._error(sender, f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+                self._failed(request, sender, exc)
+                continue
+            threading.Thread(
+                target=self._send, args=(request, sender, chunks, len(prompt_ids), max_tokens, stream),
+                name=f"{self.name} request {request.request_id()!r}", daemon=True,
+            ).start()
         return None
 
-    def _serve(self, request, sender):
-        prompt_ids, max_tokens, stream, kwargs = self._parse(request)
-        try:
-            chunks = self.runtime.stream(prompt_ids, max_tokens, **kwargs)  # checks every argument
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from None
+    def _failed(self, request, sender, exc):
+        pb_utils.Logger.log_error(f"{self.name}: request {request.request_id()!r} failed:\n{traceback.format_exc()}")
+        self._error(sender, f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+
+    def _send(self, request, sender, chunks, prompt_tokens, max_tokens, stream):
+        """Stream one request's chunks as responses; a cancelled request leaves at the next step."""
         generated = steps = 0
         text = []
         started = time.perf_counter()
         try:
-            try:
-                chunk = next(chunks)
-            except ValueError as exc:
-                raise BadRequest(str(exc)) from None
-            while not chunk.done:
+            for chunk in chunks:
+                if chunk.done:
+                    out = chunk.output
+                    final_text = chunk.text if stream else "".join(text) + chunk.text
+                    sender.send(
+                        self._response(final_text, out.prompt_tokens, out.generated_tokens, out.steps,
+                                       out.finish_reason),
+                        flags=FINAL,
+                    )
+                    return
                 if sender.is_cancelled():
                     pb_utils.Logger.log_info(
                         f"{self.name}: request {request.request_id()!r} cancelled after {generated} of "
                         f"{max_tokens} tokens, {steps} steps, {time.perf_counter() - started:.3f} s"
                     )
-                    chunks.close()  # ends decoding and frees the runtime for the next request
+                    chunks.close()  # the scheduler frees the request's slot at the next step
                     sender.send(flags=FINAL)
                     return
                 generated += len(chunk.token_ids)
                 steps += 1
                 if stream:
-                    sender.send(self._response(chunk.text, len(prompt_ids), generated, steps))
+                    sender.send(self._response(chunk.text, prompt_tokens, generated, steps))
                 else:
                     text.append(chunk.text)
-                chunk = next(chunks)
+        except Exception as exc:  # this request only: the others and the server go on
+            self._failed(request, sender, exc)
         finally:
             chunks.close()
-        out = chunk.output
-        final_text = chunk.text if stream else "".join(text) + chunk.text
-        sender.send(
-            self._response(final_text, out.prompt_tokens, out.generated_tokens, out.steps, out.finish_reason),
-            flags=FINAL,
-        )
 
     def finalize(self):
+        self.runtime.close()  # requests still running end with an error; the scheduler thread stops
         self.runtime = None

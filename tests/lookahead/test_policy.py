@@ -1,0 +1,146 @@
+"""The load- and acceptance-aware policy: cost model, priors, choices under load, acceptance feedback."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.decoder import GREEDY_STEP
+from trt_lookahead.lookahead.policy import LookaheadPolicy, Priors, StepCost, ladder
+
+C = LookaheadConfig
+PRIORS = Priors({"1/3/1": 1.5, "2/3/2": 1.8, "4/3/4": 2.1})  # compression (tokens per step) as tune measures it
+FLAT = StepCost.linear(20.0, 0.05)  # a GPU-like step: tokens cost almost nothing
+STEEP = StepCost.linear(20.0, 8.0)  # a small CPU: every token costs 40% of a one-token step
+
+
+def test_ladder_doubles_columns_and_candidates_up_to_the_request():
+    assert ladder(C(4, 3, 4)) == (GREEDY_STEP, C(1, 3, 1), C(2, 3, 2), C(4, 3, 4))
+    assert ladder(C(7, 5, 3)) == (GREEDY_STEP, C(1, 5, 1), C(2, 5, 2), C(4, 5, 3), C(7, 5, 3))
+    assert ladder(C(3, 4, 0)) == (GREEDY_STEP, C(1, 4, 0), C(2, 4, 0), C(3, 4, 0))
+    assert ladder(GREEDY_STEP) == (GREEDY_STEP,)
+
+
+def test_step_cost_interpolates_and_extrapolates_the_measured_points():
+    cost = StepCost({1: [(1, 10.0), (4, 16.0), (16, 40.0)], 8: [(8, 30.0), (32, 90.0)]})
+    assert cost(1, 1) == 10.0 and cost(10, 1) == pytest.approx(28.0)
+    assert cost(32, 1) == pytest.approx(72.0)  # past the last point: the last two points' line
+    assert cost(20, 8) == pytest.approx(60.0)
+    assert cost(20, 4) == pytest.approx((3 / 7) * cost(20, 8) + (4 / 7) * cost(20, 1))  # linear between rows
+    assert cost(20, 64) == cost(20, 8)  # beyond the measured rows: the nearest
+    again = StepCost.from_dict(cost.to_dict())
+    assert again(20, 4) == cost(20, 4)
+    with pytest.raises(ValueError, match="at least two distinct token counts"):
+        StepCost({1: [(1, 10.0)]})
+
+
+def test_priors_are_the_measured_extra_tokens_and_interpolate_by_step_tokens():
+    assert PRIORS.extra(C(2, 3, 2)) == pytest.approx(0.8)
+    assert PRIORS.extra(GREEDY_STEP) == 0.0
+    between = PRIORS.extra(C(2, 3, 1))  # T = 6, between 1/3/1 (T = 4) and 2/3/2 (T = 8)
+    assert 0.5 < between < 0.8
+    assert PRIORS.extra(C(1, 3, 0)) < PRIORS.extra(C(1, 3, 1))  # below the smallest measured T: less
+    assert Priors({}).extra(C(4, 3, 4)) == 0.0
+    assert Priors(PRIORS.to_dict()).extra(C(4, 3, 4)) == PRIORS.extra(C(4, 3, 4))
+
+
+def choose(policy, n, config=None, supply=4, explicit=False, ratio=1.0):
+    states = [policy.start(config or C(4, 3, 4), explicit) for _ in range(n)]
+    for s in states:
+        s.ratio = ratio
+    return states, policy.choose(states, [supply] * n)
+
+
+def test_cheap_tokens_buy_the_largest_config_for_everyone():
+    _, configs = choose(LookaheadPolicy(FLAT, PRIORS), 8)
+    assert configs == [C(4, 3, 4)] * 8
+
+
+def test_expensive_tokens_keep_everyone_greedy():
+    _, configs = choose(LookaheadPolicy(STEEP, PRIORS), 8)
+    assert configs == [GREEDY_STEP] * 8
+
+
+def test_lookahead_shrinks_as_the_batch_grows():
+    # a step whose cost grows with M beyond a budget (memory-bound, then compute-bound)
+    cost = StepCost({1: [(1, 20.0), (16, 22.0), (64, 60.0), (256, 240.0)]})
+    policy = LookaheadPolicy(cost, PRIORS)
+    tokens = [sum(c.step_tokens for c in choose(policy, n)[1]) / n for n in (1, 4, 16)]
+    assert tokens[0] > tokens[1] > tokens[2]
+
+
+def test_a_request_whose_drafts_fail_runs_greedy_and_a_repetitive_one_climbs():
+    policy = LookaheadPolicy(StepCost.linear(20.0, 1.0), PRIORS)
+    failing, repetitive = policy.start(C(4, 3, 4), False), policy.start(C(4, 3, 4), False)
+    first = policy.choose([failing, repetitive], [4, 4])
+    assert first[0] == first[1] != GREEDY_STEP
+    greedy_steps = 0
+    for _ in range(40):
+        a, b = policy.choose([failing, repetitive], [4, 4])
+        greedy_steps += a == GREEDY_STEP
+        policy.observe(failing, a, 1)  # nothing accepted: only the model's own token
+        policy.observe(repetitive, b, b.N)  # every draft accepted
+    assert greedy_steps >= 30  # the rest are the occasional probes
+    chosen = policy.choose([failing, repetitive], [4, 4])[1]
+    assert chosen.step_tokens >= first[1].step_tokens
+    assert policy.expected(repetitive, chosen) == pytest.approx(chosen.N, abs=0.01)  # all it can get
+    assert repetitive.ratio > 2 > 1 > failing.ratio
+
+
+def test_a_greedy_request_is_probed_again_later():
+    policy = LookaheadPolicy(StepCost.linear(20.0, 1.0), PRIORS)
+    state = policy.start(C(4, 3, 4), False)
+    state.ratio = 0.0
+    configs = []
+    for _ in range(60):
+        (config,) = policy.choose([state], [4])
+        configs.append(config)
+        policy.observe(state, config, 1 if config == GREEDY_STEP else config.N)
+    assert configs[0] == GREEDY_STEP and any(c != GREEDY_STEP for c in configs)
+
+
+def test_explicit_configs_are_honoured():
+    policy = LookaheadPolicy(STEEP, PRIORS)
+    explicit, auto = policy.start(C(7, 5, 7), True), policy.start(C(7, 5, 7), False)
+    chosen = policy.choose([explicit, auto], [7, 7])
+    assert chosen[0] == C(7, 5, 7) and chosen[1].step_tokens < C(7, 5, 7).step_tokens
+
+
+def test_candidate_rows_are_capped_by_the_pool_supply():
+    _, configs = choose(LookaheadPolicy(FLAT, PRIORS), 2, supply=1)
+    assert configs == [C(4, 3, 1)] * 2
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 8), st.integers(2, 5), st.integers(0, 8), st.floats(0, 4), st.booleans(),
+                  st.integers(0, 8)),
+        min_size=1, max_size=12,
+    ),
+    st.floats(1, 50), st.floats(0, 10), st.floats(0, 3),
+)
+def test_the_chosen_step_is_never_predicted_slower_than_batched_greedy(requests, base, per_token, per_row):
+    policy = LookaheadPolicy(StepCost.linear(base, per_token, per_row), PRIORS)
+    states, supplies = [], []
+    for W, N, G, ratio, explicit, supply in requests:
+        state = policy.start(C(W, N, G), explicit)
+        state.ratio = ratio
+        states.append(state)
+        supplies.append(supply)
+    configs = policy.choose(states, supplies)
+
+    def speed(chosen):
+        tokens = sum(c.step_tokens for c in chosen)
+        expected = sum(policy.expected(s, c) for s, c in zip(states, chosen, strict=True))
+        return expected / policy.cost(tokens, len(states))
+
+    baseline = [s.config if s.explicit else GREEDY_STEP for s in states]
+    assert speed(configs) >= speed(baseline) - 1e-9
+    for state, supply, config in zip(states, supplies, configs, strict=True):
+        assert config == state.config if state.explicit else (
+            config == GREEDY_STEP or (config.N == state.config.N and config.W <= state.config.W
+                                      and min(state.config.G, supply) >= config.G)
+        )
+    assert np.isfinite(speed(configs))

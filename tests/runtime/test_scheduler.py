@@ -1,0 +1,269 @@
+"""The scheduler with model-free oracles: exact under batching whatever arrives, leaves or fails, and when."""
+
+import asyncio
+import random
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.decoder import GREEDY_STEP, RequestDecoder
+from trt_lookahead.lookahead.oracles import (
+    ORACLES,
+    OracleExecutor,
+    induction_logits,
+    markov_logits,
+    reference_generate,
+)
+from trt_lookahead.lookahead.policy import LookaheadPolicy, Priors, StepCost
+from trt_lookahead.lookahead.sampling import SamplingParams
+from trt_lookahead.runtime.scheduler import QueueFull, Request, Scheduler, SchedulerClosed
+
+PRIORS = Priors({"1/3/1": 1.5, "2/3/2": 1.8, "4/3/4": 2.1, "2/4/2": 2.0})
+
+
+class RandomPolicy(LookaheadPolicy):
+    """Any config each request may use, at random each step: the tokens must not care."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(StepCost.linear(1.0, 0.1), PRIORS)
+        self.rng = random.Random(seed)
+
+    def choose(self, states, supplies):
+        out = []
+        for state in states:
+            cfg = state.config
+            if state.explicit or self.rng.random() < 0.2:
+                out.append(cfg if state.explicit else GREEDY_STEP)
+            else:
+                out.append(LookaheadConfig(self.rng.randint(1, cfg.W), cfg.N, self.rng.randint(0, cfg.G)))
+        return out
+
+
+@st.composite
+def workloads(draw):
+    vocab = draw(st.integers(8, 30))
+    n = draw(st.integers(1, 9))
+    requests = []
+    for _ in range(n):
+        sampled = draw(st.booleans())
+        requests.append(dict(
+            arrival=draw(st.integers(0, 25)),
+            prompt=draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=14)),
+            config=LookaheadConfig(draw(st.integers(1, 5)), draw(st.integers(2, 5)), draw(st.integers(0, 5))),
+            explicit=draw(st.booleans()),
+            max_new=draw(st.integers(1, 30)),
+            stop=sorted(draw(st.sets(st.integers(0, vocab - 1), max_size=1))),
+            seed=draw(st.integers(0, 2**31)),
+            sampling=SamplingParams(draw(st.floats(0.3, 1.5)), draw(st.sampled_from([0, 4])),
+                                    draw(st.sampled_from([1.0, 0.9])), draw(st.integers(0, 2**31)))
+            if sampled else SamplingParams(),
+            cancel_after=draw(st.one_of(st.none(), st.integers(0, 15))),
+        ))
+    return dict(
+        vocab=vocab,
+        oracle=draw(st.sampled_from(sorted(ORACLES))),
+        oracle_seed=draw(st.integers(0, 1000)),
+        max_batch=draw(st.integers(1, 4)),
+        policy=draw(st.sampled_from(["random", "cheap", "steep"])),
+        policy_seed=draw(st.integers(0, 1000)),
+        requests=requests,
+    )
+
+
+def make_policy(kind: str, seed: int) -> LookaheadPolicy:
+    if kind == "random":
+        return RandomPolicy(seed)
+    return LookaheadPolicy(StepCost.linear(10.0, 0.1 if kind == "cheap" else 6.0), PRIORS)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(workloads())
+def test_every_request_emits_its_plain_decoding_whatever_shares_its_steps(w):
+    logits = ORACLES[w["oracle"]](w["vocab"], w["oracle_seed"])
+    executor = OracleExecutor(logits, w["vocab"], max_batch=w["max_batch"], step_tokens=64)
+    scheduler = Scheduler(executor, make_policy(w["policy"], w["policy_seed"]), max_queue=100)
+    handles, step = {}, 0
+    pending = sorted(range(len(w["requests"])), key=lambda i: w["requests"][i]["arrival"])
+    while pending or not scheduler.idle:
+        while pending and w["requests"][pending[0]]["arrival"] <= step:
+            i = pending.pop(0)
+            r = w["requests"][i]
+            decoder = RequestDecoder(r["config"], r["prompt"], r["max_new"], r["stop"], r["seed"])
+            handles[i] = scheduler.submit(Request(decoder, r["sampling"], r["explicit"]))
+        for i, handle in handles.items():
+            if w["requests"][i]["cancel_after"] == step - w["requests"][i]["arrival"]:
+                handle.cancel()
+        scheduler.run_once()
+        step += 1
+        assert step < 2000
+    for i, handle in handles.items():
+        r = w["requests"][i]
+        got = [t for block in handle for t in block]
+        expected = reference_generate(logits, r["prompt"], r["max_new"], r["sampling"], r["stop"])
+        assert handle.result is not None and got == handle.result.token_ids
+        if handle.result.finish_reason == "cancelled":
+            assert got == expected[: len(got)]
+        else:
+            assert got == expected
+            assert handle.result.finish_reason == ("stop" if expected[-1] in r["stop"] else "length")
+    assert scheduler.free_slots == w["max_batch"] and all(executor.cache_len(s) == 0 for s in range(w["max_batch"]))
+    assert max(executor.rows_per_step, default=0) <= w["max_batch"]
+
+
+class Faulty(RequestDecoder):
+    """A request whose host code raises in one phase after `after` calls of it."""
+
+    def __init__(self, phase: str, after: int, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.phase, self.after = phase, after
+
+    def _maybe(self, phase):
+        if phase == self.phase:
+            if self.after == 0:
+                raise RuntimeError(f"injected fault in {phase}")
+            self.after -= 1
+
+    def setup(self, first_token):
+        self._maybe("setup")
+        return super().setup(first_token)
+
+    def prepare(self, *args):
+        self._maybe("prepare")
+        return super().prepare(*args)
+
+    def accept(self, out):
+        self._maybe("accept")
+        return super().accept(out)
+
+    def update(self, out):
+        self._maybe("update")
+        return super().update(out)
+
+    def draft_supply(self):
+        self._maybe("draft_supply")
+        return super().draft_supply()
+
+
+@pytest.mark.parametrize(("phase", "after"), [("setup", 0), ("prepare", 2), ("accept", 2), ("update", 2),
+                                              ("draft_supply", 2)])
+def test_a_fault_in_one_requests_host_code_fails_that_request_only(phase, after):
+    logits = induction_logits(20, 1)
+    executor = OracleExecutor(logits, 20, max_batch=3)
+    scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS))
+    prompt = [1, 2, 3, 4, 1, 2]
+    good = [scheduler.submit(Request(RequestDecoder(LookaheadConfig(3, 3, 3), prompt, 25), explicit=e))
+            for e in (True, False)]
+    bad = scheduler.submit(Request(Faulty(phase, after, LookaheadConfig(2, 3, 2), prompt, 25), explicit=False))
+    while not scheduler.idle:
+        scheduler.run_once()
+    with pytest.raises(RuntimeError, match=f"injected fault in {phase}"):
+        list(bad)
+    expected = reference_generate(logits, prompt, 25)
+    assert [[t for b in h for t in b] for h in good] == [expected, expected]
+    assert scheduler.stats.failed == 1 and scheduler.free_slots == 3
+
+
+class BrokenStep(OracleExecutor):
+    """An executor whose step fails once, at the given step."""
+
+    def __init__(self, *args, fail_at: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fail_at = fail_at
+
+    def step(self, batch):
+        if self.steps == self.fail_at:
+            self.steps += 1
+            raise RuntimeError("device lost")
+        return super().step(batch)
+
+
+def test_a_failing_step_fails_its_requests_and_the_next_ones_run_exactly():
+    logits = markov_logits(20, 2, 4)
+    executor = BrokenStep(logits, 20, max_batch=2, fail_at=3)
+    scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS))
+    first = [scheduler.submit(Request(RequestDecoder(LookaheadConfig(2, 3, 2), [i, 2, 3], 20))) for i in range(2)]
+    later = scheduler.submit(Request(RequestDecoder(LookaheadConfig(2, 3, 2), [5, 6], 20)))
+    while not scheduler.idle:
+        scheduler.run_once()
+    for handle in first:
+        with pytest.raises(RuntimeError, match="device lost"):
+            list(handle)
+    assert [t for b in later for t in b] == reference_generate(logits, [5, 6], 20)
+    assert scheduler.free_slots == 2
+
+
+def test_a_full_queue_is_refused_with_the_limit_and_the_fix():
+    executor = OracleExecutor(markov_logits(10, 1, 0), 10, max_batch=2)
+    scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS), max_queue=3)
+    handles = [scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [1], 5))) for _ in range(5)]  # 2 slots + 3
+    with pytest.raises(QueueFull, match=r"max_queue=3\); retry later, or raise max_queue or max_batch"):
+        scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [1], 5)))
+    while not scheduler.idle:
+        scheduler.run_once()
+    assert all(h.result.finish_reason == "length" for h in handles for _ in [list(h)])
+    scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [1], 5)))  # room again
+
+
+def test_admission_is_first_come_first_served_and_every_request_is_in_every_step():
+    executor = OracleExecutor(markov_logits(10, 1, 0), 10, max_batch=2)
+    scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS))
+    handles = [scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [i + 1], 4))) for i in range(6)]
+    order = []
+    while not scheduler.idle:
+        scheduler.run_once()
+        order.extend(i for i, h in enumerate(handles) if h.result is not None and i not in order)
+    assert order == list(range(6))
+    assert executor.rows_per_step == [2] * 3 * 3  # three pairs, each 3 decode steps after its prefill
+
+
+def test_close_ends_waiting_and_running_requests_and_frees_their_slots():
+    executor = OracleExecutor(markov_logits(10, 1, 0), 10, max_batch=1)
+    scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS))
+    running = scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [1], 50)))
+    waiting = scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [2], 50)))
+    scheduler.run_once()
+    scheduler.close()
+    for handle in (running, waiting):
+        with pytest.raises(SchedulerClosed):
+            list(handle)
+    assert scheduler.free_slots == 1 and executor.cache_len(0) == 0
+    with pytest.raises(SchedulerClosed, match="closed"):
+        scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [1], 5)))
+
+
+def test_threads_and_asyncio_consumers_share_one_scheduler_thread():
+    logits = induction_logits(30, 7)
+    executor = OracleExecutor(logits, 30, max_batch=3)
+    scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS))
+    scheduler.start()
+    prompts = [np.random.default_rng(i).integers(0, 30, 8).tolist() for i in range(10)]
+    results: dict[int, list[int]] = {}
+
+    def worker(i):
+        decoder = RequestDecoder(LookaheadConfig(3, 4, 3), prompts[i], 30)
+        handle = scheduler.submit(Request(decoder, explicit=i % 2 == 0))
+        results[i] = [t for b in handle for t in b]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+
+    async def consume(i):
+        loop = asyncio.get_running_loop()
+        handle = scheduler.submit(Request(RequestDecoder(LookaheadConfig(2, 3, 2), prompts[i], 30)), loop)
+        return [t async for b in handle for t in b]
+
+    async def main():
+        return await asyncio.gather(*(consume(i) for i in range(6, 10)))
+
+    for i, tokens in zip(range(6, 10), asyncio.run(main()), strict=True):
+        results[i] = tokens
+    for t in threads:
+        t.join()
+    scheduler.close()
+    assert results == {i: reference_generate(logits, prompts[i], 30) for i in range(10)}
+    assert max(executor.rows_per_step) > 1  # they did share steps

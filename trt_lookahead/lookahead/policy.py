@@ -1,0 +1,215 @@
+"""Load- and acceptance-aware lookahead: how much of the step each request uses, chosen every step.
+
+    policy = LookaheadPolicy(StepCost(...), Priors({...}))       # both measured by `trt-lookahead tune`
+    state = policy.start(LookaheadConfig(4, 3, 4), explicit=False)            # per request
+    configs = policy.choose([state, ...], supplies=[3, 0, ...])                # per step
+    policy.observe(state, configs[0], emitted=2)                               # after the step
+
+A request's ladder runs from GREEDY_STEP up to its own config: (min(W, 2^i), N, min(G, 2^i)) for
+i = 0, 1, ...; a rung's candidate rows are capped by the pool's candidates for x_t (`supplies`), since
+empty rows would cost tokens and never match. Expected tokens of a rung: e = 1 + the config's prior extra
+tokens per step (tune's measured compression - 1) x the request's own acceptance ratio, at most N. The
+ratio is an EMA of observed / prior extra tokens; it starts at 1 and drifts back towards 1 while the
+request runs greedy, so a request whose drafts kept failing is probed again later. The step's predicted
+speed is sum(e) / c(M, B) for M real tokens in B rows (c measured by tune). Each request's ladder is
+reduced to its upper concave hull; all requests' upgrades are taken in order of extra tokens per extra
+step token while the predicted speed grows. All-greedy is always a candidate, so the prediction never
+falls below batched greedy. Explicit configs run every step as asked. The policy changes how fast a
+request decodes, never its tokens (docs/design.md section 4).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.decoder import GREEDY_STEP
+
+EMA = 0.2  # weight of the newest observation in a request's acceptance ratio
+RECOVERY = 0.05  # per greedy step, the ratio moves this fraction of the way back to 1
+MAX_RATIO = 4.0
+MARGIN = 0.02  # lookahead must be predicted this much faster than all-greedy to be chosen
+
+
+class StepCost:
+    """Predicted milliseconds of one executor step of B rows holding M real tokens in all.
+
+    `points[B]` lists measured (M, ms) for B rows. Between measured M: linear; beyond the last two
+    (or before the first two): their line. Between measured B: linear; outside: the nearest B.
+    """
+
+    def __init__(self, points: Mapping[int, Sequence[tuple[int, float]]]) -> None:
+        self.points = {int(b): sorted((int(m), float(ms)) for m, ms in pts) for b, pts in points.items()}
+        if not self.points or any(len(p) < 2 or len({m for m, _ in p}) < len(p) for p in self.points.values()):
+            raise ValueError("a step cost needs, for each row count, at least two distinct token counts")
+        self.rows = np.array(sorted(self.points), np.float64)
+        self._curves: dict[tuple[int, int], np.ndarray] = {}
+
+    @classmethod
+    def linear(cls, base_ms: float, per_token_ms: float, per_row_ms: float = 0.0, max_rows: int = 64) -> StepCost:
+        """c(M, B) = base + per_token M + per_row B: a shape for tests and for a runtime before tuning."""
+        rows = (1, max_rows)
+        return cls({b: [(m, base_ms + per_token_ms * m + per_row_ms * b) for m in (b, 2 * b + 8)] for b in rows})
+
+    def to_dict(self) -> dict[str, list[list[float]]]:
+        return {str(b): [[m, round(ms, 4)] for m, ms in pts] for b, pts in self.points.items()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Sequence[Sequence[float]]]) -> StepCost:
+        return cls({int(b): [(int(m), float(ms)) for m, ms in pts] for b, pts in data.items()})
+
+    def curve(self, rows: int, max_tokens: int) -> np.ndarray:
+        """[max_tokens + 1] predicted ms of M = 0 .. max_tokens tokens in `rows` rows (cached)."""
+        key = (rows, max_tokens)
+        curve = self._curves.get(key)
+        if curve is None:
+            m = np.arange(max_tokens + 1, dtype=np.float64)
+            b = float(np.clip(rows, self.rows[0], self.rows[-1]))
+            hi = min(int(np.searchsorted(self.rows, b)), len(self.rows) - 1)
+            lo = max(hi - 1, 0) if self.rows[hi] > b else hi
+            w = 0.0 if hi == lo else (b - self.rows[lo]) / (self.rows[hi] - self.rows[lo])
+            curve = (1 - w) * self._along(int(self.rows[lo]), m) + w * self._along(int(self.rows[hi]), m)
+            self._curves[key] = curve
+        return curve
+
+    def __call__(self, tokens: int, rows: int) -> float:
+        return float(self.curve(rows, tokens)[tokens])
+
+    def _along(self, rows: int, m: np.ndarray) -> np.ndarray:
+        xs, ys = (np.array(v, np.float64) for v in zip(*self.points[rows], strict=True))
+        head = ys[0] + (ys[1] - ys[0]) / (xs[1] - xs[0]) * (m - xs[0])
+        tail = ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (m - xs[-1])
+        return np.where(m < xs[0], head, np.where(m > xs[-1], tail, np.interp(m, xs, ys)))
+
+
+class Priors:
+    """Measured compression (tokens per step) of configs; `extra(config)` = expected extra tokens per step.
+
+    A config that was not measured is interpolated between the measured configs of the same N by T
+    (linear in log T; below the smallest, scaled down with log T), else between all of them; greedy is 0.
+    """
+
+    def __init__(self, compression: Mapping[str, float]) -> None:
+        table = {
+            LookaheadConfig.parse(c): float(v)
+            for c, v in compression.items()
+        }
+        self.compression = {c: v for c, v in table.items() if not c.is_greedy}
+        self.extra = lru_cache(maxsize=4096)(self._extra)
+
+    def to_dict(self) -> dict[str, float]:
+        return {str(c): round(v, 4) for c, v in sorted(self.compression.items(), key=lambda i: str(i[0]))}
+
+    def _extra(self, config: LookaheadConfig) -> float:
+        if config.is_greedy or not self.compression:
+            return 0.0
+        if config in self.compression:
+            return max(self.compression[config] - 1.0, 0.0)
+        known = {c: v for c, v in self.compression.items() if c.N == config.N} or self.compression
+        xs, ys = zip(*sorted((math.log(c.step_tokens), v - 1.0) for c, v in known.items()), strict=True)
+        x = math.log(config.step_tokens)
+        if x < xs[0]:
+            return max(ys[0] * x / xs[0], 0.0)
+        return max(float(np.interp(x, xs, ys)), 0.0)
+
+
+@dataclass
+class RequestState:
+    """What the policy knows about one request."""
+
+    config: LookaheadConfig  # the request's largest config
+    explicit: bool  # run `config` every step
+    ladder: tuple[LookaheadConfig, ...]
+    ratio: float = 1.0  # observed / prior extra tokens (EMA)
+
+
+def ladder(config: LookaheadConfig) -> tuple[LookaheadConfig, ...]:
+    """GREEDY_STEP, then (min(W, 2^i), N, min(G, 2^i)) for i = 0, 1, ... up to `config`."""
+    rungs = [GREEDY_STEP]
+    i = 0
+    while rungs[-1] != config and not config.is_greedy:
+        rung = LookaheadConfig(min(config.W, 2**i), config.N, min(config.G, 2**i))
+        if rung != rungs[-1]:
+            rungs.append(rung)
+        i += 1
+    return tuple(rungs)
+
+
+Upgrade = tuple[float, int, int, float, LookaheadConfig]  # (extra tokens per extra step token, owner, dT, dE, rung)
+
+
+class LookaheadPolicy:
+    """See the module docstring."""
+
+    def __init__(self, cost: StepCost, priors: Priors) -> None:
+        self.cost = cost
+        self.priors = priors
+
+    def start(self, config: LookaheadConfig, explicit: bool) -> RequestState:
+        return RequestState(config, explicit, ladder(config))
+
+    def expected(self, state: RequestState, config: LookaheadConfig) -> float:
+        """Expected tokens of one step of `config` for this request."""
+        return min(1.0 + state.ratio * self.priors.extra(config), float(config.N))
+
+    def choose(self, states: Sequence[RequestState], supplies: Sequence[int]) -> list[LookaheadConfig]:
+        """Each request's config for the coming step (states[i] with supplies[i] pool candidates)."""
+        chosen = [s.config if s.explicit else GREEDY_STEP for s in states]
+        tokens = sum(c.step_tokens for c in chosen)
+        expected = sum(self.expected(s, c) for s, c in zip(states, chosen, strict=True))
+        upgrades: list[Upgrade] = []
+        for owner, (state, supply) in enumerate(zip(states, supplies, strict=True)):
+            if not state.explicit:
+                upgrades.extend(self._upgrades(owner, state, supply))
+        if not upgrades:
+            return chosen
+        upgrades.sort(key=lambda u: -u[0])  # stable: a request's hull steps keep their order
+        M = tokens + np.concatenate(([0], np.cumsum([u[2] for u in upgrades])))
+        E = expected + np.concatenate(([0.0], np.cumsum([u[3] for u in upgrades])))
+        speed = E / self.cost.curve(len(states), int(M[-1]))[M]
+        best = int(np.argmax(speed))
+        if speed[best] < (1 + MARGIN) * speed[0]:
+            return chosen
+        for _, owner, _, _, rung in upgrades[:best]:
+            chosen[owner] = rung  # a request's steps come in order: the last one taken is its rung
+        return chosen
+
+    def _upgrades(self, owner: int, state: RequestState, supply: int) -> list[Upgrade]:
+        """The upper concave hull of the request's (step tokens, expected tokens) ladder, as steps from greedy."""
+        points: dict[int, tuple[float, LookaheadConfig]] = {}
+        for rung in state.ladder:
+            capped = rung if supply >= rung.G else LookaheadConfig(rung.W, rung.N, supply)
+            t, e = capped.step_tokens, self.expected(state, capped)
+            if t not in points or e > points[t][0]:
+                points[t] = (e, capped)
+        hull: list[tuple[int, float, LookaheadConfig]] = []
+        for t in sorted(points):
+            e, cfg = points[t]
+            while len(hull) >= 2 and _below(hull[-2], hull[-1], (t, e)):
+                hull.pop()
+            hull.append((t, e, cfg))
+        steps: list[Upgrade] = []
+        for (t0, e0, _), (t1, e1, cfg) in itertools.pairwise(hull):
+            if e1 <= e0:
+                break
+            steps.append(((e1 - e0) / (t1 - t0), owner, t1 - t0, e1 - e0, cfg))
+        return steps
+
+    def observe(self, state: RequestState, config: LookaheadConfig, emitted: int) -> None:
+        """Update the request's acceptance ratio after a step of `config` that emitted `emitted` tokens."""
+        prior = self.priors.extra(config)
+        if prior <= 0.0:  # greedy (or a config expected to accept nothing): probe again later
+            state.ratio += RECOVERY * (1.0 - state.ratio) if state.ratio < 1.0 else 0.0
+            return
+        state.ratio = min((1 - EMA) * state.ratio + EMA * (emitted - 1) / prior, MAX_RATIO)
+
+
+def _below(a: tuple, b: tuple, c: tuple) -> bool:
+    """Whether b lies on or below the segment from a to c (so b is not on the upper hull)."""
+    return (b[0] - a[0]) * (c[1] - a[1]) - (b[1] - a[1]) * (c[0] - a[0]) >= 0

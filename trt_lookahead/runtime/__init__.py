@@ -1,0 +1,609 @@
+"""LookaheadRuntime: a model (or engine dir), its tokenizer and one batched executor, behind generate() and
+stream() from any number of threads, and astream() / agenerate() for asyncio.
+
+    rt = LookaheadRuntime.from_pretrained("smollm2-135m-instruct", lookahead="auto", max_batch=8)
+    out = rt.generate([{"role": "user", "content": "Hi"}], max_new_tokens=64)
+    for chunk in rt.stream("def fib(n):", max_new_tokens=64): print(chunk.text, end="")
+    async for chunk in rt.astream("def fib(n):", max_new_tokens=64): ...
+
+One copy of the weights and one executor whose KV cache holds max_batch request slots; one scheduler
+thread (runtime/scheduler.py) runs every request that holds a slot in every step, each with its own
+config, sampling, stop tokens and length; up to max_queue more wait. A request's tokens are the same
+alone or batched (docs/design.md sections 4 and 9). `auto` lets the load- and acceptance-aware policy
+(lookahead/policy.py) choose each step's config, from the step cost and priors `tune` measured on this
+machine (tuned on first use). Detokenization and stop strings run in the caller's thread; closing a
+stream (or dropping it) cancels its request and frees its slot at the next step; a thread may open a
+second request while its own stream is still open (both run; nothing waits for itself). See docs/design.md
+sections 1.3, 5 and 9.
+
+Every request is checked by `check_request` before any work (ValueError naming the argument). A stop
+string ends the text where it starts and the token ids with the token that completes it, whatever the
+block boundaries (lookahead's ids equal greedy's). The streamed chunks add up to the final text, except
+where the model emitted byte tokens that are not valid UTF-8 (random sampling at a huge temperature,
+say): a byte-fallback decode renders a run of bytes as one replacement character per byte once the run
+turns out invalid, even bytes that were text a moment before, so no stream can know their final form.
+The final text (one decode of all ids) is the reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+
+from trt_lookahead.engine.format import is_engine_dir
+from trt_lookahead.errors import UserError, as_int
+from trt_lookahead.lookahead.config import AUTO, DEFAULT, DEFAULT_LOOKAHEAD, GREEDY, LookaheadConfig
+from trt_lookahead.lookahead.decoder import DecodeStats, RequestDecoder, check_request
+from trt_lookahead.lookahead.executor import Executor, LayoutAdapter
+from trt_lookahead.lookahead.policy import LookaheadPolicy, Priors, StepCost
+from trt_lookahead.lookahead.sampling import SamplingParams
+from trt_lookahead.runtime import scheduler
+from trt_lookahead.runtime.scheduler import RequestHandle, Scheduler
+
+DEFAULT_MAX_SEQ_LEN = 4096
+DEFAULT_MAX_NEW_TOKENS = 128
+DEFAULT_MAX_BATCH = 8
+DEFAULT_MAX_QUEUE = 64
+Prompt = str | Sequence[dict[str, str]] | Sequence[int] | np.ndarray
+PROMPT_KINDS = "a prompt is text, a list of chat messages {'role': ..., 'content': ...}, or a list of token ids"
+
+
+@dataclass
+class GenerationOutput:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str  # "stop" (stop token or stop string) or "length"
+    config: str  # "greedy", "W/N/G", or "auto" (stats.configs: the steps per config the policy chose)
+    backend: str
+    dtype: str
+    stats: DecodeStats
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def steps(self) -> int:
+        return self.stats.steps
+
+    @property
+    def compression(self) -> float:
+        return self.stats.compression
+
+    @property
+    def prefill_seconds(self) -> float:
+        return self.stats.prefill_seconds
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.stats.decode_seconds
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.stats.tokens_per_second
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `generate --json` object: text, ids and the measures of docs/design.md section 8."""
+        stats = self.stats.to_dict()
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "steps": self.steps,
+            "compression": stats["compression"],
+            "prefill_seconds": stats["prefill_seconds"],
+            "decode_seconds": stats["decode_seconds"],
+            "tokens_per_second": stats["tokens_per_second"],
+            "config": self.config,
+            "backend": self.backend,
+            "dtype": self.dtype,
+            "finish_reason": self.finish_reason,
+            "host_ms_per_step": stats["host_ms_per_step"],
+            "accepted_histogram": stats["accepted_histogram"],
+            "sources": stats["sources"],
+            "configs": stats["configs"],
+        }
+
+
+@dataclass(frozen=True)
+class Request:
+    """One checked request: what `stream` submits (made by `LookaheadRuntime.check_request`)."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    config: LookaheadConfig  # the largest config a step of it may use
+    explicit: bool  # run `config` every step (False: `auto`, the policy chooses up to it)
+    stop: tuple[str, ...]  # non-empty stop strings
+
+
+@dataclass
+class StreamChunk:
+    text: str  # new text since the previous chunk
+    token_ids: list[int]  # new token ids since the previous chunk
+    done: bool = False
+    output: GenerationOutput | None = None  # set on the last chunk
+
+
+class _Detokenizer:
+    """Incremental detokenization: each push decodes only the tokens since the last stable point.
+
+    Decoding ids[prefix:] against ids[prefix:read] keeps the spacing a token gets from its left
+    neighbour; text is extended only when it does not end in an unfinished UTF-8 character.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = self._read = 0
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        before = self.decode(self.ids[self._prefix : self._read])
+        after = self.decode(self.ids[self._prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before) :]
+            self._prefix, self._read = self._read, len(self.ids)
+        return self.text
+
+
+class _TextStream:
+    """One request's blocks turned into StreamChunks: text, stop strings, held-back text, the final output."""
+
+    def __init__(self, runtime: LookaheadRuntime, request: Request, handle: RequestHandle) -> None:
+        self.runtime, self.request, self.handle = runtime, request, handle
+        self.detokenizer = _Detokenizer(runtime.decode)
+        self.emitted = 0  # characters of text already sent
+        self.finish = "length"
+        self.stopped = False  # a stop string ended the text
+
+    def push(self, block: list[int]) -> StreamChunk:
+        stops = self.request.stop
+        text = self.detokenizer.push(block)
+        cut = _stop_string_cut(text, stops)
+        if cut is not None:
+            block = self._end_at_stop_string(len(block))
+            text, self.stopped = text[:cut], True
+        if self.stopped or block[-1] in self.runtime.stop_token_ids:
+            self.finish = "stop"
+        end = len(text) if self.finish == "stop" else _stable_end(text, stops)
+        chunk = StreamChunk(text[self.emitted : end], block)
+        self.emitted = max(self.emitted, end)
+        return chunk
+
+    def _end_at_stop_string(self, block_len: int) -> list[int]:
+        """Drop the ids after the one that completes a stop string; returns the block's kept ids.
+
+        The stop string appeared within the last `block_len` ids, so the shortest prefix whose text holds
+        it ends inside this block: that is where one-token-per-step decoding would have stopped.
+        """
+        ids, stops = self.detokenizer.ids, self.request.stop
+        start = len(ids) - block_len
+        decode = self.runtime.decode
+        end = next((n for n in range(start + 1, len(ids)) if _stop_string_cut(decode(ids[:n]), stops) is not None),
+                   len(ids))
+        del ids[end:]
+        return ids[start:]
+
+    def final(self) -> StreamChunk:
+        """The last chunk; the request has left the scheduler (its stats no longer change)."""
+        ids = self.detokenizer.ids
+        stats = self.handle.request.decoder.stats
+        stats.generated_tokens = len(ids)  # a stop string may end the output inside a block
+        text = self.runtime.decode(ids)  # once in full: the final text never depends on block boundaries
+        cut = _stop_string_cut(text, self.request.stop)
+        text = text if cut is None else text[:cut]
+        output = GenerationOutput(
+            text=text,
+            token_ids=ids,
+            prompt_tokens=len(self.request.prompt_ids),
+            finish_reason=self.finish,
+            config=self.request.config.label if self.request.explicit else AUTO,
+            backend=self.runtime.backend,
+            dtype=self.runtime.dtype,
+            stats=stats,
+        )
+        return StreamChunk(text[self.emitted :], [], done=True, output=output)
+
+
+class LookaheadRuntime:
+    """Tokenizer + one batched executor + its scheduler; `lookahead` is the default per-request config."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        executor: Executor,
+        *,
+        lookahead: LookaheadConfig | str | None,
+        max_seq_len: int,
+        stop_token_ids: Sequence[int],
+        backend: str,
+        dtype: str,
+        model_path: Path,
+        max_lookahead: LookaheadConfig | None = None,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        tuning_file: str | Path | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.executor = executor
+        self.lookahead = lookahead  # None (greedy), AUTO or a LookaheadConfig
+        self.max_seq_len = max_seq_len
+        self.stop_token_ids = list(dict.fromkeys(int(t) for t in stop_token_ids))
+        self.backend = backend
+        self.dtype = dtype
+        self.model_path = model_path
+        self.max_lookahead = max_lookahead  # an engine's built config: requests must fit inside it
+        self.tuning_file = None if tuning_file is None else Path(tuning_file)  # None: the cache's tuning.json
+        # until `auto` is first asked for, the policy only runs explicit configs (it never sees auto requests)
+        self.scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(1.0, 0.0), Priors({})), max_queue)
+        self.auto_config: LookaheadConfig | None = None  # the largest config `auto` requests may use (tuned)
+        self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to call from several threads
+        self._tuning_lock = threading.RLock()
+        self.scheduler.start()
+        # a runtime dropped without close() still stops its thread and frees its KV cache
+        self._finalizer = weakref.finalize(self, self.scheduler.close)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_name: str | Path,
+        backend: str | None = None,
+        dtype: str = "float32",
+        lookahead: LookaheadConfig | str | None = DEFAULT,
+        max_seq_len: int | None = None,
+        threads: int | None = None,
+        max_batch: int | None = None,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        tuning_file: str | Path | None = None,
+        verify: bool = True,
+    ) -> LookaheadRuntime:
+        """Load a HF Llama checkpoint dir, a known model name, or an engine dir from `trt-lookahead build`.
+
+        lookahead: DEFAULT (4,3,4; an engine's built config), W,N,G, a LookaheadConfig, AUTO (the policy,
+        tuned on this runtime), or None / GREEDY (greedy). max_batch: request slots (default 8; an engine
+        dir serves one request at a time until the engine path is batched). max_queue: requests that may
+        wait for a slot before `QueueFull`. tuning_file: where `auto` reads (and stores) what `tune` measured;
+        default the cache's tuning.json. verify: check an engine dir's files against their checksums.
+        """
+        from trt_lookahead.model.fetch import resolve_model
+
+        path = resolve_model(str(path_or_name))
+        if threads is not None:
+            import torch
+
+            if as_int("threads", threads) < 1:
+                raise UserError(f"threads must be >= 1 (torch's CPU threads), got {threads}")
+            torch.set_num_threads(threads)
+        if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
+            raise UserError(f"max_batch must be a positive integer (request slots), got {max_batch!r}")
+        if is_engine_dir(path):
+            if max_batch not in (None, 1):
+                raise UserError(
+                    f"max_batch={max_batch}: an engine dir serves one request at a time until the engine path is "
+                    "batched; use max_batch=1, or the torch backend on the checkpoint for batching"
+                )
+            rt = cls._from_engine(path, backend or "onnxruntime", dtype, max_seq_len, max_queue, tuning_file, verify)
+        elif backend not in (None, "torch"):
+            raise UserError(f"backend {backend!r} runs engine dirs; build one with `trt-lookahead build` or use torch")
+        else:
+            rt = cls._from_checkpoint(path, dtype, max_seq_len, max_batch or DEFAULT_MAX_BATCH, max_queue, tuning_file)
+        try:
+            if lookahead == DEFAULT:
+                rt.lookahead = rt.max_lookahead or DEFAULT_LOOKAHEAD
+            elif lookahead is not None:
+                rt.lookahead = rt._resolve(lookahead)
+            rt.request_config(None)  # the default must fit this executor
+        except BaseException:
+            rt.close()
+            raise
+        return rt
+
+    @classmethod
+    def _from_checkpoint(
+        cls, path: Path, dtype: str, max_seq_len: int | None, max_batch: int, max_queue: int,
+        tuning_file: str | Path | None,
+    ) -> LookaheadRuntime:
+        from trt_lookahead.backends.torch import BatchedTorchExecutor
+        from trt_lookahead.model.checkpoint import check_max_seq_len, load_llama, load_tokenizer
+
+        model, config = load_llama(path, dtype=dtype, weight_layout="auto")
+        seq_len = check_max_seq_len(max_seq_len, config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+        return cls(
+            load_tokenizer(path),
+            BatchedTorchExecutor(model, max_batch, seq_len),
+            lookahead=None,
+            max_seq_len=seq_len,
+            stop_token_ids=_stop_token_ids(path),
+            backend="torch",
+            dtype=dtype,
+            model_path=path,
+            max_queue=max_queue,
+            tuning_file=tuning_file,
+        )
+
+    @classmethod
+    def _from_engine(
+        cls, path: Path, backend: str, dtype: str, max_seq_len: int | None, max_queue: int,
+        tuning_file: str | Path | None, verify: bool,
+    ) -> LookaheadRuntime:
+        from trt_lookahead.backends.open import open_engine
+        from trt_lookahead.model.checkpoint import load_tokenizer
+
+        engine = open_engine(path, backend=backend, dtype=dtype, max_seq_len=max_seq_len, verify=verify)
+        return cls(
+            load_tokenizer(path),
+            LayoutAdapter(engine.make_executor, engine.step_tokens, padded_tokens=engine.step_tokens),
+            lookahead=None,
+            max_seq_len=engine.max_seq_len,
+            stop_token_ids=_stop_token_ids(path),
+            backend=backend,
+            dtype=engine.dtype,
+            model_path=path,
+            max_lookahead=engine.lookahead,
+            max_queue=max_queue,
+            tuning_file=tuning_file,
+        )
+
+    @property
+    def max_batch(self) -> int:
+        return self.executor.max_batch
+
+    @property
+    def vocab_size(self) -> int:
+        return self.executor.vocab_size
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether `auto` may change a request's config every step (the engine adapter re-prefills on a change)."""
+        return not isinstance(self.executor, LayoutAdapter)
+
+    def close(self) -> None:
+        """Stop the scheduler; requests still running end with an error. The runtime cannot generate afterwards."""
+        self._finalizer()
+
+    def __enter__(self) -> LookaheadRuntime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        """Token ids of a text prompt, of chat messages (chat template), or the ids themselves."""
+        if not isinstance(chat, bool):
+            raise UserError(f"chat must be True or False, got {chat!r}")
+        if isinstance(prompt, str):
+            if chat:
+                return self._apply_chat_template([{"role": "user", "content": prompt}])
+            with self._tokenizer_lock:
+                return list(self.tokenizer(prompt, verbose=False)["input_ids"])
+        if not isinstance(prompt, Sequence | np.ndarray) or isinstance(prompt, bytes | bytearray):
+            raise UserError(f"{PROMPT_KINDS}, got {type(prompt).__name__}")
+        items = list(prompt)
+        if items and all(isinstance(m, dict) for m in items):
+            return self._apply_chat_template(_check_messages(items))
+        try:
+            ids = [as_int("token id", t) for t in items]
+        except UserError:
+            raise UserError(f"{PROMPT_KINDS}, got a list holding {sorted({type(t).__name__ for t in items})}") from None
+        if chat:
+            raise UserError("chat=True wraps text in the chat template; a list of token ids is used as it is")
+        return ids
+
+    def _apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise UserError(f"{self.model_path} has no chat template; send a plain text prompt (drop --chat)")
+        try:
+            with self._tokenizer_lock:
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # the template is the model's own Jinja code: any error means these messages
+            raise UserError(f"the chat template of {self.model_path} cannot render these messages ({exc})") from exc
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def request_config(self, lookahead: LookaheadConfig | str | None = None) -> tuple[LookaheadConfig, bool]:
+        """(largest config, explicit) of one request: None for the runtime's default, GREEDY, AUTO or W,N,G.
+
+        `auto` requests run up to the tuned config, the policy choosing each step (explicit False; where
+        `auto` is greedy on this machine, explicit greedy).
+        """
+        if not isinstance(lookahead, LookaheadConfig | str | None):
+            raise UserError(
+                f"lookahead must be None (the runtime's default), {GREEDY!r}, {AUTO!r}, 'W,N,G' text or a "
+                f"LookaheadConfig, got {lookahead!r}"
+            )
+        chosen = self.lookahead if lookahead is None else self._resolve(lookahead)
+        if chosen == AUTO:
+            config = self._auto()
+            explicit = config.is_greedy or not self.adaptive
+        else:
+            config, explicit = cast(LookaheadConfig | None, chosen) or LookaheadConfig.greedy(), True
+        if self.max_lookahead is not None:
+            config.check_fits(self.max_lookahead)
+        if config.step_tokens > self.executor.step_tokens:
+            raise UserError(
+                f"lookahead config {config} feeds {config.step_tokens} tokens per step; this runtime's executor "
+                f"takes at most {self.executor.step_tokens}: ask for a smaller W, N or G"
+            )
+        return config, explicit
+
+    def _resolve(self, lookahead: LookaheadConfig | str) -> LookaheadConfig | str | None:
+        """A LookaheadConfig, GREEDY (None), AUTO, or W,N,G text."""
+        if isinstance(lookahead, LookaheadConfig):
+            return lookahead
+        if lookahead == GREEDY:
+            return None
+        if lookahead == AUTO:
+            return AUTO
+        return LookaheadConfig.parse(lookahead)
+
+    def _auto(self) -> LookaheadConfig:
+        """The tuned config `auto` requests run up to; the first call installs the tuned policy (tuning if needed)."""
+        if self.auto_config is not None:
+            return self.auto_config
+        with self._tuning_lock:  # re-entrant: tuning itself runs `auto` requests on this runtime
+            if self.auto_config is None:
+                from trt_lookahead.tuning.tune import auto_tuning
+
+                config, policy = auto_tuning(self)
+                self.scheduler.policy = policy
+                self.auto_config = config
+            return self.auto_config
+
+    def check_request(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop: str | Sequence[str] | None = None,
+        lookahead: LookaheadConfig | str | None = None,
+        chat: bool = False,
+    ) -> Request:
+        """Check every argument of a request (ValueError naming it) before any work; `stream` runs the result."""
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        config, explicit = self.request_config(lookahead)
+        prompt_ids = self.encode(prompt, chat=chat)
+        check_request(prompt_ids, max_new_tokens, self.executor.vocab_size, self.max_seq_len)
+        return Request(prompt_ids, int(max_new_tokens), sampling, config, explicit, _stop_strings(stop))
+
+    def submit(
+        self, requests: Sequence[Request], loop: asyncio.AbstractEventLoop | None = None
+    ) -> list[RequestHandle]:
+        """Queue checked requests together on the scheduler (QueueFull if they do not fit in the queue)."""
+        jobs = [
+            scheduler.Request(
+                RequestDecoder(r.config, r.prompt_ids, r.max_new_tokens, self.stop_token_ids, r.sampling.seed),
+                r.sampling,
+                r.explicit,
+            )
+            for r in requests
+        ]
+        return self.scheduler.submit_many(jobs, loop)
+
+    def generate(self, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **kwargs: Any) -> GenerationOutput:
+        """Generate to completion; same arguments as `check_request`. Safe from any number of threads."""
+        for chunk in self.stream(prompt, max_new_tokens, **kwargs):
+            if chunk.done:
+                assert chunk.output is not None
+                return chunk.output
+        raise AssertionError("stream ended without a final chunk")
+
+    def stream(
+        self, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **kwargs: Any
+    ) -> Iterator[StreamChunk]:
+        """Yield text as each step's tokens are accepted; the last chunk carries the GenerationOutput.
+
+        The request is checked and queued in this call (ValueError / QueueFull now, not at the first chunk);
+        closing the iterator early cancels it.
+        """
+        request = self.check_request(prompt, max_new_tokens, **kwargs)
+        return self._chunks(_TextStream(self, request, self.submit([request])[0]))
+
+    def _chunks(self, text: _TextStream) -> Iterator[StreamChunk]:
+        try:
+            for block in text.handle:
+                chunk = text.push(block)
+                yield chunk
+                if text.stopped:
+                    break
+        finally:
+            text.handle.cancel()  # a no-op once finished; else the slot is freed at the next step
+        text.handle.drain()  # after a stop string: until the request has left (at most one step)
+        yield text.final()
+
+    async def astream(
+        self, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **kwargs: Any
+    ) -> AsyncIterator[StreamChunk]:
+        """`stream` for asyncio: `async for chunk in rt.astream(...)`; the loop is never blocked by decoding."""
+        request = self.check_request(prompt, max_new_tokens, **kwargs)
+        text = _TextStream(self, request, self.submit([request], asyncio.get_running_loop())[0])
+        try:
+            async for block in text.handle:
+                chunk = text.push(block)
+                yield chunk
+                if text.stopped:
+                    break
+        finally:
+            text.handle.cancel()
+        await text.handle.adrain()
+        yield text.final()
+
+    async def agenerate(
+        self, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **kwargs: Any
+    ) -> GenerationOutput:
+        """`generate` for asyncio."""
+        async for chunk in self.astream(prompt, max_new_tokens, **kwargs):
+            if chunk.done:
+                assert chunk.output is not None
+                return chunk.output
+        raise AssertionError("stream ended without a final chunk")
+
+
+def _check_messages(items: list[Any]) -> list[dict[str, str]]:
+    """Chat messages: dicts whose `role` and `content` are strings (UserError naming the first bad one)."""
+    for i, message in enumerate(items):
+        if not all(isinstance(message.get(key), str) for key in ("role", "content")):
+            raise UserError(
+                f"chat message {i} must have string 'role' and 'content' entries, got {message!r}"
+            )
+    return cast(list[dict[str, str]], items)
+
+
+def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    """None, one stop string, or a sequence of them -> the non-empty ones (empty strings never match)."""
+    stops = [stop] if isinstance(stop, str) else [] if stop is None else stop
+    if not isinstance(stops, Sequence) or not all(isinstance(s, str) for s in stops):
+        raise UserError(f"stop must be a string or a list of strings, got {stop!r}")
+    return tuple(s for s in stops if s)
+
+
+def _stop_string_cut(text: str, stops: Sequence[str]) -> int | None:
+    """Where the first stop string starts in `text`, if any."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _stable_end(text: str, stops: Sequence[str]) -> int:
+    """How much of `text` later tokens cannot change: hold back any tail that could start a stop string."""
+    end = len(text)
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                end = min(end, len(text) - k)
+                break
+    return end
+
+
+def _stop_token_ids(path: Path) -> list[int]:
+    """eos ids from generation_config.json and config.json (an int or a list in either)."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            value = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id")
+            values = value if isinstance(value, list) else [] if value is None else [value]
+            ids.extend(as_int("eos_token_id", t) for t in values)
+        except (OSError, ValueError, AttributeError) as exc:
+            raise UserError(f"{file} is unreadable or malformed ({exc}); restore it from the original files") from exc
+    return ids

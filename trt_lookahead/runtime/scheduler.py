@@ -1,0 +1,367 @@
+"""In-flight batching: one thread owns the executor and runs every admitted request in every step.
+
+    scheduler = Scheduler(executor, policy, max_queue=64); scheduler.start()
+    handle = scheduler.submit(Request(decoder, sampling, explicit))   # QueueFull when the queue is full
+    for block in handle: ...                                          # token blocks as steps accept them
+    handle.cancel()                                                   # takes effect at the next step
+
+Each iteration (`run_once`): cancelled requests leave and free their slot; waiting requests are admitted
+in arrival order into free slots and prefilled one by one (executor.prefill); the policy picks each
+request's config for the step; one BatchStepper step runs every active request; finished, failed and
+cancelled requests release their slot at once. An exception in one request's host code (prefill, setup,
+prepare, accept, update) fails that request only, its handle raising it; a failing executor step fails the
+requests of that step only. Blocks are buffered per request, so a slow or absent consumer never stalls
+the loop. Admission is FIFO and every admitted request is in every step: no request starves.
+See docs/design.md section 9.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from trt_lookahead.errors import UserError
+from trt_lookahead.lookahead.decoder import BatchStepper, DecodeStats, RequestDecoder, Row
+from trt_lookahead.lookahead.executor import Executor
+from trt_lookahead.lookahead.policy import LookaheadPolicy, RequestState
+from trt_lookahead.lookahead.sampling import SamplingParams
+
+CANCELLED = "cancelled"
+STEP_LOG = 4096  # steps kept in Scheduler.steps
+_END = object()  # the last item of a request's queue: its Result is set
+
+
+class QueueFull(UserError):
+    """The waiting queue is full: the message names the limit and the fix."""
+
+
+class SchedulerClosed(RuntimeError):
+    """The scheduler was closed before the request finished."""
+
+
+@dataclass
+class Request:
+    """A request as the scheduler runs it: its decoder (prompt, limits, stop tokens, largest config)."""
+
+    decoder: RequestDecoder
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    explicit: bool = True  # run decoder.config every step; False lets the policy choose up to it
+
+
+@dataclass
+class Result:
+    token_ids: list[int]
+    finish_reason: str  # "stop", "length" or "cancelled"
+    stats: DecodeStats
+
+
+class RequestHandle:
+    """The caller's side of one request: its token blocks (or its error) in order, and cancel()."""
+
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop | None, wake: Any) -> None:
+        self.request = request
+        self.result: Result | None = None
+        self.policy_state: RequestState | None = None
+        self.slot: int | None = None
+        self._loop = loop
+        self._queue: Any = queue.SimpleQueue() if loop is None else asyncio.Queue()
+        self._cancelled = threading.Event()
+        self._wake = wake
+
+    # -- the scheduler's side -----------------------------------------------------------------------
+
+    def _put(self, item: Any) -> None:
+        if self._loop is None:
+            self._queue.put(item)
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the consumer's event loop is closed: nobody listens any more
+            self._cancelled.set()
+
+    def _finish(self, reason: str) -> None:
+        d = self.request.decoder
+        self.result = Result(list(d.tokens), reason, d.stats)
+        self._put(_END)
+
+    # -- the caller's side --------------------------------------------------------------------------
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Stop this request at the next step boundary, freeing its slot; idempotent."""
+        self._cancelled.set()
+        self._wake()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self._loop is not None:
+            raise TypeError("this request was submitted for asyncio: use `async for`")
+        while (item := self._queue.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def drain(self) -> None:
+        """Wait until the request has left the scheduler, dropping what it still sends (blocks or an error)."""
+        while self.result is None and not _last(self._queue.get()):
+            pass
+
+    async def adrain(self) -> None:
+        """`drain` for a request submitted for asyncio."""
+        while self.result is None and not _last(await self._queue.get()):
+            pass
+
+    async def __aiter__(self) -> AsyncIterator[list[int]]:
+        if self._loop is None:
+            raise TypeError("this request was submitted for threads: use `for`")
+        while (item := await self._queue.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+def _last(item: Any) -> bool:
+    """Whether `item` is the last a request's queue gets: the end mark or its error."""
+    return item is _END or isinstance(item, BaseException)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One decode step: its rows, real tokens (M), and where its time went (seconds)."""
+
+    rows: int
+    tokens: int
+    executor_seconds: float
+    host_seconds: float
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    rows: int = 0  # requests in steps, summed over steps
+    admitted: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    prefill_seconds: float = 0.0
+    step_seconds: float = 0.0  # wall time of the decode steps: host work and executor
+    executor_seconds: float = 0.0  # inside executor.step / commit
+
+    @property
+    def host_ms_per_row(self) -> float:
+        """Host milliseconds per request per decode step: policy, prepare, accept, update, delivery."""
+        return 1000.0 * (self.step_seconds - self.executor_seconds) / self.rows if self.rows else 0.0
+
+    @property
+    def mean_rows(self) -> float:
+        return self.rows / self.steps if self.steps else 0.0
+
+
+class Scheduler:
+    """See the module docstring. `start()` runs the loop in a daemon thread; `run_once()` is one iteration."""
+
+    def __init__(self, executor: Executor, policy: LookaheadPolicy, max_queue: int = 64) -> None:
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
+            raise UserError(f"max_queue must be an integer >= 0, got {max_queue!r}")
+        self.executor = executor
+        self.policy = policy
+        self.max_queue = max_queue
+        self.stats = SchedulerStats()
+        self._stepper = BatchStepper(executor)
+        self.steps: deque[StepRecord] = deque(maxlen=STEP_LOG)  # the latest steps (tuning measures from them)
+        self._waiting: deque[RequestHandle] = deque()
+        self._active: dict[int, RequestHandle] = {}  # slot -> request, in admission order
+        self._free = list(range(executor.max_batch))
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # -- callers ------------------------------------------------------------------------------------
+
+    def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+        """Queue a request (blocks go to `loop`'s asyncio queue if given); QueueFull if the queue is full."""
+        return self.submit_many([request], loop)[0]
+
+    def submit_many(
+        self, requests: Sequence[Request], loop: asyncio.AbstractEventLoop | None = None
+    ) -> list[RequestHandle]:
+        """Queue requests together (admitted in the same iteration when slots allow); all or none."""
+        handles = [RequestHandle(request, loop, self._notify) for request in requests]
+        with self._cond:
+            if self._closed:
+                raise SchedulerClosed("the runtime is closed; create a new one")
+            if len(self._waiting) + len(handles) > self.max_queue + len(self._free):
+                raise QueueFull(
+                    f"the waiting queue is full: {len(self._waiting)} requests wait for the "
+                    f"{self.executor.max_batch} slots (max_queue={self.max_queue}); retry later, or raise "
+                    "max_queue or max_batch"
+                )
+            self._waiting.extend(handles)
+            self._cond.notify()
+        return handles
+
+    def start(self) -> None:
+        with self._cond:
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._loop, name="trt-lookahead-scheduler", daemon=True)
+                self._thread.start()
+
+    def close(self) -> None:
+        """Stop the loop; requests still waiting or running end with SchedulerClosed, their slots released."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        error = SchedulerClosed("the runtime was closed before this request finished")
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), deque()
+        for handle in waiting:
+            handle._put(error)
+        for slot in list(self._active):
+            self._end(slot, error=error)
+
+    @property
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._waiting and not self._active
+
+    @property
+    def free_slots(self) -> int:
+        with self._cond:
+            return len(self._free)
+
+    @property
+    def waiting(self) -> int:
+        with self._cond:
+            return len(self._waiting)
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._waiting and not self._active:
+                    self._cond.wait()
+                if self._closed:
+                    return
+            try:
+                self.run_once()
+            except Exception as exc:  # a bug in the loop itself: end what runs, keep serving
+                for slot in list(self._active):
+                    self._end(slot, error=exc)
+
+    def run_once(self) -> bool:
+        """One iteration: leave, admit, step. False if there was nothing to do."""
+        for slot, handle in list(self._active.items()):
+            if handle.cancelled:
+                self._end(slot, reason=CANCELLED)
+        admitted: list[RequestHandle] = []
+        with self._cond:
+            while self._waiting and self._free:
+                handle = self._waiting.popleft()
+                if handle.cancelled:
+                    self.stats.cancelled += 1
+                    handle._finish(CANCELLED)
+                    continue
+                handle.slot = self._free.pop(0)
+                self._active[handle.slot] = handle
+                admitted.append(handle)
+        for handle in admitted:
+            self._prefill(handle)
+        if self._active:
+            self._step()
+        return bool(admitted or self._active)
+
+    def _prefill(self, handle: RequestHandle) -> None:
+        request, slot = handle.request, handle.slot
+        assert slot is not None
+        decoder = request.decoder
+        self.stats.admitted += 1
+        try:
+            start = time.perf_counter()
+            first = self.executor.prefill(slot, decoder.prompt, request.sampling)
+            decoder.stats.prefill_seconds = seconds = time.perf_counter() - start
+            self.stats.prefill_seconds += seconds
+            block = decoder.setup(first)
+            handle.policy_state = self.policy.start(decoder.config, request.explicit)
+        except Exception as exc:  # this request's prefill or setup failed: it alone ends
+            self._end(slot, error=exc)
+            return
+        handle._put(block)
+        if decoder.finished:
+            self._end(slot, reason=decoder.finish_reason)
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        slots, handles, states, supplies = [], [], [], []
+        for slot, handle in list(self._active.items()):
+            try:
+                supply = 0 if handle.request.explicit else handle.request.decoder.draft_supply()
+            except Exception as exc:  # this request's host state is broken: it alone ends
+                self._end(slot, error=exc)
+                continue
+            assert handle.policy_state is not None
+            slots.append(slot)
+            handles.append(handle)
+            states.append(handle.policy_state)
+            supplies.append(supply)
+        if not slots:
+            return
+        try:
+            configs = self.policy.choose(states, supplies)
+        except Exception as exc:  # no step can run without configs: its requests end
+            for slot in slots:
+                self._end(slot, error=exc)
+            return
+        rows = [Row(s, h.request.decoder, c) for s, h, c in zip(slots, handles, configs, strict=True)]
+        before = self._stepper.executor_seconds
+        errors = self._stepper.run(rows)
+        seconds = time.perf_counter() - start
+        executor_seconds = self._stepper.executor_seconds - before
+        self.stats.steps += 1
+        self.stats.rows += len(rows)
+        self.stats.step_seconds += seconds
+        self.stats.executor_seconds += executor_seconds
+        tokens = sum(c.step_tokens for c in configs)
+        self.steps.append(StepRecord(len(rows), tokens, executor_seconds, seconds - executor_seconds))
+        for row, handle, error in zip(rows, handles, errors, strict=True):
+            decoder = row.decoder
+            decoder.stats.decode_seconds += seconds
+            if error is not None:
+                self._end(row.slot, error=error)
+                continue
+            handle._put(decoder.emitted)
+            if decoder.finished:
+                self._end(row.slot, reason=decoder.finish_reason)
+            else:
+                self.policy.observe(handle.policy_state, row.config, len(decoder.emitted))  # type: ignore[arg-type]
+
+    def _end(self, slot: int, reason: str = "", error: BaseException | None = None) -> None:
+        """The request in `slot` leaves: release the slot, tell its consumer."""
+        handle = self._active.pop(slot)
+        try:
+            self.executor.release(slot)
+        finally:
+            with self._cond:
+                self._free.append(slot)
+                self._free.sort()
+        if error is not None:
+            self.stats.failed += 1
+            handle._put(error)
+        else:
+            self.stats.cancelled += reason == CANCELLED
+            self.stats.finished += reason != CANCELLED
+            handle._finish(reason)
