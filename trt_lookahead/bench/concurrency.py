@@ -11,7 +11,8 @@ seeded order: the same arrival pattern for every mode. Modes:
   auto     every request `auto`: the load- and acceptance-aware policy, batched
   serial   every request `auto`, but one at a time (the next waits for the previous): today's
            one-request-at-a-time runtime, on the same weights
-Per (mode, C): output tokens/s and requests/s over the level's wall time, time to first token and
+Per (mode, C): output tokens/s and requests/s over the level's wall time, time to first token (from when
+the client is ready to send: a wait for a slot, or for the previous request in `serial`, counts) and
 inter-token latency p50/p95 (a block of k tokens arriving dt after the previous counts k tokens of
 dt/k), peak RSS, host ms per request per step and mean rows per step (from the scheduler), the steps per
 config the policy chose, and `exact`: the fraction of answers equal to the greedy mode's for the prompt
@@ -63,7 +64,7 @@ def parse_modes(text: str) -> list[str]:
 
 @dataclass
 class Request:
-    """What one request of a level saw, in seconds from its submission."""
+    """What one request of a level saw, in seconds from when its client was ready to send it."""
 
     stream: int
     prompt: int  # index into the prompt list
@@ -117,8 +118,7 @@ def run_level(
     lock = threading.Lock()
     errors: list[BaseException] = []
 
-    def one(stream: int, index: int) -> Request:
-        start = time.perf_counter()
+    def one(stream: int, index: int, start: float) -> Request:
         chunks = rt.stream(list(prompts[index]), max_new_tokens, lookahead=lookahead)
         ttft, last, gaps, ids = None, start, [], []
         output = None
@@ -140,12 +140,13 @@ def run_level(
         time.sleep(delays[stream])
         for j in range(requests):
             index = order[(stream * requests + j) % len(order)]
+            start = time.perf_counter()  # serial: the wait for the previous request counts, as in a queue
             try:
                 if one_at_a_time is None:
-                    got = one(stream, index)
+                    got = one(stream, index, start)
                 else:
                     with one_at_a_time:
-                        got = one(stream, index)
+                        got = one(stream, index, start)
             except BaseException as exc:  # report after the level; the other streams go on
                 with lock:
                     errors.append(exc)
