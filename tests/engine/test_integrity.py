@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trt_lookahead.engine.format import CONFIG_DIGEST, VERIFIED_FILE, config_digest
+from trt_lookahead.engine.format import CONFIG_DIGEST, VERIFIED_FILE, config_digest, is_engine_dir
 from trt_lookahead.files import write_bytes_atomic
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
@@ -196,9 +196,8 @@ def test_impossible_builds_are_refused_before_any_work(tmp_path, argv, words):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signalled_build_leaves_nothing_behind(tmp_path, signum):
-    # issue 10: SIGTERM left `.NAME.building-PID` behind
+def _signal_a_build(tmp_path, signum) -> tuple[int, str]:
+    """Start a build, send `signum` once its work dir exists; returns (returncode, stderr)."""
     env = {**os.environ, "TRT_LOOKAHEAD_CACHE": str(tmp_path / "cache")}
     proc = subprocess.Popen([sys.executable, "-m", "trt_lookahead.cli", "build", "--model", str(STORIES),
                              "--output", str(tmp_path / "out"), "--lookahead_config", "2,2,1"],
@@ -214,8 +213,22 @@ def test_a_signalled_build_leaves_nothing_behind(tmp_path, signum):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted", err[-2000:]
-    assert [p.name for p in tmp_path.iterdir() if p.name != "cache"] == []
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signalled_build_leaves_nothing_behind(tmp_path, signum):
+    # issue 10: SIGTERM left `.NAME.building-PID` behind. stories260K builds in about a second, so on a
+    # loaded machine the signal can land after the build finished: then the engine is whole; try again.
+    for _ in range(5):
+        returncode, err = _signal_a_build(tmp_path, signum)
+        left = sorted(p.name for p in tmp_path.iterdir() if p.name != "cache")
+        if returncode == 130:
+            break
+        assert left == ["out"] and is_engine_dir(tmp_path / "out"), (returncode, left, err[-2000:])
+        shutil.rmtree(tmp_path / "out")
+    assert returncode == 130 and err.strip().splitlines()[-1] == "interrupted", err[-2000:]
+    assert left == []
 
 
 def test_what_a_killed_build_left_is_removed_by_the_next_one(engine, tmp_path):
