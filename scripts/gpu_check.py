@@ -712,7 +712,7 @@ def section_batching(args: argparse.Namespace, emit: Emit) -> str:
     import numpy as np
     import torch
 
-    from trt_lookahead.backends.torch import TorchExecutor
+    from trt_lookahead.backends.torch import BatchedTorchExecutor
     from trt_lookahead.lookahead.sampling import SamplingParams
     from trt_lookahead.model.checkpoint import load_llama
 
@@ -723,7 +723,7 @@ def section_batching(args: argparse.Namespace, emit: Emit) -> str:
 
     def greedy(slots: list[int]) -> dict[int, list[int]]:
         """Greedy tokens of `slots` decoded together, one (1, 2, 0) row each."""
-        ex = TorchExecutor(model, max_seq_len=256, max_batch=B, step_tokens=1, device="cuda")
+        ex = BatchedTorchExecutor(model, max_seq_len=256, max_batch=B, step_tokens=1, device="cuda")
         last = {s: ex.prefill(s, np.array(prompts[s]), SamplingParams()) for s in slots}
         tokens = {s: [last[s]] for s in slots}
         for _ in range(new_tokens - 1):
@@ -754,7 +754,7 @@ def batched_step_times(step_batch, configs: tuple[str, ...]) -> list[dict[str, A
     """Wall ms (median of 10) of one batched executor step, llama-1b shape, per B in BATCHES and T."""
     import numpy as np
 
-    from trt_lookahead.backends.torch import TorchExecutor
+    from trt_lookahead.backends.torch import BatchedTorchExecutor
     from trt_lookahead.lookahead.config import LookaheadConfig
     from trt_lookahead.lookahead.layout import StepLayout
     from trt_lookahead.lookahead.sampling import SamplingParams
@@ -765,7 +765,7 @@ def batched_step_times(step_batch, configs: tuple[str, ...]) -> list[dict[str, A
         layout = StepLayout(LookaheadConfig.parse(config))
         T = layout.step_tokens
         for B in BATCHES:
-            ex = TorchExecutor(model, max_seq_len=CACHE_ROOM, max_batch=B, step_tokens=T, device="cuda")
+            ex = BatchedTorchExecutor(model, max_seq_len=CACHE_ROOM, max_batch=B, step_tokens=T, device="cuda")
             for slot in range(B):
                 ex.prefill(slot, np.arange(3, 3 + CACHED_TOKENS), SamplingParams())
             batch = step_batch(slots=np.arange(B), input_ids=np.full((B, T), 5),
