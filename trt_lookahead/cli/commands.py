@@ -261,3 +261,27 @@ def triton_serve(args: argparse.Namespace) -> int:
     from trt_lookahead.serving.server import serve
 
     return serve(args.repo, args.http_port, args.grpc_port, args.metrics_port)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Take the port, load and warm the model, then serve until SIGINT or SIGTERM."""
+    lookahead = lookahead_choice(args)
+    source = model_source(args)
+
+    from trt_lookahead.runtime import LookaheadRuntime
+
+    try:
+        from trt_lookahead.serving.openai_api import listen, serve
+    except ImportError as exc:
+        raise UserError(f"serve needs the `serve` extra ({exc}): pip install 'trt-lookahead[serve]'") from None
+
+    sock = listen(args.host, args.port)
+    with LookaheadRuntime.from_pretrained(
+        source, backend=args.backend, dtype=args.dtype, lookahead=lookahead, max_seq_len=args.max_seq_len,
+        threads=args.threads, verify=args.verify, tuning_file=args.tuning_file, max_batch=args.max_batch,
+        max_queue=args.max_queue,
+    ) as runtime:
+        for config in (None, GREEDY):  # the served and the greedy paths' first-call costs now, not on a request
+            runtime.generate("Hello", max_new_tokens=2, lookahead=config)
+        serve(runtime, sock, model_name=args.served_model_name or runtime.model_path.name)
+    return 0

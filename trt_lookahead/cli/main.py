@@ -17,7 +17,7 @@ from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import DEFAULT_LOOKAHEAD
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.model.fetch import DEFAULT_MODEL
-from trt_lookahead.runtime import DEFAULT_MAX_BATCH
+from trt_lookahead.runtime import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE
 
 # command -> handler; each handler imports the modules its command needs only when it runs.
 COMMANDS = {
@@ -28,6 +28,7 @@ COMMANDS = {
     "build": commands.build,
     "triton-repo": commands.triton_repo,
     "triton-serve": commands.triton_serve,
+    "serve": commands.serve,
 }
 DEFAULT = f"{DEFAULT_LOOKAHEAD.W},{DEFAULT_LOOKAHEAD.N},{DEFAULT_LOOKAHEAD.G}"
 SAMPLING = SamplingParams()
@@ -143,6 +144,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_seq_len", "--max-seq-len", dest="max_seq_len", type=int, default=None)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     _add_verify_argument(p)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    _add_model_arguments(p)
+    _add_lookahead_argument(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port, printed at start)")
+    p.add_argument("--max-batch", "--max_batch", dest="max_batch", type=int, default=None,
+                   help=f"requests decoded together in every step (default {DEFAULT_MAX_BATCH}; an engine: 1)")
+    p.add_argument("--max-queue", "--max_queue", dest="max_queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help=f"requests that may wait for a slot (default {DEFAULT_MAX_QUEUE}); one more is answered 429")
+    p.add_argument("--served-model-name", "--served_model_name", dest="served_model_name", default=None,
+                   help="the `model` requests name (default: the model or engine directory's name)")
 
     p = sub.add_parser("triton-serve", help="run tritonserver (from nvidia-pytriton) on a repository")
     p.add_argument("--repo", required=True)

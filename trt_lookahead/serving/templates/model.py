@@ -55,12 +55,11 @@ class TritonPythonModel:
         params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
         _find_trt_lookahead(params.get("trt_lookahead_path"))
         import trt_lookahead
-        from trt_lookahead.lookahead.config import DEFAULT, GREEDY, LookaheadConfig
+        from trt_lookahead.lookahead.config import DEFAULT, GREEDY
         from trt_lookahead.runtime import DEFAULT_MAX_NEW_TOKENS, LookaheadRuntime
         from trt_lookahead.runtime.scheduler import QueueFull
         from trt_lookahead.serving import schema
 
-        self._config_type = LookaheadConfig
         self._greedy = GREEDY
         self._queue_full = QueueFull
         self.schema = schema
@@ -154,25 +153,15 @@ class TritonPythonModel:
         return prompt_ids, max_tokens, stream, kwargs
 
     def _lookahead(self, request, parameters):
-        served = self.served
         values = [self._value(request, parameters, name) for name in self.schema.LOOKAHEAD_INPUTS]
         if all(v is None for v in values):
             return None  # the served default: W,N,G, or `auto`
         if values[0] == 0:
             return self._greedy  # window size 0: no lookahead for this request
-        defaults = (served.W, served.N, served.G)
-        W, N, G = (default if v is None else v for v, default in zip(values, defaults, strict=True))
         try:
-            config = self._config_type(W, N, G)
+            return self.schema.request_lookahead(self.served, values, self.schema.LOOKAHEAD_INPUTS)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
-        if config.W > served.W or config.N > served.N or config.G > served.G:
-            raise BadRequest(
-                f"lookahead (W, N, G) = ({W}, {N}, {G}) exceeds the served config ({served.W}, {served.N}, "
-                f"{served.G}); ask for at most lookahead_window_size={served.W}, lookahead_ngram_size={served.N}, "
-                f"lookahead_verification_set_size={served.G}"
-            )
-        return config
 
     # -- responses ---------------------------------------------------------------------------------
 

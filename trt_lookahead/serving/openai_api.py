@@ -1,0 +1,348 @@
+"""`trt-lookahead serve`: an OpenAI-compatible HTTP server over one LookaheadRuntime (FastAPI + uvicorn).
+
+    POST /v1/completions, /v1/chat/completions   JSON, or server-sent events ending with `data: [DONE]`
+    GET  /v1/models, /v1/models/{id}             the one served model
+    GET  /health                                 200 once the model is loaded
+    GET  /metrics                                Prometheus text (serving/metrics.py)
+
+A request is parsed (openai_protocol.py), its model name and lookahead checked here, then handed to the
+runtime's `astream`, which checks every value and queues it on the scheduler (a full queue: 429 at once);
+the scheduler decodes up to --max-batch requests in every step. The response starts only with the
+prefill's token, so every error up to then is an HTTP error with OpenAI's error object; the server keeps
+serving. A client that disconnects (streaming or not) closes its stream, which cancels the request at the
+next step and frees its slot. docs/design.md section 7.6.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import signal
+import socket
+import sys
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+import anyio
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.types import Receive
+
+from trt_lookahead.errors import UserError
+from trt_lookahead.lookahead.config import AUTO, GREEDY, LookaheadConfig
+from trt_lookahead.runtime import GenerationOutput, LookaheadRuntime, StreamChunk
+from trt_lookahead.runtime.scheduler import QueueFull
+from trt_lookahead.serving.metrics import RequestTrace, ServerMetrics
+from trt_lookahead.serving.openai_protocol import (
+    DONE,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    GenerationRequest,
+    LookaheadOption,
+    envelope,
+    lookahead_report,
+    parse_request,
+    sse,
+    usage,
+)
+from trt_lookahead.serving.schema import request_lookahead
+
+GRACEFUL_SHUTDOWN_SECONDS = 15  # on SIGTERM/SIGINT: requests still running after this are cancelled
+LOOKAHEAD_NAMES = ("lookahead.window", "lookahead.ngram", "lookahead.verification")
+CLIENT_CLOSED = 499  # the access log's status of a request whose client went away (nginx's convention)
+log = logging.getLogger("uvicorn.error")
+T = TypeVar("T")
+
+
+@dataclass
+class Job:
+    """One parsed request: the runtime's arguments, and what its response reports."""
+
+    body: GenerationRequest
+    prompt_ids: list[int]
+    arguments: dict[str, Any]  # LookaheadRuntime.astream's keyword arguments
+    seed: int
+
+
+class OpenAIServer:
+    """The routes over one runtime; `app()` is the ASGI application."""
+
+    def __init__(self, runtime: LookaheadRuntime, *, model_name: str) -> None:
+        self.runtime = runtime
+        self.name = model_name
+        self.served = runtime.request_config(None)[0]  # a request's ceiling: the default config (auto: its largest)
+        self.auto = runtime.lookahead == AUTO
+        self.chat_template = bool(getattr(runtime.tokenizer, "chat_template", None))
+        self.created = int(time.time())
+        scheduler = runtime.scheduler
+        self.metrics = ServerMetrics(
+            lambda: scheduler.waiting, lambda: runtime.max_batch - scheduler.free_slots,
+            {"model": model_name, "backend": runtime.backend, "dtype": runtime.dtype, "lookahead": self.label,
+             "max_seq_len": str(runtime.max_seq_len), "max_batch": str(runtime.max_batch),
+             "max_queue": str(scheduler.max_queue)},
+        )
+
+    @property
+    def label(self) -> str:
+        """The served lookahead: W/N/G, greedy, or auto up to W/N/G."""
+        return f"{AUTO} (up to {self.served.label})" if self.auto else self.served.label
+
+    def app(self) -> FastAPI:
+        app = FastAPI(title="trt-lookahead", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"], response_model=None)
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"], response_model=None)
+        app.add_api_route("/v1/models", self.models, methods=["GET"], response_model=None)
+        app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"], response_model=None)
+        app.add_api_route("/health", self.health, methods=["GET"], response_model=None)
+        app.add_api_route("/metrics", self.prometheus, methods=["GET"], response_model=None)
+        app.add_exception_handler(HTTPException, self._http_error)
+        app.add_exception_handler(Exception, self._internal_error)
+        return app
+
+    # -- routes ---------------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, CompletionRequest)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, ChatRequest)
+
+    async def models(self) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, model_id: str) -> JSONResponse:
+        if model_id != self.name:
+            return _error_response(self._unknown_model(model_id))
+        return JSONResponse(self._card())
+
+    async def health(self) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    async def prometheus(self) -> Response:
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    async def _http_error(self, request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPException)
+        paths = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health, /metrics"
+        message = f"{request.method} {request.url.path}: {exc.detail}; this server has {paths}"
+        return _error_response(ApiError(exc.status_code, message))
+
+    async def _internal_error(self, request: Request, exc: Exception) -> JSONResponse:
+        return _error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+    # -- generation -----------------------------------------------------------------------------
+
+    async def _generate(self, request: Request, kind: type[GenerationRequest]) -> Response:
+        trace = self.metrics.trace(kind.ENDPOINT)
+        try:
+            job = self._job(parse_request(await request.body(), kind))
+            chunks = self._run(job, trace)
+            first = await unless_disconnected(request.receive, anext(chunks))
+        except ApiError as exc:
+            trace.finish(exc.outcome)
+            return _error_response(exc)
+        if first is None:
+            trace.finish("cancelled")
+            return Response(status_code=CLIENT_CLOSED)
+        rid, created = f"{job.body.ID_PREFIX}{uuid.uuid4().hex}", int(time.time())
+        if job.body.stream:
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(self._events(job, chunks, first, rid, created), media_type="text/event-stream",
+                                     headers=headers)
+        try:
+            output = await unless_disconnected(request.receive, _final_output(chunks, first))
+        except Exception as exc:
+            log.exception("request %s failed", rid)
+            return _error_response(ApiError(500, f"generation failed: {type(exc).__name__}: {exc}"))
+        if output is None:
+            return Response(status_code=CLIENT_CLOSED)
+        body = job.body
+        return JSONResponse(envelope(body, rid, created, False, [body.choice(output.text, output.finish_reason)],
+                                     usage=usage(output), lookahead=lookahead_report(output, job.seed)))
+
+    def _job(self, body: GenerationRequest) -> Job:
+        """The model name and the lookahead extension checked here; every value by the runtime (in astream)."""
+        if body.model != self.name:
+            raise self._unknown_model(body.model)
+        if isinstance(body, ChatRequest) and not self.chat_template:
+            raise ApiError(400, f"the model {self.name!r} has no chat template; send a text prompt to /v1/completions",
+                           param="messages")
+        config = self._config(body.lookahead)
+        seed = secrets.randbits(32) if body.seed is None else body.seed  # reported, so any answer can be replayed
+        try:
+            prompt_ids = self.runtime.encode(body.runtime_prompt())
+        except ValueError as exc:  # UserError: a chat template that cannot render these messages
+            raise ApiError(400, str(exc)) from None
+        room = self.runtime.max_seq_len - len(prompt_ids)
+        arguments = dict(max_new_tokens=body.requested_tokens(room), lookahead=config, seed=seed,
+                         stop=list(body.stop), **body.sampling())
+        return Job(body, prompt_ids, arguments, seed)
+
+    def _config(self, option: LookaheadOption | bool | None) -> LookaheadConfig | str | None:
+        """The runtime's `lookahead` argument: None (the served default, auto included), GREEDY or a config."""
+        if option is False:
+            return GREEDY
+        if option is None or option is True:
+            return None
+        try:
+            return request_lookahead(self.served, (option.window, option.ngram, option.verification), LOOKAHEAD_NAMES)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="lookahead") from None
+
+    async def _run(self, job: Job, trace: RequestTrace) -> AsyncGenerator[StreamChunk, None]:
+        """The runtime's chunks for `job`; errors before the first chunk are ApiErrors (the handler counts them).
+
+        Closing this generator (a client that went away) closes the runtime's stream: the request is
+        cancelled at the next step and its slot freed."""
+        started, outcome = False, "cancelled"
+        try:
+            stream = cast(AsyncGenerator[StreamChunk, None], self.runtime.astream(job.prompt_ids, **job.arguments))
+            async with contextlib.aclosing(stream) as chunks:  # an async generator: aclose() cancels the request
+                async for chunk in chunks:
+                    if not started:
+                        started = True
+                        trace.started(len(job.prompt_ids))
+                    trace.chunk(chunk)
+                    if chunk.output is not None:
+                        outcome = chunk.output.finish_reason
+                    yield chunk
+        except QueueFull as exc:
+            raise ApiError(429, str(exc), code="queue_full") from None
+        except Exception as exc:
+            if started:
+                outcome = "error"
+                raise
+            if isinstance(exc, ValueError):  # UserError: the runtime's checks of the request
+                raise ApiError(400, str(exc)) from None
+            log.exception("request failed before its first token")
+            raise ApiError(500, f"generation failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            if started:
+                trace.finish(outcome)
+
+    async def _events(self, job: Job, chunks: AsyncGenerator[StreamChunk, None], first: StreamChunk, rid: str,
+                      created: int) -> AsyncIterator[str]:
+        """The SSE body: a chunk per block with text, the last with finish_reason (and usage if asked), [DONE]."""
+        body = job.body
+        usage_field: dict[str, Any] = {"usage": None} if body.include_usage else {}
+
+        def event(choices: list[dict[str, Any]], **extra: Any) -> str:
+            return sse(envelope(body, rid, created, True, choices, **{**usage_field, **extra}))
+
+        async with contextlib.aclosing(chunks):
+            for choice in body.opening():
+                yield event([choice])
+            chunk = first
+            try:
+                while not chunk.done:
+                    if chunk.text:
+                        yield event([body.delta(chunk.text, None)])
+                    chunk = await anext(chunks)
+            except Exception as exc:  # the response has started: an error event ends it
+                log.exception("request %s failed while streaming", rid)
+                yield sse(ApiError(500, f"generation failed: {type(exc).__name__}: {exc}").body())
+                yield DONE
+                return
+            output = chunk.output
+            assert output is not None  # the last chunk carries the output
+            yield event([body.delta(chunk.text, output.finish_reason)], lookahead=lookahead_report(output, job.seed))
+            if body.include_usage:
+                yield event([], usage=usage(output))
+            yield DONE
+
+    def _card(self) -> dict[str, Any]:
+        s = self.served
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "trt-lookahead",
+                "max_model_len": self.runtime.max_seq_len,
+                "lookahead": {"window": s.W, "ngram": s.N, "verification": s.G, "auto": self.auto}}
+
+    def _unknown_model(self, name: str) -> ApiError:
+        return ApiError(404, f"the model {name!r} does not exist on this server; it serves {self.name!r} "
+                        "(GET /v1/models)", param="model", code="model_not_found")
+
+
+async def _final_output(chunks: AsyncGenerator[StreamChunk, None], chunk: StreamChunk) -> GenerationOutput:
+    async with contextlib.aclosing(chunks):
+        while not chunk.done:
+            chunk = await anext(chunks)
+    assert chunk.output is not None  # the last chunk carries the output
+    return chunk.output
+
+
+async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T | None:
+    """The result of `work`, or None if the client disconnects first (`work` is then cancelled)."""
+    results: list[T] = []
+    failures: list[Exception] = []
+    async with anyio.create_task_group() as group:
+
+        async def run() -> None:
+            try:
+                results.append(await work)
+            except Exception as exc:  # re-raised below, not as an ExceptionGroup
+                failures.append(exc)
+            group.cancel_scope.cancel()
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            group.cancel_scope.cancel()
+
+        group.start_soon(run)
+        group.start_soon(watch)
+    if failures:
+        raise failures[0]
+    return results[0] if results else None
+
+
+def _error_response(error: ApiError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if error.status == 429 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+# -- running it -------------------------------------------------------------------------------------
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on (host, port), opened before the model loads so that a taken port fails at once."""
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port {port} is not a TCP port; give 0 (any free port) to 65535")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        raise UserError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another --port or --host") \
+            from None
+    return sock
+
+
+def serve(runtime: LookaheadRuntime, sock: socket.socket, *, model_name: str, log_level: str = "info") -> None:
+    """Serve until SIGINT or SIGTERM, then finish running requests (GRACEFUL_SHUTDOWN_SECONDS at most)."""
+    api = OpenAIServer(runtime, model_name=model_name)
+    server = uvicorn.Server(uvicorn.Config(
+        api.app(), log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+    ))
+    host, port = sock.getsockname()[:2]
+    print(
+        f"trt-lookahead serve: {model_name} ({runtime.backend}, {runtime.dtype}, lookahead {api.label}, max_seq_len "
+        f"{runtime.max_seq_len}, max_batch {runtime.max_batch}, max_queue {runtime.scheduler.max_queue}) on "
+        f"http://{host}:{port}/v1 (POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics); "
+        "Ctrl-C stops it", file=sys.stderr, flush=True,
+    )
+    # uvicorn re-raises the signal it shut down on once it is done; that signal has been handled: ignore it
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
