@@ -33,6 +33,7 @@ import numpy as np
 
 from trt_lookahead.bench.datasets import resolve_dataset_path
 from trt_lookahead.serving.repository import write_repository
+from trt_lookahead.serving.schema import INPUT
 from trt_lookahead.serving.server import TritonServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,11 +72,11 @@ def percentile(values: list[float], q: float) -> float:
 def one_request(client, responses, grpcclient, prompt, max_tokens, chat, request_id, timeout):
     """-> (ttft, latency, text, generated_tokens, error) for one request on `client`'s open stream."""
     inputs = []
-    for name, value, datatype in (("text_input", prompt.encode(), "BYTES"), ("max_tokens", max_tokens, "INT32"),
-                                  ("stream", True, "BOOL")):
-        array = np.array([value], dtype={"BYTES": object, "INT32": np.int32, "BOOL": bool}[datatype])
+    for name, value in (("text_input", prompt.encode()), ("max_tokens", max_tokens), ("stream", True)):
+        field = INPUT[name]  # the types the served config.pbtxt declares
+        datatype = "BYTES" if field.triton_type == "TYPE_STRING" else field.triton_type.removeprefix("TYPE_")
         tensor = grpcclient.InferInput(name, [1], datatype)
-        tensor.set_data_from_numpy(array)
+        tensor.set_data_from_numpy(np.array([value], dtype=field.numpy_dtype))
         inputs.append(tensor)
     start = time.perf_counter()
     client.async_stream_infer(NAME, inputs, request_id=request_id, parameters={"chat": chat} if chat else None,
