@@ -481,8 +481,9 @@ class StepInputs:
 
         layer = self._layer
         self._layer = (layer + 1) % len(self.k_heads)  # layers call in order, once per forward
-        return triton_kernel.lookahead_attention(q.contiguous(), k_step, v_step, self.k_heads[layer],
-                                                 self.v_heads[layer], self.kernel_cache_len, self.step_config)
+        return triton_kernel.lookahead_attention(q.contiguous()[None], k_step[None], v_step[None],  # one row
+                                                 self.k_heads[layer][None], self.v_heads[layer][None],
+                                                 self.kernel_cache_len, self.step_config)[0]
 
 
 def config_tuple(config: str) -> tuple[int, ...]:
@@ -636,7 +637,7 @@ def section_aot(args: argparse.Namespace, emit: Emit) -> str:
         try:
             scale = reference.default_scale(D)
             kernel = tensorrt_plugin.compile_aot_kernel(dtype, Hq, Hkv, D, scale)
-            grid, scalars = tensorrt_plugin.launch_dims(T, S, Hq, triton.cdiv)
+            grid, scalars = tensorrt_plugin.launch_dims(1, T, S, Hq, triton.cdiv)  # one row
             entry = ptx_entry(kernel.ptx)
             signature = tensorrt_plugin.kernel_signature(dtype)
             case["handed_to_tensorrt"] = {
@@ -645,8 +646,8 @@ def section_aot(args: argparse.Namespace, emit: Emit) -> str:
                 "block_x": kernel.threads, "shared_mem": kernel.shared_mem, "block_n": kernel.block_n,
                 "extra_args": scalars, "hidden_params_passed_null": len(entry["params"]) - len(signature)}
             g = torch.Generator().manual_seed(0)
-            q, k, v = (torch.randn(T, h, D, generator=g).to(getattr(torch, dtype)) for h in (Hq, Hkv, Hkv))
-            kc, vc = (torch.randn(Hkv, S, D, generator=g).to(getattr(torch, dtype)) for _ in range(2))
+            q, k, v = (torch.randn(1, T, h, D, generator=g).to(getattr(torch, dtype)) for h in (Hq, Hkv, Hkv))
+            kc, vc = (torch.randn(1, Hkv, S, D, generator=g).to(getattr(torch, dtype)) for _ in range(2))
             inputs = [t.cuda() for t in (q, k, v, kc, vc, torch.tensor([p], dtype=torch.int32),
                                          reference.as_config_tensor(config_tuple(config)))]
             out = torch.full_like(inputs[0], float("nan"))
@@ -655,7 +656,8 @@ def section_aot(args: argparse.Namespace, emit: Emit) -> str:
             arguments.append(("ptr", out.data_ptr()))
             case["launch"] = launch_as_tensorrt(kernel.ptx, kernel.name, grid, kernel.threads, kernel.shared_mem,
                                                 arguments, stream, len(entry["params"]) - len(signature))
-            expected = reference.lookahead_attention(*(t.double() for t in (q, k, v, kc, vc)), p, config_tuple(config))
+            expected = reference.lookahead_attention(*(t.double() for t in (q, k, v, kc, vc)), torch.tensor([p]),
+                                                    [config_tuple(config)])
             case["relative_error"] = reference.relative_error(out.cpu(), expected)
             case["ok"] = case["relative_error"] <= AOT_TOLERANCE[dtype]
             if not case["ok"]:
@@ -680,7 +682,7 @@ def over_limit_probe(stream: int) -> dict[str, Any]:
     from trt_lookahead.kernels import reference, tensorrt_plugin
 
     kernel = tensorrt_plugin.compile_kernel("float32", 32, 32, 128, reference.default_scale(128), block_n=32)
-    grid, scalars = tensorrt_plugin.launch_dims(16, 64, 32, triton.cdiv)
+    grid, scalars = tensorrt_plugin.launch_dims(1, 16, 64, 32, triton.cdiv)
     buffers = [torch.zeros(32 * 64 * 128, device="cuda") for _ in range(6)]  # room for every operand
     step = [torch.zeros(1, dtype=torch.int32, device="cuda"), reference.as_config_tensor((4, 3, 4)).cuda()]
     arguments = [("ptr", b.data_ptr()) for b in [*buffers[:5], *step]]

@@ -1,4 +1,5 @@
-"""LookaheadAttention: closed-form mask, torch reference, Triton kernel (interpreter), AOT PTX, ONNX node.
+"""LookaheadAttention: closed-form mask, torch reference, Triton kernel (interpreter), AOT PTX, ONNX node,
+each over a batch of mixed rows (own cache length and step config per row).
 
 Without a GPU the Triton kernel runs under TRITON_INTERPRET=1 on CPU (tests/conftest.py decides once per
 session, before triton is imported; small shapes, the interpreter is slow); with one it runs compiled.
@@ -24,11 +25,19 @@ MASK_CONFIGS += [(4, 3, 4), (7, 5, 7), (15, 5, 15), (1, 2, 0), (33, 2, 0)]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def random_case(T, Hq, Hkv, D, S, P, dtype=torch.float32, seed=0):
+def random_case(T, Hq, Hkv, D, S, lengths, dtype=torch.float32, seed=0):
+    """Random q, k, v [B, T, H, D], caches [B, Hkv, S, D] and cache_len [B] for rows of the given lengths."""
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(T, h, D, generator=g).to(dtype) for h in (Hq, Hkv, Hkv))
-    kc, vc = (torch.randn(Hkv, S, D, generator=g).to(dtype) for _ in range(2))
-    return q, k, v, kc, vc, torch.tensor([P], dtype=torch.int32)
+    B = len(lengths)
+    q, k, v = (torch.randn(B, T, h, D, generator=g).to(dtype) for h in (Hq, Hkv, Hkv))
+    kc, vc = (torch.randn(B, Hkv, S, D, generator=g).to(dtype) for _ in range(2))
+    return q, k, v, kc, vc, torch.tensor(lengths, dtype=torch.int32)
+
+
+def layout_masks(configs, T):
+    """[B, T, T] masks of StepLayout (causal for (0, 0, 0)): what the closed form must reproduce per row."""
+    return np.stack([StepLayout(LookaheadConfig(*c), padded_tokens=T).mask if c[0] else np.tril(np.ones((T, T), bool))
+                     for c in configs])
 
 
 # -- the closed-form mask -----------------------------------------------------------------------
@@ -50,31 +59,34 @@ def test_causal_mask_and_bad_configs():
 
 # -- the torch reference ------------------------------------------------------------------------
 
+SEAM_ROWS = [((4, 3, 4), 0), ((4, 3, 4), 19), ((2, 2, 1), 7), ((1, 2, 0), 5), ((0, 0, 0), 11)]
 
-@pytest.mark.parametrize("cfg,P", [((4, 3, 4), 0), ((4, 3, 4), 19), ((2, 2, 1), 7), ((1, 2, 0), 5)])
-def test_reference_equals_the_models_attention_seam(cfg, P):
-    """The op's semantics are the model's seam: cache rows 0..p-1 for all, step rows by the mask."""
-    lay = StepLayout(LookaheadConfig(*cfg))
-    T, Hq, Hkv, D, S = lay.step_tokens, 8, 4, 8, 40
-    q, k, v, kc, vc, p = random_case(T, Hq, Hkv, D, S, P)
-    ours = reference.lookahead_attention(q, k, v, kc, vc, p, cfg)
-    seam_k, seam_v = kc.transpose(0, 1).clone(), vc.transpose(0, 1).clone()  # [S, Hkv, D], step rows at p..
-    seam_k[P : P + T], seam_v[P : P + T] = k, v
-    theirs = sdpa_attention(q, seam_k, seam_v, torch.tensor(P), torch.from_numpy(lay.mask.copy()))
-    assert reference.relative_error(ours, theirs) < 1e-5
+
+def test_reference_rows_equal_the_models_attention_seam():
+    """Each row of a mixed batch is the model's seam on that row alone: its own cache rows 0..p-1, its
+    step rows by its own mask (T = 16, smaller configs padded)."""
+    T, Hq, Hkv, D, S = 16, 8, 4, 8, 40
+    configs, lengths = zip(*SEAM_ROWS, strict=True)
+    q, k, v, kc, vc, p = random_case(T, Hq, Hkv, D, S, lengths)
+    ours = reference.lookahead_attention(q, k, v, kc, vc, p, np.array(configs))
+    masks = layout_masks(configs, T)
+    for b, P in enumerate(lengths):
+        seam_k, seam_v = kc[b].transpose(0, 1).clone(), vc[b].transpose(0, 1).clone()  # [S, Hkv, D]
+        seam_k[P : P + T], seam_v[P : P + T] = k[b], v[b]
+        theirs = sdpa_attention(q[b], seam_k, seam_v, torch.tensor(P), torch.from_numpy(masks[b]))
+        assert reference.relative_error(ours[b], theirs) < 1e-5, SEAM_ROWS[b]
 
 
 # -- the Triton kernel (interpreter on CPU, compiled on a GPU) -------------------------------------
 
 KERNEL_CASES = [
-    # (step_config, T, Hq, Hkv, D, S, P)
-    ((4, 3, 4), 16, 8, 4, 8, 48, 23),  # stories260K heads, cache tail not a multiple of BLOCK_N
-    ((4, 3, 4), 19, 9, 3, 64, 40, 33),  # SmolLM2 heads (GQA 9/3, D=64), padded to 19 slots
-    ((2, 2, 0), 2, 4, 4, 16, 8, 0),  # N=2, G=0, MHA, empty cache
-    ((5, 4, 2), 21, 6, 2, 32, 70, 64),  # cache exactly two blocks
-    ((1, 2, 0), 1, 8, 4, 8, 16, 9),  # greedy
-    ((0, 0, 0), 37, 4, 2, 16, 40, 0),  # causal prefill, three query blocks
-    ((0, 0, 0), 5, 4, 2, 16, 40, 12),  # causal chunk after a cached prefix
+    # (T, Hq, Hkv, D, S, rows: (step_config, cache_len) per batch row)
+    (16, 8, 4, 8, 48, [((4, 3, 4), 23), ((2, 2, 1), 0), ((0, 0, 0), 47), ((1, 2, 0), 5)]),  # stories260K heads
+    (19, 9, 3, 64, 40, [((4, 3, 4), 33), ((0, 0, 0), 0)]),  # SmolLM2 heads (GQA 9/3, D=64), padded to 19 slots
+    (2, 4, 4, 16, 8, [((2, 2, 0), 0)]),  # N=2, G=0, MHA, empty cache, one row
+    (21, 6, 2, 32, 70, [((5, 4, 2), 64), ((5, 4, 2), 3)]),  # cache exactly two blocks; a short row beside it
+    (1, 8, 4, 8, 16, [((1, 2, 0), 9), ((0, 0, 0), 0), ((1, 2, 0), 15)]),  # greedy rows
+    (37, 4, 2, 16, 40, [((0, 0, 0), 0), ((0, 0, 0), 3)]),  # causal prefill chunks, three query blocks
 ]
 
 
@@ -86,40 +98,56 @@ def _kernel_device() -> str:
     return "cuda"
 
 
-@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"{c[0]}-T{c[1]}-H{c[2]}/{c[3]}-D{c[4]}-P{c[6]}")
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"T{c[0]}-H{c[1]}/{c[2]}-D{c[3]}-B{len(c[5])}")
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_triton_kernel_matches_reference(case, dtype, tolerance):
     from trt_lookahead.kernels import triton_kernel
 
-    cfg, T, Hq, Hkv, D, S, P = case
+    T, Hq, Hkv, D, S, rows = case
+    configs, lengths = zip(*rows, strict=True)
     device = _kernel_device()
-    q, k, v, kc, vc, p = random_case(T, Hq, Hkv, D, S, P, dtype)
-    step_mask = StepLayout(LookaheadConfig(*cfg), padded_tokens=T).mask if cfg[0] else np.tril(np.ones((T, T), bool))
-    expected = reference.lookahead_attention(*(t.double() for t in (q, k, v, kc, vc)), p, mask=step_mask)
-    args = [t.to(device) for t in (q, k, v, kc, vc, p, reference.as_config_tensor(cfg))]
+    q, k, v, kc, vc, p = random_case(T, Hq, Hkv, D, S, lengths, dtype)
+    expected = reference.lookahead_attention(*(t.double() for t in (q, k, v, kc, vc)), p, configs,
+                                             masks=layout_masks(configs, T))
+    args = [t.to(device) for t in (q, k, v, kc, vc, p, reference.as_config_tensor(configs))]
     out = triton_kernel.lookahead_attention(*args).cpu()
     assert out.dtype == dtype
-    assert reference.relative_error(out, expected) <= tolerance
+    for b, row in enumerate(rows):
+        assert reference.relative_error(out[b], expected[b]) <= tolerance, row
 
 
-PROBE_CONFIGS = [(1, 2, 0), (3, 2, 0), (2, 2, 1), (4, 3, 4), (3, 4, 0), (2, 3, 3), (5, 4, 2), (1, 6, 1)]
+def test_triton_kernel_row_alone_equals_row_in_the_batch():
+    """A row's program reads only its own length and config: the same bits alone as in a mixed batch."""
+    from trt_lookahead.kernels import triton_kernel
+
+    T, Hq, Hkv, D, S, rows = KERNEL_CASES[0]
+    configs, lengths = zip(*rows, strict=True)
+    device = _kernel_device()
+    tensors = [*random_case(T, Hq, Hkv, D, S, lengths), reference.as_config_tensor(configs)]
+    batched = triton_kernel.lookahead_attention(*(t.to(device) for t in tensors)).cpu()
+    for b in range(len(rows)):
+        alone = triton_kernel.lookahead_attention(*(t[b : b + 1].contiguous().to(device) for t in tensors)).cpu()
+        assert torch.equal(alone[0], batched[b]), rows[b]
 
 
-@pytest.mark.parametrize("cfg", PROBE_CONFIGS)
-def test_in_kernel_mask_equals_step_layout(cfg):
-    """With q = 0 every visible key weighs the same and V = identity: the output row is the mask row."""
+PROBE_CONFIGS = [(1, 2, 0), (3, 2, 0), (2, 2, 1), (4, 3, 4), (3, 4, 0), (2, 3, 3), (5, 4, 2), (1, 6, 1), (0, 0, 0)]
+
+
+def test_in_kernel_masks_equal_step_layout():
+    """With q = 0 every visible key weighs the same and V = identity: output row i of batch row b is row i of
+    b's mask. One launch holds every config (padded to the largest T plus 2 pad slots) and a causal row."""
     from trt_lookahead.kernels import triton_kernel
 
     device = _kernel_device()
-    lay = StepLayout(LookaheadConfig(*cfg), padded_tokens=StepLayout(LookaheadConfig(*cfg)).step_tokens + 2)
-    T = lay.step_tokens
-    q = torch.zeros(T, 1, T)
-    v = torch.eye(T)[:, None, :]
-    cache = torch.zeros(1, 4, T)
-    args = [t.to(device) for t in (q, torch.zeros(T, 1, T), v, cache, cache, torch.tensor([0], dtype=torch.int32),
-                                   reference.as_config_tensor(cfg))]
-    out = triton_kernel.lookahead_attention(*args).cpu()[:, 0, :]
-    assert np.array_equal(out.numpy() > 0, lay.mask)
+    T = max(LookaheadConfig(*c).step_tokens for c in PROBE_CONFIGS if c[0]) + 2
+    B = len(PROBE_CONFIGS)
+    q = torch.zeros(B, T, 1, T)
+    v = torch.eye(T)[None, :, None, :].repeat(B, 1, 1, 1)
+    cache = torch.zeros(B, 1, 4, T)
+    args = [t.to(device) for t in (q, torch.zeros(B, T, 1, T), v, cache, cache, torch.zeros(B, dtype=torch.int32),
+                                   reference.as_config_tensor(PROBE_CONFIGS))]
+    out = triton_kernel.lookahead_attention(*args).cpu()[:, :, 0, :]
+    assert np.array_equal(out.numpy() > 0, layout_masks(PROBE_CONFIGS, T))
 
 
 AOT_PROBE = """
@@ -187,55 +215,84 @@ def test_registering_the_plugin_imports_no_triton():
 
 # -- the ONNX node and its onnxruntime decomposition -----------------------------------------------
 
+OP_INPUTS = ["query", "key", "value", "key_cache", "value_cache", "cache_len", "step_config"]
 
-def single_op_model(T, Hq, Hkv, D, S, dtype=TensorProto.FLOAT):
-    names = ["query", "key", "value", "key_cache", "value_cache", "cache_len", "step_config"]
-    shapes = [[T, Hq, D], [T, Hkv, D], [T, Hkv, D], [Hkv, S, D], [Hkv, S, D], [1], [3]]
+
+def single_op_model(B, T, Hq, Hkv, D, S, dtype=TensorProto.FLOAT):
+    shapes = [[B, T, Hq, D], [B, T, Hkv, D], [B, T, Hkv, D], [B, Hkv, S, D], [B, Hkv, S, D], [B], [B, 3]]
     types = [dtype] * 5 + [TensorProto.INT32] * 2
-    node = onnx_op.make_node(names, "out", "attention", num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
+    node = onnx_op.make_node(OP_INPUTS, "out", "attention", num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
                              scale=reference.default_scale(D))
     graph = helper.make_graph(
         [node], "lookahead_attention",
-        [helper.make_tensor_value_info(n, t, s) for n, t, s in zip(names, types, shapes, strict=True)],
-        [helper.make_tensor_value_info("out", dtype, [T, Hq, D])],
+        [helper.make_tensor_value_info(n, t, s) for n, t, s in zip(OP_INPUTS, types, shapes, strict=True)],
+        [helper.make_tensor_value_info("out", dtype, [B, T, Hq, D])],
     )
     return helper.make_model(graph, opset_imports=onnx_op.opset_imports(23), ir_version=10)
 
 
 def test_onnx_node_contract():
-    model = single_op_model("T", 9, 3, 64, 1040)
+    model = single_op_model("B", "T", 9, 3, 64, 1040)
     onnx.checker.check_model(model)
     (node,) = onnx_op.attention_nodes(model)
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     assert (node.op_type, node.domain) == ("LookaheadAttention", "trt_lookahead")
-    assert list(node.input) == ["query", "key", "value", "key_cache", "value_cache", "cache_len", "step_config"]
+    assert list(node.input) == OP_INPUTS
     assert attrs == {"num_q_heads": 9, "num_kv_heads": 3, "head_dim": 64, "scale": pytest.approx(0.125),
                      "plugin_namespace": b"trt_lookahead", "plugin_version": b"1", "aot": 1}
 
 
-ORT_CASES = [((4, 3, 4), 16, 0), ((4, 3, 4), 16, 21), ((2, 2, 1), 16, 9), ((1, 2, 0), 1, 30), ((0, 0, 0), 11, 0),
-             ((0, 0, 0), 3, 17), ((15, 5, 15), 120, 40)]
+ORT_CASES = [  # (T, rows: (step_config, cache_len))
+    (16, [((4, 3, 4), 0), ((4, 3, 4), 21), ((2, 2, 1), 9), ((0, 0, 0), 3), ((1, 2, 0), 30)]),
+    (1, [((1, 2, 0), 30), ((0, 0, 0), 0)]),
+    (11, [((0, 0, 0), 0), ((0, 0, 0), 17)]),
+    (120, [((15, 5, 15), 40)]),
+]
 
 
-@pytest.mark.parametrize("cfg,T,P", ORT_CASES)
-def test_decomposition_runs_on_onnxruntime_like_the_reference(cfg, T, P):
+def decomposed_session(Hq, Hkv, D, S):
     import onnxruntime as ort
 
-    Hq, Hkv, D, S = 8, 4, 8, 64
-    decomposed = onnx_op.decompose(single_op_model("T", Hq, Hkv, D, S))
+    decomposed = onnx_op.decompose(single_op_model("B", "T", Hq, Hkv, D, S))
     assert not onnx_op.attention_nodes(decomposed)
     onnx.checker.check_model(decomposed)
-    session = ort.InferenceSession(decomposed.SerializeToString(), providers=["CPUExecutionProvider"])
-    q, k, v, kc, vc, p = random_case(T, Hq, Hkv, D, S, P)
-    feeds = dict(zip(["query", "key", "value", "key_cache", "value_cache"], (t.numpy() for t in (q, k, v, kc, vc)),
-                     strict=True))
-    feeds.update(cache_len=p.numpy(), step_config=np.array(cfg, np.int32))
-    (out,) = session.run(None, feeds)
-    expected = reference.lookahead_attention(q, k, v, kc, vc, p, cfg)
-    assert reference.relative_error(torch.from_numpy(out), expected) < 1e-5
+    return ort.InferenceSession(decomposed.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def op_feeds(tensors):
+    q, k, v, kc, vc, p, configs = tensors
+    feeds = dict(zip(OP_INPUTS[:5], (t.numpy() for t in (q, k, v, kc, vc)), strict=True))
+    return feeds | {"cache_len": p.numpy(), "step_config": np.asarray(configs, np.int32).reshape(-1, 3)}
+
+
+@pytest.mark.parametrize("T,rows", ORT_CASES, ids=lambda c: str(c) if isinstance(c, int) else f"B{len(c)}")
+def test_decomposition_runs_on_onnxruntime_like_the_reference(T, rows):
+    Hq, Hkv, D, S = 8, 4, 8, 64
+    configs, lengths = zip(*rows, strict=True)
+    session = decomposed_session(Hq, Hkv, D, S)
+    q, k, v, kc, vc, p = random_case(T, Hq, Hkv, D, S, lengths)
+    (out,) = session.run(None, op_feeds((q, k, v, kc, vc, p, configs)))
+    expected = reference.lookahead_attention(q, k, v, kc, vc, p, np.array(configs))
+    for b, row in enumerate(rows):
+        assert reference.relative_error(torch.from_numpy(out[b]), expected[b]) < 1e-5, row
+
+
+def test_decomposition_gives_a_row_the_same_bits_alone_and_batched():
+    """The batch's longest prefix pads a shorter row's cache columns; the row's result must not move by a bit."""
+    Hq, Hkv, D, S = 9, 3, 64, 300
+    session = decomposed_session(Hq, Hkv, D, S)
+    configs = [(4, 3, 4), (0, 0, 0), (2, 2, 1), (1, 2, 0)]
+    for seed, lengths in enumerate([(5, 280, 0, 77), (1, 2, 3, 4), (129, 17, 64, 200)]):
+        tensors = (*random_case(16, Hq, Hkv, D, S, lengths, seed=seed), configs)
+        (batched,) = session.run(None, op_feeds(tensors))
+        for b in range(len(lengths)):
+            (alone,) = session.run(None, {k: v[b : b + 1] for k, v in op_feeds(tensors).items()})
+            assert np.array_equal(alone[0], batched[b]), (lengths, b)
 
 
 # -- GPU / TensorRT (skip here, run on a GPU host with TensorRT) -----------------------------------
+
+GPU_ROWS = [((4, 3, 4), 40), ((0, 0, 0), 0), ((2, 2, 1), 100)]
 
 
 @pytest.mark.gpu
@@ -246,18 +303,21 @@ def test_compiled_kernel_replays_in_a_cuda_graph():
         pytest.skip("this torch build has no CUDA support")
     from trt_lookahead.kernels import triton_kernel
 
-    q, k, v, kc, vc, p = (t.cuda() for t in random_case(16, 8, 4, 64, 256, 40))
-    cfg = reference.as_config_tensor((4, 3, 4)).cuda()
+    configs, lengths = zip(*GPU_ROWS, strict=True)
+    q, k, v, kc, vc, p = (t.cuda() for t in random_case(16, 8, 4, 64, 256, lengths))
+    cfg = reference.as_config_tensor(configs).cuda()
     out = torch.empty_like(q)
     triton_kernel.lookahead_attention(q, k, v, kc, vc, p, cfg, out=out)  # compile + warm up
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         triton_kernel.lookahead_attention(q, k, v, kc, vc, p, cfg, out=out)
-    for P in (40, 41, 100):  # p changes in device memory only: the same graph stays right
-        p.fill_(P)
+    for new_lengths, new_configs in (((41, 7, 0), configs), ((100, 200, 3), [(1, 2, 0), (4, 3, 4), (0, 0, 0)])):
+        p.copy_(torch.tensor(new_lengths, dtype=torch.int32))  # device memory only: the same graph stays right
+        cfg.copy_(reference.as_config_tensor(new_configs))
         graph.replay()
         torch.cuda.synchronize()
-        expected = reference.lookahead_attention(q.cpu(), k.cpu(), v.cpu(), kc.cpu(), vc.cpu(), P, (4, 3, 4))
+        expected = reference.lookahead_attention(q.cpu(), k.cpu(), v.cpu(), kc.cpu(), vc.cpu(), p.cpu(),
+                                                 np.array(new_configs))
         assert reference.relative_error(out.cpu(), expected) < 1e-5
 
 
@@ -288,8 +348,9 @@ def test_tensorrt_plugin_runs_the_onnx_node():
     from trt_lookahead.kernels import tensorrt_plugin
 
     tensorrt_plugin.register(trt, trtp)
-    T, Hq, Hkv, D, S, P = 16, 8, 4, 64, 128, 40
-    model = single_op_model(T, Hq, Hkv, D, S)
+    configs, lengths = zip(*GPU_ROWS, strict=True)
+    B, T, Hq, Hkv, D, S = len(lengths), 16, 8, 4, 64, 128
+    model = single_op_model(B, T, Hq, Hkv, D, S)
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network(0)
@@ -298,14 +359,13 @@ def test_tensorrt_plugin_runs_the_onnx_node():
     plan = builder.build_serialized_network(network, builder.create_builder_config())
     engine = trt.Runtime(logger).deserialize_cuda_engine(plan)
     ctx = engine.create_execution_context()
-    tensors = [t.cuda() for t in random_case(T, Hq, Hkv, D, S, P)]
-    tensors.append(reference.as_config_tensor((4, 3, 4)).cuda())
-    out = torch.empty(T, Hq, D, device="cuda")
-    for name, t in zip(["query", "key", "value", "key_cache", "value_cache", "cache_len", "step_config", "out"],
-                       [*tensors, out], strict=True):
+    tensors = [t.cuda() for t in random_case(T, Hq, Hkv, D, S, lengths)]
+    tensors.append(reference.as_config_tensor(configs).cuda())
+    out = torch.empty(B, T, Hq, D, device="cuda")
+    for name, t in zip([*OP_INPUTS, "out"], [*tensors, out], strict=True):
         ctx.set_tensor_address(name, t.data_ptr())
     stream = torch.cuda.Stream()
     assert ctx.execute_async_v3(stream.cuda_stream)
     stream.synchronize()
-    expected = reference.lookahead_attention(*(t.cpu() for t in tensors[:6]), (4, 3, 4))
+    expected = reference.lookahead_attention(*(t.cpu() for t in tensors[:6]), np.array(configs))
     assert reference.relative_error(out.cpu(), expected) < 1e-5

@@ -3,10 +3,10 @@
 Node contract (what TensorRT's ONNX parser maps to the plugin, see tensorrt_plugin.py):
 
     op_type  "LookaheadAttention"         domain "trt_lookahead" (opset_import trt_lookahead 1)
-    inputs   query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, D],
-             key_cache [Hkv, S, D], value_cache [Hkv, S, D],      (float32 | float16 | bfloat16)
-             cache_len [1] int32, step_config [3] int32 = (W, N, G), W = 0: causal
-    output   [T, Hq, D], the dtype of query
+    inputs   query [B, T, Hq, D], key [B, T, Hkv, D], value [B, T, Hkv, D],
+             key_cache [B, Hkv, S, D], value_cache [B, Hkv, S, D],   (float32 | float16 | bfloat16)
+             cache_len [B] int32, step_config [B, 3] int32 = (W, N, G) per row, W = 0: causal
+    output   [B, T, Hq, D], the dtype of query
     attrs    num_q_heads, num_kv_heads, head_dim (INT), scale (FLOAT),
              plugin_namespace = "trt_lookahead", plugin_version = "1" (STRING), aot = 1 (INT)
 
@@ -14,10 +14,12 @@ The parser looks a creator up by op_type, plugin_version and plugin_namespace, f
 attributes the plugin declares (num_q_heads, num_kv_heads, head_dim, scale) and picks the AOT
 implementation because of aot = 1; the node's domain does not matter to it.
 
-onnxruntime has no kernel for the node, so `decompose` rewrites each one into standard ops: the
-cached prefix is sliced to cache_len rows (no work on the empty rest of the cache), the step mask is
-the closed form `mask.step_visible` evaluated by ONNX ops (built once per graph), and grouped query
-heads share their KV head without repeating K/V. See docs/design.md section 6.4.
+onnxruntime has no kernel for the node, so `decompose` rewrites each one into standard ops. Built once
+per graph: each row's step mask, the closed form `mask.step_visible` of its (W, N, G) evaluated by ONNX
+ops ([B, T, T]), and each row's prefix mask (cache column c < cache_len[b]). Per layer the caches are
+sliced to the batch's longest prefix, max(cache_len) rows (never the whole cache, and never copied
+beyond that), so a shorter row's extra columns are masked; grouped query heads share their KV head
+without repeating K/V. See docs/design.md section 6.4.
 """
 
 from __future__ import annotations
@@ -123,44 +125,67 @@ class Sym:
     __hash__ = None  # type: ignore[assignment]  # __eq__ builds a node
 
 
-def _step_bias(g: _Graph, query: str, cache_len: str, step_config: str) -> tuple[str, str, str]:
-    """(bias [T, T] float32 with 0 / -inf, T as [1] int64, cache_len as [1] int64), built once per graph."""
-    tokens = g.op("Shape", query, start=0, end=1)
-    n = g.op("Squeeze", tokens)
-    idx = g.op("Range", g.const(0), n, g.const(1))
-    rows = Sym(g, g.op("Unsqueeze", idx, g.const([1])))
-    cols = Sym(g, g.op("Unsqueeze", idx, g.const([0])))
-    cfg = g.op("Cast", step_config, to=TensorProto.INT64)
-    window, ngram, verify = (Sym(g, g.op("Gather", cfg, g.const(k))) for k in range(3))
-    mask = step_visible(rows, cols, window, ngram, verify)
-    bias = g.op("Where", mask.name, g.const(0.0, np.float32), g.const(-np.inf, np.float32))
-    length = g.op("Cast", cache_len, to=TensorProto.INT64)
-    return bias, tokens, length
+class _Masks:
+    """The per-graph values every layer's decomposition shares: the rows' step and prefix masks as additive
+    biases, T and the longest prefix. Built once, ahead of the first layer; tiled per query-head group."""
+
+    def __init__(self, g: _Graph, query: str, cache_len: str, step_config: str) -> None:
+        self.g = g
+        self.tokens = g.op("Shape", query, start=1, end=2)  # [1] int64
+        idx = g.op("Range", g.const(0), g.op("Squeeze", self.tokens), g.const(1))
+        rows = Sym(g, g.op("Unsqueeze", idx, g.const([0, 2])))  # [1, T, 1]
+        cols = Sym(g, g.op("Unsqueeze", idx, g.const([0, 1])))  # [1, 1, T]
+        cfg = g.op("Cast", step_config, to=TensorProto.INT64)
+        window, ngram, verify = (Sym(g, g.op("Unsqueeze", g.op("Gather", cfg, g.const(k), axis=1), g.const([1, 2])))
+                                 for k in range(3))  # [B, 1, 1] each
+        step = step_visible(rows, cols, window, ngram, verify)  # [B, T, T]
+        self.step_bias = self._bias(step.name, [1])  # [B, 1, T, T]
+        length = g.op("Cast", cache_len, to=TensorProto.INT64)  # [B]
+        self.longest = g.op("ReduceMax", length, keepdims=1)  # [1]
+        prefix_idx = g.op("Range", g.const(0), g.op("Squeeze", self.longest), g.const(1))
+        prefix = g.op("Less", g.op("Unsqueeze", prefix_idx, g.const([0])), g.op("Unsqueeze", length, g.const([1])))
+        self.prefix_bias = self._bias(prefix, [1, 2])  # [B, 1, 1, P]
+        self._tiled: dict[int, str] = {}
+
+    def _bias(self, visible: str, axes: list[int]) -> str:
+        """0 where visible, -inf elsewhere (float32), with `axes` inserted."""
+        g = self.g
+        bias = g.op("Where", visible, g.const(0.0, np.float32), g.const(-np.inf, np.float32))
+        return g.op("Unsqueeze", bias, g.const(axes))
+
+    def step_bias_for(self, group: int) -> str:
+        """[B, 1, group*T, T]: the step bias repeated for the query heads of one KV head (rows g-major)."""
+        if group not in self._tiled:
+            self._tiled[group] = self.g.op("Tile", self.step_bias, self.g.const([1, 1, group, 1]))
+        return self._tiled[group]
 
 
-def _decompose_node(g: _Graph, node: onnx.NodeProto, bias: str, tokens: str, length: str) -> None:
+def _decompose_node(g: _Graph, node: onnx.NodeProto, masks: _Masks) -> None:
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     hq, hkv, d, scale = attrs["num_q_heads"], attrs["num_kv_heads"], attrs["head_dim"], attrs["scale"]
     group = hq // hkv
     q, k, v, kc, vc = node.input[:5]
-    # query heads grouped by KV head: [T, Hq, D] -> [Hkv, g*T, D] (rows ordered g-major, then T)
+    tokens, longest = masks.tokens, masks.longest
+    # query heads grouped by KV head: [B, T, Hq, D] -> [B, Hkv, g*T, D] (rows ordered g-major, then T)
     qs = g.op("Mul", q, g.op("CastLike", g.const(scale, np.float32), q))
-    q4 = g.op("Transpose", g.op("Reshape", qs, g.const([0, hkv, group, d])), perm=[1, 2, 0, 3])
-    qg = g.op("Reshape", q4, g.const([hkv, -1, d]))
-    k_new = g.op("Transpose", k, perm=[1, 2, 0])  # [Hkv, D, T]
-    v_new = g.op("Transpose", v, perm=[1, 0, 2])  # [Hkv, T, D]
-    zero, axis1 = g.const([0]), g.const([1])
-    k_old = g.op("Transpose", g.op("Slice", kc, zero, length, axis1), perm=[0, 2, 1])  # [Hkv, D, P]
-    v_old = g.op("Slice", vc, zero, length, axis1)  # [Hkv, P, D]
-    s_old = g.op("MatMul", qg, k_old)  # [Hkv, gT, P]
-    step_bias = g.op("CastLike", g.op("Tile", bias, g.const([group, 1])), q)  # [gT, T]
-    s_new = g.op("Add", g.op("MatMul", qg, k_new), step_bias)  # [Hkv, gT, T]
-    probs = g.op("Softmax", g.op("Concat", s_old, s_new, axis=2), axis=2)
-    p_old = g.op("Slice", probs, zero, length, g.const([2]))
-    p_new = g.op("Slice", probs, length, g.op("Add", length, tokens), g.const([2]))
-    o = g.op("Add", g.op("MatMul", p_old, v_old), g.op("MatMul", p_new, v_new))  # [Hkv, gT, D]
-    o = g.op("Transpose", g.op("Reshape", o, g.const([hkv, group, -1, d])), perm=[2, 0, 1, 3])
-    g.nodes.append(helper.make_node("Reshape", [o, g.const([0, hq, d])], [node.output[0]], name=g.fresh()))
+    q5 = g.op("Transpose", g.op("Reshape", qs, g.const([0, 0, hkv, group, d])), perm=[0, 2, 3, 1, 4])
+    qg = g.op("Reshape", q5, g.const([0, hkv, -1, d]))
+    k_new = g.op("Transpose", k, perm=[0, 2, 3, 1])  # [B, Hkv, D, T]
+    v_new = g.op("Transpose", v, perm=[0, 2, 1, 3])  # [B, Hkv, T, D]
+    zero, axis2, axis3 = g.const([0]), g.const([2]), g.const([3])
+    k_old = g.op("Transpose", g.op("Slice", kc, zero, longest, axis2), perm=[0, 1, 3, 2])  # [B, Hkv, D, P]
+    v_old = g.op("Slice", vc, zero, longest, axis2)  # [B, Hkv, P, D]
+    s_new = g.op("Add", g.op("MatMul", qg, k_new), g.op("CastLike", masks.step_bias_for(group), q))  # [B, Hkv, gT, T]
+    s_old = g.op("Add", g.op("MatMul", qg, k_old), g.op("CastLike", masks.prefix_bias, q))  # [B, Hkv, gT, P]
+    # Step columns first: a row's real scores sit at the same columns whatever the batch's longest prefix,
+    # and the masked columns of a shorter prefix trail (exp = 0), so onnxruntime's softmax and MatMul give
+    # a row the same bits alone or batched (tests/backends check it on real engines).
+    probs = g.op("Softmax", g.op("Concat", s_new, s_old, axis=3), axis=3)
+    p_new = g.op("Slice", probs, zero, tokens, axis3)
+    p_old = g.op("Slice", probs, tokens, g.op("Add", tokens, longest), axis3)
+    o = g.op("Add", g.op("MatMul", p_new, v_new), g.op("MatMul", p_old, v_old))  # [B, Hkv, gT, D]
+    o = g.op("Transpose", g.op("Reshape", o, g.const([0, hkv, group, -1, d])), perm=[0, 3, 1, 2, 4])
+    g.nodes.append(helper.make_node("Reshape", [o, g.const([0, 0, hq, d])], [node.output[0]], name=g.fresh()))
 
 
 def decompose(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -172,13 +197,13 @@ def decompose(model: onnx.ModelProto) -> onnx.ModelProto:
     out.CopyFrom(model)
     g = _Graph("lookahead_attention")
     first = nodes[0]
-    bias, tokens, length = _step_bias(g, first.input[0], first.input[5], first.input[6])
+    masks = _Masks(g, first.input[0], first.input[5], first.input[6])
     rewritten: list[onnx.NodeProto] = []
     for node in out.graph.node:
         if node.op_type == OP_NAME and node.domain == OP_DOMAIN:
             if node.input[5:7] != first.input[5:7]:
                 raise ValueError("LookaheadAttention nodes of one graph must share cache_len and step_config")
-            _decompose_node(g, node, bias, tokens, length)
+            _decompose_node(g, node, masks)
             rewritten.extend(g.nodes)  # the shared mask nodes come first, ahead of the first layer
             g.nodes = []
         else:

@@ -3,13 +3,14 @@
 `register(trt, trtp)` defines, with the `tensorrt.plugin` decorators (TensorRT >= 10.9 for AOT in
 the ONNX parser; written against 11.x):
 
-    @trtp.register   output = query.like()   [T, Hq, D], same dtype
+    @trtp.register   output = query.like()   [B, T, Hq, D], same dtype
     @trtp.autotune   FP32 | FP16 | BF16 for query/key/value/caches/output, INT32 for cache_len and
                      step_config, LINEAR formats
     @trtp.aot_impl   the Triton kernel of triton_kernel.py compiled to PTX (`compile_aot_kernel`), launched
-                     by TensorRT itself with `launch_dims`: grid (ceil(T / BLOCK_M), Hq), int32 extras
-                     (T, S) from shape expressions, no Python at run time, so the plan runs under
-                     trtexec and CUDA-graph capture
+                     by TensorRT itself with `launch_dims`: grid (ceil(T / BLOCK_M), Hq, B), int32 extras
+                     (T, S) from shape expressions (query [B, T, Hq, D], key_cache [B, Hkv, S, D]);
+                     per-row cache_len [B] and step_config [B, 3] are device tensors the kernel reads;
+                     no Python at run time, so the plan runs under trtexec and CUDA-graph capture
     @trtp.impl       the same kernel launched from Python (JIT), for debugging only; every dtype,
                      bfloat16 too (`device_tensor`)
 
@@ -116,11 +117,11 @@ def compile_aot_kernel(dtype: str, num_q_heads: int, num_kv_heads: int, head_dim
     )
 
 
-def launch_dims(tokens, rows, num_q_heads: int, cdiv) -> tuple[tuple, tuple]:
+def launch_dims(batch, tokens, rows, num_q_heads: int, cdiv) -> tuple[tuple, tuple]:
     """(grid xyz, int32 extras) of one launch, over ints or TensorRT shape expressions (`cdiv` of either)."""
     from trt_lookahead.kernels.triton_kernel import BLOCK_M
 
-    return (cdiv(tokens, BLOCK_M), num_q_heads, 1), (tokens, rows)
+    return (cdiv(tokens, BLOCK_M), num_q_heads, batch), (tokens, rows)
 
 
 def device_tensor(data_ptr: int, shape, strides, dtype: str):
@@ -189,7 +190,9 @@ def register(trt, trtp) -> None:
         tactic: int,
     ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:  # noqa: UP006, UP007
         kernel = compile_aot_kernel(dtype_names[query.dtype], num_q_heads, num_kv_heads, head_dim, scale)
-        grid, extras = launch_dims(query.shape_expr[0], key_cache.shape_expr[1], num_q_heads, trtp.cdiv)
+        batch, tokens = query.shape_expr[0], query.shape_expr[1]  # query [B, T, Hq, D]
+        rows = key_cache.shape_expr[2]  # key_cache [B, Hkv, S, D]
+        grid, extras = launch_dims(batch, tokens, rows, num_q_heads, trtp.cdiv)
         launch = trtp.KernelLaunchParams()
         launch.grid_x, launch.grid_y, launch.grid_z = grid
         launch.block_x = kernel.threads

@@ -1,14 +1,15 @@
 """LookaheadAttention as one fused Triton kernel (the plugin's implementation).
 
-One program per (block of BLOCK_M step rows, query head): an online-softmax pass over the cached
-prefix [0, cache_len), then over the T step tokens with the two-branch mask evaluated in registers
-by the same `mask.step_visible` function as the reference, from (W, N, G) = step_config (W = 0: causal).
-cache_len and step_config are loaded from device tensors, so one captured graph replays for every
-step and every config padded to T. Grouped-query heads read KV head h // (HQ // HKV).
+One program per (block of BLOCK_M step rows, query head, batch row b): an online-softmax pass over row
+b's cached prefix [0, cache_len[b]), then over its T step tokens with the two-branch mask evaluated in
+registers by the same `mask.step_visible` function as the reference, from row b's (W, N, G) =
+step_config[b] (W = 0: causal). cache_len and step_config are loaded from device tensors, so one captured
+graph replays for every step, every mix of rows and every config padded to T; a row's work depends only
+on its own length and config, never on the other rows. Grouped-query heads read KV head h // (HQ // HKV).
 
-Launch contract (also the AOT plugin's): pointer arguments in op-input order, then the int32
-scalars T and S, then the output pointer; everything else is constexpr. The kernel uses no scratch
-memory (the AOT route cannot provide any). Runs on CPU under TRITON_INTERPRET=1.
+Launch contract (also the AOT plugin's): grid (ceil(T / BLOCK_M), Hq, B); pointer arguments in op-input
+order, then the int32 scalars T and S, then the output pointer; everything else is constexpr. The kernel
+uses no scratch memory (the AOT route cannot provide any). Runs on CPU under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -72,7 +73,16 @@ def lookahead_attention_kernel(
 ):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
+    row = tl.program_id(2).to(tl.int64)  # batch row; int64 so that row * HKV * S * D cannot overflow
     kv_head = head // (HQ // HKV)
+    q_ptr += row * T * HQ * D  # [B, T, Hq, D]
+    out_ptr += row * T * HQ * D
+    k_ptr += row * T * HKV * D  # [B, T, Hkv, D]
+    v_ptr += row * T * HKV * D
+    kc_ptr += row * HKV * S * D  # [B, Hkv, S, D]
+    vc_ptr += row * HKV * S * D
+    cache_len_ptr += row  # [B]
+    step_config_ptr += row * 3  # [B, 3]
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -157,8 +167,8 @@ def interpreter_upcast(dtype) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and dtype == torch.bfloat16
 
 
-def grid(tokens: int, num_q_heads: int) -> tuple[int, int]:
-    return (triton.cdiv(tokens, BLOCK_M), num_q_heads)
+def grid(batch: int, tokens: int, num_q_heads: int) -> tuple[int, int, int]:
+    return (triton.cdiv(tokens, BLOCK_M), num_q_heads, batch)
 
 
 def lookahead_attention(query, key, value, key_cache, value_cache, cache_len, step_config, *, scale=None, out=None):
@@ -168,9 +178,9 @@ def lookahead_attention(query, key, value, key_cache, value_cache, cache_len, st
     """
     import torch
 
-    T, Hq, D = query.shape
-    Hkv = key.shape[1]
-    S = key_cache.shape[1]
+    B, T, Hq, D = query.shape
+    Hkv = key.shape[2]
+    S = key_cache.shape[2]
     for name, t in (("query", query), ("key", key), ("value", value), ("key_cache", key_cache),
                     ("value_cache", value_cache), ("cache_len", cache_len), ("step_config", step_config)):
         if not t.is_contiguous():
@@ -178,7 +188,7 @@ def lookahead_attention(query, key, value, key_cache, value_cache, cache_len, st
     if out is None:
         out = torch.empty_like(query)
     scale = reference.default_scale(D) if scale is None else scale
-    lookahead_attention_kernel[grid(T, Hq)](
+    lookahead_attention_kernel[grid(B, T, Hq)](
         query, key, value, key_cache, value_cache, cache_len, step_config, T, S, out,
         **constexprs(Hq, Hkv, D, scale, upcast_dot=interpreter_upcast(query.dtype)),
         num_warps=NUM_WARPS,
