@@ -69,7 +69,7 @@ def test_the_default_build_fits_the_models_context_and_records_its_checksums(eng
     config = json.loads((engine_dir / "config.json").read_text())
     assert config["max_seq_len"] == 512
     assert config[CONFIG_DIGEST] == config_digest(config)
-    assert {"weights.bin", "step.onnx", "prefill.onnx", "tokenizer.json"} <= set(config["files"])
+    assert {"weights.bin", "model.onnx", "tokenizer.json"} <= set(config["files"])
 
 
 def test_flipped_bytes_in_the_weights_are_refused_naming_the_file(engine, tmp_path):
@@ -113,8 +113,7 @@ def test_a_verified_engine_is_remembered_and_any_change_is_checked_again(engine,
         ("weights.bin", lambda p: os.truncate(p, 5000)),
         ("weights.bin", lambda p: os.truncate(p, 0)),
         ("weights.bin", os.remove),
-        ("step.onnx", lambda p: os.truncate(p, 20000)),
-        ("prefill.onnx", lambda p: os.truncate(p, 20000)),
+        ("model.onnx", lambda p: os.truncate(p, 20000)),
         ("tokenizer.json", lambda p: Path(p).write_text("garbage")),
     ],
 )
@@ -129,7 +128,7 @@ def test_truncated_empty_or_missing_files_get_one_line_naming_them(engine, tmp_p
 LIES = {  # config.json field -> a lie; issue 10 saw tracebacks, "range() arg 3", broadcast errors or silent runs
     "cache_rows": 10, "model.num_kv_heads": 3, "model.num_layers": 1, "model.vocab_size": 100000,
     "model.head_dim": 5, "max_seq_len": 1000, "max_input_len": 0, "lookahead": None, "model": [],
-    "eos_token_id": "x", "step_tokens": 7, "graphs.step": "../x", "dtype": "float64",
+    "eos_token_id": "x", "step_tokens": 7, "graphs.model": "../x", "dtype": "float64",
 }
 
 
@@ -152,17 +151,16 @@ def test_an_edited_config_json_is_refused_with_or_without_verification(engine, t
     assert one_error_line(generate(copy, tmp_path / "cache", "--no-verify"))
 
 
-def test_a_consistent_lie_is_caught_by_the_graphs_themselves(engine, tmp_path):
-    # max_seq_len and cache_rows edited together (and the digest recomputed): the step graph's cache inputs
-    # still have the built rows
+def test_a_consistent_lie_is_caught_by_the_graph_itself(engine, tmp_path):
+    # the vocabulary size edited (and the digest recomputed): the graph's logits still have the built one
     engine_dir, _ = engine
     copy = damaged(engine_dir, tmp_path)
     config = json.loads((copy / "config.json").read_text())
-    config.update(max_seq_len=1000, cache_rows=1000 + config["step_tokens"])
+    config["model"]["vocab_size"] = 1000
     config[CONFIG_DIGEST] = config_digest(config)
     (copy / "config.json").write_text(json.dumps(config))
     line = one_error_line(generate(copy, tmp_path / "cache", "--no-verify"))
-    assert "does not match its config.json" in line and "key_cache_0" in line
+    assert "does not match its config.json" in line and "logits" in line
 
 
 def test_force_never_replaces_a_directory_that_is_not_an_engine(tmp_path):
@@ -263,7 +261,7 @@ def test_an_atomic_write_replaces_whole_or_not_at_all(tmp_path):
 
 # -- fuzz: random byte damage to an engine dir (issue 10) ---------------------------------------------
 
-FILES = ["config.json", "weights.bin", "step.onnx", "prefill.onnx", "tokenizer.json", "tokenizer_config.json",
+FILES = ["config.json", "weights.bin", "model.onnx", "tokenizer.json", "tokenizer_config.json",
          "generation_config.json", "tokenizer.model"]
 DAMAGE = st.one_of(
     st.tuples(st.just("flip"), st.integers(0, 2**20), st.integers(1, 4096), st.integers(1, 255)),

@@ -1,113 +1,261 @@
-"""What the engine backends (onnxruntime, TensorRT) share: which graph a layout runs with which
-step_config, the prefill chunks, the host-side token choice, and the executors' common state
-(docs/design.md sections 5 and 6.3)."""
+"""What the engine backends (onnxruntime, TensorRT) share: the opened engine, and the batched executor's
+host-side state and logic (docs/design.md sections 5, 6.3 and 9).
+
+`SlotExecutor` implements the batched contract (lookahead/executor.py: prefill / step / commit / release /
+cache_len) over a backend that runs the engine's graph on the first B physical slots of its
+[max_batch, Hkv, S, D] caches. It keeps the active slots physically compact, slots 0 .. A-1: a prefilled
+slot takes the next physical slot, a released one is filled by moving the last active slot's valid rows
+into it, and a step whose slots are not the first B physical slots first swaps them there (rare: a
+scheduler steps every active request). Graph row j is physical slot j, so a step binds the caches by
+address and copies no cache; the rows of a StepBatch are scattered into physical order and the results
+gathered back. Token choice happens on the host: the graph's argmax for greedy slots, the seeded draw of
+lookahead/sampling.py from the graph's float32 logits for sampling slots, per slot.
+
+A backend provides `_inputs(B, T, K)` (the step's input arrays, to be filled), `_run(B, T, K)` (run the
+graph on them; -> next_ids [B, K] and a reader of logits [B, K, V]), `_prefill_chunk`, `_keep` (commit
+rows of a step row into a slot's cache), `_move` and `_swap` (physical slots' valid rows).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 
 from trt_lookahead.engine.format import EngineConfig
 from trt_lookahead.errors import UserError
 from trt_lookahead.kernels.mask import CAUSAL
-from trt_lookahead.lookahead.executor import check_commit
+from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.executor import (
+    StepBatch,
+    check_batch,
+    check_commit,
+    check_prompt,
+    check_room,
+    check_slot,
+)
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.sampling import SamplingParams, select_tokens
 
-
-@dataclass(frozen=True)
-class EngineStep:
-    """How a layout runs on an engine: the fixed-T step graph, or the dynamic graph at one token (greedy)."""
-
-    step_graph: bool
-    step_config: tuple[int, int, int]  # (W, N, G) of the layout; CAUSAL for the one-token graph
-
-
-def engine_step(config: EngineConfig, layout: StepLayout) -> EngineStep:
-    """The step graph for a layout of the engine's T (a smaller config padded to it), the dynamic graph for
-    T = 1; anything else is refused naming the engine's T."""
-    T = layout.step_tokens
-    if config.step_tokens == T:
-        layout.config.check_fits(config.lookahead)
-        return EngineStep(True, (layout.config.W, layout.config.N, layout.config.G))
-    if T == 1:
-        return EngineStep(False, CAUSAL)
-    raise UserError(
-        f"a {T}-slot step ({layout.config}) does not fit engine {config.path}, built for T={config.step_tokens} "
-        f"({config.lookahead}); pad the layout to the engine's T or rebuild"
-    )
+Logits = Callable[[], np.ndarray]  # reads the float32 logits of the last run (only sampled slots need them)
 
 
 class OpenedEngine:
     """An engine dir opened for a backend: what the runtime reads of it (backends/open.py's Engine)."""
 
-    def __init__(self, config: EngineConfig, max_seq_len: int | None) -> None:
+    def __init__(self, config: EngineConfig, max_seq_len: int | None, max_batch: int | None) -> None:
         self.config = config
         self.lookahead = config.lookahead
         self.step_tokens = config.step_tokens
         self.max_seq_len = config.max_seq_len if max_seq_len is None else int(max_seq_len)
+        self.max_batch = config.max_batch if max_batch is None else int(max_batch)
         self.dtype = config.dtype
 
 
-class EngineExecutor:
-    """The executor state both engine backends keep: sizes, sampling, cache_len and the step's result row."""
+class SlotExecutor:
+    """The batched executor contract over an engine backend; see the module docstring."""
 
-    def __init__(self, engine: OpenedEngine, layout: StepLayout) -> None:
-        self.run = engine_step(engine.config, layout)
-        self.layout = layout
+    def __init__(self, engine: OpenedEngine, max_batch: int | None = None) -> None:
+        max_batch = engine.max_batch if max_batch is None else int(max_batch)
+        if not 1 <= max_batch <= engine.config.max_batch:
+            raise UserError(f"max_batch {max_batch} is outside 1 .. {engine.config.max_batch}, the engine "
+                            f"{engine.config.path} was built for (rebuild with --max-batch {max_batch})")
+        self.config = engine.config
         self.vocab_size = engine.config.vocab_size
         self.max_seq_len = engine.max_seq_len
-        self.step_tokens = layout.step_tokens
-        self.output_slots = layout.output_slots
-        self.sampling = SamplingParams()
-        self._cache_len = 0
-        self._result = np.full(self.step_tokens, -1, np.int64)  # -1 at slots whose output is not read
+        self.max_batch = max_batch
+        self.step_tokens = engine.step_tokens
+        self._limits = np.array([engine.lookahead.W, engine.lookahead.N, engine.lookahead.G])
+        self._cache_len = np.zeros(max_batch, np.int64)  # per slot
+        self._physical = np.full(max_batch, -1, np.int64)  # slot -> physical slot, -1: free
+        self._slot_at = np.full(max_batch, -1, np.int64)  # physical slot -> slot
+        self._active = 0  # active slots hold physical slots 0 .. _active - 1
+        self._sampling = [SamplingParams()] * max_batch
+        self._last_row = np.full(max_batch, -1, np.int64)  # slot -> its row in the last step's outputs, -1: none
+        self._last_real = np.zeros(max_batch, np.int64)  # real tokens of that row
 
-    @property
-    def cache_len(self) -> int:
-        return self._cache_len
+    # -- contract ---------------------------------------------------------------------------------
 
-    def reset(self, sampling: SamplingParams | None = None) -> None:
-        self.sampling = sampling or SamplingParams()
-        self._cache_len = 0
+    def cache_len(self, slot: int) -> int:
+        return int(self._cache_len[check_slot(slot, self.max_batch)])
 
-    def commit(self, slots: np.ndarray) -> None:
-        slots = check_commit(slots, self.step_tokens, self._cache_len, self.max_seq_len)
-        if len(slots):
-            self._keep(slots, self._cache_len)
-            self._cache_len += len(slots)
+    def prefill(self, slot: int, prompt_ids: np.ndarray, sampling: SamplingParams) -> int:
+        slot = check_slot(slot, self.max_batch)
+        ids = check_prompt(prompt_ids, self.max_seq_len, self.vocab_size)
+        if self._physical[slot] < 0:
+            self._physical[slot], self._slot_at[self._active] = self._active, slot
+            self._active += 1
+        self._cache_len[slot], self._last_row[slot], self._sampling[slot] = 0, -1, sampling
+        chunks = [self._prefill_chunk(int(self._physical[slot]), start, inputs)
+                  for start, inputs in prefill_chunks(ids, self.config.max_input_len)]
+        next_ids, logits = chunks[-1]  # the last chunk's row reads the prompt's last token
+        self._cache_len[slot] = len(ids)
+        return int(self._choose(sampling, next_ids[0], logits, 0, np.array([len(ids) - 1]))[0])
 
-    def _keep(self, slots: np.ndarray, row: int) -> None:
-        """Copy the last step's K/V of `slots` (graph outputs) to cache rows row, row+1, ..."""
+    def step(self, batch: StepBatch) -> np.ndarray:
+        real = check_batch(batch, self.max_batch, self.step_tokens, self.vocab_size)
+        slots = np.asarray(batch.slots, np.int64)
+        self._check_rows(slots, np.asarray(batch.step_config, np.int64))
+        B, T = np.shape(batch.input_ids)
+        K = np.shape(batch.output_slots)[1]
+        rows = self._gather(slots)  # [B]: the physical slot, = graph row, of each batch row
+        inputs = self._inputs(B, T, K)
+        inputs["input_ids"][rows] = batch.input_ids
+        inputs["positions"][rows] = batch.positions
+        inputs["cache_len"][rows] = self._cache_len[slots]
+        inputs["step_config"][rows] = batch.step_config
+        inputs["output_slots"][rows] = batch.output_slots
+        next_ids, logits = self._run(B, T, K)
+        result = np.full((B, T), -1, np.int64)
+        for b, slot in enumerate(slots.tolist()):
+            chosen = self._choose(self._sampling[slot], next_ids[rows[b]], logits, int(rows[b]),
+                                  np.asarray(batch.positions[b])[batch.output_slots[b]])
+            result[b, batch.output_slots[b]] = chosen
+        self._last_row[:] = -1
+        self._last_row[slots], self._last_real[slots] = rows, real
+        return result
+
+    def commit(self, slot: int, rows: np.ndarray) -> None:
+        slot = check_slot(slot, self.max_batch)
+        row = int(self._last_row[slot])
+        if row < 0:
+            raise ValueError(f"slot {slot} has no step to commit: commit follows the step that holds the slot")
+        start = int(self._cache_len[slot])
+        rows = check_commit(rows, int(self._last_real[slot]), start, self.max_seq_len)
+        if len(rows):
+            self._keep(int(self._physical[slot]), row, rows, start)
+            self._cache_len[slot] += len(rows)
+        self._last_row[slot] = -1
+
+    def release(self, slot: int) -> None:
+        slot = check_slot(slot, self.max_batch)
+        hole = int(self._physical[slot])
+        if hole < 0:
+            return
+        last = self._active - 1
+        moved = int(self._slot_at[last])
+        if hole != last:  # the last active slot fills the hole: active slots stay 0 .. A-1
+            self._move(last, hole, int(self._cache_len[moved]))
+            self._physical[moved], self._slot_at[hole] = hole, moved
+        self._physical[slot], self._slot_at[last] = -1, -1
+        self._active = last
+        self._cache_len[slot], self._last_row[slot] = 0, -1
+
+    # -- shared logic -----------------------------------------------------------------------------
+
+    def _check_rows(self, slots: np.ndarray, step_config: np.ndarray) -> None:
+        """ValueError for a row whose slot holds no prefilled request, whose cache is full, or whose config
+        is larger than the engine's in W, N or G (greedy and causal rows always fit)."""
+        free = slots[self._physical[slots] < 0]
+        if len(free):
+            raise ValueError(f"slots {free.tolist()} hold no request: prefill a slot before stepping it")
+        for slot in slots.tolist():
+            check_room(int(self._cache_len[slot]), self.max_seq_len)
+        too_big = (step_config > self._limits).any(axis=1)
+        if too_big.any():
+            b = int(np.flatnonzero(too_big)[0])
+            W, N, G = (int(v) for v in step_config[b])
+            LookaheadConfig(W, N, G).check_fits(self.config.lookahead)  # raises, naming what differs
+
+    def _gather(self, slots: np.ndarray) -> np.ndarray:
+        """Make `slots` hold physical slots 0 .. B-1 (swapping others out of the way); -> their physical slots."""
+        B = len(slots)
+        outside = [s for s in slots.tolist() if self._physical[s] >= B]
+        if outside:
+            chosen = set(slots.tolist())
+            inside = [int(self._slot_at[p]) for p in range(B) if int(self._slot_at[p]) not in chosen]
+            for a, b in zip(outside, inside, strict=True):
+                pa, pb = int(self._physical[a]), int(self._physical[b])
+                self._swap(pa, pb, int(max(self._cache_len[a], self._cache_len[b])))
+                self._physical[a], self._physical[b] = pb, pa
+                self._slot_at[pa], self._slot_at[pb] = b, a
+        return self._physical[slots].copy()
+
+    @staticmethod
+    def _choose(sampling: SamplingParams, argmax: np.ndarray, logits: Logits, row: int,
+                positions: np.ndarray) -> np.ndarray:
+        """The graph's argmax ids of one row (greedy), or the seeded sample from its float32 logits."""
+        if sampling.greedy:
+            return argmax.astype(np.int64)
+        return select_tokens(logits()[row], positions, sampling)
+
+    # -- backend hooks ----------------------------------------------------------------------------
+
+    def _inputs(self, B: int, T: int, K: int) -> dict[str, np.ndarray]:
+        """The step's graph inputs (input_ids, positions, cache_len, step_config, output_slots), to fill."""
         raise NotImplementedError
 
-    def _at_output_slots(self, chosen: np.ndarray) -> np.ndarray:
-        """[T] int64: the chosen tokens at the output slots, -1 elsewhere."""
-        result = self._result.copy()
-        result[self.output_slots] = chosen
-        return result
+    def _run(self, B: int, T: int, K: int) -> tuple[np.ndarray, Logits]:
+        """Run the graph on the first B physical slots -> (next_ids [B, K], logits reader)."""
+        raise NotImplementedError
+
+    def _prefill_chunk(self, physical: int, start: int, inputs: dict[str, np.ndarray]) -> tuple[np.ndarray, Logits]:
+        """Run one prefill chunk (one row) on a physical slot, its K/V into cache rows start..; -> like `_run`."""
+        raise NotImplementedError
+
+    def _keep(self, physical: int, row: int, rows: np.ndarray, start: int) -> None:
+        """Copy the K/V of step slots `rows` of output row `row` into the slot's cache rows start, start+1, ..."""
+        raise NotImplementedError
+
+    def _move(self, src: int, dst: int, length: int) -> None:
+        """Copy physical slot src's cache rows 0 .. length-1 into physical slot dst."""
+        raise NotImplementedError
+
+    def _swap(self, a: int, b: int, length: int) -> None:
+        """Exchange the cache rows 0 .. length-1 of physical slots a and b."""
+        raise NotImplementedError
 
 
 def prefill_chunks(ids: np.ndarray, chunk: int) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
-    """(start, int32 graph inputs) per prefill chunk of at most `chunk` tokens: causal, the last row's output."""
+    """(start, int32 graph inputs of one row) per causal prefill chunk of at most `chunk` tokens."""
     for start in range(0, len(ids), chunk):
         part = ids[start : start + chunk]
         n = len(part)
         yield start, {
-            "input_ids": part.astype(np.int32),
-            "positions": np.arange(start, start + n, dtype=np.int32),
+            "input_ids": part.astype(np.int32)[None],
+            "positions": np.arange(start, start + n, dtype=np.int32)[None],
             "cache_len": np.array([start], np.int32),
-            "step_config": np.array(CAUSAL, np.int32),
-            "output_slots": np.array([n - 1], np.int32),
+            "step_config": np.array([CAUSAL], np.int32),
+            "output_slots": np.array([[n - 1]], np.int32),
         }
 
 
-def choose_tokens(
-    sampling: SamplingParams, argmax_ids: np.ndarray, read_logits: Callable[[], np.ndarray], positions: np.ndarray
-) -> np.ndarray:
-    """The graph's argmax ids (greedy), or the seeded sample from its float32 logits on the host."""
-    if sampling.greedy:
-        return argmax_ids.astype(np.int64)
-    return select_tokens(read_logits(), positions, sampling)
+class LayoutView:
+    """The single-request contract of one step layout over slot 0 of a SlotExecutor.
+
+    Transitional: the runtime and decoder of this branch still drive one executor per layout; they take
+    this view of a one-slot batched executor (the batch of one) until they drive the batched contract.
+    """
+
+    def __init__(self, executor: SlotExecutor, layout: StepLayout) -> None:
+        layout.config.check_fits(executor.config.lookahead)
+        if layout.step_tokens > executor.step_tokens:
+            raise UserError(
+                f"a {layout.step_tokens}-slot step ({layout.config}) does not fit engine {executor.config.path}, "
+                f"built for T={executor.step_tokens}; pad the layout to at most the engine's T"
+            )
+        self.executor, self.layout = executor, layout
+        self.vocab_size, self.max_seq_len = executor.vocab_size, executor.max_seq_len
+        self.step_tokens = layout.step_tokens
+        self.output_slots = layout.output_slots
+        self._config = np.array([[layout.config.W, layout.config.N, layout.config.G]], np.int32)
+        self._sampling = SamplingParams()
+
+    @property
+    def cache_len(self) -> int:
+        return self.executor.cache_len(0)
+
+    def reset(self, sampling: SamplingParams | None = None) -> None:
+        self._sampling = sampling or SamplingParams()
+        self.executor.release(0)
+
+    def prefill(self, prompt_ids: np.ndarray) -> int:
+        return self.executor.prefill(0, prompt_ids, self._sampling)
+
+    def step(self, input_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        batch = StepBatch(np.zeros(1, np.int64), np.asarray(input_ids)[None], np.asarray(positions)[None],
+                          self._config, self.output_slots[None])
+        return self.executor.step(batch)[0]
+
+    def commit(self, slots: np.ndarray) -> None:
+        self.executor.commit(0, slots)

@@ -1,38 +1,39 @@
-"""OnnxRuntimeExecutor: the executor contract (lookahead/executor.py) on an engine dir's ONNX graphs, on CPU.
+"""OnnxRuntimeExecutor: the batched executor contract (lookahead/executor.py) on an engine dir's ONNX graph, CPU.
 
     engine = open_engine("engines/NAME")                  # backends/open.py
-    ex = engine.make_executor(StepLayout(cfg, padded_tokens=engine.step_tokens))
-    ex.reset(SamplingParams()); x = ex.prefill(prompt); ids = ex.step(input_ids, positions); ex.commit(slots)
+    ex = engine.executor(max_batch=4)                     # KV for 4 slots x (max_seq_len + T) rows
+    x = ex.prefill(slot, prompt_ids, SamplingParams()); out = ex.step(StepBatch(...)); ex.commit(slot, rows)
 
-Buffers are allocated once per executor: the KV cache ([Hkv, max_seq_len + T, D] per layer), the
-step inputs and outputs. They are bound to the step session by address (IOBinding), so a step copies
-only the T input ids and positions in and the chosen ids out; the graph reads the cache in place.
-`commit` copies the accepted slots' K/V (a graph output) to cache rows cache_len, cache_len+1, ...
-
-Which graph runs: a layout of the engine's T runs step.onnx with step_config = the layout's
-(W, N, G) (a smaller config padded to T runs on the same graph: the mask is computed from
-step_config in the graph); a one-token layout (greedy) runs prefill.onnx at T = 1, causal. Prefill
-runs prefill.onnx in chunks of at most max_input_len tokens.
+Buffers are allocated once per executor: per layer K and V caches [max_batch, Hkv, S, D] (S = max_seq_len
++ the built T), and flat input and output buffers sized for max_batch rows of T tokens, so that the step
+arrays of any (B, T, K) are views at fixed addresses. A step binds those views and the first B physical
+slots of every cache by address (IOBinding; one binding per (B, T, K), built on first use), so it copies
+only the ids, positions, cache lengths, configs and output slots in and reads next_ids out; the graph reads
+the caches in place. `commit` copies a row's accepted K/V (the graph's present outputs) into the slot's
+cache rows; prefill runs one-row causal chunks of at most max_input_len tokens bound to the slot's own
+cache, with presents of their own so that a pending step's presents survive. The slot bookkeeping, the
+compact physical order and the host-side token choice are backends/graphs.py's SlotExecutor.
 
 LookaheadAttention nodes (--attention plugin) run as their standard-op decomposition
-(kernels/onnx_op.decompose): onnxruntime has no kernel for them. Token choice: argmax in the graph;
-seeded sampling on the host from the graph's float32 logits with `sampling.select_tokens`, keyed by
-absolute positions like the torch executor.
+(kernels/onnx_op.decompose): onnxruntime has no kernel for them.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 
-from trt_lookahead.backends.graphs import EngineExecutor, OpenedEngine, choose_tokens, prefill_chunks
-from trt_lookahead.engine.format import EngineConfig, cache_names
+from trt_lookahead.backends.graphs import LayoutView, Logits, OpenedEngine, SlotExecutor
+from trt_lookahead.engine.format import INPUTS, OUTPUTS, EngineConfig, cache_names
 from trt_lookahead.errors import UserError
-from trt_lookahead.lookahead.executor import check_kv_memory, check_prompt, check_room
+from trt_lookahead.lookahead.executor import check_kv_memory
 from trt_lookahead.lookahead.layout import StepLayout
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
+_BINDINGS = 32  # IOBindings kept per executor, one per (B, T, K) recently stepped
 
 
 class OnnxRuntimeUnsupported(UserError):
@@ -40,38 +41,39 @@ class OnnxRuntimeUnsupported(UserError):
 
 
 class OnnxRuntimeEngine(OpenedEngine):
-    """An engine dir's graphs as onnxruntime sessions (created on first use, shared by its executors)."""
+    """An engine dir's graph as one onnxruntime session (created on first use, shared by its executors)."""
 
-    def __init__(self, config: EngineConfig, max_seq_len: int | None = None, threads: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, max_seq_len: int | None = None, max_batch: int | None = None,
+                 threads: int | None = None) -> None:
         if config.dtype not in _NUMPY_DTYPES:
             raise OnnxRuntimeUnsupported(
                 f"engine {config.path} holds {config.dtype} weights, which onnxruntime's CPU kernels cannot run "
                 "(no bfloat16 MatMul); build a float32 engine for the onnxruntime backend, or use --backend tensorrt"
             )
-        super().__init__(config, max_seq_len)
+        super().__init__(config, max_seq_len, max_batch)
         self.threads = threads
-        self._sessions: dict[str, object] = {}
+        self._session: Any = None
         self._lock = threading.Lock()
 
-    def session(self, which: str):
-        """The onnxruntime InferenceSession of graph `which` ("step" or "prefill")."""
+    def session(self) -> Any:
+        """The onnxruntime InferenceSession of the engine's graph."""
         with self._lock:
-            if which not in self._sessions:
-                self._sessions[which] = self._create_session(which)
-            return self._sessions[which]
+            if self._session is None:
+                self._session = self._create_session()
+            return self._session
 
-    def _create_session(self, which: str):
+    def _create_session(self) -> Any:
         import onnx
         import onnxruntime as ort
 
         from trt_lookahead.kernels import onnx_op
 
-        path = self.config.graph(which)
+        path = self.config.graph
         try:
             proto = onnx.load(str(path), load_external_data=False)
         except Exception as exc:  # protobuf's DecodeError and friends: a truncated or replaced file
             raise UserError(f"engine file {path} is not a readable ONNX graph ({exc}); rebuild the engine") from exc
-        self.config.check_graph_io(which, {
+        self.config.check_graph_io({
             value.name: tuple(dim.dim_value if dim.HasField("dim_value") else None
                               for dim in value.type.tensor_type.shape.dim)
             for value in (*proto.graph.input, *proto.graph.output)
@@ -95,8 +97,13 @@ class OnnxRuntimeEngine(OpenedEngine):
                 "damaged or from different builds: rebuild the engine (loading without --no-verify checks them)"
             ) from exc
 
-    def make_executor(self, layout: StepLayout) -> OnnxRuntimeExecutor:
-        return OnnxRuntimeExecutor(self, layout)
+    def executor(self, max_batch: int | None = None) -> OnnxRuntimeExecutor:
+        """A batched executor with its own KV cache for `max_batch` slots (default: the engine's)."""
+        return OnnxRuntimeExecutor(self, max_batch)
+
+    def make_executor(self, layout: StepLayout) -> LayoutView:
+        """The single-request contract of `layout` on a one-slot executor (see graphs.LayoutView)."""
+        return LayoutView(self.executor(max_batch=1), layout)
 
 
 def _torch_threads() -> int:
@@ -105,88 +112,96 @@ def _torch_threads() -> int:
     return torch.get_num_threads()
 
 
-class OnnxRuntimeExecutor(EngineExecutor):
-    """Executor contract on an OnnxRuntimeEngine; see the module docstring."""
+class OnnxRuntimeExecutor(SlotExecutor):
+    """The batched executor contract on an OnnxRuntimeEngine; see the module docstring."""
 
-    def __init__(self, engine: OnnxRuntimeEngine, layout: StepLayout) -> None:
-        super().__init__(engine, layout)
-        cfg, run, T = engine.config, self.run, self.step_tokens
-        self.engine = engine
+    def __init__(self, engine: OnnxRuntimeEngine, max_batch: int | None = None) -> None:
+        super().__init__(engine, max_batch)
+        cfg, B, T = engine.config, self.max_batch, self.step_tokens
         dtype = _NUMPY_DTYPES[cfg.dtype]
-        L, Hkv, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-        self._layers = L
-        self._rows = cfg.cache_rows
-        check_kv_memory((L, Hkv, self._rows, D), np.dtype(dtype).itemsize, engine.max_seq_len)
-        self.k_cache = np.zeros((L, Hkv, self._rows, D), dtype)
-        self.v_cache = np.zeros((L, Hkv, self._rows, D), dtype)
-        K = len(self.output_slots)
-        self._inputs = {
-            "input_ids": np.zeros(T, np.int32),
-            "positions": np.zeros(T, np.int32),
-            "cache_len": np.zeros(1, np.int32),
-            "step_config": np.array(run.step_config, np.int32),
-            "output_slots": self.output_slots.astype(np.int32),
-        }
-        self._outputs = {
-            "next_ids": np.zeros(K, np.int32),
-            "logits": np.zeros((K, self.vocab_size), np.float32),
-            "present_keys": np.zeros((L, Hkv, T, D), dtype),
-            "present_values": np.zeros((L, Hkv, T, D), dtype),
-        }
-        self._session = engine.session("step" if run.step_graph else "prefill")
-        self._binding = self._bind(self._session, self._inputs, self._outputs)
+        L, Hkv, D, V = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+        self._session = engine.session()
+        check_kv_memory((L, B, Hkv, cfg.cache_rows, D), np.dtype(dtype).itemsize, engine.max_seq_len)
+        self.k_cache = np.zeros((L, B, Hkv, cfg.cache_rows, D), dtype)  # per layer [max_batch, Hkv, S, D]
+        self.v_cache = np.zeros_like(self.k_cache)
+        self._caches = [*self.k_cache, *self.v_cache]  # graph order: every key cache, then every value cache
+        self._cache_shape = (Hkv, cfg.cache_rows, D)
+        # flat buffers: the arrays of any (B, T, K) are views at their start, so bindings keep their addresses
+        step = {"input_ids": B * T, "positions": B * T, "cache_len": B, "step_config": B * 3, "output_slots": B * T,
+                "next_ids": B * T}
+        self._flat = {name: np.zeros(size, np.int32) for name, size in step.items()}
+        self._flat["logits"] = np.zeros(B * T * V, np.float32)
+        for name in OUTPUTS[2:]:  # present_keys, present_values [L, B, Hkv, T, D]
+            self._flat[name] = np.zeros(L * B * Hkv * T * D, dtype)
+        prefill = cfg.max_input_len  # a prefill chunk's own outputs (one row)
+        self._prefill_out = {"next_ids": np.zeros((1, 1), np.int32), "logits": np.zeros((1, 1, V), np.float32),
+                             **{name: np.zeros(L * Hkv * prefill * D, dtype) for name in OUTPUTS[2:]}}
+        self._bindings: OrderedDict[tuple[int, int, int], tuple[Any, dict[str, np.ndarray]]] = OrderedDict()
+        self._current: dict[str, np.ndarray] = {}
 
-    def _bind(self, session, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray]):
-        """IOBinding of every graph input and output to these numpy buffers, by address (no copies)."""
-        binding = session.io_binding()
-        arrays = dict(inputs)
-        for name, layer in zip(cache_names(self._layers), [*self.k_cache, *self.v_cache], strict=True):
-            arrays[name] = layer
-        for name, array in arrays.items():
-            binding.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
-        for name, array in outputs.items():
-            binding.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
-        return binding
+    def _shapes(self, B: int, T: int, K: int) -> dict[str, tuple[int, ...]]:
+        L, V = self.config.num_layers, self.vocab_size
+        Hkv, _, D = self._cache_shape
+        return {"input_ids": (B, T), "positions": (B, T), "cache_len": (B,), "step_config": (B, 3),
+                "output_slots": (B, K), "next_ids": (B, K), "logits": (B, K, V),
+                "present_keys": (L, B, Hkv, T, D), "present_values": (L, B, Hkv, T, D)}
 
-    # -- contract ---------------------------------------------------------------------------------
+    def _binding(self, B: int, T: int, K: int) -> tuple[Any, dict[str, np.ndarray]]:
+        """The IOBinding of a (B, T, K) step and its array views, built on first use (least recently used out)."""
+        key = (B, T, K)
+        if key not in self._bindings:
+            views = {name: self._flat[name][: int(np.prod(shape))].reshape(shape)
+                     for name, shape in self._shapes(B, T, K).items()}
+            caches = [layer[:B] for layer in self._caches]  # the first B physical slots, in place
+            self._bindings[key] = (_bind(self._session, {name: views[name] for name in INPUTS}, caches,
+                                         {name: views[name] for name in OUTPUTS}), views)
+        self._bindings.move_to_end(key)
+        while len(self._bindings) > _BINDINGS:
+            self._bindings.popitem(last=False)
+        return self._bindings[key]
 
-    def prefill(self, prompt_ids: np.ndarray) -> int:
-        ids = check_prompt(prompt_ids, self.max_seq_len, self.vocab_size)
-        P = len(ids)
-        session = self.engine.session("prefill")
-        chunk = self.engine.config.max_input_len
-        self._cache_len = 0
-        outputs: dict[str, np.ndarray] = {}
-        for start, inputs in prefill_chunks(ids, chunk):
-            n = len(inputs["input_ids"])
-            outputs = {
-                "next_ids": np.zeros(1, np.int32),
-                "logits": np.zeros((1, self.vocab_size), np.float32),
-                "present_keys": np.zeros((*self.k_cache.shape[:2], n, self.k_cache.shape[3]), self.k_cache.dtype),
-                "present_values": np.zeros((*self.v_cache.shape[:2], n, self.v_cache.shape[3]), self.v_cache.dtype),
-            }
-            session.run_with_iobinding(self._bind(session, inputs, outputs))
-            self.k_cache[:, :, start : start + n] = outputs["present_keys"]
-            self.v_cache[:, :, start : start + n] = outputs["present_values"]
-        self._cache_len = P
-        return int(self._select(outputs, np.array([P - 1]))[0])
+    def _inputs(self, B: int, T: int, K: int) -> dict[str, np.ndarray]:
+        self._current = self._binding(B, T, K)[1]
+        return self._current
 
-    def step(self, input_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        check_room(self._cache_len, self.max_seq_len)
-        inputs = self._inputs
-        inputs["input_ids"][:] = input_ids
-        inputs["positions"][:] = positions
-        inputs["cache_len"][0] = self._cache_len
-        self._session.run_with_iobinding(self._binding)
-        out = self._outputs
-        chosen = self._select(out, inputs["positions"][self.output_slots])
-        return self._at_output_slots(chosen)
+    def _run(self, B: int, T: int, K: int) -> tuple[np.ndarray, Logits]:
+        binding, views = self._binding(B, T, K)
+        self._session.run_with_iobinding(binding)
+        return views["next_ids"], lambda: views["logits"]
 
-    def _keep(self, slots: np.ndarray, row: int) -> None:
-        end = row + len(slots)
-        self.k_cache[:, :, row:end] = self._outputs["present_keys"][:, :, slots]
-        self.v_cache[:, :, row:end] = self._outputs["present_values"][:, :, slots]
+    def _prefill_chunk(self, physical: int, start: int, inputs: dict[str, np.ndarray]) -> tuple[np.ndarray, Logits]:
+        n = inputs["input_ids"].shape[1]
+        L, (Hkv, _, D) = self.config.num_layers, self._cache_shape
+        outputs = {name: self._prefill_out[name] for name in OUTPUTS[:2]}
+        outputs |= {name: self._prefill_out[name][: L * Hkv * n * D].reshape(L, 1, Hkv, n, D) for name in OUTPUTS[2:]}
+        caches = [layer[physical : physical + 1] for layer in self._caches]  # the slot's own cache, in place
+        self._session.run_with_iobinding(_bind(self._session, inputs, caches, outputs))
+        self.k_cache[:, physical, :, start : start + n] = outputs["present_keys"][:, 0]
+        self.v_cache[:, physical, :, start : start + n] = outputs["present_values"][:, 0]
+        return outputs["next_ids"], lambda: outputs["logits"]
 
-    def _select(self, outputs: dict[str, np.ndarray], positions: np.ndarray) -> np.ndarray:
-        return choose_tokens(self.sampling, outputs["next_ids"], lambda: outputs["logits"], positions)
+    def _keep(self, physical: int, row: int, rows: np.ndarray, start: int) -> None:
+        end = start + len(rows)
+        self.k_cache[:, physical, :, start:end] = self._current["present_keys"][:, row][:, :, rows]
+        self.v_cache[:, physical, :, start:end] = self._current["present_values"][:, row][:, :, rows]
 
+    def _move(self, src: int, dst: int, length: int) -> None:
+        for cache in (self.k_cache, self.v_cache):
+            cache[:, dst, :, :length] = cache[:, src, :, :length]
+
+    def _swap(self, a: int, b: int, length: int) -> None:
+        for cache in (self.k_cache, self.v_cache):
+            held = cache[:, a, :, :length].copy()
+            cache[:, a, :, :length] = cache[:, b, :, :length]
+            cache[:, b, :, :length] = held
+
+
+def _bind(session: Any, inputs: dict[str, np.ndarray], caches: list[np.ndarray], outputs: dict[str, np.ndarray]) -> Any:
+    """IOBinding of the graph's inputs, per-layer caches and outputs to these numpy arrays, by address."""
+    binding = session.io_binding()
+    names = [*inputs, *cache_names(len(caches) // 2)]
+    for name, array in zip(names, [*inputs.values(), *caches], strict=True):
+        binding.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+    for name, array in outputs.items():
+        binding.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+    return binding

@@ -1,7 +1,8 @@
 """open_engine: an engine dir opened for the onnxruntime or the TensorRT backend.
 
-    engine = open_engine("engines/NAME")                  # config.json checked against the request
-    ex = engine.make_executor(StepLayout(cfg, padded_tokens=engine.step_tokens))
+    engine = open_engine("engines/NAME", max_batch=4)     # config.json checked against the request
+    ex = engine.executor()                                # the batched contract, 4 KV slots
+    view = engine.make_executor(StepLayout(cfg, padded_tokens=engine.step_tokens))   # one request, one layout
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Protocol
 
+from trt_lookahead.backends.graphs import SlotExecutor
 from trt_lookahead.engine.format import EngineConfig, load_engine_config
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import LookaheadConfig
@@ -19,20 +21,23 @@ BACKENDS = ("onnxruntime", "tensorrt")
 
 
 class Engine(Protocol):
-    """An opened engine dir: its config, and executors for layouts of its T (or T = 1)."""
+    """An opened engine dir: its config, batched executors, and single-request views for layouts up to its T."""
 
     config: EngineConfig
     lookahead: LookaheadConfig  # the (W, N, G) it was built for
-    step_tokens: int
+    step_tokens: int  # the most tokens a step row may have
+    max_batch: int  # the most rows a step may have
     max_seq_len: int
     dtype: str
 
-    def make_executor(self, layout: StepLayout) -> LayoutExecutor: ...  # the single-request contract, for now
+    def executor(self, max_batch: int | None = None) -> SlotExecutor: ...
+
+    def make_executor(self, layout: StepLayout) -> LayoutExecutor: ...
 
 
 def open_engine(path: str | os.PathLike, backend: str = "onnxruntime", dtype: str | None = None,
                 max_seq_len: int | None = None, threads: int | None = None, lookahead: LookaheadConfig | None = None,
-                model: str | os.PathLike | None = None, verify: bool = True) -> Engine:
+                model: str | os.PathLike | None = None, max_batch: int | None = None, verify: bool = True) -> Engine:
     """Open an engine dir for `backend`, refusing (UserError naming what differs) a mismatching request.
 
     `model`: a checkpoint dir the engine must have been built from (checked by its weights' sha256).
@@ -44,11 +49,12 @@ def open_engine(path: str | os.PathLike, backend: str = "onnxruntime", dtype: st
         raise UserError(f"an engine dir runs on the onnxruntime or tensorrt backend, not {backend!r}")
     config = load_engine_config(path, verify=verify)
     model_sha = None if model is None else weights_sha256(model)
-    config.check_request(lookahead=lookahead, dtype=dtype, max_seq_len=max_seq_len, model_sha256=model_sha)
+    config.check_request(lookahead=lookahead, dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch,
+                         model_sha256=model_sha)
     if backend == "tensorrt":
         from trt_lookahead.backends.tensorrt import TensorRTEngine
 
-        return TensorRTEngine(config, max_seq_len=max_seq_len)
+        return TensorRTEngine(config, max_seq_len=max_seq_len, max_batch=max_batch)
     from trt_lookahead.backends.onnxruntime import OnnxRuntimeEngine
 
-    return OnnxRuntimeEngine(config, max_seq_len=max_seq_len, threads=threads)
+    return OnnxRuntimeEngine(config, max_seq_len=max_seq_len, max_batch=max_batch, threads=threads)

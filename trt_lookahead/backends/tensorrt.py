@@ -1,14 +1,23 @@
-"""TensorRT executor: an engine dir's engine.plan through the executor contract on a GPU (docs/design.md section 5).
+"""TensorRT executor: an engine dir's engine.plan through the batched executor contract on a GPU (docs/design.md
+sections 5 and 6.7).
 
-`TensorRTEngine.make_executor(layout)` -> `TensorRTExecutor`: one execution context per profile sharing one
-block of device memory (USER_MANAGED); every buffer is a torch CUDA tensor allocated once and bound by
-address once; the step (host-to-device copy of ids/positions/cache_len from pinned memory,
-execute_async_v3, argmax ids back) is captured once in a CUDA graph and replayed. cache_len and (W, N, G)
-live in device tensors, so the replay is valid for every step. `commit` moves the accepted slots' K/V
-(graph outputs) into the cache rows cache_len.. with torch ops on the same stream. The plan itself is
-built by engine/tensorrt_plan.py. TensorRT is imported lazily, so everything else runs without it; it
-cannot be installed on the project's CPU machines, so this path is written to the TensorRT 11 API as
-documented and its tests skip where TensorRT or a GPU is missing.
+`TensorRTEngine.executor(max_batch)` -> `TensorRTExecutor`: the KV caches are torch CUDA tensors
+[max_batch, Hkv, S, D] per layer, allocated once. A step of B rows x T tokens runs at its bucket (Bb, Tb):
+B padded up to the next of 1, 2, 4, .., max_batch with inert rows (causal, cache_len 0, token 0), T padded
+to the built T (or 1 when every row is one token) with pad tokens at the row's cache_len, which no real
+token sees. Each bucket has its own execution context on its own optimisation profile (engine/format.py's
+`plan_profiles`), all sharing one block of activation memory (USER_MANAGED), and its step captured once in
+a CUDA graph: the host-to-device copy of the pinned staging inputs (ids, positions, cache_len, step_config,
+output_slots), execute_async_v3, the argmax ids back. Every per-step value lives in device memory, so a
+replay is valid for every step and every mix of rows; the caches are bound at the first physical slots,
+which backends/graphs.py's SlotExecutor keeps compact. Prefill chunks run eagerly on profile 0, bound to
+the slot's own cache. `commit` moves a row's accepted K/V (graph outputs) into the slot's cache rows with
+torch ops on the same stream. Token choice (greedy ids, or the seeded draw from the float32 logits) is on
+the host, per slot.
+
+TensorRT is imported lazily, so everything else runs without it; it cannot be installed on the project's
+CPU machines, so this path is written to the TensorRT 11 API as documented and its tests skip where
+TensorRT or a GPU is missing. The plan itself is built by engine/tensorrt_plan.py.
 """
 
 from __future__ import annotations
@@ -19,19 +28,22 @@ from typing import Any
 import numpy as np
 
 from trt_lookahead.backends.devices import import_tensorrt, tensorrt_unavailable_reason
-from trt_lookahead.backends.graphs import EngineExecutor, OpenedEngine, choose_tokens, prefill_chunks
+from trt_lookahead.backends.graphs import LayoutView, Logits, OpenedEngine, SlotExecutor
 from trt_lookahead.engine.format import (
+    INPUTS,
+    OUTPUTS,
     PLAN_FILE,
-    PREFILL_PROFILE,
-    SINGLE_PROFILE,
-    STEP_PROFILE,
     EngineConfig,
+    batch_buckets,
     cache_names,
     plan_command,
+    step_buckets,
 )
 from trt_lookahead.errors import UserError
-from trt_lookahead.lookahead.executor import check_prompt, check_room
 from trt_lookahead.lookahead.layout import StepLayout
+
+PREFILL_PROFILE = 0  # then profile 1 + k for step bucket k (engine/format.py's plan_profiles)
+_ALIGN = 64  # int32 elements: each staged input starts on a 256-byte boundary, as TensorRT wants
 
 
 def bind(ctx, shapes: Mapping[str, tuple[int, ...]], addresses: Mapping[str, int]) -> None:
@@ -56,7 +68,7 @@ def bind(ctx, shapes: Mapping[str, tuple[int, ...]], addresses: Mapping[str, int
 class TensorRTEngine(OpenedEngine):
     """engine.plan deserialized once; executors share its weights and device memory."""
 
-    def __init__(self, config: EngineConfig, max_seq_len: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, max_seq_len: int | None = None, max_batch: int | None = None) -> None:
         reason = tensorrt_unavailable_reason()
         if reason is not None:
             raise UserError(f"the tensorrt backend cannot run here: {reason}; use --backend onnxruntime")
@@ -73,7 +85,7 @@ class TensorRTEngine(OpenedEngine):
         from trt_lookahead.kernels import tensorrt_plugin
 
         tensorrt_plugin.register(trt, trtp)
-        super().__init__(config, max_seq_len)
+        super().__init__(config, max_seq_len, max_batch)
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
         self.engine = self._runtime.deserialize_cuda_engine(plan.read_bytes())
@@ -84,7 +96,7 @@ class TensorRTEngine(OpenedEngine):
         # one block of activation memory for every context (they never run at the same time)
         self._memory = torch.empty(self.engine.device_memory_size_v2, dtype=torch.uint8, device=self.device)
 
-    def context(self, profile: int):
+    def context(self, profile: int) -> Any:
         """A new execution context on `profile`, using the shared activation memory."""
         trt = import_tensorrt()
         ctx = self.engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
@@ -92,131 +104,171 @@ class TensorRTEngine(OpenedEngine):
         ctx.set_optimization_profile_async(profile, self.stream.cuda_stream)
         return ctx
 
-    def make_executor(self, layout: StepLayout) -> TensorRTExecutor:
-        return TensorRTExecutor(self, layout)
+    def executor(self, max_batch: int | None = None) -> TensorRTExecutor:
+        """A batched executor with its own KV cache for `max_batch` slots (default: the engine's)."""
+        return TensorRTExecutor(self, max_batch)
+
+    def make_executor(self, layout: StepLayout) -> LayoutView:
+        """The single-request contract of `layout` on a one-slot executor (see graphs.LayoutView)."""
+        return LayoutView(self.executor(max_batch=1), layout)
 
 
-class TensorRTExecutor(EngineExecutor):
-    """Executor contract on a TensorRTEngine (static CUDA buffers, the step replayed as a CUDA graph)."""
+class TensorRTExecutor(SlotExecutor):
+    """The batched executor contract on a TensorRTEngine; see the module docstring."""
 
-    def __init__(self, engine: TensorRTEngine, layout: StepLayout) -> None:
+    def __init__(self, engine: TensorRTEngine, max_batch: int | None = None) -> None:
         import torch
 
-        super().__init__(engine, layout)
-        cfg, run, T = engine.config, self.run, self.step_tokens
-        self.engine: TensorRTEngine = engine
+        super().__init__(engine, max_batch)
+        cfg, B, T = engine.config, self.max_batch, self.step_tokens
+        self.engine = engine
         dev, dtype = engine.device, getattr(torch, cfg.dtype)
-        L, Hkv, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-        K = len(self.output_slots)
+        L, Hkv, D, V = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
         self._stream = engine.stream
-        self.k_cache = torch.zeros(L, Hkv, cfg.cache_rows, D, dtype=dtype, device=dev)
+        self.k_cache = torch.zeros(L, B, Hkv, cfg.cache_rows, D, dtype=dtype, device=dev)  # per layer [B, Hkv, S, D]
         self.v_cache = torch.zeros_like(self.k_cache)
-        # per-step values: one pinned staging row [ids | positions | cache_len] copied to the device inside the
-        # graph; each part starts on a 256-byte boundary, as TensorRT wants its I/O addresses aligned
-        stride = -(-T // 64) * 64
-        self._h_in = torch.zeros(3 * stride, dtype=torch.int32, pin_memory=True)
-        self._h_in_np = self._h_in.numpy()
-        self._d_in = torch.zeros(3 * stride, dtype=torch.int32, device=dev)
-        self._stride = stride
-        self._buffers = {
-            "input_ids": self._d_in[:T],
-            "positions": self._d_in[stride : stride + T],
-            "cache_len": self._d_in[2 * stride : 2 * stride + 1],
-            "step_config": torch.tensor(run.step_config, dtype=torch.int32, device=dev),
-            "output_slots": torch.from_numpy(self.output_slots.astype(np.int32)).to(dev),
-            "next_ids": torch.zeros(K, dtype=torch.int32, device=dev),
-            "logits": torch.zeros(K, self.vocab_size, dtype=torch.float32, device=dev),
-            "present_keys": torch.zeros(L, Hkv, T, D, dtype=dtype, device=dev),
-            "present_values": torch.zeros(L, Hkv, T, D, dtype=dtype, device=dev),
-        }
-        for name, layer in zip(cache_names(L), [*self.k_cache, *self.v_cache], strict=True):
-            self._buffers[name] = layer
-        self._h_out = torch.zeros(K, dtype=torch.int32, pin_memory=True)
-        self._ctx = engine.context(STEP_PROFILE if run.step_graph else SINGLE_PROFILE)
-        self._bind(self._ctx, self._buffers, T, K)
-        self._graph = self._capture()
-        self._prefill_ctx: Any = None  # the prefill profile's context, made on first use
+        # the staged inputs: one pinned host blob copied to its device twin inside each captured graph
+        sizes = {"input_ids": B * T, "positions": B * T, "cache_len": B, "step_config": B * 3, "output_slots": B * T}
+        self._offsets, total = {}, 0
+        for name in INPUTS:
+            self._offsets[name] = total
+            total += -(-sizes[name] // _ALIGN) * _ALIGN
+        self._h_in = torch.zeros(total, dtype=torch.int32, pin_memory=True)
+        self._d_in = torch.zeros(total, dtype=torch.int32, device=dev)
+        self._out = {"next_ids": torch.zeros(B * T, dtype=torch.int32, device=dev),
+                     "logits": torch.zeros(B * T * V, dtype=torch.float32, device=dev),
+                     **{name: torch.zeros(L * B * Hkv * T * D, dtype=dtype, device=dev) for name in OUTPUTS[2:]}}
+        self._h_out = torch.zeros(B * T, dtype=torch.int32, pin_memory=True)
+        prefill = cfg.max_input_len
+        self._prefill_out = {"next_ids": torch.zeros(1, 1, dtype=torch.int32, device=dev),
+                             "logits": torch.zeros(1, 1, V, dtype=torch.float32, device=dev),
+                             **{name: torch.zeros(L * Hkv * prefill * D, dtype=dtype, device=dev)
+                                for name in OUTPUTS[2:]}}
+        self._buckets = {bucket: 1 + k for k, bucket in enumerate(step_buckets(cfg))}  # -> profile index
+        self._graphs: dict[tuple[int, int], tuple[Any, Any]] = {}  # bucket -> (context, CUDA graph)
+        self._prefill_ctx: Any = None
+        self._staged: dict[str, np.ndarray] = {}
+        self._presents: tuple[Any, Any] = (None, None)
 
-    @staticmethod
-    def _bind(ctx, buffers: dict, tokens: int, rows: int) -> None:
-        shapes = {"input_ids": (tokens,), "positions": (tokens,), "output_slots": (rows,)}
-        bind(ctx, shapes, {name: tensor.data_ptr() for name, tensor in buffers.items()})
+    def _bucket(self, B: int, T: int) -> tuple[int, int]:
+        batch = next(b for b in batch_buckets(self.config.max_batch) if b >= B)
+        return batch, (1 if T == 1 else self.step_tokens)
 
-    def _run_step(self) -> None:
-        self._d_in.copy_(self._h_in, non_blocking=True)
-        if not self._ctx.execute_async_v3(self._stream.cuda_stream):
-            raise RuntimeError("TensorRT execute_async_v3 failed")
-        self._h_out.copy_(self._buffers["next_ids"], non_blocking=True)
+    def _views(self, Bb: int, Tb: int, blob: Any) -> dict[str, Any]:
+        """The staged inputs of bucket (Bb, Tb) as views of `blob` (host numpy or device tensor)."""
+        shapes = {"input_ids": (Bb, Tb), "positions": (Bb, Tb), "cache_len": (Bb,), "step_config": (Bb, 3),
+                  "output_slots": (Bb, Tb)}
+        return {name: blob[self._offsets[name] : self._offsets[name] + int(np.prod(shape))].reshape(shape)
+                for name, shape in shapes.items()}
 
-    def _capture(self):
-        """Warm up (TensorRT's deferred shape work must not be captured), then capture one step."""
+    def _outputs(self, buffers: dict[str, Any], B: int, T: int) -> dict[str, Any]:
+        L, Hkv, D = self.config.num_layers, self.config.num_kv_heads, self.config.head_dim
+        shapes = {"next_ids": (B, T), "logits": (B, T, self.vocab_size), "present_keys": (L, B, Hkv, T, D),
+                  "present_values": (L, B, Hkv, T, D)}
+        return {name: buffers[name][: int(np.prod(shape))].view(shape) for name, shape in shapes.items()}
+
+    def _bind(self, ctx: Any, inputs: dict[str, Any], caches: list[Any], outputs: dict[str, Any]) -> None:
+        """Shapes and addresses of every graph input (the caches too) and addresses of every output (checked)."""
+        named_inputs = [*inputs.items(), *zip(cache_names(self.config.num_layers), caches, strict=True)]
+        shapes = {name: tuple(tensor.shape) for name, tensor in named_inputs}
+        addresses = {name: tensor.data_ptr() for name, tensor in [*named_inputs, *outputs.items()]}
+        bind(ctx, shapes, addresses)
+
+    def _graph(self, Bb: int, Tb: int) -> Any:
+        """The bucket's context and CUDA graph: bound once, warmed up (TensorRT's deferred shape work must not
+        be captured), then one step captured."""
         import torch
 
-        with torch.cuda.stream(self._stream):
-            self._run_step()
-        self._stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=self._stream):
-            self._run_step()
-        return graph
+        if (Bb, Tb) not in self._graphs:
+            ctx = self.engine.context(self._buckets[(Bb, Tb)])
+            caches = [layer[:Bb] for layer in (*self.k_cache, *self.v_cache)]
+            self._bind(ctx, self._views(Bb, Tb, self._d_in), caches, self._outputs(self._out, Bb, Tb))
 
-    # -- contract ---------------------------------------------------------------------------------
-
-    def prefill(self, prompt_ids: np.ndarray) -> int:
-        import torch
-
-        ids = check_prompt(prompt_ids, self.max_seq_len, self.vocab_size)
-        P = len(ids)
-        if self._prefill_ctx is None:
-            self._prefill_ctx = self.engine.context(PREFILL_PROFILE)
-        ctx = self._prefill_ctx
-        cfg, dev = self.engine.config, self.engine.device
-        chunk = cfg.max_input_len
-        buffers: dict = {}
-        with torch.cuda.stream(self._stream):
-            for start, inputs in prefill_chunks(ids, chunk):
-                n = len(inputs["input_ids"])
-                buffers = {name: torch.from_numpy(array).to(dev) for name, array in inputs.items()}
-                buffers |= {
-                    "next_ids": torch.zeros(1, dtype=torch.int32, device=dev),
-                    "logits": torch.zeros(1, self.vocab_size, dtype=torch.float32, device=dev),
-                    "present_keys": self.k_cache.new_zeros(*self.k_cache.shape[:2], n, self.k_cache.shape[3]),
-                    "present_values": self.v_cache.new_zeros(*self.v_cache.shape[:2], n, self.v_cache.shape[3]),
-                }
-                for name, layer in zip(cache_names(cfg.num_layers), [*self.k_cache, *self.v_cache], strict=True):
-                    buffers[name] = layer
-                self._bind(ctx, buffers, n, 1)
+            def launch() -> None:
+                self._d_in.copy_(self._h_in, non_blocking=True)
                 if not ctx.execute_async_v3(self._stream.cuda_stream):
                     raise RuntimeError("TensorRT execute_async_v3 failed")
-                self.k_cache[:, :, start : start + n] = buffers["present_keys"]
-                self.v_cache[:, :, start : start + n] = buffers["present_values"]
-        self._stream.synchronize()
-        self._cache_len = P
-        chosen = choose_tokens(self.sampling, buffers["next_ids"].cpu().numpy(),
-                               lambda: buffers["logits"].cpu().numpy(), np.array([P - 1]))
-        return int(chosen[0])
+                self._h_out[: Bb * Tb].copy_(self._out["next_ids"][: Bb * Tb], non_blocking=True)
 
-    def step(self, input_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        check_room(self._cache_len, self.max_seq_len)
+            with torch.cuda.stream(self._stream):
+                launch()
+            self._stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self._stream):
+                launch()
+            self._graphs[(Bb, Tb)] = (ctx, graph)
+        return self._graphs[(Bb, Tb)][1]
+
+    def _inputs(self, B: int, T: int, K: int) -> dict[str, np.ndarray]:
+        self._staged = {"input_ids": np.zeros((B, T), np.int32), "positions": np.zeros((B, T), np.int32),
+                        "cache_len": np.zeros(B, np.int32), "step_config": np.zeros((B, 3), np.int32),
+                        "output_slots": np.zeros((B, K), np.int32)}
+        return self._staged
+
+    def _run(self, B: int, T: int, K: int) -> tuple[np.ndarray, Logits]:
         import torch
 
-        T, stride = self.step_tokens, self._stride
-        h = self._h_in_np
-        h[:T] = input_ids
-        h[stride : stride + T] = positions
-        h[2 * stride] = self._cache_len
+        Bb, Tb = self._bucket(B, T)
+        staged, host = self._staged, self._views(Bb, Tb, self._h_in.numpy())
+        for array in host.values():
+            array[...] = 0  # inert rows and pads: causal, cache_len 0, token 0
+        host["input_ids"][:B, :T] = staged["input_ids"]
+        host["positions"][:B] = staged["cache_len"][:, None]  # pads sit at the row's cache_len
+        host["positions"][:B, :T] = staged["positions"]
+        host["cache_len"][:B] = staged["cache_len"]
+        host["step_config"][:B] = staged["step_config"]
+        host["output_slots"][:B] = staged["output_slots"][:, -1:]  # repeat the last output slot
+        host["output_slots"][:B, :K] = staged["output_slots"]
+        graph = self._graph(Bb, Tb)
         with torch.cuda.stream(self._stream):
-            self._graph.replay()
+            graph.replay()
         self._stream.synchronize()
-        chosen = choose_tokens(self.sampling, self._h_out.numpy(), lambda: self._buffers["logits"].cpu().numpy(),
-                               np.asarray(positions)[self.output_slots])
-        return self._at_output_slots(chosen)
+        out = self._outputs(self._out, Bb, Tb)
+        self._presents = (out["present_keys"], out["present_values"])
+        next_ids = self._h_out[: Bb * Tb].numpy().reshape(Bb, Tb)[:B, :K]
+        return next_ids, lambda: out["logits"][:B, :K].cpu().numpy()
 
-    def _keep(self, slots: np.ndarray, row: int) -> None:
+    def _prefill_chunk(self, physical: int, start: int, inputs: dict[str, np.ndarray]) -> tuple[np.ndarray, Logits]:
         import torch
 
-        end = row + len(slots)
+        if self._prefill_ctx is None:
+            self._prefill_ctx = self.engine.context(PREFILL_PROFILE)
+        n = inputs["input_ids"].shape[1]
+        dev = self.engine.device
         with torch.cuda.stream(self._stream):
-            index = torch.from_numpy(slots).to(self.engine.device)
-            self.k_cache[:, :, row:end] = self._buffers["present_keys"].index_select(2, index)
-            self.v_cache[:, :, row:end] = self._buffers["present_values"].index_select(2, index)
+            tensors = {name: torch.from_numpy(array).to(dev) for name, array in inputs.items()}
+            out = self._outputs(self._prefill_out, 1, n) | {name: self._prefill_out[name] for name in OUTPUTS[:2]}
+            caches = [layer[physical : physical + 1] for layer in (*self.k_cache, *self.v_cache)]
+            self._bind(self._prefill_ctx, tensors, caches, out)
+            if not self._prefill_ctx.execute_async_v3(self._stream.cuda_stream):
+                raise RuntimeError("TensorRT execute_async_v3 failed")
+            self.k_cache[:, physical, :, start : start + n] = out["present_keys"][:, 0]
+            self.v_cache[:, physical, :, start : start + n] = out["present_values"][:, 0]
+        self._stream.synchronize()
+        return out["next_ids"].cpu().numpy(), lambda: out["logits"].cpu().numpy()
+
+    def _keep(self, physical: int, row: int, rows: np.ndarray, start: int) -> None:
+        import torch
+
+        end = start + len(rows)
+        keys, values = self._presents
+        with torch.cuda.stream(self._stream):
+            index = torch.from_numpy(rows).to(self.engine.device)
+            self.k_cache[:, physical, :, start:end] = keys[:, row].index_select(2, index)
+            self.v_cache[:, physical, :, start:end] = values[:, row].index_select(2, index)
+
+    def _move(self, src: int, dst: int, length: int) -> None:
+        import torch
+
+        with torch.cuda.stream(self._stream):
+            for cache in (self.k_cache, self.v_cache):
+                cache[:, dst, :, :length] = cache[:, src, :, :length]
+
+    def _swap(self, a: int, b: int, length: int) -> None:
+        import torch
+
+        with torch.cuda.stream(self._stream):
+            for cache in (self.k_cache, self.v_cache):
+                held = cache[:, a, :, :length].clone()
+                cache[:, a, :, :length] = cache[:, b, :, :length]
+                cache[:, b, :, :length] = held

@@ -236,8 +236,8 @@ def build(args: argparse.Namespace) -> int:
     lookahead = LookaheadConfig.parse(args.lookahead_config) if args.lookahead_config else DEFAULT_LOOKAHEAD
     request = build_request(
         args.model, args.output, lookahead=lookahead, max_seq_len=args.max_seq_len,
-        max_input_len=args.max_input_len, dtype=args.dtype, attention=args.attention, target=args.target,
-        force=args.force,
+        max_input_len=args.max_input_len, max_batch=args.max_batch, dtype=args.dtype, attention=args.attention,
+        target=args.target, force=args.force,
     )
     summary = build(request)
     if summary and summary["tensorrt_remaining"]:

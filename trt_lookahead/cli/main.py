@@ -12,7 +12,7 @@ import sys
 from typing import NoReturn
 
 from trt_lookahead.cli import commands
-from trt_lookahead.engine.format import ATTENTION_MODES, DEFAULT_BUILD_SEQ_LEN, DTYPES, TARGETS
+from trt_lookahead.engine.format import ATTENTION_MODES, DEFAULT_BUILD_SEQ_LEN, DEFAULT_MAX_BATCH, DTYPES, TARGETS
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import DEFAULT_LOOKAHEAD
 from trt_lookahead.lookahead.sampling import SamplingParams
@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_seq_len", "--max-seq-len", dest="max_seq_len", type=int, default=None,
                    help=f"prompt + generated tokens (default: min(model context, {DEFAULT_BUILD_SEQ_LEN}))")
     p.add_argument("--max_input_len", "--max-input-len", dest="max_input_len", type=int, default=None)
+    p.add_argument("--max-batch", "--max_batch", dest="max_batch", type=int, default=DEFAULT_MAX_BATCH,
+                   help=f"most requests one step runs (KV slots of an executor); default {DEFAULT_MAX_BATCH}")
     p.add_argument("--dtype", default=DTYPES[0], help=", ".join(DTYPES))
     p.add_argument("--attention", choices=ATTENTION_MODES, default=ATTENTION_MODES[0])
     p.add_argument("--target", choices=TARGETS, default=TARGETS[0])

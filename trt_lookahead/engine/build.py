@@ -1,12 +1,14 @@
-"""`trt-lookahead build`: a Llama checkpoint -> an engine dir at fixed (W, N, G) (docs/design.md section 6.5).
+"""`trt-lookahead build`: a Llama checkpoint -> an engine dir for steps of up to max_batch rows of at most
+the built (W, N, G) (docs/design.md section 6.5).
 
-    request = build_request(model, output, lookahead=LookaheadConfig(4, 3, 4), max_seq_len=1024)
+    request = build_request(model, output, lookahead=LookaheadConfig(4, 3, 4), max_seq_len=1024, max_batch=8)
     summary = build(request)   # or None: the output already holds this build
 
 The build happens in a temporary directory beside the output and is renamed into place only after
-the graphs pass onnx.checker and a smoke step under onnxruntime matches the torch executor; an
-interrupted build leaves nothing half-written, and a different engine is never replaced without force.
-The engine dir's layout and names are engine/format.py's; the graphs come from engine/export.py.
+the graph passes onnx.checker and a smoke check under onnxruntime (batched prefill and steps of mixed rows)
+matches the torch model run row by row; an interrupted build leaves nothing half-written, and a different
+engine is never replaced without force. The engine dir's layout and names are engine/format.py's; the
+graph comes from engine/export.py.
 """
 
 from __future__ import annotations
@@ -25,24 +27,26 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trt_lookahead.engine import tensorrt_plan
-from trt_lookahead.engine.export import OPSET, export_graph, fix_tokens, plugin_contract, save_graphs
+from trt_lookahead.engine.export import OPSET, export_graph, plugin_contract, save_graph
 from trt_lookahead.engine.format import (
     ATTENTION_MODES,
     CONFIG_FILE,
     DEFAULT_BUILD_SEQ_LEN,
+    DEFAULT_MAX_BATCH,
     DTYPES,
     FORMAT_KEY,
     FORMAT_VERSION,
+    GRAPH_FILE,
     INPUTS,
     OUTPUTS,
     PLAN_FILE,
-    PREFILL_GRAPH,
-    STEP_GRAPH,
     TARGETS,
     TOKENIZER_FILES,
     WEIGHTS_FILE,
+    cache_names,
     file_checksums,
     is_engine_dir,
+    load_engine_config,
     plan_command,
     write_engine_config,
 )
@@ -50,7 +54,6 @@ from trt_lookahead.errors import UserError, as_int
 from trt_lookahead.files import check_output_dir, remove_stale_work_dirs, replace_dir, work_dir
 from trt_lookahead.lookahead.config import DEFAULT_LOOKAHEAD, LookaheadConfig
 from trt_lookahead.lookahead.layout import StepLayout
-from trt_lookahead.lookahead.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from trt_lookahead.model.llama import Llama, ModelConfig
@@ -65,6 +68,7 @@ class BuildRequest:
     lookahead: LookaheadConfig
     max_seq_len: int
     max_input_len: int
+    max_batch: int
     dtype: str
     attention: str
     target: str
@@ -74,8 +78,8 @@ class BuildRequest:
         """What identifies a build: equal keys mean an existing engine dir already is this build."""
         return {
             "format": FORMAT_VERSION, "weights_sha256": weights_sha256, "lookahead": str(self.lookahead),
-            "max_seq_len": self.max_seq_len, "max_input_len": self.max_input_len, "dtype": self.dtype,
-            "attention": self.attention, "target": self.target,
+            "max_seq_len": self.max_seq_len, "max_input_len": self.max_input_len, "max_batch": self.max_batch,
+            "dtype": self.dtype, "attention": self.attention, "target": self.target,
         }
 
 
@@ -96,6 +100,7 @@ def build_request(
     lookahead: LookaheadConfig = DEFAULT_LOOKAHEAD,
     max_seq_len: int | None = None,
     max_input_len: int | None = None,
+    max_batch: int = DEFAULT_MAX_BATCH,
     dtype: str = "float32",
     attention: str = "plugin",
     target: str = "onnx",
@@ -122,7 +127,11 @@ def build_request(
             f"max_seq_len {max_seq_len} is below the prompt limit max_input_len {max_input_len}; "
             "max_seq_len counts the prompt plus the generated tokens, so give max_seq_len >= max_input_len"
         )
-    return BuildRequest(model_dir, output, lookahead, max_seq_len, max_input_len, dtype, attention, target, force)
+    max_batch = as_int("max_batch", max_batch)
+    if max_batch < 1:
+        raise UserError(f"max_batch {max_batch} is impossible; an engine runs at least one row per step")
+    return BuildRequest(model_dir, output, lookahead, max_seq_len, max_input_len, max_batch, dtype, attention, target,
+                        force)
 
 
 def _existing_build(output: Path) -> dict | None:
@@ -220,14 +229,13 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
     _log(f"[1/{steps}] loading {request.model_dir} ({request.dtype})")
     model, _ = load_llama(request.model_dir, dtype=request.dtype)
 
-    _log(f"[2/{steps}] exporting the network (attention={request.attention}): prefill graph with "
-         f"1..{request.max_input_len} tokens, step graph pinned at T={T} ({lookahead})")
+    tokens = max(request.max_input_len, T)  # a row's most tokens: a prefill chunk or a step
+    _log(f"[2/{steps}] exporting the network (attention={request.attention}): batch 1..{request.max_batch}, "
+         f"1..{tokens} tokens per row ({lookahead}: T={T})")
     layout = StepLayout(lookahead)
-    prefill = export_graph(model, request.attention, rows, max(request.max_input_len, T))
-    save_graphs({STEP_GRAPH: fix_tokens(prefill, T), PREFILL_GRAPH: prefill}, out)
-    del prefill
+    save_graph(export_graph(model, request.attention, rows, tokens), out / GRAPH_FILE)
 
-    _log(f"[3/{steps}] copying the tokenizer and checking the graphs with onnx.checker")
+    _log(f"[3/{steps}] copying the tokenizer and checking the graph with onnx.checker")
     tokenizer_files = [name for name in TOKENIZER_FILES if (request.model_dir / name).is_file()]
     if not any(name in tokenizer_files for name in ("tokenizer.json", "tokenizer.model")):
         raise UserError(
@@ -235,8 +243,7 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
         )
     for name in tokenizer_files:
         shutil.copyfile(request.model_dir / name, out / name)
-    for name in (STEP_GRAPH, PREFILL_GRAPH):
-        onnx.checker.check_model(str(out / name), full_check=False)
+    onnx.checker.check_model(str(out / GRAPH_FILE), full_check=False)
 
     config = {
         FORMAT_KEY: FORMAT_VERSION,
@@ -245,17 +252,20 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
         "dtype": request.dtype,
         "max_seq_len": request.max_seq_len,
         "max_input_len": request.max_input_len,
+        "max_batch": request.max_batch,
         "lookahead": {"W": lookahead.W, "N": lookahead.N, "G": lookahead.G},
         "step_tokens": T,
         "output_slots": layout.output_slots.tolist(),
         "cache_rows": rows,
-        "cache_layout": "[num_kv_heads, cache_rows, head_dim] per layer",
+        "cache_layout": "[batch, num_kv_heads, cache_rows, head_dim] per layer; an executor keeps max_batch slots "
+                        "and binds the first B",
         "attention": request.attention,
         "plugin": plugin_contract() if request.attention == "plugin" else None,
-        "graphs": {"step": STEP_GRAPH, "prefill": PREFILL_GRAPH},
+        "graphs": {"model": GRAPH_FILE},
         "weights": WEIGHTS_FILE,
         "inputs": [*INPUTS, f"key_cache_0..{cfg.num_layers - 1}", f"value_cache_0..{cfg.num_layers - 1}"],
         "outputs": list(OUTPUTS),
+        "dims": {"batch": f"1..{request.max_batch}", "tokens": f"1..{tokens}", "rows": "output rows per batch row"},
         "opset": OPSET,
         "tokenizer_files": tokenizer_files,
         "build_key": key,
@@ -264,8 +274,8 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
     }
     write_engine_config(out, config)
 
-    _log(f"[4/{steps}] smoke step under onnxruntime against the torch executor")
-    config["targets"]["onnx"]["smoke_check"] = smoke_check(out, model, lookahead, request.max_seq_len)
+    _log(f"[4/{steps}] smoke check under onnxruntime (batched rows) against the torch model row by row")
+    config["targets"]["onnx"]["smoke_check"] = smoke_check(out, model, lookahead)
     del model
 
     if request.target == "tensorrt":
@@ -280,57 +290,78 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
             "tensorrt_remaining": config["targets"].get("tensorrt", {}).get("remaining")}
 
 
-SMOKE_PROMPT_TOKENS = 12
+SMOKE_PROMPT_LENGTHS = (12, 7, 1)  # one batch row each: different cache lengths in every step
 
 
-def smoke_check(engine_dir: Path, model: Llama, lookahead: LookaheadConfig, max_seq_len: int) -> dict[str, Any]:
-    """Prefill + two steps under onnxruntime and under the torch executor; the tokens must agree.
+def smoke_check(engine_dir: Path, model: Llama, lookahead: LookaheadConfig) -> dict[str, Any]:
+    """Run the engine's graph under onnxruntime on batches of mixed rows and compare each row's next tokens
+    with the torch model run on that row alone, with its own cache.
 
-    Returns what was compared. Raises UserError on a mismatch (float32), or records the match rate
-    (bfloat16 / float16, where rounding may differ); a dtype onnxruntime's CPU kernels cannot run is
-    recorded as not checked, with the reason.
+    A causal prefill of three prompts of different lengths in one batch (shorter ones padded), then two
+    steps whose rows are the built config, a greedy row and a causal row, committing one token per row in
+    between. Raises UserError on a mismatch (float32), or records the match rate (bfloat16 / float16, where
+    rounding may differ); a dtype onnxruntime's CPU kernels cannot run is recorded as not checked, with
+    the reason.
     """
     import numpy as np
     import torch
 
-    from trt_lookahead.backends.onnxruntime import OnnxRuntimeUnsupported
-    from trt_lookahead.backends.open import open_engine
-    from trt_lookahead.backends.torch import TorchExecutor
+    from trt_lookahead.backends.onnxruntime import OnnxRuntimeEngine, OnnxRuntimeUnsupported
 
-    layout = StepLayout(lookahead)
-    rng = np.random.default_rng(0)
-    vocab = model.cfg.vocab_size
-    prompt = rng.integers(0, vocab, min(SMOKE_PROMPT_TOKENS, max_seq_len - 1))
     try:
-        engine = open_engine(engine_dir, backend="onnxruntime", threads=1, verify=False)  # checksums come last
-        ours = engine.make_executor(layout)
+        engine = OnnxRuntimeEngine(load_engine_config(engine_dir, verify=False), threads=1)  # checksums come last
+        session = engine.session()
     except OnnxRuntimeUnsupported as exc:
         _log(f"      not run: {exc}")
         return {"ran": False, "reason": str(exc)}
-    theirs = TorchExecutor(model, layout.mask, max_seq_len, output_slots=layout.output_slots)
-    slots = layout.output_slots
+    config = engine.config
+    T, S, L, vocab = config.step_tokens, config.cache_rows, config.num_layers, config.vocab_size
+    B = len(SMOKE_PROMPT_LENGTHS)
+    rng = np.random.default_rng(0)
+    ours = np.zeros((2, L, B, config.num_kv_heads, S, config.head_dim), np.dtype(config.dtype))  # K, V
+    theirs = [model.new_cache(S) for _ in range(B)]  # per row: its own [L, S, Hkv, D] K and V
+    cache_len = np.zeros(B, np.int64)
     agree = total = 0
-    for ex in (ours, theirs):
-        ex.reset(SamplingParams())
-    first = (ours.prefill(prompt), theirs.prefill(prompt))
-    agree, total = int(first[0] == first[1]), 1
-    x = first[1]
-    for _ in range(2):
-        ids = rng.integers(0, vocab, layout.step_tokens)
-        ids[0] = x
-        positions = len(prompt) + layout.rel_positions
-        a, b = ours.step(ids, positions), theirs.step(ids, positions)
-        agree += int((a[slots] == b[slots]).sum())
-        total += len(slots)
-        ours.commit(np.array([0]))
-        theirs.commit(np.array([0]))
-        prompt = np.append(prompt, x)
-        x = b[0]
+
+    def compare(ids, positions, step_config, masks, output_slots, real) -> None:
+        """One batched graph run against the model per row; commits the first `real[b]` tokens of row b."""
+        nonlocal agree, total
+        feeds = {"input_ids": ids, "positions": positions, "cache_len": cache_len, "step_config": step_config,
+                 "output_slots": output_slots}
+        feeds = {name: np.asarray(value, np.int32) for name, value in feeds.items()}
+        feeds |= dict(zip(cache_names(L), [*ours[0], *ours[1]], strict=True))
+        next_ids, _, keys, values = session.run(None, feeds)
+        for b in range(B):
+            p, n = int(cache_len[b]), int(real[b])
+            with torch.no_grad():
+                logits = model(torch.as_tensor(ids[b]), torch.as_tensor(positions[b]), *theirs[b], torch.tensor(p),
+                               torch.tensor(masks[b]), torch.as_tensor(output_slots[b]))
+            agree += int((logits.argmax(-1).numpy() == next_ids[b]).sum())
+            total += len(output_slots[b])
+            ours[0, :, b, :, p : p + n] = keys[:, b, :, :n]
+            ours[1, :, b, :, p : p + n] = values[:, b, :, :n]
+        cache_len[:] += real
+
+    lengths = np.minimum(SMOKE_PROMPT_LENGTHS, max(1, config.max_seq_len - 2))  # room for the two steps
+    P = int(lengths.max())
+    compare(rng.integers(0, vocab, (B, P)), np.tile(np.arange(P), (B, 1)), np.zeros((B, 3)),
+            [np.tril(np.ones((P, P), bool))] * B, (lengths - 1)[:, None], lengths)
+    configs = (lookahead, LookaheadConfig.greedy())  # rows 0 and 1; row 2 is causal (0, 0, 0)
+    layouts = [StepLayout(c, padded_tokens=T) for c in configs]
+    step_config = np.array([(c.W, c.N, c.G) for c in configs] + [(0, 0, 0)])
+    rel_positions = np.array([lay.rel_positions for lay in layouts] + [np.arange(T)])
+    masks = [lay.mask for lay in layouts] + [np.tril(np.ones((T, T), bool))]
+    slots = [lay.output_slots for lay in layouts] + [np.arange(T)]
+    K = max(len(x) for x in slots)
+    output_slots = np.array([np.pad(x, (0, K - len(x)), mode="edge") for x in slots])  # repeat the last slot
+    for _ in range(min(2, config.max_seq_len - P)):
+        compare(rng.integers(0, vocab, (B, T)), cache_len[:, None] + rel_positions, step_config, masks,
+                output_slots, np.ones(B, np.int64))
     result = {"ran": True, "tokens_compared": total, "tokens_equal": agree, "match_rate": round(agree / total, 4)}
     _log(f"      onnxruntime vs torch: {agree}/{total} next tokens equal")
     if model.dtype == torch.float32 and agree != total:
         raise UserError(
-            f"the exported graphs disagree with the torch model ({agree}/{total} tokens equal in float32); "
+            f"the exported graph disagrees with the torch model ({agree}/{total} tokens equal in float32); "
             "this is a bug in the export: please report it with the model and the build command"
         )
     return result
@@ -348,9 +379,10 @@ def tensorrt_target(out: Path, request: BuildRequest) -> dict[str, Any]:
     remaining = (
         f"TensorRT plan not built here ({missing}). Everything else is in {final}. "
         f"On a GPU host with TensorRT >= 10.9 and triton installed, run:\n    {command}\n"
-        f"It parses {PREFILL_GRAPH} with the LookaheadAttention plugin registered, builds the strongly typed "
-        f"network with its optimisation profiles (prefill 1..{request.max_input_len} tokens, step "
-        f"T={request.lookahead.step_tokens}, single token), writes {PLAN_FILE} and records it in config.json."
+        f"It parses {GRAPH_FILE} with the LookaheadAttention plugin registered, builds the strongly typed "
+        f"network with its optimisation profiles (prefill: one row of 1..{request.max_input_len} tokens; steps: "
+        f"one per batch bucket up to {request.max_batch} rows and T of 1 or {request.lookahead.step_tokens}), "
+        f"writes {PLAN_FILE} and records it in config.json."
     )
     _log("      " + remaining.splitlines()[0])
     return {"built": False, "reason": missing, "command": command, "remaining": remaining}

@@ -1,19 +1,21 @@
-"""ONNX export of an engine's graphs: the shared `Llama` against read-only per-layer caches.
+"""ONNX export of an engine's graph: the shared `Llama` over a batch of rows against read-only per-layer caches.
 
-The caches are read-only inputs: a step attends over rows 0..cache_len-1 plus its own T tokens and
-returns their K/V; the executor commits the accepted rows (no in-graph copy of the whole cache).
-Attention is the LookaheadAttention node (--attention plugin, kernels/onnx_op.py) or the standard
-ONNX Attention-23 op (--attention native) over keys [cache rows ; step rows] with a boolean [T, S+T]
-mask computed in the graph from cache_len and step_config. The native form passes no past_key /
-past_value: onnxruntime 1.31's CPU kernel refuses past_key without a present_key output, and the
-present (a copy of the whole cache) is not wanted; the concatenation costs the same copy.
-See docs/design.md sections 6.3 and 6.4.
+One graph with a dynamic batch B and token count T serves every step, every mix of rows (lookahead, greedy,
+causal) and every prefill chunk. The model itself is single-sequence: the wrapper flattens the [B, T] rows
+into B*T tokens (embedding, RoPE at each token's own position, linear layers and norms are per token), and
+only attention, through the model's seam, sees the rows again. The caches are read-only inputs: row b
+attends over its rows 0..cache_len[b]-1 plus its own T tokens and the graph returns the step's K/V; the
+executor commits the accepted rows (no in-graph copy of the whole cache). Attention is the
+LookaheadAttention node (--attention plugin, kernels/onnx_op.py) or the standard ONNX Attention-23 op
+(--attention native) over keys [cache rows ; step rows] with a boolean [B, 1, T, S+T] mask computed in the
+graph from cache_len and step_config. The native form passes no past_key / past_value: onnxruntime's CPU
+kernel refuses past_key without a present_key output, and the present (a copy of the whole cache) is not
+wanted; the concatenation costs the same copy. See docs/design.md sections 6.3 and 6.4.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import warnings
 from pathlib import Path
@@ -23,7 +25,7 @@ from trt_lookahead.engine.format import INPUTS, OUTPUTS, WEIGHTS_FILE, cache_nam
 from trt_lookahead.kernels import mask, onnx_op, reference
 
 OPSET = 23
-_INLINE_BYTES = 1024  # initializers smaller than this stay inside the graph files
+_INLINE_BYTES = 1024  # initializers smaller than this stay inside the graph file
 
 
 def plugin_contract() -> dict[str, Any]:
@@ -33,22 +35,26 @@ def plugin_contract() -> dict[str, Any]:
 
 
 def _graph_module(model, attention: str):
-    """The export wrapper: one forward of the shared `Llama` against read-only per-layer caches.
+    """The export wrapper: one forward of the shared `Llama` over B*T flattened tokens, attention per row.
 
     It drives the model through its public forward and attention seam: the model writes each layer's
-    step K/V into a [T]-row scratch cache (cache_len 0), so the seam hands the attention function the
-    step's own K/V, and the function pairs them with that layer's real cache (graph inputs).
+    step K/V into a [B*T]-row scratch cache (cache_len 0), so the seam hands the attention function the
+    step's own K/V, and the function pairs them, row by row, with that layer's real cache (graph inputs).
     """
     import torch
 
     cfg = model.cfg
-    layers, kv_heads, head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    layers, heads, kv_heads, head_dim = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     scale = reference.default_scale(head_dim)
-    attrs = onnx_op.node_attributes(cfg.num_heads, kv_heads, head_dim, scale)
+    attrs = onnx_op.node_attributes(heads, kv_heads, head_dim, scale)
 
-    def step_mask(tokens, step_config):
+    def native_mask(tokens, cache_rows, cache_len, step_config):
+        """[B, 1, T, S+T] bool: row b sees its cache rows < cache_len[b] and its step rows by its config."""
         idx = torch.arange(tokens)
-        return mask.step_visible(idx[:, None], idx[None, :], *step_config.long().unbind(0))
+        window, ngram, verify = step_config.long()[:, :, None, None].unbind(1)  # [B, 1, 1] each
+        step = mask.step_visible(idx[None, :, None], idx[None, None, :], window, ngram, verify)  # [B, T, T]
+        prefix = torch.arange(cache_rows)[None, :] < cache_len.long()[:, None]  # [B, S]
+        return torch.cat([prefix[:, None, :].expand(-1, tokens, -1), step], 2)[:, None]
 
     class StepGraph(torch.nn.Module):
         def __init__(self) -> None:
@@ -56,69 +62,77 @@ def _graph_module(model, attention: str):
             self.model = model
 
         def forward(self, input_ids, positions, cache_len, step_config, output_slots, caches):
-            tokens = input_ids.shape[0]
+            batch, tokens = input_ids.shape
             key_caches, value_caches = caches[:layers], caches[layers:]
-            scratch_k = torch.zeros(layers, tokens, kv_heads, head_dim, dtype=model.dtype)
+            scratch_k = torch.zeros(layers, batch * tokens, kv_heads, head_dim, dtype=model.dtype)
             scratch_v = torch.zeros_like(scratch_k)
             if attention == "native":
-                prefix = torch.arange(key_caches[0].shape[1])[None, :] < cache_len.long()
-                full_mask = torch.cat([prefix.expand(tokens, -1), step_mask(tokens, step_config)], 1)
+                full_mask = native_mask(tokens, key_caches[0].shape[2], cache_len, step_config)
             presents: list[tuple[torch.Tensor, torch.Tensor]] = []
 
             def attend(q, k_new, v_new, _zero, _mask):
                 layer = len(presents)
+                q = q.reshape(batch, tokens, heads, head_dim)
+                k_new = k_new.reshape(batch, tokens, kv_heads, head_dim)
+                v_new = v_new.reshape(batch, tokens, kv_heads, head_dim)
                 presents.append((k_new, v_new))
                 kc, vc = key_caches[layer], value_caches[layer]
                 if attention == "native":  # keys = [cache rows ; step rows], no past/present (see docstring)
-                    keys = torch.cat([kc, k_new.transpose(0, 1)], 1)[None]
-                    values = torch.cat([vc, v_new.transpose(0, 1)], 1)[None]
-                    y = torch.onnx.ops.attention(q.transpose(0, 1)[None], keys, values, full_mask, scale=scale)[0]
-                    return y[0].transpose(0, 1)
-                if torch.onnx.is_in_onnx_export():
-                    return torch.onnx.ops.symbolic(
+                    keys = torch.cat([kc, k_new.transpose(1, 2)], 2)
+                    values = torch.cat([vc, v_new.transpose(1, 2)], 2)
+                    y = torch.onnx.ops.attention(q.transpose(1, 2), keys, values, full_mask, scale=scale)[0]
+                    y = y.transpose(1, 2)
+                elif torch.onnx.is_in_onnx_export():
+                    y = torch.onnx.ops.symbolic(
                         f"{reference.OP_DOMAIN}::{reference.OP_NAME}",
                         [q, k_new, v_new, kc, vc, cache_len, step_config], attrs,
                         dtype=q.dtype, shape=q.shape, version=reference.OP_VERSION,
                     )
-                return reference.lookahead_attention(q, k_new, v_new, kc, vc, cache_len, step_config, scale=scale)
+                else:
+                    y = reference.lookahead_attention(q, k_new, v_new, kc, vc, cache_len, step_config, scale=scale)
+                return y.reshape(batch * tokens, heads, head_dim)
 
             zero = torch.zeros((), dtype=torch.long)
             placeholder = torch.ones(1, 1, dtype=torch.bool)
-            logits = model(input_ids, positions, scratch_k, scratch_v, zero, placeholder, output_slots.long(),
-                           attention=attend)
-            keys = torch.stack([k for k, _ in presents]).transpose(1, 2)  # [L, Hkv, T, D]
-            values = torch.stack([v for _, v in presents]).transpose(1, 2)
+            flat_slots = (torch.arange(batch)[:, None] * tokens + output_slots.long()).reshape(-1)  # [B*K]
+            logits = model(input_ids.reshape(-1).long(), positions.reshape(-1).long(), scratch_k, scratch_v, zero,
+                           placeholder, flat_slots, attention=attend)
+            logits = logits.reshape(batch, output_slots.shape[1], -1)  # [B, K, V]
+            keys = torch.stack([k for k, _ in presents]).permute(0, 1, 3, 2, 4)  # [L, B, Hkv, T, D]
+            values = torch.stack([v for _, v in presents]).permute(0, 1, 3, 2, 4)
             return logits.argmax(-1).to(torch.int32), logits.float(), keys, values
 
     return StepGraph().eval()
 
 
-def example_inputs(model, tokens: int, cache_rows: int) -> tuple:
-    """Arguments of the graph module: `tokens` step tokens against an empty cache of `cache_rows` rows."""
+def example_inputs(model, batch: int, tokens: int, cache_rows: int) -> tuple:
+    """Arguments of the graph module: `batch` rows of `tokens` step tokens against empty caches of `cache_rows`."""
     import torch
 
     cfg = model.cfg
-    cache = [torch.zeros(cfg.num_kv_heads, cache_rows, cfg.head_dim, dtype=model.dtype)
+    cache = [torch.zeros(batch, cfg.num_kv_heads, cache_rows, cfg.head_dim, dtype=model.dtype)
              for _ in range(2 * cfg.num_layers)]
-    return (torch.zeros(tokens, dtype=torch.int32), torch.arange(tokens, dtype=torch.int32),
-            torch.zeros(1, dtype=torch.int32), torch.zeros(3, dtype=torch.int32),
-            torch.arange(tokens, dtype=torch.int32), cache)
+    return (torch.zeros(batch, tokens, dtype=torch.int32), torch.arange(tokens, dtype=torch.int32).repeat(batch, 1),
+            torch.zeros(batch, dtype=torch.int32), torch.zeros(batch, 3, dtype=torch.int32),
+            torch.arange(tokens, dtype=torch.int32).repeat(batch, 1), cache)
 
 
 def export_graph(model, attention: str, cache_rows: int, max_tokens: int):
-    """Export the network with a dynamic token count 1..max_tokens (the prefill graph). -> onnx.ModelProto.
+    """Export the network with a dynamic batch and a dynamic token count 1..max_tokens. -> onnx.ModelProto.
 
-    Dimension names: `tokens` (input_ids, positions, the present K/V) and `rows` (output_slots and the
-    outputs read from them).
+    Dimension names: `batch` (every row-indexed input and output), `tokens` (input_ids, positions, the
+    present K/V) and `rows` (output_slots and the outputs read from them).
     """
     import torch
 
     module = _graph_module(model, attention)
-    args = example_inputs(model, min(8, max(2, max_tokens)), cache_rows)
+    args = example_inputs(model, 2, min(8, max(2, max_tokens)), cache_rows)
     names = [*INPUTS, *cache_names(model.cfg.num_layers)]
-    tokens = torch.export.Dim("tokens", min=1, max=max_tokens)
-    rows = torch.export.Dim("rows", min=1, max=max_tokens)
-    dynamic = ({0: tokens}, {0: tokens}, None, None, {0: rows}, [None] * (2 * model.cfg.num_layers))
+    batch = torch.export.Dim("batch", min=1)
+    tokens = torch.export.Dim("tokens", min=1, max=max(2, max_tokens))
+    rows = torch.export.Dim("rows", min=1, max=max(2, max_tokens))
+    dynamic = ({0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: batch}, {0: batch}, {0: batch, 1: rows},
+               [{0: batch}] * (2 * model.cfg.num_layers))
     with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
@@ -128,27 +142,14 @@ def export_graph(model, attention: str, cache_rows: int, max_tokens: int):
     assert program is not None  # dynamo=True always returns the program
     proto = program.model_proto
     _strip_metadata(proto)
-    graph = proto.graph
-    inputs = {i.name: i for i in graph.input}
-    _rename_dims(proto, {_dim(inputs["input_ids"], 0).dim_param: "tokens",
-                         _dim(inputs["output_slots"], 0).dim_param: "rows"})
+    inputs = {i.name: i for i in proto.graph.input}
+    _rename_dims(proto, {_dim(inputs["input_ids"], 0).dim_param: "batch",
+                         _dim(inputs["input_ids"], 1).dim_param: "tokens",
+                         _dim(inputs["output_slots"], 1).dim_param: "rows"})
     if attention == "plugin":
         del proto.opset_import[:]
         proto.opset_import.extend(onnx_op.opset_imports(OPSET))
     return proto
-
-
-def fix_tokens(proto, tokens: int):
-    """A copy of the dynamic graph with the token count pinned to `tokens` (the step graph)."""
-    import onnx
-
-    fixed = onnx.ModelProto()
-    fixed.CopyFrom(proto)
-    for value in [*fixed.graph.input, *fixed.graph.output, *fixed.graph.value_info]:
-        for dim in value.type.tensor_type.shape.dim:
-            if dim.dim_param == "tokens":
-                dim.dim_value = tokens
-    return fixed
 
 
 def _dim(value, index: int):
@@ -169,28 +170,22 @@ def _strip_metadata(proto) -> None:
     del proto.metadata_props[:]
 
 
-def save_graphs(graphs: dict[str, Any], out_dir: Path, weights_file: str = WEIGHTS_FILE) -> None:
-    """Save each named graph beside one shared external-data file (equal initializers stored once)."""
+def save_graph(proto, path: Path, weights_file: str = WEIGHTS_FILE) -> None:
+    """Save the graph with its larger initializers in `weights_file` beside it (64-byte aligned)."""
     import onnx
     from onnx.external_data_helper import set_external_data
 
-    stored: dict[tuple[str, bytes], tuple[int, int]] = {}
-    with open(out_dir / weights_file, "wb") as data:
-        for filename, proto in graphs.items():
-            for tensor in proto.graph.initializer:
-                raw = tensor.raw_data or onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(tensor)).raw_data
-                if len(raw) < _INLINE_BYTES:
-                    continue
-                key = (tensor.name, hashlib.sha256(raw).digest())
-                if key not in stored:
-                    offset = data.tell()
-                    data.write(raw)
-                    data.write(b"\0" * (-data.tell() % 64))  # keep every tensor 64-byte aligned
-                    stored[key] = (offset, len(raw))
-                offset, length = stored[key]
-                set_external_data(tensor, location=weights_file, offset=offset, length=length)
-                tensor.ClearField("raw_data")
-                for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
-                    tensor.ClearField(field)
-                tensor.data_location = onnx.TensorProto.EXTERNAL
-            onnx.save_model(proto, str(out_dir / filename))
+    with open(path.parent / weights_file, "wb") as data:
+        for tensor in proto.graph.initializer:
+            raw = tensor.raw_data or onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(tensor)).raw_data
+            if len(raw) < _INLINE_BYTES:
+                continue
+            offset = data.tell()
+            data.write(raw)
+            data.write(b"\0" * (-data.tell() % 64))  # keep every tensor 64-byte aligned
+            set_external_data(tensor, location=weights_file, offset=offset, length=len(raw))
+            tensor.ClearField("raw_data")
+            for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+                tensor.ClearField(field)
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+    onnx.save_model(proto, str(path))

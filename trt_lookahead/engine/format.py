@@ -3,21 +3,25 @@
 A leaf (docs/design.md section 6): backends read engine dirs through it without importing the build.
 
 engines/NAME/
-    config.json         format version (under FORMAT_KEY), model dims, dtype, lengths, W/N/G and T,
-                        attention mode, I/O, file checksums, what was built for which target and how it
+    config.json         format version (under FORMAT_KEY), model dims, dtype, lengths, max_batch, W/N/G and
+                        T, attention mode, I/O, file checksums, what was built for which target and how it
                         was checked
-    step.onnx           the step graph at fixed T = (W+G)(N-1)
-    prefill.onnx        the same network with a dynamic token count (prefill, T = 1 greedy steps;
-                        TensorRT builds all its profiles from this one)
-    weights.bin         the weights, once, as external data of both graphs
+    model.onnx          the network with a dynamic batch B and token count T: lookahead steps, greedy
+                        and causal rows mixed in one batch, and prefill chunks all run this one graph
+                        (TensorRT builds all its profiles from it)
+    weights.bin         the weights, as the graph's external data
     tokenizer files, generation_config.json
     engine.plan         TensorRT only, built where TensorRT and a GPU exist
 
-Graph I/O (both graphs; the cache layout is [Hkv, S, D] per layer, S = max_seq_len + T):
+Graph I/O (B <= max_batch rows, T tokens per row, K output rows per row; S = cache_rows = max_seq_len + the
+built T; L layers, Hkv KV heads, head size D):
 
-    input_ids int32 [T]   positions int32 [T]   cache_len int32 [1]   step_config int32 [3] (W, N, G; 0 = causal)
-    output_slots int32 [K]   key_cache_{l}, value_cache_{l} [Hkv, S, D] for each layer l
-    -> next_ids int32 [K] (argmax)   logits float32 [K, V]   present_keys, present_values [L, Hkv, T, D]
+    input_ids int32 [B, T]   positions int32 [B, T]   cache_len int32 [B]
+    step_config int32 [B, 3] (W, N, G) per row; (0, 0, 0) = causal     output_slots int32 [B, K]
+    key_cache_{l}, value_cache_{l} [B, Hkv, S, D] for each layer l, read only (row b: rows < cache_len[b])
+    -> next_ids int32 [B, K] (argmax)   logits float32 [B, K, V]   present_keys, present_values [L, B, Hkv, T, D]
+
+An executor keeps [max_batch, Hkv, S, D] caches per layer and binds their first B slots.
 
 Integrity (docs/design.md section 6): config.json records the size and sha256 of every other file
 (`files`) and the sha256 of its own other fields (`config_sha256`). Loading checks both by default: the
@@ -41,17 +45,18 @@ from trt_lookahead.files import cache_dir, sha256_file, write_text_atomic
 from trt_lookahead.lookahead.config import LookaheadConfig
 
 FORMAT_KEY = "trt_lookahead_engine"
-FORMAT_VERSION = 3  # 2: tokens_per_step was renamed step_tokens; 3: config_sha256
+FORMAT_VERSION = 4  # 2: tokens_per_step was renamed step_tokens; 3: config_sha256; 4: one graph with a batch
+# dimension (model.onnx) replaced step.onnx + prefill.onnx
 CONFIG_FILE = "config.json"
 CONFIG_DIGEST = "config_sha256"  # config.json's key for the sha256 of its other fields
 VERIFIED_FILE = "verified.json"  # in the cache dir: files whose sha256 matched, by path, size, mtime, ctime
 NO_VERIFY = "pass --no-verify (verify=False) to run it anyway"
-STEP_GRAPH, PREFILL_GRAPH, WEIGHTS_FILE, PLAN_FILE = "step.onnx", "prefill.onnx", "weights.bin", "engine.plan"
+GRAPH_FILE, WEIGHTS_FILE, PLAN_FILE = "model.onnx", "weights.bin", "engine.plan"
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_BUILD_SEQ_LEN = 2048  # a build's max_seq_len when none is given (at most the model's context)
+DEFAULT_MAX_BATCH = 8  # rows per step an engine is built for unless `build --max-batch` says otherwise
 ATTENTION_MODES = ("plugin", "native")
 TARGETS = ("onnx", "tensorrt")
-PREFILL_PROFILE, STEP_PROFILE, SINGLE_PROFILE = 0, 1, 2  # engine.plan's optimisation profiles (section 6.7)
 INPUTS = ("input_ids", "positions", "cache_len", "step_config", "output_slots")
 OUTPUTS = ("next_ids", "logits", "present_keys", "present_values")
 TOKENIZER_FILES = (
@@ -75,8 +80,9 @@ class EngineConfig:
     """config.json of an engine dir, the fields the backends read typed; `raw` keeps every recorded field."""
 
     path: Path
-    lookahead: LookaheadConfig  # the (W, N, G) the step graph was built for
-    step_tokens: int
+    lookahead: LookaheadConfig  # the (W, N, G) the engine was built for
+    step_tokens: int  # its T: the most tokens a step row may have
+    max_batch: int  # the most rows a step may have
     max_seq_len: int
     max_input_len: int
     cache_rows: int
@@ -96,6 +102,7 @@ class EngineConfig:
             path=path,
             lookahead=lookahead,
             step_tokens=_positive(raw, "step_tokens"),
+            max_batch=_positive(raw, "max_batch"),
             max_seq_len=_positive(raw, "max_seq_len"),
             max_input_len=_positive(raw, "max_input_len"),
             cache_rows=_positive(raw, "cache_rows"),
@@ -115,8 +122,7 @@ class EngineConfig:
         for holds, broken in rules:
             if not holds:
                 raise UserError(broken)
-        for which in GRAPHS:
-            _file_name(f"graphs.{which}", _field(raw, "graphs", which))
+        _file_name("graphs.model", _field(raw, "graphs", "model"))
         for eos in _field(raw, "eos_token_id") if isinstance(_field(raw, "eos_token_id"), list) else [None]:
             as_int("eos_token_id", eos)
         return config
@@ -129,39 +135,41 @@ class EngineConfig:
     def weights_sha256(self) -> str | None:
         return self.raw["model"].get("weights_sha256")
 
-    def graph(self, which: str) -> Path:
-        """The file of graph `which` ("step" or "prefill")."""
-        return self.path / self.raw["graphs"][which]
+    @property
+    def graph(self) -> Path:
+        """The engine's ONNX graph file."""
+        return self.path / self.raw["graphs"]["model"]
 
-    def graph_io(self, which: str) -> dict[str, tuple[int | None, ...]]:
-        """The dims each input and output of graph `which` must have (None: dynamic), from these fields."""
-        T = self.step_tokens if which == "step" else None
-        cache = (self.num_kv_heads, self.cache_rows, self.head_dim)
-        present = (self.num_layers, self.num_kv_heads, T, self.head_dim)
+    def graph_io(self) -> dict[str, tuple[int | None, ...]]:
+        """The dims each input and output of the graph must have (None: dynamic), from these fields."""
+        cache = (None, self.num_kv_heads, None, self.head_dim)  # [B, Hkv, S, D]
+        present = (self.num_layers, None, self.num_kv_heads, None, self.head_dim)  # [L, B, Hkv, T, D]
         return {
-            "input_ids": (T,), "positions": (T,), "cache_len": (1,), "step_config": (3,), "output_slots": (None,),
-            **{name: cache for name in cache_names(self.num_layers)},
-            "next_ids": (None,), "logits": (None, self.vocab_size), "present_keys": present, "present_values": present,
+            "input_ids": (None, None), "positions": (None, None), "cache_len": (None,), "step_config": (None, 3),
+            "output_slots": (None, None), **{name: cache for name in cache_names(self.num_layers)},
+            "next_ids": (None, None), "logits": (None, None, self.vocab_size), "present_keys": present,
+            "present_values": present,
         }
 
-    def check_graph_io(self, which: str, dims: Mapping[str, tuple[int | None, ...]]) -> None:
-        """UserError if graph `which` (its I/O name -> dims, None for a dynamic dim) disagrees with config.json."""
+    def check_graph_io(self, dims: Mapping[str, tuple[int | None, ...]]) -> None:
+        """UserError if the graph (its I/O name -> dims, None for a dynamic dim) disagrees with config.json."""
         def fits(shape: tuple[int | None, ...], got: tuple[int | None, ...]) -> bool:
             return len(got) == len(shape) and all(w is None or w == d for w, d in zip(shape, got, strict=True))
 
-        want = self.graph_io(which)
+        want = self.graph_io()
         differ = [
             f"{name} {list(dims.get(name, ()))} (config.json implies {list(shape)})"
             for name, shape in want.items() if not fits(shape, dims.get(name, ()))
         ] + [f"{name} (config.json has no such input)" for name in dims if name not in want]
         if differ:
             raise UserError(
-                f"engine {self.path}: {self.raw['graphs'][which]} does not match its config.json: "
+                f"engine {self.path}: {self.raw['graphs']['model']} does not match its config.json: "
                 f"{'; '.join(differ[:3])}; the config.json was edited or the files come from different builds: rebuild"
             )
 
     def check_request(self, *, lookahead: LookaheadConfig | None = None, dtype: str | None = None,
-                      max_seq_len: int | None = None, model_sha256: str | None = None) -> None:
+                      max_seq_len: int | None = None, max_batch: int | None = None,
+                      model_sha256: str | None = None) -> None:
         """Raise UserError naming every way a request differs from what this engine was built for."""
         problems = []
         if lookahead is not None:
@@ -177,13 +185,13 @@ class EngineConfig:
         if max_seq_len is not None and max_seq_len > self.max_seq_len:
             problems.append(f"max_seq_len {max_seq_len} exceeds the engine's {self.max_seq_len} "
                             "(rebuild with a larger one)")
+        if max_batch is not None and max_batch > self.max_batch:
+            problems.append(f"max_batch {max_batch} exceeds the engine's {self.max_batch} "
+                            f"(rebuild with --max-batch {max_batch})")
         if model_sha256 is not None and model_sha256 != self.weights_sha256:
             problems.append(f"the engine was built from another model ({self.source})")
         if problems:
             raise UserError(f"engine {self.path} does not fit the request: " + "; ".join(problems))
-
-
-GRAPHS = ("step", "prefill")
 
 
 def _field(raw: dict[str, Any], *keys: str) -> Any:
@@ -225,6 +233,33 @@ def _listed_files(raw: dict[str, Any]) -> dict[str, Any]:
     for name in files:
         _file_name("files", name)
     return files
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """The batch sizes a TensorRT step runs at (a batch of B rows is padded up to the next): 1, 2, 4, .., max_batch."""
+    sizes = [1 << k for k in range(max_batch.bit_length()) if 1 << k < max_batch]
+    return [*sizes, max_batch]
+
+
+def plan_profiles(config: EngineConfig) -> list[dict[str, tuple[int, int, int]]]:
+    """engine.plan's optimisation profiles: (min, opt, max) of the graph's dynamic dims (section 6.7).
+
+    Profile 0 runs prefill chunks: one row of 1 .. max_input_len tokens, its last token's output. Then one
+    profile of fixed shape per step bucket (batch bucket, T of 1 or the built T): TensorRT lets a live
+    execution context hold a profile alone, and the TensorRT executor keeps one context, with its captured
+    CUDA graph, per bucket.
+    """
+    longest = config.max_input_len
+    profiles = [{"batch": (1, 1, 1), "tokens": (1, min(longest, 128), longest), "rows": (1, 1, 1)}]
+    for batch, tokens in step_buckets(config):
+        profiles.append({"batch": (batch,) * 3, "tokens": (tokens,) * 3, "rows": (tokens,) * 3})
+    return profiles
+
+
+def step_buckets(config: EngineConfig) -> list[tuple[int, int]]:
+    """(batch, tokens) of every step profile, in profile order (profile 1 + index)."""
+    tokens = sorted({1, config.step_tokens})
+    return [(batch, t) for batch in batch_buckets(config.max_batch) for t in tokens]
 
 
 def _read_json(file: Path) -> Any:

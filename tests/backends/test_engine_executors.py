@@ -1,0 +1,324 @@
+"""The batched engine executors on real engine dirs built from stories260K: each row of a mixed batch gives
+what the torch model gives on that row alone, and what the executor gives on that row alone; commits,
+releases and the compact slot order keep every slot's cache right; requests beyond the engine are refused.
+
+onnxruntime runs here; TensorRT runs the same tests on a GPU host with TensorRT (they skip elsewhere).
+SmolLM2-135M runs only in the @slow test.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trt_lookahead.backends.devices import tensorrt_unavailable_reason
+from trt_lookahead.backends.open import open_engine
+from trt_lookahead.cli import main
+from trt_lookahead.engine.format import cache_names
+from trt_lookahead.errors import UserError
+from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.executor import StepBatch, row_tokens
+from trt_lookahead.lookahead.layout import StepLayout
+from trt_lookahead.lookahead.sampling import SamplingParams, select_tokens
+from trt_lookahead.model.checkpoint import load_llama
+
+STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
+MAX_SEQ_LEN, MAX_BATCH, T = 256, 4, 16  # T: the step tokens of the built 4,3,4
+CAUSAL = (0, 0, 0)
+SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=3)
+
+pytestmark = pytest.mark.export  # every test here builds or reads engine dirs
+
+
+def build(out: Path, *extra, model=STORIES, max_seq_len=MAX_SEQ_LEN, max_input_len=64) -> Path:
+    argv = ["build", "--model", str(model), "--output", str(out), "--lookahead_config", "4,3,4", "--max_seq_len",
+            str(max_seq_len), "--max_input_len", str(max_input_len), "--max-batch", str(MAX_BATCH), *extra]
+    assert main(argv) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("engines")
+    return {"plugin": build(root / "plugin"), "native": build(root / "native", "--attention", "native")}
+
+
+@pytest.fixture(scope="module")
+def stories():
+    model, _ = load_llama(STORIES)
+    return model
+
+
+BACKENDS = ["onnxruntime", pytest.param("tensorrt", marks=pytest.mark.gpu)]
+
+
+def open_for(backend: str, path: Path):
+    """The engine dir opened for `backend` (TensorRT: its plan built first, on a GPU host only)."""
+    if backend == "tensorrt":
+        reason = tensorrt_unavailable_reason()
+        if reason:
+            pytest.skip(f"the TensorRT executor needs TensorRT and a GPU: {reason}")
+        from trt_lookahead.engine.tensorrt_plan import build_plan
+
+        build_plan(path)
+    return open_engine(path, backend=backend, threads=1)
+
+
+# -- the reference: the torch model, one row at a time, each slot with its own cache ------------------
+
+
+class ModelRows:
+    """Per slot a torch cache and a length, driven like an executor; the model runs each row alone."""
+
+    def __init__(self, model, cache_rows: int) -> None:
+        self.model, self.cache_rows = model, cache_rows
+        self.caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.lengths: dict[int, int] = {}
+
+    def prefill(self, slot: int, ids: np.ndarray) -> np.ndarray:
+        """Logits [1, V] at the prompt's last token; the prompt's K/V kept."""
+        self.caches[slot], self.lengths[slot] = self.model.new_cache(self.cache_rows), 0
+        n = len(ids)
+        logits = self._forward(slot, ids, np.arange(n), np.tril(np.ones((n, n), bool)), [n - 1])
+        self.lengths[slot] = n
+        return logits
+
+    def step(self, batch: StepBatch) -> list[np.ndarray]:
+        """Per row, logits [K, V] at its output slots."""
+        tokens = batch.input_ids.shape[1]
+        out = []
+        for b, slot in enumerate(batch.slots.tolist()):
+            config = tuple(int(v) for v in batch.step_config[b])
+            mask = (np.tril(np.ones((tokens, tokens), bool)) if config == CAUSAL
+                    else StepLayout(LookaheadConfig(*config), padded_tokens=tokens).mask)
+            out.append(self._forward(slot, batch.input_ids[b], batch.positions[b], mask, batch.output_slots[b]))
+        return out
+
+    def commit(self, slot: int, rows: np.ndarray) -> None:
+        """The model wrote the step's K/V at rows length + i; keep step rows `rows` there, in order."""
+        p, index = self.lengths[slot], torch.as_tensor(rows)
+        for cache in self.caches[slot]:
+            cache[:, p : p + len(index)] = cache[:, p + index].clone()
+        self.lengths[slot] += len(index)
+
+    def _forward(self, slot: int, ids, positions, mask, output_slots) -> np.ndarray:
+        k, v = self.caches[slot]
+        with torch.no_grad():
+            logits = self.model(torch.as_tensor(np.asarray(ids, np.int64)), torch.as_tensor(np.asarray(positions)),
+                                k, v, torch.tensor(self.lengths[slot]), torch.tensor(mask),
+                                torch.as_tensor(np.asarray(output_slots, np.int64)))
+        return logits.numpy()
+
+
+# -- mixed steps --------------------------------------------------------------------------------------
+
+
+def row(config: tuple, cache_len: int, rng: np.random.Generator, tokens: int):
+    """(ids, positions, step_config, output slots) of one row: a layout of `config` padded to `tokens`
+    (pads at cache_len), or a causal row of `tokens` tokens."""
+    ids = rng.integers(0, 512, tokens)
+    if config == CAUSAL:
+        return ids, cache_len + np.arange(tokens), CAUSAL, np.arange(tokens)
+    layout = StepLayout(LookaheadConfig(*config), padded_tokens=tokens)
+    return ids, cache_len + layout.rel_positions, config, layout.output_slots
+
+
+def mixed_batch(slots: list[int], configs: list[tuple], cache_len, rng, tokens: int = T) -> StepBatch:
+    rows = [row(c, cache_len(s), rng, tokens) for s, c in zip(slots, configs, strict=True)]
+    K = max(len(r[3]) for r in rows)
+    output_slots = np.array([np.pad(r[3], (0, K - len(r[3])), mode="edge") for r in rows])  # repeat the last
+    return StepBatch(np.array(slots, np.int64), np.array([r[0] for r in rows]), np.array([r[1] for r in rows]),
+                     np.array([r[2] for r in rows], np.int32), output_slots)
+
+
+def one_row(batch: StepBatch, b: int) -> StepBatch:
+    """Row b of `batch` as a one-row step of slot 0."""
+    return StepBatch(np.zeros(1, np.int64), batch.input_ids[b : b + 1], batch.positions[b : b + 1],
+                     batch.step_config[b : b + 1], batch.output_slots[b : b + 1])
+
+
+def commit_rows(batch: StepBatch, b: int) -> np.ndarray:
+    """Step slots to keep for row b: its first real slots at relative positions 0, 1 (one for a 1-token row)."""
+    return np.arange(min(2, int(row_tokens(batch.step_config[b], batch.input_ids.shape[1])[0])))
+
+
+class Lockstep:
+    """A batched executor, a one-slot executor per slot and the model per row, driven through the same calls;
+    every token of the batched executor is checked against both."""
+
+    def __init__(self, engine, model, sampling: dict[int, SamplingParams]) -> None:
+        self.ex = engine.executor()
+        self.solo = {slot: engine.executor(max_batch=1) for slot in sampling}
+        self.model = ModelRows(model, engine.config.cache_rows)
+        self.sampling = sampling
+
+    def prefill(self, slot: int, prompt: np.ndarray) -> None:
+        sampling = self.sampling[slot]
+        first = self.ex.prefill(slot, prompt, sampling)
+        assert self.solo[slot].prefill(0, prompt, sampling) == first, slot
+        want = select_tokens(self.model.prefill(slot, prompt), np.array([len(prompt) - 1]), sampling)
+        assert first == want[0], slot
+        assert self.ex.cache_len(slot) == len(prompt)
+
+    def step(self, slots: list[int], configs: list[tuple], rng) -> None:
+        batch = mixed_batch(slots, configs, self.ex.cache_len, rng)
+        out = self.ex.step(batch)
+        assert out.shape == batch.input_ids.shape and out.dtype == np.int64
+        for b, (slot, logits) in enumerate(zip(slots, self.model.step(batch), strict=True)):
+            read = batch.output_slots[b]
+            want = select_tokens(logits, batch.positions[b][read], self.sampling[slot])
+            assert np.array_equal(out[b, read], want), (slot, configs[b])
+            assert (np.delete(out[b], read) == -1).all()
+            assert np.array_equal(self.solo[slot].step(one_row(batch, b))[0], out[b]), (slot, configs[b])
+        for b, slot in enumerate(slots):
+            rows = commit_rows(batch, b)
+            self.ex.commit(slot, rows)
+            self.solo[slot].commit(0, rows)
+            self.model.commit(slot, rows)
+            assert self.ex.cache_len(slot) == self.model.lengths[slot] == self.solo[slot].cache_len(0)
+
+
+PROMPT_LENGTHS = {0: 12, 1: 1, 2: 40, 3: 150}  # slot -> prompt tokens; 150 > max_input_len 64: three chunks
+SAMPLING = {0: SamplingParams(), 1: SamplingParams(), 2: SAMPLED, 3: SamplingParams()}
+KINDS = [(4, 3, 4), (1, 2, 0), CAUSAL, (2, 2, 1)]  # the built config, greedy, causal, a smaller config padded
+
+
+def prompts(rng) -> dict[int, np.ndarray]:
+    return {slot: rng.integers(0, 512, n) for slot, n in PROMPT_LENGTHS.items()}
+
+
+def run_mixed_steps(engine, model, slots: list[int], steps: int, seed: int) -> None:
+    """Prefill every slot, then `steps` steps of all slots, one row of each kind, the kinds rotating over the
+    slots from step to step; everything checked by Lockstep."""
+    run = Lockstep(engine, model, SAMPLING)
+    rng = np.random.default_rng(seed)
+    for slot, prompt in prompts(rng).items():
+        run.prefill(slot, prompt)
+    kinds = list(KINDS)
+    for _ in range(steps):
+        run.step(slots, kinds, rng)
+        kinds = kinds[1:] + kinds[:1]  # every slot runs every kind of row
+
+
+# -- tests --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["plugin", "native"])
+def test_mixed_rows_give_what_each_row_gives_alone_and_what_the_model_gives(engines, stories, backend, mode):
+    """Rows of different cache lengths and kinds (the built config, greedy, causal, a smaller config padded),
+    a sampled slot, in shuffled slot order, over steps that commit: every token equals the model's on that
+    row alone and the executor's on that row alone."""
+    run_mixed_steps(open_for(backend, engines[mode]), stories, [3, 0, 2, 1], steps=4, seed=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_release_and_partial_batches_keep_every_other_slot_exact(engines, stories, backend):
+    """Releasing a slot moves the last active slot into its place; stepping only some slots swaps them to the
+    front; a freed slot takes a new request. The other slots' tokens never change."""
+    engine = open_for(backend, engines["plugin"])
+    run = Lockstep(engine, stories, SAMPLING)
+    rng = np.random.default_rng(1)
+    for slot, prompt in prompts(rng).items():
+        run.prefill(slot, prompt)
+    run.step([0, 1, 2, 3], KINDS, rng)
+    run.ex.release(1)  # slot 3, the last active one, moves into slot 1's place
+    assert run.ex.cache_len(1) == 0
+    run.step([3, 0, 2], KINDS[:3], rng)
+    run.step([2], [(4, 3, 4)], rng)  # slot 2 is not among the first physical slots: swapped to the front
+    run.step([0, 3], [(2, 2, 1), CAUSAL], rng)
+    run.prefill(1, rng.integers(0, 512, 7))  # the freed slot takes a new request
+    run.step([1, 2, 3, 0], KINDS, rng)
+    for slot in (0, 1, 2, 3):
+        run.ex.release(slot)
+    run.prefill(2, rng.integers(0, 512, 5))  # everything released: the first slot prefilled takes the front
+    run.step([2], [(4, 3, 4)], rng)
+
+
+def test_the_graph_gives_a_row_the_same_logits_alone_and_batched(engines):
+    """One run of the engine's graph over mixed rows against each row run alone (onnxruntime, random caches)."""
+    engine = open_engine(engines["plugin"], threads=1)
+    config, session = engine.config, engine.session()
+    rng = np.random.default_rng(2)
+    batch = mixed_batch([0, 1, 2, 3], KINDS, lambda slot: [5, 0, 200, 31][slot], rng)
+    caches = [rng.standard_normal((4, config.num_kv_heads, config.cache_rows, config.head_dim), np.float32)
+              for _ in range(2 * config.num_layers)]
+
+    def run(rows: slice) -> list[np.ndarray]:
+        feeds = {"input_ids": batch.input_ids[rows], "positions": batch.positions[rows],
+                 "cache_len": np.array([5, 0, 200, 31])[rows], "step_config": batch.step_config[rows],
+                 "output_slots": batch.output_slots[rows]}
+        feeds = {name: np.ascontiguousarray(value, np.int32) for name, value in feeds.items()}
+        feeds |= {name: np.ascontiguousarray(cache[rows]) for name, cache in zip(cache_names(5), caches, strict=True)}
+        return session.run(None, feeds)
+
+    next_ids, logits, keys, values = run(slice(None))
+    assert logits.shape == (4, batch.output_slots.shape[1], 512) and keys.shape == (5, 4, 4, T, 8)
+    for b in range(4):
+        ids_b, logits_b, keys_b, values_b = run(slice(b, b + 1))
+        assert np.array_equal(ids_b[0], next_ids[b]), KINDS[b]
+        np.testing.assert_allclose(logits_b[0], logits[b], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(keys_b[:, 0], keys[:, b], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(values_b[:, 0], values[:, b], rtol=1e-5, atol=1e-6)
+
+
+def test_steps_beyond_the_engine_are_refused_naming_the_limit(engines):
+    engine = open_engine(engines["plugin"], threads=1)
+    ex = engine.executor()
+    rng = np.random.default_rng(3)
+    for slot in range(MAX_BATCH):
+        ex.prefill(slot, rng.integers(0, 512, 5), SamplingParams())
+    batch = mixed_batch([0, 1], [(4, 3, 4), (1, 2, 0)], ex.cache_len, rng)
+    five = StepBatch(np.arange(5), *(np.repeat(a[:1], 5, 0) for a in (batch.input_ids, batch.positions,
+                                                                        batch.step_config, batch.output_slots)))
+    with pytest.raises(ValueError, match=r"1 \.\. 4 rows of 1 \.\. 16 tokens"):
+        ex.step(five)  # five rows, four slots
+    with pytest.raises(ValueError, match=r"1 \.\. 4 rows of 1 \.\. 16 tokens"):
+        ex.step(mixed_batch([0], [CAUSAL], ex.cache_len, rng, tokens=17))  # more tokens than the built T
+    with pytest.raises(ValueError, match=r"5/3/2 does not fit the engine built for 4/3/4 \(W=5 > 4\)"):
+        ex.step(mixed_batch([0, 1], [(1, 2, 0), (5, 3, 2)], ex.cache_len, rng))
+    with pytest.raises(ValueError, match=r"is not a layout of at most 16 tokens"):
+        ex.step(StepBatch(np.array([0]), np.zeros((1, 16), np.int64), np.zeros((1, 16), np.int64),
+                          np.array([[4, 3, 5]], np.int32), np.zeros((1, 1), np.int64)))  # 18 tokens
+    ex.release(2)
+    with pytest.raises(ValueError, match=r"slots \[2\] hold no request"):
+        ex.step(mixed_batch([2], [(1, 2, 0)], ex.cache_len, rng))
+    with pytest.raises(ValueError, match="slot 0 has no step to commit"):
+        ex.commit(0, np.array([0]))
+    ex.step(mixed_batch([0], [(2, 2, 1)], ex.cache_len, rng))
+    with pytest.raises(ValueError, match=r"commit .*\[0, 3\)"):
+        ex.commit(0, np.array([0, 5]))  # slot 5 is a pad of the 2,2,1 row
+    with pytest.raises(ValueError, match="KV slot 4 does not exist"):
+        ex.prefill(4, np.array([1]), SamplingParams())
+    with pytest.raises(ValueError, match="prompt of 257 tokens does not fit"):
+        ex.prefill(0, np.ones(257, np.int64), SamplingParams())
+    with pytest.raises(UserError, match=r"max_batch 5 exceeds the engine's 4 \(rebuild with --max-batch 5\)"):
+        open_engine(engines["plugin"], max_batch=5)
+    with pytest.raises(UserError, match=r"max_batch 5 is outside 1 \.\. 4"):
+        engine.executor(max_batch=5)
+
+
+def test_runtime_generates_from_the_engine_dir(engines):
+    """The runtime's single-request path (one layout at a time, on a one-slot executor) matches the checkpoint."""
+    from trt_lookahead.runtime import LookaheadRuntime
+
+    checkpoint = LookaheadRuntime.from_pretrained(STORIES, lookahead="4,3,4", max_seq_len=MAX_SEQ_LEN)
+    engine = LookaheadRuntime.from_pretrained(engines["plugin"])
+    assert engine.backend == "onnxruntime"
+    for config in ("4,3,4", "2,2,1", "greedy"):
+        a = engine.generate("Once upon a time", max_new_tokens=40, lookahead=config)
+        b = checkpoint.generate("Once upon a time", max_new_tokens=40, lookahead=config)
+        assert a.token_ids == b.token_ids and a.text == b.text
+    with pytest.raises(ValueError, match=r"does not fit the engine built for 4/3/4 \(W=5 > 4\)"):
+        open_engine(engines["plugin"]).make_executor(StepLayout(LookaheadConfig(5, 3, 4)))
+
+
+@pytest.mark.slow
+def test_smollm2_engine_rows_match_the_model_and_their_solo_runs(tmp_path):
+    from trt_lookahead.model.fetch import resolve_model
+
+    path = resolve_model("smollm2-135m-instruct")
+    engine = open_engine(build(tmp_path / "smollm2", model=path, max_seq_len=512, max_input_len=128), threads=2)
+    run_mixed_steps(engine, load_llama(path)[0], [2, 3, 1, 0], steps=3, seed=4)
