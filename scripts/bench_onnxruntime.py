@@ -2,7 +2,7 @@
 
     python scripts/bench_onnxruntime.py [--model smollm2-135m-instruct|stories260K|DIR] [--batches 1,2,4,8]
         [--tokens 1,4,16] [--context 128] [--steps 30] [--threads N] [--engines engines/bench]
-        [--baseline-code DIR] [--json]
+        [--baseline-code DIR] [--variants "spinning=0;arena=0"] [--json]
 
 Builds (once, reused later) a float32 engine dir for 4,3,4 (T = 16) with --max-batch max(--batches), then for
 every (B, T) prefills B slots with `--context` random tokens each and times steps of B rows of T tokens
@@ -14,14 +14,22 @@ speed of one batched step against B single-request steps.
 `git worktree add /tmp/before 2254ad5`). A worker process runs that code on its own engine dirs (4,3,4 for
 T = 16 and T = 1, 2,3,0 for T = 4) and times its single-request step; the worker and this process take turns
 round by round, so the machine's load hits both alike. A single-request engine serves B requests with B
-steps, so its cost for B rows is B times its step. --json prints one JSON object on the last line.
+steps, so its cost for B rows is B times its step.
+
+--variants: onnxruntime session settings to compare (backends/onnxruntime.py's SessionSettings fields,
+`name=value` joined by `,`, variants by `;`; the defaults always run first, as "default"). Each variant opens
+its own session and executor on the same engine dir, and they take turns round by round. The peak RSS of
+the process is reported (it covers every variant: compare memory with one variant per run).
+--json prints one JSON object on the last line.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -101,6 +109,23 @@ def ensure_engine(model: Path, root: Path, max_batch: int, max_seq_len: int, con
     return out
 
 
+def parse_variants(text: str | None) -> dict[str, dict[str, object]]:
+    """{"default": {}, "spinning=0": {"spinning": False}, ...} from --variants."""
+    from trt_lookahead.backends.onnxruntime import SessionSettings
+
+    types = {f.name: f.type for f in dataclasses.fields(SessionSettings) if f.name != "threads"}  # --threads
+    variants: dict[str, dict[str, object]] = {"default": {}}
+    for variant in filter(None, (text or "").split(";")):
+        fields: dict[str, object] = {}
+        for item in variant.split(","):
+            name, _, value = item.partition("=")
+            if name not in types:
+                raise SystemExit(f"--variants: {name!r} is not a session setting; use {sorted(types)}")
+            fields[name] = value if types[name] == "str" else value.lower() in ("1", "true", "on")
+        variants[variant] = fields
+    return variants
+
+
 def step_batch(B: int, T: int, context: int, vocab: int, rng: np.random.Generator) -> StepBatch:
     """B rows of the T-token row config, every slot at `context` cached tokens."""
     layout = StepLayout(ROW_CONFIGS[T])
@@ -143,9 +168,11 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
     parser.add_argument("--engines", default=str(REPO / "engines" / "bench"))
     parser.add_argument("--baseline-code", default=None, help="checkout of trt-lookahead before batching")
+    parser.add_argument("--variants", default=None, help="session settings to compare, e.g. 'spinning=0;arena=0'")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
+    from trt_lookahead.backends.onnxruntime import SessionSettings
     from trt_lookahead.backends.open import open_engine
 
     batches = [int(b) for b in args.batches.split(",")]
@@ -153,38 +180,47 @@ def main() -> int:
     unknown = [t for t in tokens if t not in ROW_CONFIGS]
     if unknown:
         raise SystemExit(f"--tokens takes values of {sorted(ROW_CONFIGS)}, not {unknown}")
+    variants = parse_variants(args.variants)
     model, root = model_dir(args.model), Path(args.engines)
     max_seq_len = args.context + 64
-    engine = open_engine(ensure_engine(model, root, max(batches), max_seq_len, args.context), threads=args.threads)
-    ex = engine.executor()
-    rng = np.random.default_rng(0)
-    for slot in range(max(batches)):
-        ex.prefill(slot, rng.integers(0, ex.vocab_size, args.context), SamplingParams())
+    engine_dir = ensure_engine(model, root, max(batches), max_seq_len, args.context)
+    executors = {}
+    for name, fields in variants.items():
+        settings = SessionSettings(threads=args.threads, **fields)  # type: ignore[arg-type]
+        ex = open_engine(engine_dir, session=settings).executor()
+        rng = np.random.default_rng(0)
+        for slot in range(max(batches)):
+            ex.prefill(slot, rng.integers(0, ex.vocab_size, args.context), SamplingParams())
+        executors[name] = ex
+    rng = np.random.default_rng(1)
     steps = {(B, T): step_batch(B, T, args.context, ex.vocab_size, rng) for B in batches for T in tokens}
     baseline = None
     if args.baseline_code:
         baseline = Baseline(Path(args.baseline_code), model, root, args.context, args.threads, max_seq_len)
-    for batch in steps.values():  # warm up every shape once
-        ex.step(batch)
+    for ex in executors.values():
+        for batch in steps.values():  # warm up every shape once
+            ex.step(batch)
     conditions = {"start": machine_info(args.threads)}
-    new: dict[tuple[int, int], list[float]] = {key: [] for key in steps}
+    new: dict[tuple[str, int, int], list[float]] = {(v, *key): [] for v in executors for key in steps}
     old: dict[int, list[float]] = {T: [] for T in tokens}
-    for _ in range(-(-args.steps // ROUND)):  # rounds: every shape and the baseline take turns
-        for key, batch in steps.items():
-            for _ in range(ROUND):
-                t0 = time.perf_counter()
-                ex.step(batch)
-                new[key].append(time.perf_counter() - t0)
+    for _ in range(-(-args.steps // ROUND)):  # rounds: every variant, shape and the baseline take turns
+        for (B, T), batch in steps.items():
+            for name, ex in executors.items():
+                for _ in range(ROUND):
+                    t0 = time.perf_counter()
+                    ex.step(batch)
+                    new[(name, B, T)].append(time.perf_counter() - t0)
         for T in tokens if baseline else []:
             old[T] += baseline.time(T, ROUND)
     if baseline:
         baseline.close()
     conditions["end"] = machine_info(args.threads)
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     rows = []
-    for (B, T), times in new.items():
+    for (name, B, T), times in new.items():
         ms = statistics.median(times) * 1e3
-        row = {"B": B, "T": T, "row_config": str(ROW_CONFIGS[T]), "ms_per_step": round(ms, 2),
+        row = {"variant": name, "B": B, "T": T, "row_config": str(ROW_CONFIGS[T]), "ms_per_step": round(ms, 2),
                "ms_per_row": round(ms / B, 2)}
         if old[T]:
             single = statistics.median(old[T]) * 1e3
@@ -192,18 +228,19 @@ def main() -> int:
         rows.append(row)
     start, end = conditions["start"], conditions["end"]
     print(f"model {model.name} float32, context {args.context}, onnxruntime {args.threads} thread(s), "
-          f"{start['cpu']} x{start['cpus']}, load {start['load']} -> {end['load']}, {start['date']}")
-    print("| B | T | row | ms/step | ms/row | single-request ms/step | B single steps / one batched step |")
-    print("|---|---|---|---|---|---|---|")
+          f"{start['cpu']} x{start['cpus']}, load {start['load']} -> {end['load']}, {start['date']}, "
+          f"peak RSS {peak_rss_mb:.0f} MB")
+    print("| variant | B | T | row | ms/step | ms/row | single-request ms/step | B single steps / one batched step |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         single = "- | -"
         if "single_request_ms" in r:
             single = f"{r['single_request_ms']:.2f} | {r['speed_vs_single_requests']:.2f}x"
-        print(f"| {r['B']} | {r['T']} | {r['row_config']} | {r['ms_per_step']:.2f} | {r['ms_per_row']:.2f} "
-              f"| {single} |")
+        print(f"| {r['variant']} | {r['B']} | {r['T']} | {r['row_config']} | {r['ms_per_step']:.2f} "
+              f"| {r['ms_per_row']:.2f} | {single} |")
     if args.json:
         print(json.dumps({"model": model.name, "context": args.context, "threads": args.threads,
-                          "conditions": conditions, "results": rows}))
+                          "peak_rss_mb": round(peak_rss_mb), "conditions": conditions, "results": rows}))
     return 0
 
 

@@ -214,6 +214,14 @@ def test_mixed_rows_give_what_each_row_gives_alone_and_what_the_model_gives(engi
     run_mixed_steps(open_for(backend, engines[mode]), stories, [3, 0, 2, 1], steps=4, seed=0)
 
 
+def test_an_executor_opened_for_a_shorter_max_seq_len_keeps_shorter_caches_and_the_same_tokens(engines, stories):
+    """The graph's cache length is dynamic: an engine built for 256 tokens, opened for 200, allocates 200 + T
+    rows per slot and still gives every row the model's tokens."""
+    engine = open_engine(engines["plugin"], threads=1, max_seq_len=200)
+    assert engine.executor().k_cache.shape == (5, MAX_BATCH, 4, 200 + T, 8)  # [L, max_batch, Hkv, S, D]
+    run_mixed_steps(engine, stories, [0, 1, 2, 3], steps=2, seed=5)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_release_and_partial_batches_keep_every_other_slot_exact(engines, stories, backend):
     """Releasing a slot moves the last active slot into its place; stepping only some slots swaps them to the

@@ -73,13 +73,13 @@ def dims(model, name: str) -> list:
     return [d.dim_value or d.dim_param for d in value.type.tensor_type.shape.dim]
 
 
-def test_the_graph_has_batch_tokens_and_rows_dims_and_one_plugin_node_per_layer(engine):
+def test_the_graph_has_batch_tokens_rows_and_cache_dims_and_one_plugin_node_per_layer(engine):
     onnx.checker.check_model(str(engine / "model.onnx"), full_check=True)
     model = onnx.load(str(engine / "model.onnx"), load_external_data=False)
     assert {name: dims(model, name) for name in (*format.INPUTS, "key_cache_0", "value_cache_4", *format.OUTPUTS)} == {
         "input_ids": ["batch", "tokens"], "positions": ["batch", "tokens"], "cache_len": ["batch"],
-        "step_config": ["batch", 3], "output_slots": ["batch", "rows"], "key_cache_0": ["batch", 4, 272, 8],
-        "value_cache_4": ["batch", 4, 272, 8], "next_ids": ["batch", "rows"], "logits": ["batch", "rows", 512],
+        "step_config": ["batch", 3], "output_slots": ["batch", "rows"], "key_cache_0": ["batch", 4, "cache_rows", 8],
+        "value_cache_4": ["batch", 4, "cache_rows", 8], "next_ids": ["batch", "rows"], "logits": ["batch", "rows", 512],
         "present_keys": [LAYERS, "batch", 4, "tokens", 8], "present_values": [LAYERS, "batch", 4, "tokens", 8],
     }
     nodes = onnx_op.attention_nodes(model)

@@ -4,9 +4,10 @@
     ex = engine.executor(max_batch=4)                     # KV for 4 slots x (max_seq_len + T) rows
     x = ex.prefill(slot, prompt_ids, SamplingParams()); out = ex.step(StepBatch(...)); ex.commit(slot, rows)
 
-Buffers are allocated once per executor: per layer K and V caches [max_batch, Hkv, S, D] (S = max_seq_len
-+ the built T), and flat input and output buffers sized for max_batch rows of T tokens, so that the step
-arrays of any (B, T, K) are views at fixed addresses. A step binds those views and the first B physical
+Buffers are allocated once per executor: per layer K and V caches [max_batch, Hkv, S, D] (S = the
+executor's max_seq_len + the built T: the graph's cache length is dynamic), and flat input and output
+buffers sized for max_batch rows of T tokens, so that the step arrays of any (B, T, K) are views at fixed
+addresses. A step binds those views and the first B physical
 slots of every cache by address (IOBinding; one binding per (B, T, K), built on first use), so it copies
 only the ids, positions, cache lengths, configs and output slots in and reads next_ids out; the graph reads
 the caches in place. `commit` copies a row's accepted K/V (the graph's present outputs) into the slot's
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,18 +42,51 @@ class OnnxRuntimeUnsupported(UserError):
     """The engine is valid but onnxruntime's CPU kernels cannot run it (e.g. bfloat16)."""
 
 
+@dataclass(frozen=True)
+class SessionSettings:
+    """How onnxruntime runs an engine's graph; the defaults were measured with scripts/bench_onnxruntime.py
+    --variants (README, "Compiled engines"): on a busy 2-core CPU, workers that spin between parallel
+    sections took half the step time from the thread doing the work, so they sleep."""
+
+    threads: int | None = None  # intra-op threads; None: torch's thread count
+    spinning: bool = False  # intra-op workers spin between parallel sections instead of sleeping
+    arena: bool = True  # the CPU memory arena for the graph's intermediate tensors
+    optimization: str = "all"  # onnxruntime graph optimisation level: disabled, basic, extended, all
+    prepacking: bool = True  # MatMul weights repacked for the CPU kernels once, at load
+
+    def options(self) -> Any:
+        """onnxruntime.SessionOptions for these settings."""
+        import onnxruntime as ort
+
+        levels = {"disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+                  "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                  "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+                  "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+        if self.optimization not in levels:
+            raise UserError(f"unknown onnxruntime optimisation level {self.optimization!r}; "
+                            f"use one of {', '.join(levels)}")
+        options = ort.SessionOptions()
+        options.graph_optimization_level = levels[self.optimization]
+        options.intra_op_num_threads = self.threads or _torch_threads()
+        options.inter_op_num_threads = 1
+        options.enable_cpu_mem_arena = self.arena
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spinning else "0")
+        options.add_session_config_entry("session.disable_prepacking", "0" if self.prepacking else "1")
+        return options
+
+
 class OnnxRuntimeEngine(OpenedEngine):
     """An engine dir's graph as one onnxruntime session (created on first use, shared by its executors)."""
 
     def __init__(self, config: EngineConfig, max_seq_len: int | None = None, max_batch: int | None = None,
-                 threads: int | None = None) -> None:
+                 settings: SessionSettings = SessionSettings()) -> None:
         if config.dtype not in _NUMPY_DTYPES:
             raise OnnxRuntimeUnsupported(
                 f"engine {config.path} holds {config.dtype} weights, which onnxruntime's CPU kernels cannot run "
                 "(no bfloat16 MatMul); build a float32 engine for the onnxruntime backend, or use --backend tensorrt"
             )
         super().__init__(config, max_seq_len, max_batch)
-        self.threads = threads
+        self.settings = settings
         self._session: Any = None
         self._lock = threading.Lock()
 
@@ -79,10 +114,7 @@ class OnnxRuntimeEngine(OpenedEngine):
             for value in (*proto.graph.input, *proto.graph.output)
         })
         proto = onnx_op.decompose(proto)
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.intra_op_num_threads = self.threads or _torch_threads()
-        options.inter_op_num_threads = 1
+        options = self.settings.options()
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
         try:
             return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -121,11 +153,12 @@ class OnnxRuntimeExecutor(SlotExecutor):
         dtype = _NUMPY_DTYPES[cfg.dtype]
         L, Hkv, D, V = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
         self._session = engine.session()
-        check_kv_memory((L, B, Hkv, cfg.cache_rows, D), np.dtype(dtype).itemsize, engine.max_seq_len)
-        self.k_cache = np.zeros((L, B, Hkv, cfg.cache_rows, D), dtype)  # per layer [max_batch, Hkv, S, D]
+        S = self.max_seq_len + T  # the graph's cache length is dynamic: rows for this executor's max_seq_len
+        check_kv_memory((L, B, Hkv, S, D), np.dtype(dtype).itemsize, engine.max_seq_len)
+        self.k_cache = np.zeros((L, B, Hkv, S, D), dtype)  # per layer [max_batch, Hkv, S, D]
         self.v_cache = np.zeros_like(self.k_cache)
         self._caches = [*self.k_cache, *self.v_cache]  # graph order: every key cache, then every value cache
-        self._cache_shape = (Hkv, cfg.cache_rows, D)
+        self._cache_shape = (Hkv, S, D)
         # flat buffers: the arrays of any (B, T, K) are views at their start, so bindings keep their addresses
         step = {"input_ids": B * T, "positions": B * T, "cache_len": B, "step_config": B * 3, "output_slots": B * T,
                 "next_ids": B * T}

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from trt_lookahead.backends.graphs import SlotExecutor
 from trt_lookahead.engine.format import EngineConfig, load_engine_config
@@ -16,6 +16,9 @@ from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.executor import LayoutExecutor
 from trt_lookahead.lookahead.layout import StepLayout
+
+if TYPE_CHECKING:
+    from trt_lookahead.backends.onnxruntime import SessionSettings
 
 BACKENDS = ("onnxruntime", "tensorrt")
 
@@ -37,11 +40,13 @@ class Engine(Protocol):
 
 def open_engine(path: str | os.PathLike, backend: str = "onnxruntime", dtype: str | None = None,
                 max_seq_len: int | None = None, threads: int | None = None, lookahead: LookaheadConfig | None = None,
-                model: str | os.PathLike | None = None, max_batch: int | None = None, verify: bool = True) -> Engine:
+                model: str | os.PathLike | None = None, max_batch: int | None = None, verify: bool = True,
+                session: SessionSettings | None = None) -> Engine:
     """Open an engine dir for `backend`, refusing (UserError naming what differs) a mismatching request.
 
     `model`: a checkpoint dir the engine must have been built from (checked by its weights' sha256).
     `verify`: check every file against the checksums config.json recorded (engine/format.py).
+    `session`: onnxruntime's settings (default: SessionSettings() with `threads`).
     """
     from trt_lookahead.model.checkpoint import weights_sha256
 
@@ -55,6 +60,7 @@ def open_engine(path: str | os.PathLike, backend: str = "onnxruntime", dtype: st
         from trt_lookahead.backends.tensorrt import TensorRTEngine
 
         return TensorRTEngine(config, max_seq_len=max_seq_len, max_batch=max_batch)
-    from trt_lookahead.backends.onnxruntime import OnnxRuntimeEngine
+    from trt_lookahead.backends.onnxruntime import OnnxRuntimeEngine, SessionSettings
 
-    return OnnxRuntimeEngine(config, max_seq_len=max_seq_len, max_batch=max_batch, threads=threads)
+    settings = session or SessionSettings(threads=threads)
+    return OnnxRuntimeEngine(config, max_seq_len=max_seq_len, max_batch=max_batch, settings=settings)

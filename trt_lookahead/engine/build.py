@@ -87,6 +87,11 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _progress(done: int, steps: int, message: str) -> None:
+    """One line per build step, led by a bar of the steps so far: `[##.....] 2/5 exporting ...`."""
+    _log(f"[{'#' * (done * 10 // steps):.<10}] {done}/{steps} {message}")
+
+
 def _choice(what: str, value: str, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise UserError(f"unknown {what} {value!r}; use one of {', '.join(allowed)}")
@@ -226,16 +231,16 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
     T = lookahead.step_tokens
     rows = request.max_seq_len + T
     steps = 6 if request.target == "tensorrt" else 5
-    _log(f"[1/{steps}] loading {request.model_dir} ({request.dtype})")
+    _progress(1, steps, f"loading {request.model_dir} ({request.dtype})")
     model, _ = load_llama(request.model_dir, dtype=request.dtype)
 
     tokens = max(request.max_input_len, T)  # a row's most tokens: a prefill chunk or a step
-    _log(f"[2/{steps}] exporting the network (attention={request.attention}): batch 1..{request.max_batch}, "
-         f"1..{tokens} tokens per row ({lookahead}: T={T})")
+    _progress(2, steps, f"exporting the network (attention={request.attention}): batch 1..{request.max_batch}, "
+              f"1..{tokens} tokens per row ({lookahead}: T={T})")
     layout = StepLayout(lookahead)
     save_graph(export_graph(model, request.attention, rows, tokens), out / GRAPH_FILE)
 
-    _log(f"[3/{steps}] copying the tokenizer and checking the graph with onnx.checker")
+    _progress(3, steps, "copying the tokenizer and checking the graph with onnx.checker")
     tokenizer_files = [name for name in TOKENIZER_FILES if (request.model_dir / name).is_file()]
     if not any(name in tokenizer_files for name in ("tokenizer.json", "tokenizer.model")):
         raise UserError(
@@ -274,15 +279,15 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
     }
     write_engine_config(out, config)
 
-    _log(f"[4/{steps}] smoke check under onnxruntime (batched rows) against the torch model row by row")
+    _progress(4, steps, "smoke check under onnxruntime (batched rows) against the torch model row by row")
     config["targets"]["onnx"]["smoke_check"] = smoke_check(out, model, lookahead)
     del model
 
     if request.target == "tensorrt":
-        _log(f"[5/{steps}] TensorRT plan")
+        _progress(5, steps, "TensorRT plan")
         config["targets"]["tensorrt"] = tensorrt_target(out, request)
     config["files"] = file_checksums(out)
-    _log(f"[{steps}/{steps}] writing config.json")
+    _progress(steps, steps, "writing config.json")
     config["build_seconds"] = round(time.perf_counter() - start, 2)
     write_engine_config(out, config)
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
@@ -306,10 +311,11 @@ def smoke_check(engine_dir: Path, model: Llama, lookahead: LookaheadConfig) -> d
     import numpy as np
     import torch
 
-    from trt_lookahead.backends.onnxruntime import OnnxRuntimeEngine, OnnxRuntimeUnsupported
+    from trt_lookahead.backends.onnxruntime import OnnxRuntimeEngine, OnnxRuntimeUnsupported, SessionSettings
 
     try:
-        engine = OnnxRuntimeEngine(load_engine_config(engine_dir, verify=False), threads=1)  # checksums come last
+        engine = OnnxRuntimeEngine(load_engine_config(engine_dir, verify=False),  # checksums come last
+                                   settings=SessionSettings(threads=1))
         session = engine.session()
     except OnnxRuntimeUnsupported as exc:
         _log(f"      not run: {exc}")

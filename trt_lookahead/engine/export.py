@@ -64,8 +64,10 @@ def _graph_module(model, attention: str):
         def forward(self, input_ids, positions, cache_len, step_config, output_slots, caches):
             batch, tokens = input_ids.shape
             key_caches, value_caches = caches[:layers], caches[layers:]
-            scratch_k = torch.zeros(layers, batch * tokens, kv_heads, head_dim, dtype=model.dtype)
-            scratch_v = torch.zeros_like(scratch_k)
+            # one scratch tensor per layer, not one [L, ..] tensor: writing a layer of a stacked tensor
+            # exports as a copy of the whole stack per layer (ScatterElements), plus gathers around it
+            scratch_k = [torch.zeros(batch * tokens, kv_heads, head_dim, dtype=model.dtype) for _ in range(layers)]
+            scratch_v = [torch.zeros_like(k) for k in scratch_k]
             if attention == "native":
                 full_mask = native_mask(tokens, key_caches[0].shape[2], cache_len, step_config)
             presents: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -118,10 +120,11 @@ def example_inputs(model, batch: int, tokens: int, cache_rows: int) -> tuple:
 
 
 def export_graph(model, attention: str, cache_rows: int, max_tokens: int):
-    """Export the network with a dynamic batch and a dynamic token count 1..max_tokens. -> onnx.ModelProto.
+    """Export the network with a dynamic batch, token count 1..max_tokens and cache length. -> onnx.ModelProto.
 
     Dimension names: `batch` (every row-indexed input and output), `tokens` (input_ids, positions, the
-    present K/V) and `rows` (output_slots and the outputs read from them).
+    present K/V), `rows` (output_slots and the outputs read from them) and `cache_rows` (the caches' S, at
+    most `cache_rows`: an executor opened for a shorter max_seq_len keeps shorter caches).
     """
     import torch
 
@@ -131,8 +134,9 @@ def export_graph(model, attention: str, cache_rows: int, max_tokens: int):
     batch = torch.export.Dim("batch", min=1)
     tokens = torch.export.Dim("tokens", min=1, max=max(2, max_tokens))
     rows = torch.export.Dim("rows", min=1, max=max(2, max_tokens))
+    cache = torch.export.Dim("cache_rows", min=2, max=max(3, cache_rows))
     dynamic = ({0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: batch}, {0: batch}, {0: batch, 1: rows},
-               [{0: batch}] * (2 * model.cfg.num_layers))
+               [{0: batch, 2: cache}] * (2 * model.cfg.num_layers))
     with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
@@ -145,7 +149,8 @@ def export_graph(model, attention: str, cache_rows: int, max_tokens: int):
     inputs = {i.name: i for i in proto.graph.input}
     _rename_dims(proto, {_dim(inputs["input_ids"], 0).dim_param: "batch",
                          _dim(inputs["input_ids"], 1).dim_param: "tokens",
-                         _dim(inputs["output_slots"], 1).dim_param: "rows"})
+                         _dim(inputs["output_slots"], 1).dim_param: "rows",
+                         _dim(inputs[cache_names(1)[0]], 2).dim_param: "cache_rows"})
     if attention == "plugin":
         del proto.opset_import[:]
         proto.opset_import.extend(onnx_op.opset_imports(OPSET))

@@ -13,8 +13,9 @@ engines/NAME/
     tokenizer files, generation_config.json
     engine.plan         TensorRT only, built where TensorRT and a GPU exist
 
-Graph I/O (B <= max_batch rows, T tokens per row, K output rows per row; S = cache_rows = max_seq_len + the
-built T; L layers, Hkv KV heads, head size D):
+Graph I/O (B <= max_batch rows, T tokens per row, K output rows per row; L layers, Hkv KV heads, head size
+D; S <= cache_rows = max_seq_len + the built T, dynamic: an onnxruntime executor opened for a shorter
+max_seq_len keeps S = its max_seq_len + T, a TensorRT plan fixes S = cache_rows):
 
     input_ids int32 [B, T]   positions int32 [B, T]   cache_len int32 [B]
     step_config int32 [B, 3] (W, N, G) per row; (0, 0, 0) = causal     output_slots int32 [B, K]

@@ -1,0 +1,77 @@
+"""The engine cache: a checkpoint run on the onnxruntime backend (the default on CPU) runs a compiled engine,
+built once per checkpoint content, dtype and engine shape and kept in the cache dir (docs/design.md section 6.8).
+
+    path, built = cached_engine(model_dir, dtype="float32", lookahead=LookaheadConfig(8, 5, 8),
+                                max_seq_len=2048, max_batch=8)
+
+<cache dir>/engines/<checkpoint name>-<first 16 hex digits of the sha256 of the build key>/ is one engine dir;
+the build key (engine/build.py's BuildRequest.key) holds the format version, the sha256 of the checkpoint's
+weights, the dtype and the shape. A dir is used only when it loads clean (engine/format.py's checks) and
+records the same key; anything else (a crash left nothing, an older format, an edited or truncated file) is
+rebuilt in a work dir and renamed into place, under a lock file so that concurrent processes build it once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from trt_lookahead.engine.build import BuildRequest, build, build_request
+from trt_lookahead.engine.format import load_engine_config
+from trt_lookahead.errors import UserError
+from trt_lookahead.files import cache_dir
+from trt_lookahead.lookahead.config import LookaheadConfig
+
+ENGINES = "engines"  # the cache dir's subfolder of cached engine dirs
+
+
+def cached_engine(model_dir: str | os.PathLike, *, dtype: str, lookahead: LookaheadConfig, max_seq_len: int,
+                  max_batch: int, root: Path | None = None) -> tuple[Path, str | None]:
+    """The cached engine dir of this checkpoint and shape, built first if needed (under `root`, default the
+    cache dir's engines/). -> (path, why it was built: None when the cache already held it).
+    """
+    from trt_lookahead.model.checkpoint import weights_sha256
+
+    root = cache_dir() / ENGINES if root is None else root
+    request = build_request(model_dir, root / "pending", lookahead=lookahead, max_seq_len=max_seq_len,
+                            max_batch=max_batch, dtype=dtype, force=True)
+    key = request.key(weights_sha256(request.model_dir))
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = root / f"{request.model_dir.name}-{digest}"
+    request = BuildRequest(**{**vars(request), "output": path})
+    with _locked(path.with_name(f".{path.name}.lock")):
+        why = _unusable(path, key)
+        if why is not None:
+            build(request)
+    return path, why
+
+
+def _unusable(path: Path, key: dict) -> str | None:
+    """Why the cached dir cannot be used as this build (None: it can)."""
+    if not path.exists():
+        return "not built yet"
+    try:
+        config = load_engine_config(path)
+    except UserError as exc:
+        return f"the cached engine is unusable ({exc})"
+    if config.raw.get("build_key") != key:
+        return "the cached engine was built differently"
+    return None
+
+
+@contextlib.contextmanager
+def _locked(lock: Path) -> Iterator[None]:
+    """An exclusive lock file (flock): a second process waits for the first one's build, then uses it."""
+    import fcntl
+
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
