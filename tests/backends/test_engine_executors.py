@@ -309,18 +309,64 @@ def test_steps_beyond_the_engine_are_refused_naming_the_limit(engines):
 
 
 def test_runtime_generates_from_the_engine_dir(engines):
-    """The runtime's single-request path (one layout at a time, on a one-slot executor) matches the checkpoint."""
+    """The runtime on the engine dir (its batched executor) gives the checkpoint's tokens, config by config."""
     from trt_lookahead.runtime import LookaheadRuntime
 
-    checkpoint = LookaheadRuntime.from_pretrained(STORIES, lookahead="4,3,4", max_seq_len=MAX_SEQ_LEN)
-    engine = LookaheadRuntime.from_pretrained(engines["plugin"])
-    assert engine.backend == "onnxruntime"
-    for config in ("4,3,4", "2,2,1", "greedy"):
-        a = engine.generate("Once upon a time", max_new_tokens=40, lookahead=config)
-        b = checkpoint.generate("Once upon a time", max_new_tokens=40, lookahead=config)
-        assert a.token_ids == b.token_ids and a.text == b.text
-    with pytest.raises(ValueError, match=r"does not fit the engine built for 4/3/4 \(W=5 > 4\)"):
-        open_engine(engines["plugin"]).make_executor(StepLayout(LookaheadConfig(5, 3, 4)))
+    with (LookaheadRuntime.from_pretrained(STORIES, lookahead="4,3,4", max_seq_len=MAX_SEQ_LEN) as checkpoint,
+          LookaheadRuntime.from_pretrained(engines["plugin"]) as engine):
+        assert engine.backend == "onnxruntime" and engine.max_batch == MAX_BATCH
+        for config in ("4,3,4", "2,2,1", "greedy"):
+            a = engine.generate("Once upon a time", max_new_tokens=40, lookahead=config)
+            b = checkpoint.generate("Once upon a time", max_new_tokens=40, lookahead=config)
+            assert a.token_ids == b.token_ids and a.text == b.text
+        with pytest.raises(ValueError, match=r"does not fit the engine built for 4/3/4 \(W=5 > 4\)"):
+            engine.generate("Once upon a time", max_new_tokens=4, lookahead="5,3,4")
+    with pytest.raises(UserError, match=r"max_batch 5 exceeds the engine's 4"):
+        LookaheadRuntime.from_pretrained(engines["plugin"], max_batch=5)
+
+
+ENGINE_JOBS = [  # (prompt, request): configs within the engine's 4/3/4, sampling, a stop string, `auto`
+    ("Once upon a time", dict(lookahead="greedy", max_new_tokens=60)),
+    ("Lily and Tom went to the park. They", dict(lookahead="4,3,4", max_new_tokens=80)),
+    ("The cat sat on the", dict(lookahead="2,3,2", max_new_tokens=40, seed=3, temperature=0.8, top_k=40, top_p=0.95)),
+    ("Sam had a red ball", dict(lookahead="2,2,1", max_new_tokens=64, stop=["."])),
+    ("One day, a little bird", dict(lookahead="auto", max_new_tokens=70)),
+    ("Mom said to Ben,", dict(lookahead="greedy", max_new_tokens=50, seed=1, temperature=0.8)),
+]
+
+
+def test_concurrent_requests_on_an_engine_equal_their_solo_runs(engines, tmp_path):
+    """Six requests from six threads on one engine runtime of four slots (two wait for a slot): every answer
+    is token-identical to the same request run alone, and every slot is free afterwards."""
+    import threading
+
+    from trt_lookahead.lookahead.policy import StepCost
+    from trt_lookahead.runtime import LookaheadRuntime
+    from trt_lookahead.tuning import file as tuning_file
+
+    tuning = tmp_path / "tuning.json"  # `auto` reads the step cost from here instead of tuning first
+    cost = StepCost({1: [(1, 2.0), (16, 3.0), (64, 8.0)], 4: [(4, 3.0), (64, 10.0)]})
+    entry = {"config": "4/3/4", "step_cost": cost.to_dict(), "priors": {"1/3/1": 1.3, "2/3/2": 1.5, "4/3/4": 1.7}}
+    tuning_file.write_tuning_entry(tuning_file.tuning_key(str(engines["plugin"]), "float32", "onnxruntime"), entry,
+                                   tuning)
+    with LookaheadRuntime.from_pretrained(engines["plugin"], tuning_file=tuning) as rt:
+        alone = [rt.generate(prompt, **request) for prompt, request in ENGINE_JOBS]
+        together: list = [None] * len(ENGINE_JOBS)
+        barrier = threading.Barrier(len(ENGINE_JOBS))
+
+        def work(i: int) -> None:
+            barrier.wait()
+            together[i] = rt.generate(ENGINE_JOBS[i][0], **ENGINE_JOBS[i][1])
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(ENGINE_JOBS))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for job, a, b in zip(ENGINE_JOBS, alone, together, strict=True):
+            assert b.token_ids == a.token_ids and b.text == a.text and b.finish_reason == a.finish_reason, job
+        assert max(step.rows for step in rt.scheduler.steps) >= 3  # they did share steps
+        assert rt.scheduler.free_slots == MAX_BATCH
 
 
 @pytest.mark.slow

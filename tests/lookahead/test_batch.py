@@ -6,9 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trt_lookahead.lookahead.config import LookaheadConfig
-from trt_lookahead.lookahead.decoder import GREEDY_STEP, BatchStepper, LookaheadDecoder, RequestDecoder, Row
-from trt_lookahead.lookahead.executor import LayoutAdapter, StepBatch, check_batch
-from trt_lookahead.lookahead.layout import StepLayout
+from trt_lookahead.lookahead.decoder import GREEDY_STEP, BatchStepper, RequestDecoder, Row
+from trt_lookahead.lookahead.executor import StepBatch, check_batch
 from trt_lookahead.lookahead.oracles import (
     ORACLES,
     OracleExecutor,
@@ -134,57 +133,3 @@ def test_check_batch_gives_the_real_tokens_of_each_row():
     causal = batch(step_config=np.array([[0, 0, 0], [1, 3, 1]], np.int32))
     assert check_batch(causal, max_batch=4, step_tokens=8, vocab_size=10).tolist() == [4, 4]
 
-
-class OneLayout:
-    """The single-request contract of one layout over slot 0 of an oracle (what the engine backends are)."""
-
-    def __init__(self, logits, vocab, layout):
-        self.oracle = OracleExecutor(logits, vocab, max_batch=1)
-        self.config, self.step_tokens = layout.config, layout.step_tokens
-        self.vocab_size, self.max_seq_len = vocab, self.oracle.max_seq_len
-        self.prefills = 0
-
-    def reset(self, sampling):
-        self.sampling = sampling
-
-    def prefill(self, ids):
-        self.prefills += 1
-        return self.oracle.prefill(0, ids, self.sampling)
-
-    def step(self, ids, positions):
-        real = self.config.step_tokens
-        cfg = np.array([[self.config.W, self.config.N, self.config.G]], np.int32)
-        out = self.oracle.step(StepBatch(np.zeros(1, np.int64), ids[None, :real], positions[None, :real], cfg,
-                                         np.arange(real)[None]))[0]
-        return np.concatenate([out, np.full(len(ids) - real, -1)])
-
-    def commit(self, slots):
-        self.oracle.commit(0, slots)
-
-
-def test_layout_adapter_switches_layouts_by_prefilling_the_committed_tokens():
-    logits = induction_logits(25, 4)
-    built = {}
-
-    def make(layout):
-        return built.setdefault(layout.config, OneLayout(logits, 25, layout))
-
-    adapter = LayoutAdapter(make, step_tokens=16, padded_tokens=16)
-    d = RequestDecoder(LookaheadConfig(2, 3, 2), [3, 4, 5, 3, 4], 25)
-    d.setup(adapter.prefill(0, d.prompt, SamplingParams()))
-    stepper = BatchStepper(adapter)
-    configs = [LookaheadConfig(2, 3, 2), GREEDY_STEP, LookaheadConfig(1, 3, 1), LookaheadConfig(2, 3, 2)]
-    i = 0
-    while not d.finished:
-        assert stepper.run([Row(0, d, configs[i % len(configs)])]) == [None]
-        i += 1
-    assert d.tokens == reference_generate(logits, [3, 4, 5, 3, 4], 25)
-    assert set(built) == {GREEDY_STEP, LookaheadConfig(2, 3, 2), LookaheadConfig(1, 3, 1)}
-    assert adapter.cache_len(0) == d.cache_len  # the finishing step is not committed
-
-
-def test_the_single_request_driver_runs_a_layout_executor():
-    logits = markov_logits(25, 2, 9)
-    layout_executor = OneLayout(logits, 25, StepLayout(LookaheadConfig(3, 4, 2)))
-    out = LookaheadDecoder(layout_executor, LookaheadConfig(3, 4, 2)).generate([1, 2, 3], 30)
-    assert out.token_ids == reference_generate(logits, [1, 2, 3], 30)

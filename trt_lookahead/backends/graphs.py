@@ -34,7 +34,6 @@ from trt_lookahead.lookahead.executor import (
     check_room,
     check_slot,
 )
-from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.sampling import SamplingParams, select_tokens
 
 Logits = Callable[[], np.ndarray]  # reads the float32 logits of the last run (only sampled slots need them)
@@ -218,44 +217,3 @@ def prefill_chunks(ids: np.ndarray, chunk: int) -> Iterator[tuple[int, dict[str,
             "step_config": np.array([CAUSAL], np.int32),
             "output_slots": np.array([[n - 1]], np.int32),
         }
-
-
-class LayoutView:
-    """The single-request contract of one step layout over slot 0 of a SlotExecutor.
-
-    Transitional: the runtime and decoder of this branch still drive one executor per layout; they take
-    this view of a one-slot batched executor (the batch of one) until they drive the batched contract.
-    """
-
-    def __init__(self, executor: SlotExecutor, layout: StepLayout) -> None:
-        layout.config.check_fits(executor.config.lookahead)
-        if layout.step_tokens > executor.step_tokens:
-            raise UserError(
-                f"a {layout.step_tokens}-slot step ({layout.config}) does not fit engine {executor.config.path}, "
-                f"built for T={executor.step_tokens}; pad the layout to at most the engine's T"
-            )
-        self.executor, self.layout = executor, layout
-        self.vocab_size, self.max_seq_len = executor.vocab_size, executor.max_seq_len
-        self.step_tokens = layout.step_tokens
-        self.output_slots = layout.output_slots
-        self._config = np.array([[layout.config.W, layout.config.N, layout.config.G]], np.int32)
-        self._sampling = SamplingParams()
-
-    @property
-    def cache_len(self) -> int:
-        return self.executor.cache_len(0)
-
-    def reset(self, sampling: SamplingParams | None = None) -> None:
-        self._sampling = sampling or SamplingParams()
-        self.executor.release(0)
-
-    def prefill(self, prompt_ids: np.ndarray) -> int:
-        return self.executor.prefill(0, prompt_ids, self._sampling)
-
-    def step(self, input_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        batch = StepBatch(np.zeros(1, np.int64), np.asarray(input_ids)[None], np.asarray(positions)[None],
-                          self._config, self.output_slots[None])
-        return self.executor.step(batch)[0]
-
-    def commit(self, slots: np.ndarray) -> None:
-        self.executor.commit(0, slots)

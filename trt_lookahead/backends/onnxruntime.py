@@ -28,11 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from trt_lookahead.backends.graphs import LayoutView, Logits, OpenedEngine, SlotExecutor
+from trt_lookahead.backends.graphs import Logits, OpenedEngine, SlotExecutor
 from trt_lookahead.engine.format import INPUTS, OUTPUTS, EngineConfig, cache_names
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.executor import check_kv_memory
-from trt_lookahead.lookahead.layout import StepLayout
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 _BINDINGS = 32  # IOBindings kept per executor, one per (B, T, K) recently stepped
@@ -132,10 +131,6 @@ class OnnxRuntimeEngine(OpenedEngine):
     def executor(self, max_batch: int | None = None) -> OnnxRuntimeExecutor:
         """A batched executor with its own KV cache for `max_batch` slots (default: the engine's)."""
         return OnnxRuntimeExecutor(self, max_batch)
-
-    def make_executor(self, layout: StepLayout) -> LayoutView:
-        """The single-request contract of `layout` on a one-slot executor (see graphs.LayoutView)."""
-        return LayoutView(self.executor(max_batch=1), layout)
 
 
 def _torch_threads() -> int:

@@ -2,7 +2,6 @@
 
     engine = open_engine("engines/NAME", max_batch=4)     # config.json checked against the request
     ex = engine.executor()                                # the batched contract, 4 KV slots
-    view = engine.make_executor(StepLayout(cfg, padded_tokens=engine.step_tokens))   # one request, one layout
 """
 
 from __future__ import annotations
@@ -14,8 +13,6 @@ from trt_lookahead.backends.graphs import SlotExecutor
 from trt_lookahead.engine.format import EngineConfig, load_engine_config
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import LookaheadConfig
-from trt_lookahead.lookahead.executor import LayoutExecutor
-from trt_lookahead.lookahead.layout import StepLayout
 
 if TYPE_CHECKING:
     from trt_lookahead.backends.onnxruntime import SessionSettings
@@ -24,7 +21,7 @@ BACKENDS = ("onnxruntime", "tensorrt")
 
 
 class Engine(Protocol):
-    """An opened engine dir: its config, batched executors, and single-request views for layouts up to its T."""
+    """An opened engine dir: its config and its batched executors."""
 
     config: EngineConfig
     lookahead: LookaheadConfig  # the (W, N, G) it was built for
@@ -34,8 +31,6 @@ class Engine(Protocol):
     dtype: str
 
     def executor(self, max_batch: int | None = None) -> SlotExecutor: ...
-
-    def make_executor(self, layout: StepLayout) -> LayoutExecutor: ...
 
 
 def open_engine(path: str | os.PathLike, backend: str = "onnxruntime", dtype: str | None = None,

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from trt_lookahead.backends.devices import import_tensorrt, tensorrt_unavailable_reason
-from trt_lookahead.backends.graphs import LayoutView, Logits, OpenedEngine, SlotExecutor
+from trt_lookahead.backends.graphs import Logits, OpenedEngine, SlotExecutor
 from trt_lookahead.engine.format import (
     INPUTS,
     OUTPUTS,
@@ -40,7 +40,6 @@ from trt_lookahead.engine.format import (
     step_buckets,
 )
 from trt_lookahead.errors import UserError
-from trt_lookahead.lookahead.layout import StepLayout
 
 PREFILL_PROFILE = 0  # then profile 1 + k for step bucket k (engine/format.py's plan_profiles)
 _ALIGN = 64  # int32 elements: each staged input starts on a 256-byte boundary, as TensorRT wants
@@ -107,10 +106,6 @@ class TensorRTEngine(OpenedEngine):
     def executor(self, max_batch: int | None = None) -> TensorRTExecutor:
         """A batched executor with its own KV cache for `max_batch` slots (default: the engine's)."""
         return TensorRTExecutor(self, max_batch)
-
-    def make_executor(self, layout: StepLayout) -> LayoutView:
-        """The single-request contract of `layout` on a one-slot executor (see graphs.LayoutView)."""
-        return LayoutView(self.executor(max_batch=1), layout)
 
 
 class TensorRTExecutor(SlotExecutor):

@@ -223,7 +223,7 @@ def tune_model(
     check_budget(budget_seconds)
     path = resolve_model(model)
     rt = LookaheadRuntime.from_pretrained(
-        path, backend=None if backend == "torch" else backend, dtype=dtype, lookahead=None,
+        path, backend=backend, dtype=dtype, lookahead=None,
         max_seq_len=max_seq_len or tuning_seq_len(path), threads=threads, tuning_file=tuning_file,
     )
     with rt:

@@ -17,7 +17,7 @@ from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import DEFAULT_LOOKAHEAD
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.model.fetch import DEFAULT_MODEL
-from trt_lookahead.runtime import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE
+from trt_lookahead.runtime import DEFAULT_MAX_QUEUE
 
 # command -> handler; each handler imports the modules its command needs only when it runs.
 COMMANDS = {
@@ -51,7 +51,8 @@ def _add_model_arguments(p: argparse.ArgumentParser, engine: bool = True) -> Non
     if engine:
         p.add_argument("--engine", help="engine dir written by `trt-lookahead build`")
     p.add_argument("--backend", choices=["torch", "onnxruntime", "tensorrt"], default=None,
-                   help="executor (default: torch for --model, onnxruntime for --engine)")
+                   help="executor (default: torch for --model, onnxruntime for --engine; --model with "
+                        "--backend onnxruntime runs a compiled engine, built once and cached)")
     p.add_argument("--dtype", choices=DTYPES, default=DTYPES[0])
     p.add_argument("--max-seq-len", "--max_seq_len", dest="max_seq_len", type=int, default=None,
                    help="KV-cache length (default: min(model context, 4096))")
@@ -140,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--instances", type=int, default=1)
     p.add_argument("--max-batch", "--max_batch", dest="max_batch", type=int, default=None,
                    help=f"concurrent requests per instance, batched in one runtime (default {DEFAULT_MAX_BATCH}; "
-                        "an engine: 1)")
+                        "an engine: its built --max-batch)")
     p.add_argument("--max_batch_size", "--max-batch-size", dest="max_batch_size", type=int, default=0,
                    help="Triton's own batch dimension of the inputs (0: none); not the concurrency")
     p.add_argument("--max_seq_len", "--max-seq-len", dest="max_seq_len", type=int, default=None)
@@ -153,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port, printed at start)")
     p.add_argument("--max-batch", "--max_batch", dest="max_batch", type=int, default=None,
-                   help=f"requests decoded together in every step (default {DEFAULT_MAX_BATCH}; an engine: 1)")
+                   help=f"requests decoded together in every step (default {DEFAULT_MAX_BATCH}; an engine: its built --max-batch)")
     p.add_argument("--max-queue", "--max_queue", dest="max_queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help=f"requests that may wait for a slot (default {DEFAULT_MAX_QUEUE}); one more is answered 429")
     p.add_argument("--served-model-name", "--served_model_name", dest="served_model_name", default=None,

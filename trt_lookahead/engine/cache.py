@@ -1,8 +1,8 @@
 """The engine cache: a checkpoint run on the onnxruntime backend (the default on CPU) runs a compiled engine,
 built once per checkpoint content, dtype and engine shape and kept in the cache dir (docs/design.md section 6.8).
 
-    path, built = cached_engine(model_dir, dtype="float32", lookahead=LookaheadConfig(8, 5, 8),
-                                max_seq_len=2048, max_batch=8)
+    path, why = cached_engine(model_dir, dtype="float32", lookahead=LookaheadConfig(8, 5, 8),
+                              max_seq_len=2048, max_batch=8)
 
 <cache dir>/engines/<checkpoint name>-<first 16 hex digits of the sha256 of the build key>/ is one engine dir;
 the build key (engine/build.py's BuildRequest.key) holds the format version, the sha256 of the checkpoint's
@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,11 +30,10 @@ from trt_lookahead.lookahead.config import LookaheadConfig
 ENGINES = "engines"  # the cache dir's subfolder of cached engine dirs
 
 
-def cached_engine(model_dir: str | os.PathLike, *, dtype: str, lookahead: LookaheadConfig, max_seq_len: int,
-                  max_batch: int, root: Path | None = None) -> tuple[Path, str | None]:
-    """The cached engine dir of this checkpoint and shape, built first if needed (under `root`, default the
-    cache dir's engines/). -> (path, why it was built: None when the cache already held it).
-    """
+def cache_request(model_dir: str | os.PathLike, *, dtype: str, lookahead: LookaheadConfig, max_seq_len: int,
+                  max_batch: int, root: Path | None = None) -> tuple[BuildRequest, dict]:
+    """The build of the cached engine of this checkpoint and shape (its output: the engine's place under
+    `root`, default the cache dir's engines/) and its build key."""
     from trt_lookahead.model.checkpoint import weights_sha256
 
     root = cache_dir() / ENGINES if root is None else root
@@ -41,11 +41,22 @@ def cached_engine(model_dir: str | os.PathLike, *, dtype: str, lookahead: Lookah
                             max_batch=max_batch, dtype=dtype, force=True)
     key = request.key(weights_sha256(request.model_dir))
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = root / f"{request.model_dir.name}-{digest}"
-    request = BuildRequest(**{**vars(request), "output": path})
+    return BuildRequest(**{**vars(request), "output": root / f"{request.model_dir.name}-{digest}"}), key
+
+
+def cached_engine(model_dir: str | os.PathLike, *, dtype: str, lookahead: LookaheadConfig, max_seq_len: int,
+                  max_batch: int, root: Path | None = None) -> tuple[Path, str | None]:
+    """The cached engine dir of this checkpoint and shape, built first if needed (`cache_request`).
+
+    -> (path, why it was built: None when the cache already held it).
+    """
+    request, key = cache_request(model_dir, dtype=dtype, lookahead=lookahead, max_seq_len=max_seq_len,
+                                 max_batch=max_batch, root=root)
+    path = request.output
     with _locked(path.with_name(f".{path.name}.lock")):
         why = _unusable(path, key)
         if why is not None:
+            shutil.rmtree(path, ignore_errors=True)  # the cache's own dir: whatever it holds is not used
             build(request)
     return path, why
 

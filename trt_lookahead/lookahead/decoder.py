@@ -24,13 +24,12 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import cast
 
 import numpy as np
 
 from trt_lookahead.errors import UserError, as_int
 from trt_lookahead.lookahead.config import LookaheadConfig
-from trt_lookahead.lookahead.executor import Executor, LayoutAdapter, LayoutExecutor, StepBatch
+from trt_lookahead.lookahead.executor import Executor, StepBatch
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.pool import OUTPUT, PROMPT, WINDOW, Continuation, NgramPool
 from trt_lookahead.lookahead.sampling import SamplingParams
@@ -424,14 +423,11 @@ class BatchStepper:
 
 
 class LookaheadDecoder:
-    """Drives one request at a time on slot 0 of `executor` at one config; `switches` exist for ablations.
-
-    A single-request LayoutExecutor (an engine backend) is run through LayoutAdapter.
-    """
+    """Drives one request at a time on slot 0 of `executor` at one config; `switches` exist for ablations."""
 
     def __init__(
         self,
-        executor: Executor | LayoutExecutor,
+        executor: Executor,
         layout: StepLayout | LookaheadConfig,
         *,
         stop_tokens: Iterable[int] = (),
@@ -439,10 +435,7 @@ class LookaheadDecoder:
         switches: Switches = Switches(),
     ) -> None:
         self.layout = layout if isinstance(layout, StepLayout) else StepLayout(layout)
-        if not hasattr(executor, "max_batch"):  # the single-request contract of one layout
-            layout_executor = cast(LayoutExecutor, executor)
-            executor = LayoutAdapter(lambda layout: layout_executor, layout_executor.step_tokens)
-        self.executor: Executor = cast(Executor, executor)
+        self.executor = executor
         if self.config.step_tokens > self.executor.step_tokens:
             raise ValueError(
                 f"the {self.config} layout needs {self.config.step_tokens} tokens per step but the executor "

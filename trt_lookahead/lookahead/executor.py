@@ -11,24 +11,17 @@ step_config[b] = (W, N, G) (docs/design.md section 2) padded to T, or (0, 0, 0) 
 A row's pads (slots past its layout's real tokens) hold any valid id at position cache_len; an executor
 may skip them. Token i of row b is chosen with the slot's sampling parameters, keyed by positions[b, i]
 (lookahead/sampling.py). A row's results never depend on the other rows of the step.
-
-`LayoutExecutor` is the single-request contract the engine backends still implement (one executor per
-step layout); `LayoutAdapter` runs them under the batched contract until they are batched themselves.
 """
 
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from trt_lookahead.errors import UserError
-from trt_lookahead.lookahead.config import LookaheadConfig
-from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.sampling import SamplingParams
 
 
@@ -139,100 +132,6 @@ def check_commit(rows: np.ndarray, step_tokens: int, cache_len: int, max_seq_len
     if cache_len + len(rows) > max_seq_len:
         raise ValueError(f"commit of {len(rows)} tokens at cache_len {cache_len} overflows max_seq_len={max_seq_len}")
     return rows
-
-
-class LayoutExecutor(Protocol):
-    """The single-request contract of one step layout (the engine backends, until they are batched)."""
-
-    vocab_size: int
-    max_seq_len: int
-    step_tokens: int
-
-    def reset(self, sampling: SamplingParams) -> None: ...
-
-    def prefill(self, prompt_ids: np.ndarray) -> int: ...
-
-    def step(self, input_ids: np.ndarray, positions: np.ndarray) -> np.ndarray: ...
-
-    def commit(self, slots: np.ndarray) -> None: ...
-
-
-class LayoutAdapter:
-    """The batched contract, one slot, over per-layout LayoutExecutors (transitional, see the module docstring).
-
-    `make_executor(layout)` builds the executor of a layout: the config padded to `padded_tokens` (an
-    engine's T), greedy unpadded. A step whose config differs from the slot's current executor's switches
-    executors: the new one is prefilled with the committed tokens (prompt + accepted), then steps.
-    """
-
-    max_batch = 1
-
-    def __init__(
-        self, make_executor: Callable[[StepLayout], LayoutExecutor], step_tokens: int, padded_tokens: int | None = None
-    ) -> None:
-        self._make = make_executor
-        self._padded = padded_tokens
-        self._executors: OrderedDict[LookaheadConfig, LayoutExecutor] = OrderedDict()  # least recently used first
-        greedy = self._executor(LookaheadConfig.greedy())
-        self.vocab_size, self.max_seq_len, self.step_tokens = greedy.vocab_size, greedy.max_seq_len, step_tokens
-        self._sequence: list[int] = []  # committed tokens of the slot
-        self._sampling = SamplingParams()
-        self._config: LookaheadConfig | None = None  # the config whose executor holds the slot's KV
-        self._last: tuple[np.ndarray, int] = (np.zeros(0, np.int64), 0)  # last step's ids and real tokens
-
-    def _executor(self, config: LookaheadConfig) -> LayoutExecutor:
-        executor = self._executors.pop(config, None)
-        if executor is None:
-            padded = None if config.is_greedy else self._padded
-            executor = self._make(StepLayout(config, padded_tokens=padded))
-        self._executors[config] = executor
-        while len(self._executors) > 4:  # each holds its own KV buffers
-            self._executors.popitem(last=False)
-        return executor
-
-    def cache_len(self, slot: int) -> int:
-        check_slot(slot, 1)
-        return len(self._sequence)
-
-    def prefill(self, slot: int, prompt_ids: np.ndarray, sampling: SamplingParams) -> int:
-        check_slot(slot, 1)
-        ids = check_prompt(prompt_ids, self.max_seq_len, self.vocab_size)
-        executor = self._executor(LookaheadConfig.greedy())
-        executor.reset(sampling)
-        first = executor.prefill(ids)
-        self._sequence, self._sampling, self._config = ids.tolist(), sampling, LookaheadConfig.greedy()
-        return first
-
-    def step(self, batch: StepBatch) -> np.ndarray:
-        (real,) = check_batch(batch, 1, self.step_tokens, self.vocab_size)
-        config = LookaheadConfig(*(int(v) for v in batch.step_config[0]))
-        executor = self._executor(config)
-        if config != self._config:  # this layout's executor does not hold the slot's KV yet
-            executor.reset(self._sampling)
-            executor.prefill(np.array(self._sequence, np.int64))
-            self._config = config
-        T = executor.step_tokens
-        ids = np.zeros(T, np.int64)
-        positions = np.full(T, len(self._sequence), np.int64)  # pads at cache_len
-        ids[:real], positions[:real] = batch.input_ids[0, :real], batch.positions[0, :real]
-        out = executor.step(ids, positions)
-        result = np.full((1, batch.tokens), -1, np.int64)
-        result[0, :real] = out[:real]
-        self._last = (ids, int(real))
-        return result
-
-    def commit(self, slot: int, rows: np.ndarray) -> None:
-        check_slot(slot, 1)
-        ids, real = self._last
-        rows = check_commit(rows, real, len(self._sequence), self.max_seq_len)
-        assert self._config is not None
-        self._executor(self._config).commit(rows)
-        self._sequence.extend(ids[rows].tolist())
-        self._last = (np.zeros(0, np.int64), 0)
-
-    def release(self, slot: int) -> None:
-        check_slot(slot, 1)
-        self._sequence, self._config = [], None
 
 
 def check_kv_memory(shape: tuple[int, ...], itemsize: int, max_seq_len: int, max_batch: int = 1) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -38,11 +39,11 @@ from typing import Any, cast
 
 import numpy as np
 
-from trt_lookahead.engine.format import is_engine_dir
+from trt_lookahead.engine.format import DEFAULT_MAX_BATCH, is_engine_dir
 from trt_lookahead.errors import UserError, as_int
 from trt_lookahead.lookahead.config import AUTO, DEFAULT, DEFAULT_LOOKAHEAD, GREEDY, LookaheadConfig
 from trt_lookahead.lookahead.decoder import DecodeStats, RequestDecoder, check_request
-from trt_lookahead.lookahead.executor import Executor, LayoutAdapter
+from trt_lookahead.lookahead.executor import Executor
 from trt_lookahead.lookahead.policy import LookaheadPolicy, Priors, StepCost
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.runtime import scheduler
@@ -50,7 +51,6 @@ from trt_lookahead.runtime.scheduler import RequestHandle, Scheduler
 
 DEFAULT_MAX_SEQ_LEN = 4096
 DEFAULT_MAX_NEW_TOKENS = 128
-DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_QUEUE = 64
 Prompt = str | Sequence[dict[str, str]] | Sequence[int] | np.ndarray
 PROMPT_KINDS = "a prompt is text, a list of chat messages {'role': ..., 'content': ...}, or a list of token ids"
@@ -272,7 +272,7 @@ class LookaheadRuntime:
 
         lookahead: DEFAULT (4,3,4; an engine's built config), W,N,G, a LookaheadConfig, AUTO (the policy,
         tuned on this runtime), or None / GREEDY (greedy). max_batch: request slots (default 8; an engine
-        dir serves one request at a time until the engine path is batched). max_queue: requests that may
+        dir's built max_batch). max_queue: requests that may
         wait for a slot before `QueueFull`. tuning_file: where `auto` reads (and stores) what `tune` measured;
         default the cache's tuning.json. verify: check an engine dir's files against their checksums.
         """
@@ -288,19 +288,22 @@ class LookaheadRuntime:
         if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
             raise UserError(f"max_batch must be a positive integer (request slots), got {max_batch!r}")
         if is_engine_dir(path):
-            if max_batch not in (None, 1):
-                raise UserError(
-                    f"max_batch={max_batch}: an engine dir serves one request at a time until the engine path is "
-                    "batched; use max_batch=1, or the torch backend on the checkpoint for batching"
-                )
-            rt = cls._from_engine(path, backend or "onnxruntime", dtype, max_seq_len, max_queue, tuning_file, verify)
-        elif backend not in (None, "torch"):
-            raise UserError(f"backend {backend!r} runs engine dirs; build one with `trt-lookahead build` or use torch")
+            rt = cls._from_engine(path, backend or "onnxruntime", dtype, max_seq_len, max_batch, max_queue, tuning_file,
+                                  verify)
         else:
-            rt = cls._from_checkpoint(path, dtype, max_seq_len, max_batch or DEFAULT_MAX_BATCH, max_queue, tuning_file)
+            backend, why = checkpoint_backend(backend, dtype)
+            if backend == "onnxruntime":
+                engine = cached_checkpoint_engine(path, dtype, lookahead, max_seq_len, max_batch)
+                rt = cls._from_engine(engine, backend, dtype, max_seq_len, max_batch, max_queue, tuning_file, verify,
+                                      model_path=path)
+                print(f"trt-lookahead: {path.name} runs on {backend} ({why}; engine {engine})", file=sys.stderr,
+                      flush=True)
+            else:
+                rt = cls._from_checkpoint(path, dtype, max_seq_len, max_batch or DEFAULT_MAX_BATCH, max_queue,
+                                          tuning_file)
         try:
-            if lookahead == DEFAULT:
-                rt.lookahead = rt.max_lookahead or DEFAULT_LOOKAHEAD
+            if lookahead == DEFAULT:  # an engine dir's built config; a checkpoint's (on any backend) 4,3,4
+                rt.lookahead = (rt.max_lookahead if is_engine_dir(path) else None) or DEFAULT_LOOKAHEAD
             elif lookahead is not None:
                 rt.lookahead = rt._resolve(lookahead)
             rt.request_config(None)  # the default must fit this executor
@@ -334,22 +337,23 @@ class LookaheadRuntime:
 
     @classmethod
     def _from_engine(
-        cls, path: Path, backend: str, dtype: str, max_seq_len: int | None, max_queue: int,
-        tuning_file: str | Path | None, verify: bool,
+        cls, path: Path, backend: str, dtype: str, max_seq_len: int | None, max_batch: int | None, max_queue: int,
+        tuning_file: str | Path | None, verify: bool, model_path: Path | None = None,
     ) -> LookaheadRuntime:
         from trt_lookahead.backends.open import open_engine
         from trt_lookahead.model.checkpoint import load_tokenizer
 
-        engine = open_engine(path, backend=backend, dtype=dtype, max_seq_len=max_seq_len, verify=verify)
+        engine = open_engine(path, backend=backend, dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch,
+                             verify=verify)
         return cls(
             load_tokenizer(path),
-            LayoutAdapter(engine.make_executor, engine.step_tokens, padded_tokens=engine.step_tokens),
+            engine.executor(),
             lookahead=None,
             max_seq_len=engine.max_seq_len,
             stop_token_ids=_stop_token_ids(path),
             backend=backend,
             dtype=engine.dtype,
-            model_path=path,
+            model_path=model_path or path,  # a cached engine answers for its checkpoint (tuning key)
             max_lookahead=engine.lookahead,
             max_queue=max_queue,
             tuning_file=tuning_file,
@@ -362,11 +366,6 @@ class LookaheadRuntime:
     @property
     def vocab_size(self) -> int:
         return self.executor.vocab_size
-
-    @property
-    def adaptive(self) -> bool:
-        """Whether `auto` may change a request's config every step (the engine adapter re-prefills on a change)."""
-        return not isinstance(self.executor, LayoutAdapter)
 
     def close(self) -> None:
         """Stop the scheduler; requests still running end with an error. The runtime cannot generate afterwards."""
@@ -430,7 +429,7 @@ class LookaheadRuntime:
         chosen = self.lookahead if lookahead is None else self._resolve(lookahead)
         if chosen == AUTO:
             config = self._auto()
-            explicit = config.is_greedy or not self.adaptive
+            explicit = config.is_greedy
         else:
             config, explicit = cast(LookaheadConfig | None, chosen) or LookaheadConfig.greedy(), True
         if self.max_lookahead is not None:
@@ -607,3 +606,42 @@ def _stop_token_ids(path: Path) -> list[int]:
         except (OSError, ValueError, AttributeError) as exc:
             raise UserError(f"{file} is unreadable or malformed ({exc}); restore it from the original files") from exc
     return ids
+
+
+BACKEND_CHOICES = ("torch", "onnxruntime", "tensorrt")
+
+
+def checkpoint_backend(backend: str | None, dtype: str) -> tuple[str, str]:
+    """(backend, why) that runs a checkpoint: torch, unless onnxruntime (a cached engine) is asked for."""
+    if backend is None:
+        return "torch", "the default for a checkpoint; --backend onnxruntime runs it on a cached compiled engine"
+    if backend not in BACKEND_CHOICES[:2]:
+        raise UserError(f"backend {backend!r} runs engine dirs: build one with `trt-lookahead build --target "
+                        f"{backend}`; a checkpoint runs on {' or '.join(BACKEND_CHOICES[:2])}")
+    if backend == "onnxruntime" and dtype != "float32":
+        raise UserError(f"the onnxruntime backend runs float32 engines on the CPU, not {dtype}; use --backend torch")
+    return backend, "asked for"
+
+
+def cached_checkpoint_engine(path: Path, dtype: str, lookahead: LookaheadConfig | str | None, max_seq_len: int | None,
+                             max_batch: int | None) -> Path:
+    """The cached engine dir (engine/cache.py) a checkpoint runs on, built first if needed.
+
+    One shape serves the usual requests, so one engine is built per checkpoint and dtype: W, N, G cover the
+    default config, what `auto` may pick and an explicit `lookahead`; max_seq_len and max_batch cover the
+    defaults and what was asked for (the graph's batch and cache length are dynamic: an executor opened for
+    less keeps less).
+    """
+    from trt_lookahead.engine.cache import cached_engine
+    from trt_lookahead.model.checkpoint import check_max_seq_len, read_config
+    from trt_lookahead.tuning.tune import NGRAMS, TOP
+
+    configs = [DEFAULT_LOOKAHEAD, LookaheadConfig(TOP, max(NGRAMS), TOP)]
+    if isinstance(lookahead, LookaheadConfig | str) and lookahead not in (DEFAULT, AUTO, GREEDY):
+        configs.append(lookahead if isinstance(lookahead, LookaheadConfig) else LookaheadConfig.parse(lookahead))
+    cover = LookaheadConfig(*(max(getattr(c, k) for c in configs) for k in "WNG"))
+    context = read_config(path).max_position_embeddings
+    seq_len = max(check_max_seq_len(max_seq_len, context, DEFAULT_MAX_SEQ_LEN), min(context, DEFAULT_MAX_SEQ_LEN))
+    engine, _ = cached_engine(path, dtype=dtype, lookahead=cover, max_seq_len=seq_len,
+                              max_batch=max(max_batch or DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH))
+    return engine

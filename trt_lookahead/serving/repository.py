@@ -27,7 +27,12 @@ from trt_lookahead.errors import UserError, as_int
 from trt_lookahead.files import check_output_dir, write_text_atomic
 from trt_lookahead.lookahead.config import AUTO, DEFAULT_LOOKAHEAD, LookaheadConfig
 from trt_lookahead.model.fetch import resolve_model
-from trt_lookahead.runtime import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SEQ_LEN
+from trt_lookahead.runtime import (
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_MAX_SEQ_LEN,
+    cached_checkpoint_engine,
+    checkpoint_backend,
+)
 from trt_lookahead.serving.schema import INPUTS, OUTPUTS, pbtxt_list
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -77,14 +82,9 @@ def write_repository(
         built = load_engine_config(Path(engine).expanduser(), verify=verify)  # UserError if not an engine dir
         served = LookaheadConfig.parse(lookahead_config) if lookahead_config else built.lookahead
         served.check_fits(built.lookahead)
-        built.check_request(max_seq_len=max_seq_len)
+        built.check_request(max_seq_len=max_seq_len, max_batch=max_batch)
         params["engine"] = str(built.path.resolve())
         dtype = built.dtype  # an engine runs in the dtype it was built for
-        if max_batch not in (None, 1):
-            raise UserError(
-                f"--max-batch {max_batch}: an engine serves one request per instance until the engine path is "
-                "batched; use --instances for parallel requests, or --model for batching"
-            )
         lookahead = f"{served.W},{served.N},{served.G}"
     else:
         from trt_lookahead.model.checkpoint import check_max_seq_len, read_config
@@ -99,6 +99,9 @@ def write_repository(
         else:
             served = LookaheadConfig.parse(lookahead_config) if lookahead_config else DEFAULT_LOOKAHEAD
             lookahead = f"{served.W},{served.N},{served.G}"
+        if checkpoint_backend(backend, dtype)[0] == "onnxruntime":  # the cached engine, built now: the instances
+            # only open it
+            cached_checkpoint_engine(model_dir, dtype, lookahead, max_seq_len, max_batch)
     params.update(
         backend=backend or "",
         dtype=dtype,

@@ -1,0 +1,63 @@
+"""A checkpoint on the onnxruntime backend (issue 13) runs on a cached engine, built once, reused, rebuilt
+when damaged, and gives the torch backend's tokens; stderr says which backend runs and why."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trt_lookahead.errors import UserError
+from trt_lookahead.runtime import checkpoint_backend
+
+STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
+
+
+def generate(cache: Path, *extra: str) -> subprocess.CompletedProcess:
+    """`trt-lookahead generate --model stories260K` in a subprocess with its own cache dir (the engine cache)."""
+    argv = [sys.executable, "-m", "trt_lookahead.cli", "generate", "--model", str(STORIES), "--prompt",
+            "Once upon a time", "--max-new-tokens", "40", "--json", "--threads", "1", *extra]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "TRT_LOOKAHEAD_CACHE": str(cache)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result
+
+
+def tokens(result: subprocess.CompletedProcess) -> list[int]:
+    return json.loads(result.stdout.strip().splitlines()[-1])["token_ids"]
+
+
+@pytest.mark.export
+def test_a_checkpoint_runs_on_a_cached_engine_built_once_with_the_torch_tokens(tmp_path):
+    cache = tmp_path / "cache"
+    mode = ("--temperature", "0.8", "--seed", "5", "--backend", "onnxruntime")  # seeded, the default 4,3,4
+    first = generate(cache, *mode)
+    assert "runs on onnxruntime (asked for; engine " in first.stderr
+    assert "exporting the network" in first.stderr  # built now, with its progress lines
+    assert json.loads(first.stdout.strip().splitlines()[-1])["backend"] == "onnxruntime"
+    engines = [p for p in (cache / "engines").iterdir() if not p.name.startswith(".")]
+    assert len(engines) == 1
+
+    again = generate(cache, *mode)
+    assert "exporting the network" not in again.stderr and tokens(again) == tokens(first)  # reused
+
+    with open(engines[0] / "weights.bin", "r+b") as f:  # damaged: rebuilt, never used
+        f.seek(100)
+        f.write(b"\xff" * 64)
+    rebuilt = generate(cache, *mode)
+    assert "exporting the network" in rebuilt.stderr and tokens(rebuilt) == tokens(first)
+
+    torch = generate(cache, *mode[:-2])  # the default backend
+    assert json.loads(torch.stdout.strip().splitlines()[-1])["backend"] == "torch" and tokens(torch) == tokens(first)
+
+
+def test_the_backend_of_a_checkpoint_and_why():
+    assert checkpoint_backend("torch", "float32") == ("torch", "asked for")
+    assert checkpoint_backend("onnxruntime", "float32") == ("onnxruntime", "asked for")
+    assert checkpoint_backend(None, "float32")[0] == "torch"
+    with pytest.raises(UserError, match="runs float32 engines"):  # onnxruntime's CPU kernels: no bfloat16 MatMul
+        checkpoint_backend("onnxruntime", "bfloat16")
+    with pytest.raises(UserError, match="runs engine dirs"):
+        checkpoint_backend("tensorrt", "float32")
