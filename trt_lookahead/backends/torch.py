@@ -21,8 +21,8 @@ slot), allocated once; nothing is allocated per request. Two step paths, one con
 
 Token choice: argmax, or the seeded Gumbel-max draw with each slot's temperature, top-k, top-p and seed
 (kernels/sampling_torch.py `select_rows_torch`), keyed by the position of the output slot (docs/design.md
-section 4.3). `TorchExecutor` is the single-request contract of one layout over slot 0 of this executor,
-kept for the engine build's smoke check until the engine path is batched.
+section 4.3). `TorchExecutor` is the older single-request contract of one layout over slot 0 of this
+executor, which scripts/bench_executor.py and scripts/gpu_check.py still time.
 """
 
 from __future__ import annotations
@@ -404,11 +404,8 @@ def layout_config(mask: np.ndarray) -> tuple[int, int, int]:
 
 
 class TorchExecutor:
-    """The single-request contract of one layout (reset/prefill/step/commit) over slot 0 of a batched executor.
-
-    Transitional: the engine build's smoke check and the engine tests call this signature until the engine
-    path is batched; then BatchedTorchExecutor takes this name.
-    """
+    """The single-request contract of one layout (reset/prefill/step/commit) over slot 0 of a batched executor,
+    for the scripts that time one request's steps (scripts/bench_executor.py, scripts/gpu_check.py)."""
 
     def __init__(
         self,
