@@ -149,7 +149,7 @@ class OnnxRuntimeExecutor(SlotExecutor):
         L, Hkv, D, V = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
         self._session = engine.session()
         S = self.max_seq_len + T  # the graph's cache length is dynamic: rows for this executor's max_seq_len
-        check_kv_memory((L, B, Hkv, S, D), np.dtype(dtype).itemsize, engine.max_seq_len)
+        check_kv_memory((L, B, Hkv, S, D), np.dtype(dtype).itemsize, self.max_seq_len, B)
         self.k_cache = np.zeros((L, B, Hkv, S, D), dtype)  # per layer [max_batch, Hkv, S, D]
         self.v_cache = np.zeros_like(self.k_cache)
         self._caches = [*self.k_cache, *self.v_cache]  # graph order: every key cache, then every value cache
