@@ -363,15 +363,15 @@ def gpu_llama(shape: dict[str, Any]):
 
 def decode_all(model, config: str, mode: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """Each prompt's tokens under `config` on the model's device; `mode` graph replays the step as a CUDA graph."""
-    from trt_lookahead.backends.torch import TorchExecutor
+    from trt_lookahead.backends.torch import BatchedTorchExecutor
     from trt_lookahead.lookahead.config import LookaheadConfig
     from trt_lookahead.lookahead.decoder import LookaheadDecoder
     from trt_lookahead.lookahead.layout import StepLayout
 
     layout = StepLayout(LookaheadConfig.parse(config))
     on_gpu = model.device.type == "cuda"
-    executor = TorchExecutor(model, layout.mask, 256, output_slots=layout.output_slots, device=model.device,
-                             static_attention=on_gpu, cuda_graph=on_gpu and mode == "graph")
+    executor = BatchedTorchExecutor(model, 1, 256, layout.step_tokens, model.device, padded=on_gpu,
+                                    cuda_graph=on_gpu and mode == "graph")
     decoder = LookaheadDecoder(executor, layout)
     return [decoder.generate(prompt, new_tokens).token_ids for prompt in prompts]
 

@@ -15,7 +15,6 @@ from trt_lookahead.backends.torch import BatchedTorchExecutor, RowAttention, Tor
 from trt_lookahead.kernels.mask import CAUSAL, step_mask
 from trt_lookahead.kernels.sampling_torch import select_rows_torch, select_tokens_torch, vocab_salts
 from trt_lookahead.lookahead.config import LookaheadConfig
-from trt_lookahead.lookahead.decoder import LookaheadDecoder
 from trt_lookahead.lookahead.executor import StepBatch
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.sampling import SamplingParams, select_tokens
@@ -422,13 +421,19 @@ def test_contract_errors(model):
 
 
 def test_the_single_request_adapter_keeps_the_old_signature(model):
-    """The single-request contract of one layout (the engine build's smoke check calls it) over slot 0."""
+    """The single-request contract of one layout (scripts time it) over slot 0: its layouts' masks map back to
+    their configs, and its greedy steps give the batched executor's tokens."""
     for config in (LookaheadConfig(4, 3, 4), LookaheadConfig(2, 2, 1), GREEDY, LookaheadConfig(5, 4, 0)):
         layout = StepLayout(config)
         assert np.array_equal(step_mask(layout.step_tokens, layout_config(layout.mask)), layout.mask)
-        legacy = TorchExecutor(model, layout.mask, 256, output_slots=layout.output_slots)
-        got = LookaheadDecoder(legacy, layout).generate(PROMPT, 40).token_ids
-        assert got == greedy_decode(BatchedTorchExecutor(model, 1, 256, 1), 0, PROMPT, 40), config
+        assert TorchExecutor(model, layout.mask, 256, output_slots=layout.output_slots).step_tokens == len(layout.mask)
+    legacy = TorchExecutor(model, np.ones((1, 1), bool), 256)
+    legacy.reset()
+    got = [legacy.prefill(np.asarray(PROMPT))]
+    for _ in range(39):
+        got.append(int(legacy.step(np.array([got[-1]]), np.array([legacy.cache_len]))[0]))
+        legacy.commit(np.array([0]))
+    assert got == greedy_decode(BatchedTorchExecutor(model, 1, 256, 1), 0, PROMPT, 40)
     with pytest.raises(ValueError, match="neither a lookahead layout"):
         TorchExecutor(model, np.eye(3, dtype=bool)[::-1], 16)
 
