@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,6 +57,8 @@ def cached_engine(model_dir: str | os.PathLike, *, dtype: str, lookahead: Lookah
     with _locked(path.with_name(f".{path.name}.lock")):
         why = _unusable(path, key)
         if why is not None:
+            print(f"trt-lookahead: building the engine of {request.model_dir.name} once, cached in {path} ({why})",
+                  file=sys.stderr, flush=True)
             shutil.rmtree(path, ignore_errors=True)  # the cache's own dir: whatever it holds is not used
             build(request)
     return path, why

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -291,13 +290,11 @@ class LookaheadRuntime:
             rt = cls._from_engine(path, backend or "onnxruntime", dtype, max_seq_len, max_batch, max_queue, tuning_file,
                                   verify)
         else:
-            backend, why = checkpoint_backend(backend, dtype)
+            backend = checkpoint_backend(backend, dtype)
             if backend == "onnxruntime":
-                engine = cached_checkpoint_engine(path, dtype, lookahead, max_seq_len, max_batch)
+                engine = cached_checkpoint_engine(path, dtype, max_seq_len, max_batch)
                 rt = cls._from_engine(engine, backend, dtype, max_seq_len, max_batch, max_queue, tuning_file, verify,
                                       model_path=path)
-                print(f"trt-lookahead: {path.name} runs on {backend} ({why}; engine {engine})", file=sys.stderr,
-                      flush=True)
             else:
                 rt = cls._from_checkpoint(path, dtype, max_seq_len, max_batch or DEFAULT_MAX_BATCH, max_queue,
                                           tuning_file)
@@ -611,34 +608,32 @@ def _stop_token_ids(path: Path) -> list[int]:
 BACKEND_CHOICES = ("torch", "onnxruntime", "tensorrt")
 
 
-def checkpoint_backend(backend: str | None, dtype: str) -> tuple[str, str]:
-    """(backend, why) that runs a checkpoint: torch, unless onnxruntime (a cached engine) is asked for."""
+def checkpoint_backend(backend: str | None, dtype: str) -> str:
+    """The backend that runs a checkpoint: torch, unless onnxruntime (a cached engine) is asked for; UserError
+    for a backend or dtype that cannot run one."""
     if backend is None:
-        return "torch", "the default for a checkpoint; --backend onnxruntime runs it on a cached compiled engine"
+        return "torch"
     if backend not in BACKEND_CHOICES[:2]:
         raise UserError(f"backend {backend!r} runs engine dirs: build one with `trt-lookahead build --target "
                         f"{backend}`; a checkpoint runs on {' or '.join(BACKEND_CHOICES[:2])}")
     if backend == "onnxruntime" and dtype != "float32":
         raise UserError(f"the onnxruntime backend runs float32 engines on the CPU, not {dtype}; use --backend torch")
-    return backend, "asked for"
+    return backend
 
 
-def cached_checkpoint_engine(path: Path, dtype: str, lookahead: LookaheadConfig | str | None, max_seq_len: int | None,
-                             max_batch: int | None) -> Path:
-    """The cached engine dir (engine/cache.py) a checkpoint runs on, built first if needed.
+def cached_checkpoint_engine(path: Path, dtype: str, max_seq_len: int | None, max_batch: int | None) -> Path:
+    """The cached engine dir (engine/cache.py) a checkpoint runs on with onnxruntime, built first if needed.
 
-    One shape serves the usual requests, so one engine is built per checkpoint and dtype: W, N, G cover the
-    default config, what `auto` may pick and an explicit `lookahead`; max_seq_len and max_batch cover the
-    defaults and what was asked for (the graph's batch and cache length are dynamic: an executor opened for
-    less keeps less).
+    One shape serves a checkpoint's usual requests, so one engine is built per checkpoint and dtype: W, N, G
+    cover the default config and the largest `auto` may pick (a larger explicit config is refused, naming
+    it); max_seq_len and max_batch cover the defaults and what was asked for (the graph's batch and cache
+    length are dynamic: an executor opened for less keeps less).
     """
     from trt_lookahead.engine.cache import cached_engine
     from trt_lookahead.model.checkpoint import check_max_seq_len, read_config
     from trt_lookahead.tuning.tune import NGRAMS, TOP
 
     configs = [DEFAULT_LOOKAHEAD, LookaheadConfig(TOP, max(NGRAMS), TOP)]
-    if isinstance(lookahead, LookaheadConfig | str) and lookahead not in (DEFAULT, AUTO, GREEDY):
-        configs.append(lookahead if isinstance(lookahead, LookaheadConfig) else LookaheadConfig.parse(lookahead))
     cover = LookaheadConfig(*(max(getattr(c, k) for c in configs) for k in "WNG"))
     context = read_config(path).max_position_embeddings
     seq_len = max(check_max_seq_len(max_seq_len, context, DEFAULT_MAX_SEQ_LEN), min(context, DEFAULT_MAX_SEQ_LEN))

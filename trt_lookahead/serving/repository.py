@@ -99,9 +99,9 @@ def write_repository(
         else:
             served = LookaheadConfig.parse(lookahead_config) if lookahead_config else DEFAULT_LOOKAHEAD
             lookahead = f"{served.W},{served.N},{served.G}"
-        if checkpoint_backend(backend, dtype)[0] == "onnxruntime":  # the cached engine, built now: the instances
+        if checkpoint_backend(backend, dtype) == "onnxruntime":  # the cached engine, built now: the instances
             # only open it
-            cached_checkpoint_engine(model_dir, dtype, lookahead, max_seq_len, max_batch)
+            cached_checkpoint_engine(model_dir, dtype, max_seq_len, max_batch)
     params.update(
         backend=backend or "",
         dtype=dtype,
