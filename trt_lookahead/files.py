@@ -1,11 +1,14 @@
-"""Leaf helpers that several layers share: file checksums, atomic writes, output checks and the cache directory."""
+"""Leaf helpers that several layers share: file checksums, atomic writes, output checks, lock files and the cache
+directory."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from trt_lookahead.errors import UserError
@@ -96,3 +99,18 @@ def replace_dir(new: Path, target: Path) -> None:
             old.unlink()
         else:
             shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on the file `path` (flock), so that two processes never make the same thing at
+    once: the second waits, then finds it made."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -13,19 +13,17 @@ rebuilt in a work dir and renamed into place, under a lock file so that concurre
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 from trt_lookahead.engine.build import BuildRequest, build, build_request
 from trt_lookahead.engine.format import load_engine_config
 from trt_lookahead.errors import UserError
-from trt_lookahead.files import cache_dir
+from trt_lookahead.files import cache_dir, locked
 from trt_lookahead.lookahead.config import LookaheadConfig
 
 ENGINES = "engines"  # the cache dir's subfolder of cached engine dirs
@@ -54,7 +52,7 @@ def cached_engine(model_dir: str | os.PathLike, *, dtype: str, lookahead: Lookah
     request, key = cache_request(model_dir, dtype=dtype, lookahead=lookahead, max_seq_len=max_seq_len,
                                  max_batch=max_batch, root=root)
     path = request.output
-    with _locked(path.with_name(f".{path.name}.lock")):
+    with locked(path.with_name(f".{path.name}.lock")):  # a second process waits, then uses it
         why = _unusable(path, key)
         if why is not None:
             print(f"trt-lookahead: building the engine of {request.model_dir.name} once, cached in {path} ({why})",
@@ -75,17 +73,3 @@ def _unusable(path: Path, key: dict) -> str | None:
     if config.raw.get("build_key") != key:
         return "the cached engine was built differently"
     return None
-
-
-@contextlib.contextmanager
-def _locked(lock: Path) -> Iterator[None]:
-    """An exclusive lock file (flock): a second process waits for the first one's build, then uses it."""
-    import fcntl
-
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)

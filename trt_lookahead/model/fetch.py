@@ -21,7 +21,6 @@ Public API:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -36,7 +35,7 @@ from pathlib import Path
 
 from trt_lookahead import files
 from trt_lookahead.errors import UserError
-from trt_lookahead.files import replace_dir, sha256_file, write_text_atomic
+from trt_lookahead.files import locked, replace_dir, sha256_file, write_text_atomic
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -255,19 +254,6 @@ def _write_source(out: Path, spec: KnownModel, info) -> None:
 # the fetch
 
 
-@contextlib.contextmanager
-def _lock(path: Path):
-    """An exclusive advisory lock so that two processes do not convert the same model at once."""
-    import fcntl
-
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _prepare_models_dir(root: Path) -> Path:
     models = root / "models"
     try:
@@ -301,7 +287,7 @@ def fetch_model(
     if is_complete(target, spec, verify=verify):
         return target
     models = _prepare_models_dir(root)
-    with _lock(models / f".{spec.name}.lock"):
+    with locked(models / f".{spec.name}.lock"):  # two processes never convert the same model at once
         if is_complete(target, spec, verify=verify):  # another process finished it while we waited
             return target
         for stale in models.glob(f".tmp-{spec.name}-*"):  # left by a killed run; we hold the lock
