@@ -212,7 +212,7 @@ def test_engine_from_another_format_version_is_refused(engine, tmp_path, capsys,
     config = json.loads((copy / "config.json").read_text())
     config[format.FORMAT_KEY] = version
     (copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UserError, match=f"format version {version} but this trt-lookahead reads version 3"):
+    with pytest.raises(UserError, match=f"format version {version} but this trt-lookahead reads version 4"):
         format.load_engine_config(copy)
     code = main(["generate", "--engine", str(copy), "--prompt", "Once", "--max-new-tokens", "4"])
     err = capsys.readouterr().err.strip().splitlines()
