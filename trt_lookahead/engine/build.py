@@ -173,17 +173,25 @@ def _check_replaceable(output: Path, key: dict[str, Any], force: bool) -> bool:
 
 @contextlib.contextmanager
 def _interrupted_by_signals() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise KeyboardInterrupt (as SIGINT does), so every exit path cleans up."""
+    """SIGINT, SIGTERM and SIGHUP raise KeyboardInterrupt, so every exit path cleans up; a failure after one of
+    them is the interruption too (safetensors' loader turns a KeyboardInterrupt raised inside it into a
+    ValueError)."""
     if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
         yield
         return
+    received: list[str] = []
 
     def interrupt(signum: int, _frame: Any) -> None:
-        raise KeyboardInterrupt(signal.Signals(signum).name)
+        received.append(signal.Signals(signum).name)
+        raise KeyboardInterrupt(received[-1])
 
-    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
+    except Exception as exc:
+        if received:
+            raise KeyboardInterrupt(received[0]) from exc
+        raise
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
