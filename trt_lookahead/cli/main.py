@@ -154,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port, printed at start)")
     p.add_argument("--max-batch", "--max_batch", dest="max_batch", type=int, default=None,
-                   help=f"requests decoded together in every step (default {DEFAULT_MAX_BATCH}; an engine: its built --max-batch)")
+                   help=f"requests decoded together in every step (default {DEFAULT_MAX_BATCH}; "
+                        "an engine: its built --max-batch)")
     p.add_argument("--max-queue", "--max_queue", dest="max_queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help=f"requests that may wait for a slot (default {DEFAULT_MAX_QUEUE}); one more is answered 429")
     p.add_argument("--served-model-name", "--served_model_name", dest="served_model_name", default=None,
