@@ -15,9 +15,11 @@ from trt_lookahead.backends.torch import BatchedTorchExecutor, RowAttention, Tor
 from trt_lookahead.kernels.mask import CAUSAL, step_mask
 from trt_lookahead.kernels.sampling_torch import select_rows_torch, select_tokens_torch, vocab_salts
 from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.decoder import LookaheadDecoder
 from trt_lookahead.lookahead.executor import StepBatch
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.sampling import SamplingParams, select_tokens
+from trt_lookahead.lookahead.tree import TreeTemplate, tree_template
 from trt_lookahead.model.checkpoint import load_llama
 from trt_lookahead.model.llama import Llama, ModelConfig
 
@@ -370,6 +372,35 @@ def test_sampled_lookahead_row_equals_sampled_sequential(model):
         visible = visible[np.argsort(layout.rel_positions[visible], kind="stable")]
         seq.release(0)
         assert out[i] == seq.prefill(0, np.array([*PROMPT.tolist(), *ids[visible].tolist()]), params), f"slot {i}"
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["packed", "padded"])
+def test_tree_row_slots_see_their_tree_prefix(model, padded):
+    """A tree row: each output slot's draw equals the one-token draw on its visible prefix (StepLayout's mask)."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=5)
+    tree = TreeTemplate((-1, 0, 1, 0, -1, 4, -1))  # depth 3 on 4 verification slots of (2, 3, 2)
+    layout = StepLayout(LookaheadConfig(2, 3, 2), tree=tree)
+    ids = np.random.default_rng(4).integers(3, 512, layout.step_tokens)
+    ex = BatchedTorchExecutor(model, 1, 128, 16, padded=padded, tree=tree)
+    ids[0] = ex.prefill(0, PROMPT, params)
+    out = ex.step(make_batch([0], [row((2, 3, 2), ids, len(PROMPT) + layout.rel_positions)]))[0]
+    seq = BatchedTorchExecutor(model, 1, 128, 1)
+    for i in layout.output_slots:
+        visible = np.flatnonzero(layout.mask[i])
+        visible = visible[np.argsort(layout.rel_positions[visible], kind="stable")]
+        seq.release(0)
+        assert out[i] == seq.prefill(0, np.array([*PROMPT.tolist(), *ids[visible].tolist()]), params), f"slot {i}"
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, seed=9)],
+                         ids=["greedy", "sampled"])
+def test_tree_decoding_emits_plain_decoding(model, sampling):
+    """stories260K through a draft tree (pool + suffix + chain) emits what one-token decoding emits."""
+    tree = tree_template(24, 6)
+    ex = BatchedTorchExecutor(model, 1, 512, 64, tree=tree)
+    got = LookaheadDecoder(ex, LookaheadConfig(4, 4, 8), tree=tree).generate(PROMPT, 120, sampling)
+    assert got.token_ids == greedy_decode(BatchedTorchExecutor(model, 1, 512, 1), 0, PROMPT, 120, sampling)
+    assert got.stats.steps < 120  # the drafts were used, not only the bonus token
 
 
 # -- dtypes, errors, the single-request adapter, GPU ------------------------------------------------

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from trt_lookahead.kernels.mask import CAUSAL, step_mask, step_visible
+from trt_lookahead.kernels.mask import CAUSAL, step_mask, step_visible, tree_ends, tree_step_visible
 from trt_lookahead.kernels.sampling_torch import select_rows_torch, vocab_salts
 from trt_lookahead.lookahead.executor import (
     StepBatch,
@@ -42,6 +42,7 @@ from trt_lookahead.lookahead.executor import (
     check_slot,
 )
 from trt_lookahead.lookahead.sampling import MASK32, SamplingParams
+from trt_lookahead.lookahead.tree import TreeTemplate
 from trt_lookahead.model.llama import Llama, attend
 
 DEFAULT_STEP_TOKENS = 128  # the largest row a runtime's torch executor takes (15/5/15 is 120)
@@ -93,8 +94,10 @@ class BatchedTorchExecutor:
         *,
         padded: bool | None = None,
         cuda_graph: bool | None = None,
+        tree: TreeTemplate | None = None,
     ) -> None:
         self.device = model.device if device is None else torch.device(device)
+        self.tree = tree  # every lookahead row's verification slots are this template's nodes (fixed, like an engine's)
         if model.device.type != self.device.type or (
             self.device.index is not None and model.device.index != self.device.index
         ):
@@ -142,6 +145,8 @@ class BatchedTorchExecutor:
             self._d_in = torch.zeros(B, 3 * T + 4, dtype=torch.int64, device=dev)
             self._h_in = torch.zeros(B, 3 * T + 4, dtype=torch.int64, pin_memory=is_cuda)
             self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+            # the tree template's subtree ends as a [T] device table (the closed form reads it per key slot)
+            self._ends = torch.from_numpy(tree_ends(np.zeros(0) if tree is None else tree.ends, T)).to(dev)
             self.buckets = sorted({min(1 << i, B) for i in range(B.bit_length() + 1)})
 
     # -- contract ---------------------------------------------------------------------------------
@@ -307,7 +312,8 @@ class BatchedTorchExecutor:
         key = ((W, N, G), tokens)
         step = self._row_masks.get(key)
         if step is None:
-            step = self._row_masks[key] = torch.from_numpy(step_mask(tokens, (W, N, G))).to(self.device)
+            ends = None if self.tree is None else self.tree.ends
+            step = self._row_masks[key] = torch.from_numpy(step_mask(tokens, (W, N, G), ends)).to(self.device)
         mask = torch.ones(tokens, cache_len + tokens, dtype=torch.bool, device=self.device)
         mask[:, cache_len:] = step
         return mask
@@ -350,7 +356,11 @@ class BatchedTorchExecutor:
         i = torch.arange(T, device=dev)
         rel = torch.arange(S, device=dev)[None, None, :] - cache_len[:, None, None]  # [Bb, 1, S] key - cache_len
         W, N, G = (config[:, c, None, None] for c in range(3))
-        own = step_visible(i[None, :, None], rel.clamp(0, T - 1), W, N, G) & (rel >= 0) & (rel < T)
+        j = rel.clamp(0, T - 1)
+        own = (
+            step_visible(i[None, :, None], j, W, N, G) if self.tree is None
+            else tree_step_visible(i[None, :, None], j, W, N, G, self._ends)
+        ) & (rel >= 0) & (rel < T)
         mask = (rel < 0) | own  # [Bb, T, S]: the cached prefix, then the row's step mask
         rows = (torch.arange(bucket, device=dev)[:, None] * S + cache_len[:, None]) + i[None, :]
         logits = self.model(

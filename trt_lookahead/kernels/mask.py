@@ -4,7 +4,9 @@
 CAUSAL = (0, 0, 0) meaning a causal prefill chunk (j <= i). It uses only +, -, *, //, %, comparisons and
 &, |, ~ on booleans, so numpy (`step_mask`), torch (the export's native-attention mask), the Triton
 kernel (in registers) and the ONNX decomposition (`onnx_op.Sym` values) all evaluate this same code.
-For (W, N, G) it equals `StepLayout(LookaheadConfig(W, N, G), padded_tokens=T).mask`.
+For (W, N, G) it equals `StepLayout(LookaheadConfig(W, N, G), padded_tokens=T).mask`. With a tree template
+(lookahead/tree.py) the verification slots see their ancestors through one table of subtree ends
+(`tree_step_visible`; equal to `StepLayout(config, padded_tokens=T, tree=template).mask`).
 """
 
 from __future__ import annotations
@@ -17,10 +19,25 @@ CAUSAL = (0, 0, 0)  # the step_config of a prefill chunk
 
 
 def visible(i, j, window, ngram, verify):  # no annotations: the Triton compiler resolves them as globals
-    """Slot i sees slot j in a lookahead step (W >= 1, N >= 2), for integer i (rows) and j (columns).
+    """Slot i sees slot j in a lookahead step (W >= 1, N >= 2) with G linear candidates, for integer i, j.
 
     Level-major slots: B_l[c] at l*W + c (l < N-1), then candidate k's m-th token at
-    (N-1)*W + k*(N-1) + m; slots from (W+G)(N-1) on are pads that see only themselves. A // or %
+    (N-1)*W + k*(N-1) + m; slots from (W+G)(N-1) on are pads that see only themselves.
+    """
+    return branch_visible(i, j, window, ngram, verify, chain_end(j, window, ngram))
+
+
+def chain_end(j, window, ngram):  # (no annotations, as `visible`)
+    """The slot after the last token of candidate slot j's chain: nwin + (k + 1)(N - 1)."""
+    levels = ngram - 1
+    nwin = levels * window
+    return nwin + ((j - nwin) // levels + 1) * levels
+
+
+def branch_visible(i, j, window, ngram, verify, end_j):  # (no annotations, as `visible`)
+    """Slot i sees slot j, the verification slots being a preorder tree whose node j's subtree ends at end_j.
+
+    A verification slot sees x_t (slot 0) and its ancestors: the slots j <= i with i < end_j. A // or %
     result is only used where its left operand is >= 0 (C-style and floor division agree there).
     """
     levels = ngram - 1
@@ -31,14 +48,16 @@ def visible(i, j, window, ngram, verify):  # no annotations: the Triton compiler
     lj = j // window
     cj = j % window
     win_vis = (j < nwin) & (((lj == 0) & (cj <= ci)) | ((lj >= 1) & (cj == ci) & (lj <= li)))
-    ki = (i - nwin) // levels
-    mi = (i - nwin) % levels
-    kj = (j - nwin) // levels
-    mj = (j - nwin) % levels
-    cand_vis = (j == 0) | ((j >= nwin) & (j < real) & (kj == ki) & (mj <= mi))
+    tree_vis = (j == 0) | ((j >= nwin) & (j <= i) & (i < end_j))
     in_window = i < nwin
     is_pad = i >= real
-    return (in_window & win_vis) | (~in_window & ~is_pad & cand_vis) | (is_pad & (j == i))
+    return (in_window & win_vis) | (~in_window & ~is_pad & tree_vis) | (is_pad & (j == i))
+
+
+def tree_end(j, window, ngram, ends):  # (no annotations, as `visible`)
+    """end_j of a tree template: nwin + ends[j - nwin] for verification slots (ends: [T] table, rest unused)."""
+    nwin = (ngram - 1) * window
+    return nwin + ends[(j - nwin) * (j >= nwin)]
 
 
 def step_visible(i, j, window, ngram, verify):  # (no annotations, as `visible`)
@@ -48,11 +67,36 @@ def step_visible(i, j, window, ngram, verify):  # (no annotations, as `visible`)
     return (causal & (j <= i)) | (~causal & lookahead)
 
 
-def step_mask(tokens: int, step_config: Any = CAUSAL) -> np.ndarray:
-    """[tokens, tokens] bool: what the kernel computes in registers, as an array."""
+def tree_step_visible(i, j, window, ngram, verify, ends):  # (no annotations, as `visible`)
+    """`step_visible` with the verification slots laid out as a tree template (`ends` [T]: its subtree ends)."""
+    causal = window == 0
+    w, n = window + causal, ngram + 2 * causal  # W, N made valid where causal
+    lookahead = branch_visible(i, j, w, n, verify, tree_end(j, w, n, ends))
+    return (causal & (j <= i)) | (~causal & lookahead)
+
+
+def tree_ends(ends: np.ndarray, tokens: int) -> np.ndarray:
+    """[tokens] int64: a template's subtree ends padded to a step's slots (the table `tree_end` reads)."""
+    table = np.zeros(tokens, np.int64)
+    table[: min(len(ends), tokens)] = np.asarray(ends, np.int64)[:tokens]
+    return table
+
+
+def step_mask(tokens: int, step_config: Any = CAUSAL, ends: np.ndarray | None = None) -> np.ndarray:
+    """[tokens, tokens] bool: what the kernel computes in registers, as an array.
+
+    `ends`: a tree template's subtree ends (TreeTemplate.ends); None = G linear candidates.
+    """
     window, ngram, verify = np.asarray(step_config, np.int64).reshape(3)
     if window != 0 and (window < 1 or ngram < 2 or verify < 0 or (window + verify) * (ngram - 1) > tokens):
         raise ValueError(f"step_config {window}/{ngram}/{verify} does not describe a step of {tokens} slots")
     i = np.arange(tokens)[:, None]
     j = np.arange(tokens)[None, :]
-    return np.asarray(step_visible(i, j, window, ngram, verify), bool)
+    if ends is None:
+        return np.asarray(step_visible(i, j, window, ngram, verify), bool)
+    if window != 0 and len(ends) < verify * (ngram - 1):
+        raise ValueError(
+            f"a {len(ends)}-node tree template cannot fill the {verify * (ngram - 1)} verification slots of "
+            f"{window}/{ngram}/{verify}"
+        )
+    return np.asarray(tree_step_visible(i, j, window, ngram, verify, tree_ends(ends, tokens)), bool)

@@ -55,10 +55,12 @@ def lookahead_attention(
     *,
     scale: float | None = None,
     masks: np.ndarray | None = None,
+    tree_ends: np.ndarray | None = None,
 ) -> torch.Tensor:
     """Reference semantics, row by row, computed in float32 (float64 for float64 inputs); query's dtype.
 
     `masks` [B, T, T] overrides the closed-form step masks (tests pass StepLayout's to check the closed form).
+    `tree_ends`: the verification slots form this tree template (TreeTemplate.ends) instead of G chains.
     """
     B, T, Hq, D = query.shape
     if Hq % key.shape[2]:
@@ -67,7 +69,7 @@ def lookahead_attention(
     configs = np.asarray(step_config, np.int64).reshape(B, 3)
     rows = []
     for b in range(B):
-        row_mask = step_mask(T, configs[b]) if masks is None else np.asarray(masks[b], bool)
+        row_mask = step_mask(T, configs[b], tree_ends) if masks is None else np.asarray(masks[b], bool)
         rows.append(_row_attention(query[b], key[b], value[b], key_cache[b], value_cache[b], int(lengths[b]),
                                    torch.from_numpy(row_mask), default_scale(D) if scale is None else scale))
     return torch.stack(rows)

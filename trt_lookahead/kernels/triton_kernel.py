@@ -28,7 +28,9 @@ NUM_WARPS = 4
 _LOG2E = 1.4426950408889634
 
 # mask.py's functions compiled as Triton helpers: the same code objects, given this module's globals so
-# that `step_visible` finds the jitted `visible` beside it.
+# that `step_visible` finds the jitted `visible` (and `visible` its helpers) beside it.
+chain_end = triton.jit(types.FunctionType(mask.chain_end.__code__, globals(), "chain_end"))
+branch_visible = triton.jit(types.FunctionType(mask.branch_visible.__code__, globals(), "branch_visible"))
 visible = triton.jit(types.FunctionType(mask.visible.__code__, globals(), "visible"))
 step_visible = triton.jit(types.FunctionType(mask.step_visible.__code__, globals(), "step_visible"))
 

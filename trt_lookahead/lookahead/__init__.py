@@ -1,5 +1,6 @@
 """The lookahead algorithm, host side and numpy only: configs, the step layout and mask, the n-gram pool,
-seeded sampling, the executor contract, the per-request decoder and model-free oracle executors.
+seeded sampling, the executor contract, the per-request decoder, the draft tree (templates and
+draft sources) and model-free oracle executors.
 
 Owns everything that decides which tokens are fed and which are accepted (docs/design.md sections 2-5).
 May import numpy and trt_lookahead.errors only: never torch, onnx, onnxruntime, tensorrt or triton (an

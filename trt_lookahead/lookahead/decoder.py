@@ -29,14 +29,18 @@ import numpy as np
 
 from trt_lookahead.errors import UserError, as_int
 from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.drafts import SUFFIX, Branch, SuffixIndex, lay_tree
 from trt_lookahead.lookahead.executor import Executor, StepBatch
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.pool import OUTPUT, PROMPT, WINDOW, Continuation, NgramPool
 from trt_lookahead.lookahead.sampling import SamplingParams
+from trt_lookahead.lookahead.tree import ROOT, TreeTemplate
 
 CHAIN = "chain"
 NO_DRAFT = -1
 GREEDY_STEP = LookaheadConfig.greedy()
+SUFFIX_MATCH = 4  # suffix drafts match the context's last 1 .. SUFFIX_MATCH tokens
+SUFFIX_BRANCHES = 4  # suffix-matched continuations offered to the tree per step
 
 
 @dataclass
@@ -49,7 +53,8 @@ class DecodeStats:
     decode_seconds: float = 0.0  # wall time of the decode steps the request was in
     executor_seconds: float = 0.0  # inside executor.step/commit during those steps (a batched step counts whole)
     accepted_histogram: Counter = field(default_factory=Counter)  # tokens emitted per decode step
-    sources: Counter = field(default_factory=Counter)  # accepted draft tokens by origin: prompt/output/window/chain
+    sources: Counter = field(default_factory=Counter)  # accepted drafts by origin: prompt/output/window/suffix/chain
+    depths: Counter = field(default_factory=Counter)  # accepted drafts by depth (1 = the token after x_t)
     configs: Counter = field(default_factory=Counter)  # decode steps per step config label (greedy or W/N/G)
 
     @property
@@ -85,6 +90,7 @@ class DecodeStats:
             "host_ms_per_step": round(self.host_ms_per_step, 4),
             "accepted_histogram": {str(k): v for k, v in sorted(self.accepted_histogram.items())},
             "sources": dict(sorted(self.sources.items())),
+            "depths": {str(k): v for k, v in sorted(self.depths.items())},
             "configs": dict(sorted(self.configs.items())),
         }
 
@@ -98,69 +104,83 @@ class DecodeResult:
 
 @dataclass(frozen=True)
 class Switches:
-    """Our additions to lookahead decoding, each switchable for ablations (docs/design.md section 3.8)."""
+    """Our additions to lookahead decoding and the draft sources, each switchable for ablations (design 3.8)."""
 
     bonus: bool = True  # emit the model's token after the last accepted draft
     prompt_pool: bool = True  # seed the pool from the prompt and the accepted output
     chain: bool = True  # verify the window's column-0 chain as an extra candidate
+    pool: bool = True  # the n-gram pool's candidates fill the verification branch
+    suffix: bool = True  # suffix-matched continuations of the text so far fill the draft tree (tree only)
 
 
-def expect_index(layout: StepLayout) -> np.ndarray:
-    """[G + 1, N] int64: the slot whose output each draft is checked against (see `verify`).
+def verify_nodes(layout: StepLayout) -> tuple[np.ndarray, np.ndarray]:
+    """(slots [M], parents [M]) of the verifiable nodes: the verification branch's, then the column-0 chain's.
 
-    Column 0 is slot 0 (x_t); column m + 1 is the slot of draft m. Rows 0 .. G-1 are the candidates,
-    row G the column-0 chain, whose N - 2 drafts leave its last column at slot 0 (never read: run <= N - 2).
+    M = G(N-1) + N-2; a parent is an earlier node, or -1 for x_t (slot 0).
     """
-    cfg = layout.config
-    index = np.zeros((cfg.G + 1, cfg.levels + 1), np.int64)
-    index[: cfg.G, 1:] = layout.candidate_slots
-    index[cfg.G, 1 : cfg.levels] = layout.chain_slots
-    return index
+    template, chain = layout.template, layout.chain_slots
+    chain_parents = np.arange(template.nodes - 1, template.nodes + len(chain) - 1)  # the node before
+    chain_parents[:1] = ROOT
+    slots = np.concatenate([layout.candidate_slots.ravel(), chain]).astype(np.int64)
+    return slots, np.concatenate([np.asarray(template.parents, np.int64), chain_parents])
 
 
-def verify(drafts: np.ndarray, out: np.ndarray, index: np.ndarray) -> tuple[int, int]:
-    """(best row, accepted drafts k): the row whose drafts match the model's outputs longest, first on ties.
+def verify(drafts: np.ndarray, out: np.ndarray, tables: StepTables) -> tuple[int, int]:
+    """(best node, accepted drafts k): the deepest node whose path from x_t matches the model, first on ties.
 
-    drafts [R, N] (-1 = no draft, never matches; the last column is always -1, so a run stops there),
-    out [T] the step's next tokens, index = `expect_index`. expect = out[index]; row r accepts the leading
-    run where drafts[r, m] == expect[r, m]; the step emits drafts[best, :k] + [expect[best, k]] (k drafts
-    + the bonus token). Without the bonus token the caller sets column N - 2 to -1 as well.
+    drafts [M] (-1 = no draft, never matches), out [T] the step's next tokens. Node v matches when
+    drafts[v] == out[expect_slots[v]] (the model's token after its parent); it is accepted when it and
+    all its ancestors match. The step emits the drafts on the path to `best` + out[node_slots[best]]
+    (k drafts + the bonus token), or out[0] alone when k = 0.
 
     Worked example, W=2 N=3 G=1 (T = 6: B0 = slots 0 1, B1 = 2 3, candidate V0 = 4 5):
-        index  = [[0, 4, 5],  [0, 2, 0]]            V0's slots; the chain row checks B1[0] (slot 2)
-        drafts = [[cat, sat, -1], [cat, -1, -1]]    V0 from the pool; the chain row holds B1[0] = cat
-        out    = [cat, ., sat, the, sat, on]        out[i]: the model's token after slot i
-        expect = [[cat, sat, on], [cat, sat, cat]]
-        run    = [2, 1]  ->  best 0, k 2, emitted [cat, sat] + [on]
+        node_slots = [4, 5, 2]  expect_slots = [0, 4, 0]   V0's two nodes, then the chain node B1[0]
+        drafts     = [cat, sat, cat]                        V0 from the pool, the chain's B1[0] = cat
+        out        = [cat, ., sat, the, sat, on]            out[i]: the model's token after slot i
+        match      = [T, T, T]   depth [1, 2, 1]  ->  best 1, k 2, emitted [cat, sat] + [out[5]] = [.., on]
     """
-    run = np.argmin(drafts == out[index], axis=1)
-    best = int(np.argmax(run))
-    return best, int(run[best])
+    if not len(drafts):  # a greedy step: nothing to verify
+        return 0, 0
+    match = drafts == out[tables.expect_slots]
+    reach = np.where((tables.ancestors & ~match).any(axis=1), 0, tables.depth)
+    best = int(np.argmax(reach))
+    return best, int(reach[best])
 
 
 @dataclass(frozen=True)
 class StepTables:
-    """The static tables of one step config, built once per config (`step_tables`)."""
+    """The static tables of one step config (and tree template), built once (`step_tables`)."""
 
     config: LookaheadConfig
     step_config: np.ndarray  # [3] int32 (W, N, G)
     rel_positions: np.ndarray  # [T] offsets from x_t's position
     output_slots: np.ndarray  # [K] increasing: the slots whose outputs accept/update read
-    expect_index: np.ndarray  # [G + 1, N] see `expect_index`
+    node_slots: np.ndarray  # [M] the verifiable nodes' slots (`verify_nodes`)
+    expect_slots: np.ndarray  # [M] the slot whose output checks each node: its parent's, x_t's = 0
+    ancestors: np.ndarray  # [M, M] bool: row v marks node v and its ancestors
+    depth: np.ndarray  # [M] 1-based depth below x_t
+    template: TreeTemplate  # the verification branch's G(N-1) nodes (G chains when linear)
+    ranks: tuple[int, ...]  # template.rank, read per node by the tree laying
     newest_slots: np.ndarray  # [W] the last window level: its outputs become the newest level
     window_size: int  # (N - 1) W: the window's slots come first, level-major
 
 
 @lru_cache(maxsize=1024)
-def step_tables(config: LookaheadConfig) -> StepTables:
-    layout = StepLayout(config)
+def step_tables(config: LookaheadConfig, tree: TreeTemplate | None = None) -> StepTables:
+    layout = StepLayout(config, tree=tree)
     step_config = np.array((config.W, config.N, config.G), np.int32)
-    step_config.flags.writeable = False
-    index = expect_index(layout)
-    index.flags.writeable = False
+    slots, parents = verify_nodes(layout)
+    ancestors = np.eye(len(slots), dtype=bool)
+    for v, p in enumerate(parents.tolist()):
+        if p != ROOT:
+            ancestors[v] |= ancestors[p]
+    expect = np.where(parents == ROOT, 0, slots[np.maximum(parents, 0)])
+    depth = ancestors.sum(axis=1).astype(np.int64)
+    for value in (step_config, slots, expect, ancestors, depth):
+        value.flags.writeable = False
     return StepTables(
-        config, step_config, layout.rel_positions, layout.output_slots, index, layout.window_slots[-1],
-        config.levels * config.W,
+        config, step_config, layout.rel_positions, layout.output_slots, slots, expect, ancestors, depth,
+        layout.template, tuple(layout.template.rank.tolist()), layout.window_slots[-1], config.levels * config.W,
     )
 
 
@@ -197,8 +217,10 @@ class RequestDecoder:
         stop_tokens: Iterable[int] = (),
         seed: int = 0,
         switches: Switches = Switches(),
+        tree: TreeTemplate | None = None,
     ) -> None:
         self.config = config  # the largest config any step of this request may use
+        self.tree = tree  # the executor's verification tree template; None = G linear candidates
         self.prompt = np.asarray(prompt, np.int64).reshape(-1)
         self.max_new_tokens = max_new_tokens
         self.stop_tokens = frozenset(int(t) for t in stop_tokens)
@@ -209,6 +231,7 @@ class RequestDecoder:
         self.fillers = np.array([t for t in prompt_list if t not in self.stop_tokens] or prompt_list)
         self.window = np.zeros((config.levels, config.W), np.int64)  # row l = level l, row 0 = B0 = [x_t, L0]
         self.pool = NgramPool(config.N, config.G)
+        self.suffix = SuffixIndex(SUFFIX_MATCH) if tree is not None and switches.suffix else None
         self.candidates: list[tuple[Continuation, str]] = []
         self.sequence: list[int] = []
         self.tokens: list[int] = []  # emitted so far
@@ -219,8 +242,10 @@ class RequestDecoder:
         self.commit_slots = np.zeros(0, np.int64)
         self.finished = False
         self._tables: StepTables | None = None  # of the step in flight (prepare .. update)
-        self._drafts_buffer = np.empty((config.G + 1, config.N), np.int64)
+        nodes = config.G * config.levels + config.levels - 1  # verification nodes, then the chain's
+        self._drafts_buffer = np.empty(nodes, np.int64)
         self._drafts = self._drafts_buffer[:0]
+        self._origins = [CHAIN] * nodes  # each node's draft source, for the statistics
 
     @property
     def finish_reason(self) -> str:
@@ -238,6 +263,8 @@ class RequestDecoder:
         self.sequence = [*self.prompt.tolist(), x]
         if self.switches.prompt_pool:
             self.pool.insert_sequence(self.sequence, PROMPT)
+        if self.suffix is not None:
+            self.suffix.extend(self.sequence)
         self.window = self.rng.choice(self.fillers, size=self.window.shape)
         self.window[0, 0] = x
         return [x]
@@ -249,7 +276,7 @@ class RequestDecoder:
 
     def draft_supply(self) -> int:
         """Pool candidates x_t has now: candidate rows beyond them would be fed empty."""
-        return len(self.pool.candidates(self.x, self.config.G)) if self.config.G else 0
+        return len(self.pool.candidates(self.x, self.config.G)) if self.config.G and self.switches.pool else 0
 
     def prepare(
         self,
@@ -259,28 +286,32 @@ class RequestDecoder:
         step_config: np.ndarray,
         output_slots: np.ndarray,
     ) -> None:
-        """Write this step's row into the given views: the window level-major, then the candidates of x_t.
+        """Write this step's row into the given views: the window level-major, then the verification branch.
 
         The views may be wider than the row: pads get token 0 at x_t's position, output slots repeat the last.
         """
         if not self.fits(config):
             raise ValueError(f"a step of config {config} does not fit this request's {self.config}")
-        tab = self._tables = step_tables(config)
+        tab = self._tables = step_tables(config, self.tree)
         W, levels, G = config.W, config.levels, config.G
-        self.candidates = self.pool.candidates(self.x, G) if G else []
-        # candidate rows, then the chain row; one column more than drafts, never matching (see `verify`)
-        drafts = self._drafts = self._drafts_buffer[: G + 1, : levels + 1]
+        V = G * levels
+        self.candidates = self.pool.candidates(self.x, G) if G and self.switches.pool else []
+        drafts = self._drafts = self._drafts_buffer[: V + levels - 1]  # verification nodes, then the chain
         drafts.fill(NO_DRAFT)
-        if self.candidates:
-            drafts[: len(self.candidates), :levels] = [c for c, _ in self.candidates]
-        if self.switches.chain and levels > 1:
-            drafts[G, : levels - 1] = self.window[1:levels, 0]
+        if self.tree is None:  # linear: candidate k in nodes k(N-1) ..
+            for k, (continuation, origin) in enumerate(self.candidates):
+                drafts[k * levels : (k + 1) * levels] = continuation
+                self._origins[k * levels : (k + 1) * levels] = [origin] * levels
+        elif V:
+            lay_tree(tab.template, tab.ranks, self._branches(tab.template.max_depth), drafts, self._origins)
+        if self.switches.chain:
+            drafts[V:] = self.window[1:levels, 0]
+            self._origins[V : V + levels - 1] = [CHAIN] * (levels - 1)
         if not self.switches.bonus:
-            drafts[:, levels - 1] = NO_DRAFT
+            drafts[tab.depth >= levels] = NO_DRAFT  # a step then yields at most N - 1 tokens, as in LADE
         T, n = len(tab.rel_positions), tab.window_size
         input_ids[:n].reshape(levels, W)[:] = self.window[:levels, :W]
-        if G:
-            np.maximum(drafts[:G, :levels], 0, out=input_ids[n:T].reshape(G, levels))  # empty rows: any valid id
+        np.maximum(drafts[:V], 0, out=input_ids[n:T])  # empty nodes: any valid id
         input_ids[T:] = 0
         np.add(tab.rel_positions, self.cache_len, out=positions[:T])
         positions[T:] = self.cache_len
@@ -289,12 +320,20 @@ class RequestDecoder:
         output_slots[:k] = tab.output_slots
         output_slots[k:] = tab.output_slots[-1]
 
+    def _branches(self, depth: int) -> list[Branch]:
+        """This step's draft branches for the tree: pool candidates (newest first), then suffix matches."""
+        branches: list[Branch] = [(c, origin, 1.0 / (1 + rank)) for rank, (c, origin) in enumerate(self.candidates)]
+        if self.suffix is not None:
+            branches.extend((c, SUFFIX, n - 0.5) for c, n in self.suffix.continuations(depth, SUFFIX_BRANCHES))
+        return branches
+
     def accept(self, out: np.ndarray) -> list[int]:
         """Verify against the step's outputs and return the tokens emitted (cut at a stop token or the length)."""
         tab = self._tables
         assert tab is not None, "accept() needs a prepared step"
-        best, k = verify(self._drafts, out, tab.expect_index)
-        self.block = [*self._drafts[best, :k].tolist(), int(out[tab.expect_index[best, k]])]
+        best, k = verify(self._drafts, out, tab)
+        path = np.flatnonzero(tab.ancestors[best]) if k else tab.node_slots[:0]  # root to best, in node order
+        self.block = [*self._drafts[path].tolist(), int(out[tab.node_slots[best] if k else 0])]
         emitted: list[int] = []
         for token in self.block:
             emitted.append(token)
@@ -307,14 +346,15 @@ class RequestDecoder:
         stats.generated_tokens = len(self.tokens)
         stats.accepted_histogram[len(emitted)] += 1
         stats.configs[tab.config.label] += 1
-        if k:
-            stats.sources[CHAIN if best == tab.config.G else self.candidates[best][1]] += min(k, len(emitted))
+        for depth, node in enumerate(path[: len(emitted)].tolist(), start=1):
+            stats.sources[self._origins[node]] += 1
+            stats.depths[depth] += 1
         self.finished = (
             len(emitted) < len(self.block)
             or emitted[-1] in self.stop_tokens
             or len(self.tokens) == self.max_new_tokens
         )
-        self.commit_slots = tab.expect_index[best, : k + 1]  # x_t, then the accepted drafts' slots
+        self.commit_slots = np.concatenate([(0,), tab.node_slots[path]])  # x_t, then the accepted drafts' slots
         return emitted
 
     def update(self, out: np.ndarray) -> None:
@@ -337,6 +377,8 @@ class RequestDecoder:
         self.window[0, 0] = self.x
         before = len(self.sequence)
         self.sequence.extend(self.block)
+        if self.suffix is not None:
+            self.suffix.extend(self.block)
         if self.switches.prompt_pool and cfg.G:
             self.pool.insert_sequence(self.sequence, OUTPUT, start=before)
         self._tables = None
@@ -378,7 +420,7 @@ class BatchStepper:
         """
         errors: list[BaseException | None] = [None] * len(rows)
         T = max(row.config.step_tokens for row in rows)
-        K = max(len(step_tables(row.config).output_slots) for row in rows)
+        K = max(len(step_tables(row.config, row.decoder.tree).output_slots) for row in rows)
         live: list[int] = []
         for i, row in enumerate(rows):
             b = len(live)
@@ -433,8 +475,9 @@ class LookaheadDecoder:
         stop_tokens: Iterable[int] = (),
         seed: int = 0,
         switches: Switches = Switches(),
+        tree: TreeTemplate | None = None,
     ) -> None:
-        self.layout = layout if isinstance(layout, StepLayout) else StepLayout(layout)
+        self.layout = layout if isinstance(layout, StepLayout) else StepLayout(layout, tree=tree)
         self.executor = executor
         if self.config.step_tokens > self.executor.step_tokens:
             raise ValueError(
@@ -472,7 +515,9 @@ class LookaheadDecoder:
         Decode time excludes the consumer's time between yields; executor time is inside step and commit.
         """
         prompt = self.check_request(prompt_ids, max_new_tokens)
-        request = RequestDecoder(self.config, prompt, max_new_tokens, self.stop_tokens, self.seed, self.switches)
+        request = RequestDecoder(
+            self.config, prompt, max_new_tokens, self.stop_tokens, self.seed, self.switches, self.layout.tree
+        )
         stats = self.stats = request.stats
         start = time.perf_counter()
         first_token = self.executor.prefill(0, prompt, sampling or SamplingParams())

@@ -15,9 +15,11 @@ slot sees all of it. Example W=5, N=4, G=2 (relative positions p + r):
     B0[j] sees B0[0..j]          B_l[j] sees B0[0..j] and B1[j]..B_l[j]
     V_k[m] sees x_t and V_k[0..m]; the two branches never see each other, candidates neither.
 
-The mask is a pure function of (W, N, G). The same mask follows from the relative positions alone
-(TensorRT-LLM's stack rule) once the slots are put in depth-first order: column by column, then
-candidate by candidate; `mask_from_positions` and `dfs_order` give that derivation. A layout may be
+The mask is a pure function of (W, N, G) and, when the verification branch is a token tree, the tree
+template (lookahead/tree.py): its nodes sit at their depth and see x_t and their ancestors. The same
+mask follows from the relative positions alone (TensorRT-LLM's stack rule) once the slots are put in
+depth-first order: column by column, then candidate by candidate (or tree node by node);
+`mask_from_positions` and `dfs_order` give that derivation. A layout may be
 padded to a larger engine T: pad slots sit at r = 0, see only themselves, and their outputs are unused.
 """
 
@@ -28,21 +30,27 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.tree import ROOT, TreeTemplate, chain_template
 
 LOOKAHEAD, VERIFY, PAD = 0, 1, 2
 
 
 @dataclass(frozen=True)
 class StepLayout:
-    """The static layout of one step for `config`, optionally padded to `padded_tokens` slots."""
+    """The static layout of one step for `config`, optionally padded to `padded_tokens` slots.
+
+    The G(N-1) verification slots are G linear candidates, or the first G(N-1) nodes of `tree`.
+    """
 
     config: LookaheadConfig
     padded_tokens: int | None = None
+    tree: TreeTemplate | None = None
     kinds: np.ndarray = field(init=False, repr=False)  # [T] LOOKAHEAD / VERIFY / PAD
     rel_positions: np.ndarray = field(init=False, repr=False)  # [T] int64, offset from p
     mask: np.ndarray = field(init=False, repr=False)  # [T, T] bool, mask[i, j]: slot i sees slot j
     window_slots: np.ndarray = field(init=False, repr=False)  # [N-1, W] slot of B_l[j]
-    candidate_slots: np.ndarray = field(init=False, repr=False)  # [G, N-1] slot of V_k[m]
+    candidate_slots: np.ndarray = field(init=False, repr=False)  # [G, N-1] slot of V_k[m] (tree: node k(N-1)+m)
+    template: TreeTemplate = field(init=False, repr=False)  # the verification branch's G(N-1) nodes
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -54,6 +62,10 @@ class StepLayout:
 
         window = np.arange(levels * W).reshape(levels, W)
         cands = levels * W + np.arange(G * levels).reshape(G, levels)
+        nodes = G * levels
+        if self.tree is not None and self.tree.nodes < nodes:
+            raise ValueError(f"{cfg} verifies {nodes} slots but the tree template has only {self.tree.nodes} nodes")
+        template = chain_template(G, levels) if self.tree is None else self.tree.prefix(nodes)
 
         kinds = np.full(total, PAD, np.int8)
         kinds[:T] = LOOKAHEAD
@@ -61,7 +73,7 @@ class StepLayout:
 
         rel = np.zeros(total, np.int64)
         rel[window] = np.arange(levels)[:, None] + np.arange(W)[None, :]  # B_l[j] at l + j
-        rel[cands] = 1 + np.arange(levels)[None, :]  # V_k[m] at 1 + m
+        rel[cands.ravel()] = template.depth  # a verification node at its depth (V_k[m] at 1 + m)
 
         mask = np.zeros((total, total), bool)
         for j in range(W):
@@ -69,10 +81,12 @@ class StepLayout:
             for level in range(1, levels):
                 mask[window[level, j], window[0, : j + 1]] = True
                 mask[window[level, j], window[1 : level + 1, j]] = True  # own column
-        for k in range(G):
-            for m in range(levels):
-                mask[cands[k, m], 0] = True  # x_t
-                mask[cands[k, m], cands[k, : m + 1]] = True
+        verify = cands.ravel()
+        for node, parent in enumerate(template.parents):
+            mask[verify[node], 0] = True  # x_t
+            mask[verify[node], verify[node]] = True
+            if parent != ROOT:
+                mask[verify[node], verify[: parent + 1]] |= mask[verify[parent], verify[: parent + 1]]
         pads = np.arange(T, total)
         mask[pads, pads] = True
 
@@ -82,8 +96,10 @@ class StepLayout:
             ("mask", mask),
             ("window_slots", window),
             ("candidate_slots", cands),
+            ("template", template),
         ):
-            value.flags.writeable = False
+            if isinstance(value, np.ndarray):
+                value.flags.writeable = False
             object.__setattr__(self, name, value)
 
     @property
@@ -118,7 +134,8 @@ class StepLayout:
         return pack_mask(self.mask)
 
     def dfs_order(self) -> np.ndarray:
-        """Slot order in which the layout is a depth-first tree walk: column by column, then candidates."""
+        """Slot order in which the layout is a depth-first tree walk: column by column, then candidates (or the
+        tree's nodes, already in preorder)."""
         unpadded = self.config.step_tokens
         return np.concatenate([self.window_slots.T.ravel(), self.candidate_slots.ravel()])[:unpadded]
 

@@ -20,6 +20,7 @@ from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.executor import StepBatch, check_batch, check_commit, check_prompt, check_slot
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.sampling import SamplingParams, select_tokens
+from trt_lookahead.lookahead.tree import TreeTemplate
 
 LogitsFn = Callable[[tuple[int, ...]], np.ndarray]
 
@@ -76,11 +77,11 @@ ORACLES: dict[str, Callable[[int, int], LogitsFn]] = {
 
 
 @lru_cache(maxsize=256)
-def row_mask(step_config: tuple[int, int, int], tokens: int) -> np.ndarray:
-    """[T, T] bool mask of one row: its layout padded to T, or causal for (0, 0, 0)."""
+def row_mask(step_config: tuple[int, int, int], tokens: int, tree: TreeTemplate | None = None) -> np.ndarray:
+    """[T, T] bool mask of one row: its layout (verification branch laid as `tree`) padded to T, or causal."""
     if step_config[0] == 0:
         return np.tri(tokens, dtype=bool)
-    return StepLayout(LookaheadConfig(*step_config), padded_tokens=tokens).mask
+    return StepLayout(LookaheadConfig(*step_config), padded_tokens=tokens, tree=tree).mask
 
 
 def reference_generate(
@@ -105,7 +106,10 @@ def reference_generate(
 
 
 class OracleExecutor:
-    """The batched executor contract over a logits function; validates every slot's visible prefix."""
+    """The batched executor contract over a logits function; validates every slot's visible prefix.
+
+    With `tree`, every lookahead row's verification slots are that template's nodes (fixed per executor).
+    """
 
     def __init__(
         self,
@@ -114,7 +118,9 @@ class OracleExecutor:
         max_batch: int = 8,
         step_tokens: int = 256,
         max_seq_len: int = 4096,
+        tree: TreeTemplate | None = None,
     ) -> None:
+        self.tree = tree
         self.logits_fn = lru_cache(maxsize=100_000)(logits_fn)
         self.vocab_size, self.max_batch, self.step_tokens, self.max_seq_len = (
             vocab_size, max_batch, step_tokens, max_seq_len
@@ -143,7 +149,8 @@ class OracleExecutor:
         out = np.full((batch.rows, T), -1, np.int64)
         for b, slot in enumerate(batch.slots.tolist()):
             cache, ids, positions = self.caches[slot], batch.input_ids[b], batch.positions[b]
-            mask = row_mask(tuple(int(v) for v in batch.step_config[b]), T)
+            W, N, G = (int(v) for v in batch.step_config[b])
+            mask = row_mask((W, N, G), T, self.tree)
             p = len(cache)
             contexts = []
             for i in range(T):

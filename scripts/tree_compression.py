@@ -1,0 +1,114 @@
+"""Compression of linear candidates against the draft tree at equal T, per source (docs/design.md section 9).
+
+    python scripts/tree_compression.py --prompts 8 --tokens 64 --threads 1 > tree.md
+
+SmolLM2-135M-Instruct, float32, torch executor on the CPU. Compression = generated tokens / forward passes
+(prefill counted as one); acceptance per decode step by depth (fraction of steps accepting >= d drafts)
+and by source; host ms per decode step (wall time outside the executor, median over prompts; give the
+machine's load beside it). Every run is checked token for token against the first variant's run of the same prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from collections import Counter
+
+import torch
+
+from trt_lookahead.backends.torch import BatchedTorchExecutor
+from trt_lookahead.bench.datasets import PromptRow, encode_row, load_dataset
+from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.decoder import LookaheadDecoder, Switches
+from trt_lookahead.lookahead.tree import tree_template
+from trt_lookahead.model.checkpoint import load_llama
+from trt_lookahead.model.fetch import resolve_model
+
+# a set that is not MT-Bench, HumanEval or GSM8K: rewriting, extraction and editing tasks that quote their input
+ASSEMBLED = [
+    "Rewrite this sentence in the passive voice: The committee approved the new budget after a long debate.",
+    "Convert to JSON with keys name, age, city: Alice is 34 and lives in Lyon; Bob is 27 and lives in Porto.",
+    "Add type hints to this Python function:\ndef area(width, height):\n    return width * height",
+    "Summarize in two sentences: The river flooded the valley in spring. Farmers moved their animals to the "
+    "hills. When the water went down, the fields were covered in rich mud, and the harvest that year was the "
+    "best anyone could remember.",
+    "Fix the bug in this code and show the corrected version:\nfor i in range(10)\n    print(i)",
+    "List the steps to make a cup of tea, numbered, one line each.",
+    "Translate to French: The cat sleeps on the warm windowsill every afternoon.",
+    "Write a SQL query that selects the name and email of all users whose signup_date is in 2023 from the "
+    "table users, ordered by name.",
+    "Turn this list into a Markdown table with columns Fruit and Color: apple red, banana yellow, grape purple.",
+    "Explain what this regular expression matches: ^[a-z0-9._%+-]+@[a-z0-9.-]+\\.[a-z]{2,}$",
+    "Rename the variable x to count in this code:\nx = 0\nfor item in items:\n    x += 1\nprint(x)",
+    "Write the numbers from one to twenty in words, separated by commas.",
+]
+CONFIGS = {28: LookaheadConfig(4, 5, 3), 56: LookaheadConfig(7, 5, 7), 120: LookaheadConfig(15, 5, 15)}
+VARIANTS = {  # name -> (tree?, switches)
+    "linear (today)": (False, Switches()),
+    "tree: pool": (True, Switches(suffix=False)),
+    "tree: suffix": (True, Switches(pool=False)),
+    "tree: pool+suffix": (True, Switches()),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--depth", type=int, default=8, help="tree template depth")
+    ap.add_argument("--decay", type=float, default=0.45, help="tree template rank decay")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--steps", default="28,56,120", help="T values")
+    ap.add_argument("--sets", default="mt_bench,humaneval,gsm8k,assembled")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    path = resolve_model("smollm2-135m-instruct")
+    model = load_llama(path, weight_layout="auto")[0]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    sets = {}
+    for name in args.sets.split(","):
+        rows = ([PromptRow(f"a{i}", messages=(("user", text),)) for i, text in enumerate(ASSEMBLED)]
+                if name == "assembled" else list(load_dataset(name).rows))
+        sets[name] = [encode_row(tokenizer, row) for row in rows[: args.prompts]]
+    print(f"SmolLM2-135M-Instruct float32, CPU, torch threads {args.threads}, {args.prompts} prompts x "
+          f"{args.tokens} tokens per set, tree depth {args.depth}; load at start {os.getloadavg()}\n")
+    print("| T | config | variant | " + " | ".join(sets) + " | all | host ms/step | accept >= depth 1..8 | sources |")
+    print("|---|---|---|" + "---:|" * (len(sets) + 2) + "---|---|")
+    for T in (int(t) for t in args.steps.split(",")):
+        cfg = CONFIGS[T]
+        tree = tree_template(cfg.G * cfg.levels, args.depth, args.decay)
+        linear: dict[tuple[str, int], list[int]] = {}
+        for variant in args.variants.split(","):
+            use_tree, switches = VARIANTS[variant]
+            t = tree if use_tree else None
+            executor = BatchedTorchExecutor(model, 1, 2048, T, tree=t)
+            per_set, host, depths, sources = [], [], Counter(), Counter()
+            generated = steps = decode_steps = 0
+            for name, prompts in sets.items():
+                g = s = 0
+                for i, ids in enumerate(prompts):
+                    result = LookaheadDecoder(executor, cfg, switches=switches, tree=t).generate(ids, args.tokens)
+                    first = linear.setdefault((name, i), result.token_ids)  # the first variant's tokens
+                    assert result.token_ids == first, f"{variant} differs on {name} prompt {i}"
+                    stats = result.stats
+                    g, s = g + stats.generated_tokens, s + stats.steps
+                    decode_steps += stats.decode_steps
+                    host.append(stats.host_ms_per_step)
+                    depths.update(stats.depths)
+                    sources.update(stats.sources)
+                per_set.append(g / s)
+                generated, steps = generated + g, steps + s
+            accept = " ".join(f"{depths[d] / decode_steps:.2f}" for d in range(1, 9))
+            share = ", ".join(f"{k} {v / decode_steps:.2f}" for k, v in sorted(sources.items()))
+            cells = " | ".join(f"{c:.3f}" for c in per_set)
+            print(f"| {T} | {cfg} | {variant} | {cells} | {generated / steps:.3f} | {statistics.median(host):.3f} | "
+                  f"{accept} | {share} |", flush=True)
+    print(f"\nload at end {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

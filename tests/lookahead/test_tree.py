@@ -1,0 +1,207 @@
+"""The draft tree: templates, the tree layout's mask (three derivations), the sources, pure verification, and
+exactness with oracle executors over random templates, sources and sampling."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from trt_lookahead.kernels.mask import step_mask
+from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.decoder import BatchStepper, RequestDecoder, Row, Switches, step_tables, verify
+from trt_lookahead.lookahead.drafts import SUFFIX, SuffixIndex, lay_tree
+from trt_lookahead.lookahead.layout import StepLayout, mask_from_positions
+from trt_lookahead.lookahead.oracles import ORACLES, OracleExecutor, induction_logits, reference_generate
+from trt_lookahead.lookahead.sampling import SamplingParams
+from trt_lookahead.lookahead.tree import TreeTemplate, chain_template, tree_template
+
+
+@st.composite
+def templates(draw, min_nodes=0, max_nodes=24):
+    """A random tree in preorder: each node's parent is x_t or a node on the open path."""
+    parents: list[int] = []
+    path: list[int] = []
+    for i in range(draw(st.integers(min_nodes, max_nodes))):
+        keep = draw(st.integers(0, len(path)))  # how much of the open path stays above node i
+        path = path[:keep]
+        parents.append(path[-1] if path else -1)
+        path.append(i)
+    return TreeTemplate(tuple(parents))
+
+
+def walked_ancestors(parents) -> np.ndarray:
+    """[V, V] by walking parent links (independent of the template's `ends`)."""
+    V = len(parents)
+    anc = np.zeros((V, V), bool)
+    for v in range(V):
+        u = v
+        while u != -1:
+            anc[v, u] = True
+            u = parents[u]
+    return anc
+
+
+def test_template_tables_by_hand():
+    #        x_t
+    #       /    \
+    #      0      3
+    #     / \
+    #    1   2
+    t = TreeTemplate((-1, 0, 0, -1))
+    assert t.depth.tolist() == [1, 2, 2, 1]
+    assert t.ends.tolist() == [3, 2, 3, 4]
+    assert t.rank.tolist() == [0, 0, 1, 1]
+    assert TreeTemplate.parse(str(t)) == t
+    assert t.prefix(2).parents == (-1, 0)
+
+
+@pytest.mark.parametrize("parents", [(0,), (-1, 1), (-1, -1, 0), (-1, 0, -1, 1)])
+def test_templates_not_in_preorder_are_refused(parents):
+    with pytest.raises(ValueError, match="tree node"):
+        TreeTemplate(parents)
+
+
+def test_tree_template_best_first_by_hand():
+    # prior: rank-0 child 0.6 x parent, rank r sibling 0.45^r of rank 0: 0.6 (A), 0.36 (A's child), 0.27 (B) ...
+    assert tree_template(3, 2).parents == (-1, 0, -1)
+    assert tree_template(3, 1).parents == (-1, -1, -1)
+    # 0.6 (A), 0.36 (A's child), 0.27 (B), then 0.216 (A's grandchild) beats 0.162 (B's child, A's 2nd child)
+    assert tree_template(4, 4).parents == (-1, 0, 1, -1)
+
+
+@given(st.integers(0, 80), st.integers(1, 9))
+def test_tree_templates_of_every_size(nodes, depth):
+    t = tree_template(nodes, depth)
+    assert t.nodes == nodes and t.max_depth <= depth
+    assert (t.rank[t.depth == 1] == np.arange((t.depth == 1).sum())).all()  # root's children ranked 0, 1, ...
+
+
+@settings(max_examples=60, deadline=None)
+@given(templates(), st.integers(1, 4), st.integers(2, 5), st.integers(0, 4))
+def test_tree_layout_mask_three_ways(tree, W, N, pad):
+    G = tree.nodes // (N - 1)
+    tree = tree.prefix(G * (N - 1))
+    cfg = LookaheadConfig(W, N, G)
+    T = cfg.step_tokens + pad
+    lay = StepLayout(cfg, padded_tokens=T, tree=tree)
+    nwin = cfg.levels * W
+    anc = walked_ancestors(tree.parents)
+    expected = StepLayout(LookaheadConfig(W, N, 0), padded_tokens=T).mask.copy()  # the window, pads by themselves
+    for v in range(tree.nodes):
+        expected[nwin + v] = False
+        expected[nwin + v, 0] = True
+        expected[nwin + v, nwin + np.flatnonzero(anc[v])] = True
+    assert (lay.mask == expected).all()
+    assert (step_mask(T, (W, N, G), tree.ends) == expected).all()  # the closed form with one table
+    order = lay.dfs_order()
+    assert (mask_from_positions(lay.rel_positions[order]) == expected[np.ix_(order, order)]).all()
+    assert lay.rel_positions[nwin : nwin + tree.nodes].tolist() == anc.sum(axis=1).tolist()
+
+
+def test_linear_layout_is_the_chain_template():
+    cfg = LookaheadConfig(3, 4, 2)
+    assert (StepLayout(cfg).mask == StepLayout(cfg, tree=chain_template(2, 3)).mask).all()
+    with pytest.raises(ValueError, match="only 5 nodes"):
+        StepLayout(cfg, tree=tree_template(5, 3))
+
+
+def test_verify_a_tree_by_hand():
+    # W=1 N=3 G=2: window slots 0 (x_t), 1 (B1[0]); tree nodes at slots 2..5 with parents (-1, 0, 0, -1)
+    tab = step_tables(LookaheadConfig(1, 3, 2), TreeTemplate((-1, 0, 0, -1)))
+    assert tab.node_slots.tolist() == [2, 3, 4, 5, 1]  # the tree's nodes, then the chain's B1[0]
+    assert tab.expect_slots.tolist() == [0, 2, 2, 0, 0]
+    a, b, c, d, e = 10, 11, 12, 13, 14
+    drafts = np.array([a, b, c, d, a])
+    # model: after x_t -> a, after node 0 (a) -> c, after node 2 (a c) -> e
+    out = np.array([a, -1, c, 99, e, 99])
+    assert verify(drafts, out, tab) == (2, 2)  # path x_t -> a -> c, then the bonus out[4] = e
+    assert verify(drafts, np.array([d, -1, c, 99, e, 99]), tab) == (3, 1)  # only node 3 (d) matches
+    assert verify(drafts, np.array([b, -1, c, 99, e, 99]), tab)[1] == 0
+
+
+def test_suffix_index_longest_match_newest_first():
+    idx = SuffixIndex(max_match=3)
+    idx.extend([5, 1, 2, 3, 9, 1, 2, 4, 7, 2, 1, 2])
+    # suffix (2, 1, 2) never occurred before; (1, 2) ends at 2 and 6: newest first -> (4, 7, 2), then (3, 9, 1)
+    assert idx.continuations(3, 2) == [((4, 7, 2), 2), ((3, 9, 1), 2)]
+    # then the 1-token suffix (2) at 9 -> (1, 2); the text's own end never matches itself
+    assert idx.continuations(2, 5) == [((4, 7), 2), ((3, 9), 2), ((1, 2), 1)]
+
+
+def test_lay_tree_merges_shared_prefixes_best_scored_first():
+    t = TreeTemplate((-1, 0, 0, -1, 3))  # two root branches, the first with two children
+    drafts, origins = np.full(5, -1), [""] * 5
+    branches = [((7, 8), "window", 1.0), ((5, 6), SUFFIX, 3.0), ((7, 9), "prompt", 0.5), ((7, 8, 1), "output", 1.0)]
+    lay_tree(t, t.rank.tolist(), branches, drafts, origins)
+    # trie: 7 (score 2.5) -> 8 (2.0), 9 (0.5); 5 (3.0) -> 6 (3.0). Rank 0 at the root is 5.
+    assert drafts.tolist() == [5, 6, -1, 7, 8]
+    assert origins == [SUFFIX, SUFFIX, "", "window", "window"]
+
+
+@st.composite
+def tree_requests(draw, vocab):
+    N = draw(st.integers(2, 5))
+    config = LookaheadConfig(draw(st.integers(1, 4)), N, draw(st.integers(0, 5)))
+    sampled = draw(st.booleans())
+    return dict(
+        config=config,
+        prompt=draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=20)),
+        max_new=draw(st.integers(1, 30)),
+        stop=draw(st.sets(st.integers(0, vocab - 1), max_size=1)),
+        seed=draw(st.integers(0, 2**31)),
+        switches=Switches(pool=draw(st.booleans()), suffix=draw(st.booleans()), chain=draw(st.booleans()),
+                          bonus=draw(st.booleans())),
+        sampling=SamplingParams(
+            draw(st.floats(0.3, 1.5)), draw(st.sampled_from([0, 3])), draw(st.sampled_from([1.0, 0.8])),
+            draw(st.integers(0, 2**31)),
+        ) if sampled else SamplingParams(),
+    )
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.data())
+def test_tree_requests_emit_their_plain_decoding(data):
+    vocab = data.draw(st.integers(6, 24))
+    logits = ORACLES[data.draw(st.sampled_from(sorted(ORACLES)))](vocab, data.draw(st.integers(0, 1000)))
+    specs = data.draw(st.lists(tree_requests(vocab), min_size=1, max_size=3))
+    most = max(s["config"].G * s["config"].levels for s in specs)
+    tree = data.draw(templates(min_nodes=most, max_nodes=most + 6))
+    executor = OracleExecutor(logits, vocab, max_batch=len(specs), step_tokens=64, tree=tree)
+    stepper = BatchStepper(executor)
+    decoders, emitted = [], []
+    for slot, s in enumerate(specs):
+        d = RequestDecoder(s["config"], s["prompt"], s["max_new"], s["stop"], s["seed"], s["switches"], tree)
+        emitted.append(list(d.setup(executor.prefill(slot, d.prompt, s["sampling"]))))
+        decoders.append(d)
+    while True:
+        rows = [Row(slot, d, LookaheadConfig(d.config.W, d.config.N, data.draw(st.integers(0, d.config.G))))
+                for slot, d in enumerate(decoders) if not d.finished]  # fewer nodes: a prefix of the tree
+        if not rows:
+            break
+        assert stepper.run(rows) == [None] * len(rows)
+        for row in rows:
+            emitted[row.slot].extend(row.decoder.emitted)
+    for s, d, got in zip(specs, decoders, emitted, strict=True):
+        expected = reference_generate(logits, s["prompt"], s["max_new"], s["sampling"], sorted(s["stop"]))
+        assert got == d.tokens == expected
+
+
+def test_suffix_drafts_are_accepted_deeper_than_n_on_repetitive_text():
+    """An induction model copies the prompt: suffix drafts down a deep tree accept more than N tokens a step."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4] * 2
+    logits = induction_logits(12, 0)
+    tree = tree_template(16, 8)
+    cfg = LookaheadConfig(2, 3, 8)  # 16 verification slots, N = 3: linear candidates accept at most 2 drafts
+    results = {}
+    for name, t, switches in (("tree", tree, Switches(pool=False)), ("linear", None, Switches())):
+        executor = OracleExecutor(logits, 12, max_batch=1, tree=t)
+        d = RequestDecoder(cfg, prompt, 40, (), 0, switches, t)
+        tokens = list(d.setup(executor.prefill(0, d.prompt, SamplingParams())))
+        while not d.finished:
+            BatchStepper(executor).run([Row(0, d, cfg)])
+            tokens.extend(d.emitted)
+        assert tokens == reference_generate(logits, prompt, 40)
+        results[name] = d.stats
+    assert max(results["tree"].depths) > cfg.levels
+    assert results["tree"].sources[SUFFIX] > 0
+    assert results["tree"].steps < results["linear"].steps
