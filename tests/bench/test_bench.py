@@ -234,6 +234,24 @@ def test_markdown_table_has_one_line_per_row():
     assert "load average 1.00/2.00/3.00 at start" in text and "1/2" in table[1]
 
 
+def test_markdown_gives_greedy_steps_against_the_memory_limit():
+    result = _result(_synthetic_records())
+    result["memory_limit"] = {"weight_mb": 540.0, "read_gbps": 10.8, "ms_per_step": 50.0}
+    # greedy: 1.0 s over 10 decode steps and 4.0 s over 20: median 150 ms per step, 3x the limit
+    assert ("Memory limit: 540 MB of weights / 10.8 GB/s read = 50.0 ms per step; greedy ms/step over it: d 3.00x."
+            in format_markdown(result))
+
+
+def test_weight_bytes_count_every_tensor_once_in_the_dtype_asked():
+    from safetensors import safe_open
+
+    from trt_lookahead.model.checkpoint import weight_bytes
+
+    with safe_open(str(STORIES / "model.safetensors"), framework="pt") as f:
+        elements = sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys())  # noqa: SIM118
+    assert weight_bytes(STORIES, "float32") == 4 * elements and weight_bytes(STORIES, "bfloat16") == 2 * elements
+
+
 def test_write_outputs_writes_json_markdown_and_pngs(tmp_path):
     result = _result(_synthetic_records())
     paths = bench.write_outputs(result, tmp_path / "out", step_cost_ms={"1": 10.0, "16": 14.0})
@@ -259,7 +277,7 @@ def stories_set(tmp_path_factory):
 
 @pytest.mark.slow  # our rows and transformers' peers end to end (seconds)
 def test_bench_cli_on_stories260k(stories_set, tmp_path, tuning, capsys):
-    tuning_file.write_tuning_entry(tuning_file.tuning_key(str(STORIES), "float32", "torch"), cheap_entry("7/5/7"),
+    tuning_file.write_tuning_entry(tuning_file.tuning_key(str(STORIES), "float32", "onnxruntime"), cheap_entry("7/5/7"),
                                    tuning)
     out = tmp_path / "out"
     code = main([
@@ -293,7 +311,7 @@ def test_bench_cli_on_stories260k(stories_set, tmp_path, tuning, capsys):
 
 
 def test_bench_concurrency_on_stories260k(stories_set, tmp_path, tuning, capsys):
-    tuning_file.write_tuning_entry(tuning_file.tuning_key(str(STORIES), "float32", "torch"), cheap_entry("7/5/7"),
+    tuning_file.write_tuning_entry(tuning_file.tuning_key(str(STORIES), "float32", "onnxruntime"), cheap_entry("7/5/7"),
                                    tuning)
     out = tmp_path / "conc"
     code = main([
@@ -340,7 +358,7 @@ def test_bench_bad_input_is_one_error_line(argv, message, capsys):
 
 @pytest.mark.slow
 def test_bench_smollm2_chat_sets_and_peers(tuning):
-    key = tuning_file.tuning_key("smollm2-135m-instruct", "float32", "torch")
+    key = tuning_file.tuning_key("smollm2-135m-instruct", "float32", "onnxruntime")
     tuning_file.write_tuning_entry(key, cheap_entry("greedy"), tuning)  # auto is greedy here
     plan = bench.plan_bench(
         "smollm2-135m-instruct", datasets="mt_bench,humaneval", limit=1, max_new_tokens=32,

@@ -60,7 +60,8 @@ def test_an_entry_gives_auto_its_largest_config_and_policy():
 
 
 def test_auto_runs_the_tuned_policy_and_keeps_greedy_tokens(tuning):
-    tuning_file.write_tuning_entry(tuning_file.tuning_key(str(STORIES), "float32", "torch"), entry("4/3/4"), tuning)
+    tuning_file.write_tuning_entry(tuning_file.tuning_key(str(STORIES), "float32", "onnxruntime"), entry("4/3/4"),
+                                   tuning)  # the default backend's entry
     with LookaheadRuntime.from_pretrained(STORIES, lookahead=AUTO, max_seq_len=256, tuning_file=tuning) as rt:
         assert rt.request_config(None) == (LookaheadConfig(4, 3, 4), False)
         out = rt.generate("Once upon a time", max_new_tokens=60)

@@ -14,6 +14,11 @@ from trt_lookahead.cli.main import COMMANDS, build_parser
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 
 
+def messages(err: str) -> list[str]:
+    """stderr's lines less the informational `trt-lookahead: ` ones (the backend that runs and why, a build's)."""
+    return [line for line in err.strip().splitlines() if not line.startswith("trt-lookahead: ")]
+
+
 def test_every_command_has_a_parser_and_python_m_runs_the_cli():
     parser = build_parser()
     subcommands = next(a for a in parser._actions if a.dest == "command").choices
@@ -38,7 +43,7 @@ def test_generate_json_has_every_field(capsys):
     for key in ("text", "token_ids", "prompt_tokens", "generated_tokens", "steps", "compression", "prefill_seconds",
                 "decode_seconds", "tokens_per_second", "config", "backend", "dtype"):
         assert key in record, key
-    assert record["config"] == "7/5/7" and record["backend"] == "torch" and record["dtype"] == "float32"
+    assert record["config"] == "7/5/7" and record["backend"] == "onnxruntime" and record["dtype"] == "float32"
     assert record["generated_tokens"] == len(record["token_ids"]) == 40
     assert record["compression"] == pytest.approx(40 / record["steps"], abs=1e-3)
     assert record["prompt_tokens"] == 5
@@ -48,7 +53,8 @@ def test_generate_streams_text_then_one_stats_line(capsys):
     argv = ["generate", "--model", str(STORIES), "--prompt", "Once upon a time", "--max-new-tokens", "30"]
     code, out, err = run_cli(capsys, *argv)
     assert code == 0
-    assert len(err.strip().splitlines()) == 1 and "4/3/4" in err and "30 tokens in" in err
+    assert len(messages(err)) == 1 and "4/3/4" in err and "30 tokens in" in err
+    assert "stories260K runs on onnxruntime (the default for float32" in err  # once, with why
     _, as_json, _ = run_cli(capsys, *argv, "--json")
     assert out == json.loads(as_json)["text"] + "\n"
 
@@ -98,7 +104,7 @@ def test_generate_bad_checkpoints_exit_2_with_one_line(capsys, tmp_path, case):
     model, words = broken_copies(tmp_path)[case]
     code, _, err = run_cli(capsys, "generate", "--model", str(model), "--prompt", "Hi", "--max-new-tokens", "5")
     assert code == 2
-    lines = err.strip().splitlines()
+    lines = messages(err)
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err
     assert words.lower() in lines[0].lower()
 
@@ -119,4 +125,4 @@ def test_generate_bad_arguments_exit_2_with_one_line(capsys, extra, words):
         argv += ["--prompt", "Hi"]
     code, _, err = run_cli(capsys, *argv)
     assert code == 2, err
-    assert len(err.strip().splitlines()) == 1 and words in err and "Traceback" not in err
+    assert len(messages(err)) == 1 and words in err and "Traceback" not in err

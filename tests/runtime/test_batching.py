@@ -41,6 +41,8 @@ MIXED = [
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the tuning key names the thread count
+# The runtimes here run the torch backend: the mixed configs go up to 15/5/15, beyond the cached engine of the
+# default backend (8/5/8); tests/backends/test_engine_executors.py batches engine runtimes.
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,7 @@ def tuning(tmp_path_factory, one_torch_thread):
 
 @pytest.fixture(scope="module")
 def stories(tuning):
-    with LookaheadRuntime.from_pretrained(STORIES, lookahead="4,3,4", max_batch=8, max_seq_len=256,
+    with LookaheadRuntime.from_pretrained(STORIES, backend="torch", lookahead="4,3,4", max_batch=8, max_seq_len=256,
                                           tuning_file=tuning) as rt:
         yield rt
 
@@ -159,7 +161,7 @@ def test_closing_or_dropping_a_stream_frees_its_slot(stories):
 
 @pytest.mark.parametrize("max_batch", [1, 8])
 def test_reentry_from_one_thread_runs_both_requests(max_batch):
-    with LookaheadRuntime.from_pretrained(STORIES, max_batch=max_batch, max_seq_len=256) as rt:
+    with LookaheadRuntime.from_pretrained(STORIES, backend="torch", max_batch=max_batch, max_seq_len=256) as rt:
         outer = rt.generate("Once upon a time", max_new_tokens=40).token_ids
         inner = rt.generate("The cat sat on the", max_new_tokens=20).token_ids
         first = rt.stream("Once upon a time", max_new_tokens=40)
@@ -169,7 +171,7 @@ def test_reentry_from_one_thread_runs_both_requests(max_batch):
 
 
 def test_a_full_queue_is_a_clear_error_and_the_queue_drains():
-    with LookaheadRuntime.from_pretrained(STORIES, max_batch=1, max_queue=1, max_seq_len=256) as rt:
+    with LookaheadRuntime.from_pretrained(STORIES, backend="torch", max_batch=1, max_queue=1, max_seq_len=256) as rt:
         running = rt.stream("Once upon a time", max_new_tokens=30)
         queued = rt.stream("The cat sat on the", max_new_tokens=10)
         with pytest.raises(QueueFull, match=r"max_queue=1\); retry later"):
@@ -187,12 +189,12 @@ def test_bad_requests_fail_before_any_work(stories):
     with pytest.raises(ValueError, match="takes at most 128"):
         stories.stream("Once", max_new_tokens=10, lookahead="20,5,20")
     with pytest.raises(ValueError, match="max_batch must be a positive integer"):
-        LookaheadRuntime.from_pretrained(STORIES, max_batch=0)
+        LookaheadRuntime.from_pretrained(STORIES, backend="torch", max_batch=0)
     assert stories.scheduler.stats.admitted == steps
 
 
 def test_close_ends_requests_in_flight():
-    rt = LookaheadRuntime.from_pretrained(STORIES, max_batch=1, max_seq_len=256)
+    rt = LookaheadRuntime.from_pretrained(STORIES, backend="torch", max_batch=1, max_seq_len=256)
     running = rt.stream("Once upon a time", max_new_tokens=200)
     next(running)
     rt.close()
@@ -275,9 +277,10 @@ def test_requests_with_faults_leave_every_slot_free_and_the_next_batch_exact(tun
             except QueueFull:
                 count("queue_full")
 
-    with (LookaheadRuntime.from_pretrained(STORIES, max_batch=8, max_queue=4, max_seq_len=256,
+    with (LookaheadRuntime.from_pretrained(STORIES, backend="torch", max_batch=8, max_queue=4, max_seq_len=256,
                                            tuning_file=tuning) as stories,
-          LookaheadRuntime.from_pretrained(STORIES, max_batch=1, max_seq_len=256, tuning_file=tuning) as refs):
+          LookaheadRuntime.from_pretrained(STORIES, backend="torch", max_batch=1, max_seq_len=256,
+                                           tuning_file=tuning) as refs):
         threads = [threading.Thread(target=client, args=(w,)) for w in range(10)]
         for t in threads:
             t.start()
@@ -308,7 +311,7 @@ def test_smollm2_eight_mixed_concurrent_requests_equal_their_solo_runs():
     ]
     mixed = [{**kw, "max_new_tokens": min(kw["max_new_tokens"], 48)} for kw in MIXED]
     mixed[5] = mixed[7] = dict(lookahead="4,3,4", max_new_tokens=40)  # no tuning entry for SmolLM2 here
-    with LookaheadRuntime.from_pretrained("smollm2-135m-instruct", max_batch=8, max_seq_len=512) as rt:
+    with LookaheadRuntime.from_pretrained("smollm2-135m-instruct", backend="torch", max_batch=8, max_seq_len=512) as rt:
         jobs = list(zip(prompts, mixed, strict=True))
         alone = [solo(rt, p, kw) for p, kw in jobs]
         together = run_concurrently(rt, jobs)

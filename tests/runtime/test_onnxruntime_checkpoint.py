@@ -1,5 +1,5 @@
-"""A checkpoint on the onnxruntime backend (issue 13) runs on a cached engine, built once (stderr says so and
-why), reused, rebuilt when damaged, and gives the torch backend's tokens."""
+"""A float32 checkpoint runs by default on the onnxruntime backend (issue 13): a cached engine, built once (stderr
+says so and why), reused, rebuilt when damaged, giving the torch backend's tokens."""
 
 import json
 import os
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from trt_lookahead.errors import UserError
-from trt_lookahead.runtime import checkpoint_backend
+from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.runtime import checkpoint_backend, engine_cover
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 
@@ -32,9 +33,10 @@ def tokens(result: subprocess.CompletedProcess) -> list[int]:
 @pytest.mark.export
 def test_a_checkpoint_runs_on_a_cached_engine_built_once_with_the_torch_tokens(tmp_path):
     cache = tmp_path / "cache"
-    mode = ("--temperature", "0.8", "--seed", "5", "--backend", "onnxruntime")  # seeded, the default 4,3,4
+    mode = ("--temperature", "0.8", "--seed", "5")  # seeded, the default 4,3,4, the default backend
     first = generate(cache, *mode)
     assert "building the engine of stories260K once, cached in " in first.stderr and "(not built yet)" in first.stderr
+    assert "stories260K runs on onnxruntime (the default for float32: a compiled engine" in first.stderr
     assert "exporting the network" in first.stderr  # built now, with its progress lines
     assert json.loads(first.stdout.strip().splitlines()[-1])["backend"] == "onnxruntime"
     engines = [p for p in (cache / "engines").iterdir() if not p.name.startswith(".")]
@@ -50,13 +52,22 @@ def test_a_checkpoint_runs_on_a_cached_engine_built_once_with_the_torch_tokens(t
     assert "the cached engine is unusable" in rebuilt.stderr and "weights.bin" in rebuilt.stderr
     assert "exporting the network" in rebuilt.stderr and tokens(rebuilt) == tokens(first)
 
-    torch = generate(cache, *mode[:-2])  # the default backend
+    torch = generate(cache, *mode, "--backend", "torch")
+    assert "stories260K runs on torch (asked for)" in torch.stderr
     assert json.loads(torch.stdout.strip().splitlines()[-1])["backend"] == "torch" and tokens(torch) == tokens(first)
 
 
 def test_the_backend_of_a_checkpoint():
-    assert [checkpoint_backend(b, "float32") for b in (None, "torch", "onnxruntime")] == ["torch", "torch",
-                                                                                           "onnxruntime"]
+    assert [checkpoint_backend(b, "float32")[0] for b in (None, "torch", "onnxruntime")] == ["onnxruntime", "torch",
+                                                                                              "onnxruntime"]
+    backend, why = checkpoint_backend(None, "bfloat16")  # onnxruntime's CPU kernels: no bfloat16 MatMul
+    assert backend == "torch" and "float32 only" in why
+    # the standard cached engine covers 4,3,4 and auto's 8,5,8; a wider runtime config runs on torch by default
+    # (no second engine built unasked) and on an engine covering it when onnxruntime is asked for
+    assert checkpoint_backend(None, "float32", LookaheadConfig(7, 5, 7))[0] == "onnxruntime"
+    backend, why = checkpoint_backend(None, "float32", LookaheadConfig(15, 5, 15))
+    assert backend == "torch" and "15/5/15 is wider than the standard cached engine's 8/5/8" in why
+    assert engine_cover(LookaheadConfig(15, 2, 1)) == LookaheadConfig(15, 5, 8)
     with pytest.raises(UserError, match="runs float32 engines"):  # onnxruntime's CPU kernels: no bfloat16 MatMul
         checkpoint_backend("onnxruntime", "bfloat16")
     with pytest.raises(UserError, match="runs engine dirs"):

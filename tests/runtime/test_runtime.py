@@ -20,7 +20,7 @@ CONFIGS = ["4,3,4", "1,3,3", *(pytest.param(c, marks=pytest.mark.slow) for c in 
 @pytest.fixture(scope="module")
 def stories():
     torch.set_num_threads(1)
-    return LookaheadRuntime.from_pretrained(STORIES, lookahead="4,3,4")
+    return LookaheadRuntime.from_pretrained(STORIES, backend="torch", lookahead="4,3,4")
 
 
 @pytest.mark.parametrize("config", CONFIGS)

@@ -42,10 +42,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trt_lookahead.bench.datasets import Dataset, dataset_names, encode_row, load_dataset
-from trt_lookahead.bench.machine import load_average, machine_info, peak_rss_mb, reset_peak_rss, utc_now
+from trt_lookahead.bench.machine import (
+    load_average,
+    machine_info,
+    peak_rss_mb,
+    read_bandwidth_gbps,
+    reset_peak_rss,
+    utc_now,
+)
 from trt_lookahead.bench.peers import PEERS, HFPeers, describe
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import AUTO, GREEDY, LookaheadConfig
+from trt_lookahead.model.checkpoint import weight_bytes
 
 if TYPE_CHECKING:
     from trt_lookahead.runtime import GenerationOutput, LookaheadRuntime
@@ -298,6 +306,12 @@ def format_markdown(result: dict[str, Any]) -> str:
             f"| {_f(r['compression'])} | {_f(r['tokens_per_second'], 1)} | {speed} | {exact} "
             f"| {_f(r['host_ms_per_step'])} | {_f(r['ms_per_step'], 1)} | {_f(r['peak_rss_mb'], 0)} |"
         )
+    limit = result.get("memory_limit")
+    if limit:
+        ratios = ", ".join(f"{r['dataset']} {r['ms_per_step'] / limit['ms_per_step']:.2f}x" for r in result["results"]
+                           if r["config"] == GREEDY and r["ms_per_step"])
+        lines += ["", f"Memory limit: {limit['weight_mb']:.0f} MB of weights / {limit['read_gbps']:.1f} GB/s read = "
+                      f"{limit['ms_per_step']:.1f} ms per step; greedy ms/step over it: {ratios or '-'}."]
     lines += [
         "",
         "compression = generated tokens / forward passes (prefill included); speedup = greedy decode time per "
@@ -441,9 +455,18 @@ def plan_bench(
     return BenchPlan(path, source, sets, prompts, labels, peer_list, max_new_tokens, limit, max_seq_len)
 
 
+def memory_limit(model_path: Path, dtype: str) -> dict[str, float]:
+    """The fastest a memory-bound greedy step can be on this machine: the weights' bytes over the measured read
+    bandwidth (docs/design.md section 8)."""
+    weights, bandwidth = weight_bytes(model_path, dtype), read_bandwidth_gbps()
+    return {"weight_mb": round(weights / 1e6, 1), "read_gbps": round(bandwidth, 2),
+            "ms_per_step": round(weights / bandwidth / 1e6, 2)}
+
+
 def run_bench(rt: LookaheadRuntime, plan: BenchPlan, *, progress: bool = True, warmup: bool = True) -> dict[str, Any]:
     """Run the plan on `rt` (then the peers, after closing `rt`); returns the `bench --json` object."""
     machine = machine_info()
+    memory = memory_limit(plan.model_path, rt.dtype)
     specs = [ConfigSpec(label, *rt.request_config(label)) for label in plan.labels]  # auto: tuned on rt
 
     # an `auto` that resolved to a config already in the list reuses those runs
@@ -512,6 +535,7 @@ def run_bench(rt: LookaheadRuntime, plan: BenchPlan, *, progress: bool = True, w
         "backend": backend,
         "dtype": dtype,
         "machine": machine,
+        "memory_limit": memory,
         "load_end": load_average(),
         "date_end": utc_now(),
         "elapsed_seconds": round(time.perf_counter() - started, 2),

@@ -11,7 +11,9 @@ import datetime as _dt
 import os
 import platform
 import resource
+import statistics
 import sys
+import time
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -58,6 +60,21 @@ def machine_info(threads: int | None = None) -> dict[str, Any]:
         "platform": f"{platform.system()} {platform.machine()}",
         "python": platform.python_version(),
     }
+
+
+def read_bandwidth_gbps(megabytes: int = 512, repeats: int = 7) -> float:
+    """Memory read bandwidth in GB/s with torch's threads: the median over `repeats` sums of a buffer much
+    larger than any cache (what a memory-bound decode step can at best stream its weights at)."""
+    import torch
+
+    buffer = torch.ones(megabytes * 2**20 // 4)  # float32
+    buffer.sum()  # first touch (page faults) outside the timing
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        seconds.append(time.perf_counter() - start)
+    return buffer.numel() * 4 / statistics.median(seconds) / 1e9
 
 
 def machine_key(threads: int | None = None) -> str:

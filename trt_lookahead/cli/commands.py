@@ -16,6 +16,7 @@ from trt_lookahead.bench.bench import DEFAULT_CONFIGS
 from trt_lookahead.bench.concurrency import MODES as CONCURRENCY_MODES
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import AUTO, DEFAULT, DEFAULT_LOOKAHEAD, GREEDY, LookaheadConfig
+from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.model.fetch import DEFAULT_MODEL
 from trt_lookahead.runtime import DEFAULT_MAX_NEW_TOKENS
 from trt_lookahead.tuning.tune import DEFAULT_BUDGET, DEFAULT_TUNE_DATASETS
@@ -80,6 +81,8 @@ def generate(args: argparse.Namespace) -> int:
     lookahead = lookahead_choice(args)
     prompt = read_prompt(args)
     source = model_source(args)
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    SamplingParams(**sampling)  # bad values are refused before the model loads (or an engine is built)
 
     from trt_lookahead.runtime import LookaheadRuntime
 
@@ -87,10 +90,7 @@ def generate(args: argparse.Namespace) -> int:
         source, backend=args.backend, dtype=args.dtype, lookahead=lookahead, max_seq_len=args.max_seq_len,
         threads=args.threads, verify=args.verify, tuning_file=args.tuning_file,
     )
-    request = dict(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        seed=args.seed, chat=args.chat,
-    )
+    request = dict(max_new_tokens=args.max_new_tokens, chat=args.chat, **sampling)
     if args.json:
         print(json.dumps(runtime.generate(prompt, **request).to_dict()))
         return 0

@@ -49,6 +49,9 @@ def cached_engine(model_dir: str | os.PathLike, *, dtype: str, lookahead: Lookah
 
     -> (path, why it was built: None when the cache already held it).
     """
+    from trt_lookahead.model.checkpoint import check_weights
+
+    check_weights(model_dir)  # a broken checkpoint is one error line, before any build starts
     request, key = cache_request(model_dir, dtype=dtype, lookahead=lookahead, max_seq_len=max_seq_len,
                                  max_batch=max_batch, root=root)
     path = request.output

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -193,18 +194,37 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _read_tensors(files: list[Path], cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Tensor]:
-    """Read every expected tensor (HF names without the decoder prefix), checking presence and shape."""
+def weight_bytes(path: str | os.PathLike, dtype: str) -> int:
+    """Bytes of the checkpoint's weights in `dtype` (a tied head counted once): what a step reads at least once."""
+    shapes = expected_tensors(read_config(path)).values()
+    return sum(math.prod(shape) for shape in shapes) * parse_dtype(dtype).itemsize
+
+
+def check_weights(path: str | os.PathLike) -> None:
+    """UserError naming the problem if the checkpoint's weight files lack a tensor its config.json requires, hold
+    one of another shape, or cannot be read (headers only: nothing is loaded)."""
+    _locate_tensors(weight_files(Path(path)), read_config(path))
+
+
+def _locate_tensors(files: list[Path], cfg: ModelConfig) -> dict[str, tuple[Path, str]]:
+    """Where every expected tensor is (HF names without the decoder prefix -> (file, key)), checking presence and
+    shape from the files' headers."""
     wanted = expected_tensors(cfg)
-    out: dict[str, Tensor] = {}
     located: dict[str, tuple[Path, str]] = {}
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     name = key.removeprefix("model.")
-                    if name in wanted:
-                        located[name] = (file, key)
+                    if name not in wanted:
+                        continue
+                    shape = tuple(f.get_slice(key).get_shape())
+                    if shape != wanted[name]:
+                        raise UserError(
+                            f"tensor {key} in {file} has shape {list(shape)} but config.json implies "
+                            f"{list(wanted[name])}; the weights and config.json do not match"
+                        )
+                    located[name] = (file, key)
         except (SafetensorError, OSError) as exc:
             raise UserError(
                 f"weight file {file} is unreadable ({exc}); it is probably truncated or corrupt: re-download it"
@@ -217,19 +237,19 @@ def _read_tensors(files: list[Path], cfg: ModelConfig, dtype: torch.dtype) -> di
             f"checkpoint {files[0].parent} lacks tensor(s) {shown}{more} that its config.json requires; "
             "the weights do not belong to this config or are incomplete: re-download the checkpoint"
         )
+    return located
+
+
+def _read_tensors(files: list[Path], cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Tensor]:
+    """Read every expected tensor (HF names without the decoder prefix), checking presence and shape first."""
     by_file: dict[Path, list[tuple[str, str]]] = {}
-    for name, (file, key) in located.items():
+    for name, (file, key) in _locate_tensors(files, cfg).items():
         by_file.setdefault(file, []).append((name, key))
+    out: dict[str, Tensor] = {}
     for file, items in by_file.items():
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name, key in items:
-                    shape = tuple(f.get_slice(key).get_shape())
-                    if shape != wanted[name]:
-                        raise UserError(
-                            f"tensor {key} in {file} has shape {list(shape)} but config.json implies "
-                            f"{list(wanted[name])}; the weights and config.json do not match"
-                        )
                     out[name] = f.get_tensor(key).to(dtype)
         except (SafetensorError, OSError) as exc:
             raise UserError(f"weight file {file} is unreadable ({exc}); re-download it") from exc

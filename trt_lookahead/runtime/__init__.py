@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -42,7 +43,7 @@ from trt_lookahead.engine.format import DEFAULT_MAX_BATCH, is_engine_dir
 from trt_lookahead.errors import UserError, as_int
 from trt_lookahead.lookahead.config import AUTO, DEFAULT, DEFAULT_LOOKAHEAD, GREEDY, LookaheadConfig
 from trt_lookahead.lookahead.decoder import DecodeStats, RequestDecoder, check_request
-from trt_lookahead.lookahead.executor import Executor
+from trt_lookahead.lookahead.executor import Executor, check_kv_memory
 from trt_lookahead.lookahead.policy import LookaheadPolicy, Priors, StepCost
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.runtime import scheduler
@@ -287,12 +288,15 @@ class LookaheadRuntime:
         if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
             raise UserError(f"max_batch must be a positive integer (request slots), got {max_batch!r}")
         if is_engine_dir(path):
+            why = None  # an engine dir runs where it was built for: nothing to explain
             rt = cls._from_engine(path, backend or "onnxruntime", dtype, max_seq_len, max_batch, max_queue, tuning_file,
                                   verify)
         else:
-            backend = checkpoint_backend(backend, dtype)
+            asked = None if lookahead in (DEFAULT, None) else resolve_lookahead(lookahead)
+            asked = asked if isinstance(asked, LookaheadConfig) else None
+            backend, why = checkpoint_backend(backend, dtype, asked)
             if backend == "onnxruntime":
-                engine = cached_checkpoint_engine(path, dtype, max_seq_len, max_batch)
+                engine = cached_checkpoint_engine(path, dtype, max_seq_len, max_batch, asked)
                 rt = cls._from_engine(engine, backend, dtype, max_seq_len, max_batch, max_queue, tuning_file, verify,
                                       model_path=path)
             else:
@@ -302,11 +306,13 @@ class LookaheadRuntime:
             if lookahead == DEFAULT:  # an engine dir's built config; a checkpoint's (on any backend) 4,3,4
                 rt.lookahead = (rt.max_lookahead if is_engine_dir(path) else None) or DEFAULT_LOOKAHEAD
             elif lookahead is not None:
-                rt.lookahead = rt._resolve(lookahead)
+                rt.lookahead = resolve_lookahead(lookahead)
             rt.request_config(None)  # the default must fit this executor
         except BaseException:
             rt.close()
             raise
+        if why is not None:  # a checkpoint: which backend runs it and why, once (stderr, beside the build's lines)
+            print(f"trt-lookahead: {path.name} runs on {rt.backend} ({why})", file=sys.stderr, flush=True)
         return rt
 
     @classmethod
@@ -342,12 +348,13 @@ class LookaheadRuntime:
 
         engine = open_engine(path, backend=backend, dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch,
                              verify=verify)
+        source = model_path or path  # a cached engine's checkpoint: its tokenizer files as they are now
         return cls(
-            load_tokenizer(path),
+            load_tokenizer(source),
             engine.executor(),
             lookahead=None,
             max_seq_len=engine.max_seq_len,
-            stop_token_ids=_stop_token_ids(path),
+            stop_token_ids=_stop_token_ids(source),
             backend=backend,
             dtype=engine.dtype,
             model_path=model_path or path,  # a cached engine answers for its checkpoint (tuning key)
@@ -423,7 +430,7 @@ class LookaheadRuntime:
                 f"lookahead must be None (the runtime's default), {GREEDY!r}, {AUTO!r}, 'W,N,G' text or a "
                 f"LookaheadConfig, got {lookahead!r}"
             )
-        chosen = self.lookahead if lookahead is None else self._resolve(lookahead)
+        chosen = self.lookahead if lookahead is None else resolve_lookahead(lookahead)
         if chosen == AUTO:
             config = self._auto()
             explicit = config.is_greedy
@@ -437,16 +444,6 @@ class LookaheadRuntime:
                 f"takes at most {self.executor.step_tokens}: ask for a smaller W, N or G"
             )
         return config, explicit
-
-    def _resolve(self, lookahead: LookaheadConfig | str) -> LookaheadConfig | str | None:
-        """A LookaheadConfig, GREEDY (None), AUTO, or W,N,G text."""
-        if isinstance(lookahead, LookaheadConfig):
-            return lookahead
-        if lookahead == GREEDY:
-            return None
-        if lookahead == AUTO:
-            return AUTO
-        return LookaheadConfig.parse(lookahead)
 
     def _auto(self) -> LookaheadConfig:
         """The tuned config `auto` requests run up to; the first call installs the tuned policy (tuning if needed)."""
@@ -608,35 +605,63 @@ def _stop_token_ids(path: Path) -> list[int]:
 BACKEND_CHOICES = ("torch", "onnxruntime", "tensorrt")
 
 
-def checkpoint_backend(backend: str | None, dtype: str) -> str:
-    """The backend that runs a checkpoint: torch, unless onnxruntime (a cached engine) is asked for; UserError
-    for a backend or dtype that cannot run one."""
+def resolve_lookahead(lookahead: LookaheadConfig | str) -> LookaheadConfig | str | None:
+    """A LookaheadConfig, GREEDY (None), AUTO, or W,N,G text."""
+    if isinstance(lookahead, LookaheadConfig):
+        return lookahead
+    if lookahead == GREEDY:
+        return None
+    if lookahead == AUTO:
+        return AUTO
+    return LookaheadConfig.parse(lookahead)
+
+
+def engine_cover(asked: LookaheadConfig | None = None) -> LookaheadConfig:
+    """The W, N, G a checkpoint's cached engine is built for: the default config, the largest `auto` may pick,
+    and the config asked for explicitly (None: the standard engine)."""
+    from trt_lookahead.tuning.tune import NGRAMS, TOP
+
+    configs = [DEFAULT_LOOKAHEAD, LookaheadConfig(TOP, max(NGRAMS), TOP), *([asked] if asked else [])]
+    return LookaheadConfig(*(max(getattr(c, k) for c in configs) for k in "WNG"))
+
+
+def checkpoint_backend(backend: str | None, dtype: str, asked: LookaheadConfig | None = None) -> tuple[str, str]:
+    """(the backend that runs a checkpoint, why): onnxruntime on a cached engine for float32 (the fastest CPU
+    path, docs/design.md section 6.8), torch for other dtypes, for a config wider than the standard cached
+    engine (so the default never builds a second one unasked), or when asked; UserError for one that cannot."""
     if backend is None:
-        return "torch"
+        if dtype != "float32":
+            return "torch", f"the default for {dtype}: onnxruntime engines run float32 only"
+        if asked is not None and engine_cover(asked) != engine_cover():
+            return "torch", (f"{asked} is wider than the standard cached engine's {engine_cover()}; "
+                             "--backend onnxruntime builds an engine for it once")
+        return "onnxruntime", "the default for float32: a compiled engine, built once and cached; --backend torch"
     if backend not in BACKEND_CHOICES[:2]:
         raise UserError(f"backend {backend!r} runs engine dirs: build one with `trt-lookahead build --target "
                         f"{backend}`; a checkpoint runs on {' or '.join(BACKEND_CHOICES[:2])}")
     if backend == "onnxruntime" and dtype != "float32":
         raise UserError(f"the onnxruntime backend runs float32 engines on the CPU, not {dtype}; use --backend torch")
-    return backend
+    return backend, "asked for"
 
 
-def cached_checkpoint_engine(path: Path, dtype: str, max_seq_len: int | None, max_batch: int | None) -> Path:
+def cached_checkpoint_engine(path: Path, dtype: str, max_seq_len: int | None, max_batch: int | None,
+                             asked: LookaheadConfig | None = None) -> Path:
     """The cached engine dir (engine/cache.py) a checkpoint runs on with onnxruntime, built first if needed.
 
     One shape serves a checkpoint's usual requests, so one engine is built per checkpoint and dtype: W, N, G
-    cover the default config and the largest `auto` may pick (a larger explicit config is refused, naming
-    it); max_seq_len and max_batch cover the defaults and what was asked for (the graph's batch and cache
-    length are dynamic: an executor opened for less keeps less).
+    from `engine_cover` (a larger per-request config is refused, naming it); max_seq_len and max_batch cover
+    the defaults and what was asked for (the graph's batch and cache length are dynamic: an executor opened
+    for less keeps less).
     """
     from trt_lookahead.engine.cache import cached_engine
     from trt_lookahead.model.checkpoint import check_max_seq_len, read_config
-    from trt_lookahead.tuning.tune import NGRAMS, TOP
 
-    configs = [DEFAULT_LOOKAHEAD, LookaheadConfig(TOP, max(NGRAMS), TOP)]
-    cover = LookaheadConfig(*(max(getattr(c, k) for c in configs) for k in "WNG"))
-    context = read_config(path).max_position_embeddings
+    cover, config = engine_cover(asked), read_config(path)
+    context = config.max_position_embeddings
     seq_len = max(check_max_seq_len(max_seq_len, context, DEFAULT_MAX_SEQ_LEN), min(context, DEFAULT_MAX_SEQ_LEN))
-    engine, _ = cached_engine(path, dtype=dtype, lookahead=cover, max_seq_len=seq_len,
-                              max_batch=max(max_batch or DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH))
+    slots = max(max_batch or DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH)
+    # the executor checks this too, but only after a build that may itself not fit: refuse before building
+    check_kv_memory((config.num_layers, slots, config.num_kv_heads, seq_len + cover.step_tokens, config.head_dim),
+                    4, seq_len, slots)
+    engine, _ = cached_engine(path, dtype=dtype, lookahead=cover, max_seq_len=seq_len, max_batch=slots)
     return engine

@@ -93,15 +93,17 @@ def write_repository(
         model_dir = resolve_model(model).resolve()
         check_max_seq_len(max_seq_len, read_config(model_dir).max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
         params["model"] = str(model_dir)
+        asked = None
         if (lookahead_config or "").strip().lower() == AUTO:  # the policy, tuned now for this machine
-            _tune(model_dir, dtype)
+            _tune(model_dir, dtype, backend)
             lookahead = AUTO
         else:
-            served = LookaheadConfig.parse(lookahead_config) if lookahead_config else DEFAULT_LOOKAHEAD
+            asked = LookaheadConfig.parse(lookahead_config) if lookahead_config else None
+            served = asked or DEFAULT_LOOKAHEAD
             lookahead = f"{served.W},{served.N},{served.G}"
-        if checkpoint_backend(backend, dtype) == "onnxruntime":  # the cached engine, built now: the instances
-            # only open it
-            cached_checkpoint_engine(model_dir, dtype, max_seq_len, max_batch)
+        if checkpoint_backend(backend, dtype, asked)[0] == "onnxruntime":  # the cached engine, built now: the
+            # instances only open it
+            cached_checkpoint_engine(model_dir, dtype, max_seq_len, max_batch, asked)
     params.update(
         backend=backend or "",
         dtype=dtype,
@@ -124,12 +126,13 @@ def write_repository(
     return model_root
 
 
-def _tune(model_dir: Path, dtype: str) -> LookaheadConfig:
-    """`auto` for a checkpoint on this machine (tuned now if the tuning file has no entry): its largest config."""
+def _tune(model_dir: Path, dtype: str, backend: str | None) -> LookaheadConfig:
+    """`auto` for a checkpoint on this machine and backend (tuned now if the tuning file has no entry): its
+    largest config."""
     from trt_lookahead.runtime import LookaheadRuntime
     from trt_lookahead.tuning.tune import tuning_seq_len
 
     with LookaheadRuntime.from_pretrained(
-        model_dir, dtype=dtype, lookahead=None, max_seq_len=tuning_seq_len(model_dir)
+        model_dir, backend=backend, dtype=dtype, lookahead=None, max_seq_len=tuning_seq_len(model_dir)
     ) as rt:
         return rt.request_config(AUTO)[0]
