@@ -23,10 +23,17 @@ def first_prompt(name: str):
     return row["prompt"]
 
 
-@pytest.fixture(scope="module")
-def smollm2():
+# the default backend (onnxruntime, its cached engine: configs up to 8,5,8) and torch (any config)
+CONFIGS = {"onnxruntime": ("4,3,4", "8,5,8"), "torch": ("4,3,4", "15,5,15")}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def smollm2(request):
     torch.set_num_threads(2)
-    return LookaheadRuntime.from_pretrained("smollm2-135m-instruct", max_seq_len=1024)
+    backend = None if request.param == "onnxruntime" else request.param
+    with LookaheadRuntime.from_pretrained("smollm2-135m-instruct", backend=backend, max_seq_len=1024) as rt:
+        assert rt.backend == request.param
+        yield rt
 
 
 @pytest.mark.parametrize("dataset", sorted(SETS))
@@ -34,7 +41,7 @@ def test_lookahead_equals_greedy_on_smollm2(smollm2, dataset):
     prompt = first_prompt(dataset)
     greedy = smollm2.generate(prompt, max_new_tokens=64, lookahead="greedy")
     assert greedy.generated_tokens > 8 and greedy.text.strip()
-    for config in ("4,3,4", "15,5,15"):
+    for config in CONFIGS[smollm2.backend]:
         ahead = smollm2.generate(prompt, max_new_tokens=64, lookahead=config)
         assert ahead.token_ids == greedy.token_ids, (dataset, config)
         assert ahead.steps <= greedy.steps
