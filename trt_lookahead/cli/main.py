@@ -51,12 +51,13 @@ def _add_model_arguments(p: argparse.ArgumentParser, engine: bool = True) -> Non
     if engine:
         p.add_argument("--engine", help="engine dir written by `trt-lookahead build`")
     p.add_argument("--backend", choices=["torch", "onnxruntime", "tensorrt"], default=None,
-                   help="executor (default: torch for --model, onnxruntime for --engine; --model with "
-                        "--backend onnxruntime runs a compiled engine, built once and cached)")
+                   help="executor (default: onnxruntime for --engine, and for a float32 --model on its compiled "
+                        "engine, built once and cached; torch for other dtypes or configs wider than 8,5,8)")
     p.add_argument("--dtype", choices=DTYPES, default=DTYPES[0])
     p.add_argument("--max-seq-len", "--max_seq_len", dest="max_seq_len", type=int, default=None,
                    help="KV-cache length (default: min(model context, 4096))")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads of torch and onnxruntime (default: torch's choice)")
     if engine:
         _add_verify_argument(p)
     p.add_argument("--tuning-file", "--tuning_file", dest="tuning_file", default=None,
