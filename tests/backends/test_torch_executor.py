@@ -3,6 +3,7 @@ commit, sampling, the padded (CUDA) path on the CPU, and the single-request adap
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.sampling import SamplingParams, select_tokens
 from trt_lookahead.lookahead.tree import TreeTemplate, tree_template
 from trt_lookahead.model.checkpoint import load_llama
-from trt_lookahead.model.llama import Llama, ModelConfig
+from trt_lookahead.model.llama import Llama, ModelConfig, attend
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 PROMPT = np.array([1, 403, 407, 261, 378, 505, 263, 260, 345, 411, 280, 306, 263, 417, 300, 45])
@@ -262,7 +263,7 @@ def test_row_attention_makes_a_rows_logits_bit_identical_alone_and_batched(model
             if t > 1:
                 mask = torch.ones(t, p + t, dtype=torch.bool)
                 mask[:, p:] = torch.from_numpy(layout.mask.copy())
-            spans.append((start, start + t, slot * S, p + t, mask))
+            spans.append((start, start + t, slot * S, p + t, functools.partial(attend, mask=mask)))
             start += t
         with torch.inference_mode():
             return m(torch.from_numpy(np.concatenate(ids)), torch.from_numpy(np.concatenate(pos)), k.clone(), v.clone(),

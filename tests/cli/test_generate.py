@@ -71,6 +71,19 @@ def test_generate_greedy_and_lookahead_print_the_same_text(capsys, tmp_path):
     assert texts[0] == texts[1]
 
 
+@pytest.mark.parametrize("prompt", ["Tom had a red ball. He", "The sun was hot and"])
+def test_bfloat16_lookahead_equals_greedy_with_exact(capsys, prompt):
+    """--exact (the default on the CPU) makes bfloat16 lookahead token-identical to bfloat16 greedy; with
+    --no-exact these prompts diverge (15/5/15 against greedy, stories260K, 64 tokens)."""
+    ids = []
+    for mode in (["--greedy"], ["--lookahead_config", "15/5/15"]):
+        code, out, _ = run_cli(capsys, "generate", "--model", str(STORIES), "--prompt", prompt, "--dtype", "bfloat16",
+                               "--max-new-tokens", "64", "--exact", "--json", *mode)
+        assert code == 0
+        ids.append(json.loads(out.strip().splitlines()[-1])["token_ids"])
+    assert ids[0] == ids[1]
+
+
 def broken_copies(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     """name -> (model dir, expected words in the error line)."""
     cases = {}

@@ -10,9 +10,11 @@ slot), allocated once; nothing is allocated per request. Two step paths, one con
 
   packed (CPU): only the real tokens of each row are fed (pads skipped), flattened over the rows, so
     the linear layers see M = the step's real tokens; attention runs per row (`RowAttention`) over that
-    row's own cache_len + t keys. A row therefore makes exactly the calls it makes alone: with the
-    row-invariant oneDNN weight layout (model/llama.py `auto_weight_layout`) its tokens are the same
-    whatever shares the step.
+    row's own cache_len + t keys. With `exact` (the default where the model's projections are
+    row-invariant, model/llama.py `row_invariant_layout`) a row's attention is kernels/reference.py's
+    `BlockedAttention`, so every token's logits are bit-identical whatever shares its step: other
+    requests, or its own lookahead slots (the 1-token greedy step gives the same bits; docs/design.md
+    section 4.2). Prefill keeps SDPA: a prompt is prefilled by one call of its own, alone or batched.
   padded (CUDA): rows padded to [Bb, step_tokens], Bb the batch-size bucket (1, 2, 4, ..., max_batch);
     masks come from cache_len [Bb] and step_config [Bb, 3] device tensors through the one closed form
     (kernels/mask.py); the active slots are kept in physical slots 0 .. n-1 (a release moves the last one
@@ -27,11 +29,15 @@ executor, which scripts/bench_executor.py and scripts/gpu_check.py still time.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from torch import Tensor
 
 from trt_lookahead.kernels.mask import CAUSAL, step_mask, step_visible, tree_ends, tree_step_visible
+from trt_lookahead.kernels.reference import BlockedAttention
 from trt_lookahead.kernels.sampling_torch import select_rows_torch, vocab_salts
 from trt_lookahead.lookahead.executor import (
     StepBatch,
@@ -43,25 +49,28 @@ from trt_lookahead.lookahead.executor import (
 )
 from trt_lookahead.lookahead.sampling import MASK32, SamplingParams
 from trt_lookahead.lookahead.tree import TreeTemplate
-from trt_lookahead.model.llama import Llama, attend
+from trt_lookahead.model.llama import Llama, attend, row_invariant_layout
 
 DEFAULT_STEP_TOKENS = 128  # the largest row a runtime's torch executor takes (15/5/15 is 120)
+
+
+RowAttend = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q [t, Hq, D], k, v [keys, Hkv, D]) -> [t, Hq, D]
 
 
 class RowAttention:
     """Attention of a packed step, row by row: a row's queries see its own slot's cache rows and tokens.
 
-    spans: (first query, end query, first cache row, key rows, mask [t, keys] bool or None for one token),
-    the keys being the slot's cached prefix followed by the row's own step tokens (written before the call).
+    spans: (first query, end query, first cache row, key rows, the row's attention), the keys being the
+    slot's cached prefix followed by the row's own step tokens (written before the call).
     """
 
-    def __init__(self, spans: list[tuple[int, int, int, int, Tensor | None]]) -> None:
+    def __init__(self, spans: list[tuple[int, int, int, int, RowAttend]]) -> None:
         self.spans = spans
 
     def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, step_mask: Tensor) -> Tensor:
         out = torch.empty_like(q)
-        for start, end, first, keys, mask in self.spans:
-            out[start:end] = attend(q[start:end], k_cache[first : first + keys], v_cache[first : first + keys], mask)
+        for start, end, first, keys, row_attend in self.spans:
+            out[start:end] = row_attend(q[start:end], k_cache[first : first + keys], v_cache[first : first + keys])
         return out
 
 
@@ -95,6 +104,7 @@ class BatchedTorchExecutor:
         padded: bool | None = None,
         cuda_graph: bool | None = None,
         tree: TreeTemplate | None = None,
+        exact: bool | None = None,
     ) -> None:
         self.device = model.device if device is None else torch.device(device)
         self.tree = tree  # every lookahead row's verification slots are this template's nodes (fixed, like an engine's)
@@ -110,6 +120,7 @@ class BatchedTorchExecutor:
         self.cuda_graph = (is_cuda and self.padded) if cuda_graph is None else cuda_graph
         if self.cuda_graph and not (is_cuda and self.padded):
             raise ValueError("cuda_graph needs device='cuda' and the padded step")
+        self.exact = self._exact(model, exact)
         self.model = model
         self.vocab_size = model.cfg.vocab_size
         self.max_batch, self.max_seq_len, self.step_tokens = int(max_batch), int(max_seq_len), int(step_tokens)
@@ -149,6 +160,26 @@ class BatchedTorchExecutor:
             self._ends = torch.from_numpy(tree_ends(np.zeros(0) if tree is None else tree.ends, T)).to(dev)
             self.buckets = sorted({min(1 << i, B) for i in range(B.bit_length() + 1)})
 
+    def _exact(self, model: Llama, exact: bool | None) -> bool:
+        """Whether steps run row-invariant: asked for, or by default where the model's projections are."""
+        try:
+            layout = None if self.padded else row_invariant_layout(model.device, model.dtype)
+        except ValueError:
+            layout = None
+        if exact is None:
+            return layout is not None and model.weight_layout == layout
+        if exact and layout is None:
+            raise ValueError(
+                f"exact=True needs the packed CPU step and row-invariant projections, which this executor "
+                f"({model.dtype} on {model.device.type}, padded={self.padded}) does not have; use exact=False"
+            )
+        if exact and model.weight_layout != layout:
+            raise ValueError(
+                f"exact=True needs the model's projections in the {layout!r} layout, got {model.weight_layout!r}: "
+                "load it with load_llama(..., weight_layout='auto') or call model.set_weight_layout('auto')"
+            )
+        return bool(exact)
+
     # -- contract ---------------------------------------------------------------------------------
 
     def cache_len(self, slot: int) -> int:
@@ -174,7 +205,7 @@ class BatchedTorchExecutor:
             None,
             None,
             last,
-            attention=RowAttention([(0, P, first, P, mask)]),
+            attention=RowAttention([(0, P, first, P, functools.partial(attend, mask=mask))]),
             cache_rows=torch.arange(first, first + P, device=dev),
         )
         token = self._select(logits, last, np.array([phys]))
@@ -183,6 +214,24 @@ class BatchedTorchExecutor:
 
     @torch.inference_mode()
     def step(self, batch: StepBatch) -> np.ndarray:
+        real = self._check_step(batch)
+        out = self._step_padded(batch) if self.padded else self._step_packed(batch, real)
+        self._step_real[batch.slots] = real
+        return out
+
+    @torch.inference_mode()
+    def step_logits(self, batch: StepBatch) -> Tensor:
+        """[B, K, vocab] the logits `step` chooses from at each row's output slots (packed step); KV as `step`."""
+        if self.padded:
+            raise ValueError("step_logits runs the packed step; this executor runs the padded one (padded=True)")
+        real = self._check_step(batch)
+        logits, distinct = self._packed_logits(batch, real)
+        self._step_real[batch.slots] = real
+        entry = np.cumsum(distinct.reshape(-1)) - 1  # each (row, k) -> its distinct output slot's logits row
+        return logits[torch.from_numpy(entry).to(self.device)].view(*distinct.shape, -1)
+
+    def _check_step(self, batch: StepBatch) -> np.ndarray:
+        """The real tokens per row, after every check of `batch` against the executor's state."""
         real = check_batch(batch, self.max_batch, self.step_tokens, self.vocab_size)
         slots = np.asarray(batch.slots, np.int64)
         if not self._live[slots].all():
@@ -190,9 +239,7 @@ class BatchedTorchExecutor:
         full = self._cache_len[slots] + real > self.rows_per_slot
         if full.any():
             raise ValueError(f"KV cache full in slot {int(slots[full][0])}: max_seq_len={self.max_seq_len}")
-        out = self._step_padded(batch) if self.padded else self._step_packed(batch, real)
-        self._step_real[slots] = real
-        return out
+        return real
 
     @torch.inference_mode()
     def commit(self, slot: int, rows: np.ndarray) -> None:
@@ -272,6 +319,17 @@ class BatchedTorchExecutor:
     # -- packed step (CPU) ------------------------------------------------------------------------
 
     def _step_packed(self, batch: StepBatch, real: np.ndarray) -> np.ndarray:
+        logits, distinct = self._packed_logits(batch, real)
+        row_of, col_of = np.nonzero(distinct)
+        read = np.asarray(batch.output_slots, np.int64)[row_of, col_of]
+        phys = self._physical[np.asarray(batch.slots, np.int64)]
+        positions = torch.from_numpy(batch.positions[row_of, read]).to(self.device)
+        result = np.full(batch.input_ids.shape, -1, np.int64)
+        result[row_of, read] = self._select(logits, positions, phys[row_of])
+        return result
+
+    def _packed_logits(self, batch: StepBatch, real: np.ndarray) -> tuple[Tensor, np.ndarray]:
+        """Logits [R, vocab] of the step's distinct output slots, and `distinct` [B, K] marking them in order."""
         B, T = batch.input_ids.shape
         dev, S = self.device, self.rows_per_slot
         slots = np.asarray(batch.slots, np.int64)
@@ -280,7 +338,7 @@ class BatchedTorchExecutor:
         starts = np.concatenate(([0], np.cumsum(real)[:-1]))
         spans = [
             (int(starts[b]), int(starts[b] + real[b]), int(phys[b] * S), int(cache_len[b] + real[b]),
-             self._row_mask(batch.step_config[b], int(real[b]), int(cache_len[b])))
+             self._row_attention(batch.step_config[b], int(real[b]), int(cache_len[b])))
             for b in range(B)
         ]
         out_slots = np.asarray(batch.output_slots, np.int64)
@@ -299,24 +357,25 @@ class BatchedTorchExecutor:
             attention=RowAttention(spans),
             cache_rows=torch.from_numpy(((phys * S + cache_len)[:, None] + np.arange(T)[None, :])[keep]).to(dev),
         )
-        positions = torch.from_numpy(batch.positions[row_of, read]).to(dev)
-        result = np.full((B, T), -1, np.int64)
-        result[row_of, read] = self._select(logits, positions, phys[row_of])
-        return result
+        return logits, distinct
 
-    def _row_mask(self, step_config: np.ndarray, tokens: int, cache_len: int) -> Tensor | None:
-        """[t, cache_len + t] bool: the whole cached prefix, then the row's step mask; None for one token."""
-        if tokens == 1:
-            return None
+    def _row_attention(self, step_config: np.ndarray, tokens: int, cache_len: int) -> RowAttend:
+        """One row's attention over its cached prefix and its `tokens` step tokens under its step mask."""
         W, N, G = (int(v) for v in step_config)
         key = ((W, N, G), tokens)
         step = self._row_masks.get(key)
         if step is None:
             ends = None if self.tree is None else self.tree.ends
             step = self._row_masks[key] = torch.from_numpy(step_mask(tokens, (W, N, G), ends)).to(self.device)
+        cfg = self.model.cfg
+        if self.exact:
+            return BlockedAttention(step, cache_len, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.model.dtype,
+                                    self.device)
+        if tokens == 1:
+            return functools.partial(attend, mask=None)
         mask = torch.ones(tokens, cache_len + tokens, dtype=torch.bool, device=self.device)
         mask[:, cache_len:] = step
-        return mask
+        return functools.partial(attend, mask=mask)
 
     # -- padded step (CUDA; also eager on the CPU) -------------------------------------------------
 

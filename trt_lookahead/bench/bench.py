@@ -486,7 +486,7 @@ def run_bench(rt: LookaheadRuntime, plan: BenchPlan, *, progress: bool = True, w
     bar = _progress(total, progress)
     records: list[RunRecord] = []
     started = time.perf_counter()
-    stop_ids, dtype, backend = list(rt.stop_token_ids), rt.dtype, rt.backend
+    stop_ids, dtype, backend, exact_step = list(rt.stop_token_ids), rt.dtype, rt.backend, rt.exact
     try:
         if warmup:
             for spec in unique:
@@ -534,6 +534,7 @@ def run_bench(rt: LookaheadRuntime, plan: BenchPlan, *, progress: bool = True, w
         "model_name": plan.model_name,
         "backend": backend,
         "dtype": dtype,
+        "exact_step": exact_step,
         "machine": machine,
         "memory_limit": memory,
         "load_end": load_average(),

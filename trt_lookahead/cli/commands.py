@@ -88,7 +88,7 @@ def generate(args: argparse.Namespace) -> int:
 
     runtime = LookaheadRuntime.from_pretrained(
         source, backend=args.backend, dtype=args.dtype, lookahead=lookahead, max_seq_len=args.max_seq_len,
-        threads=args.threads, verify=args.verify, tuning_file=args.tuning_file,
+        threads=args.threads, verify=args.verify, tuning_file=args.tuning_file, exact=args.exact,
     )
     request = dict(max_new_tokens=args.max_new_tokens, chat=args.chat, **sampling)
     if args.json:
@@ -119,7 +119,7 @@ def bench(args: argparse.Namespace) -> int:
         engine_dir(args.engine) if args.engine else args.model or DEFAULT_MODEL, datasets=args.dataset,
         limit=args.limit, max_new_tokens=args.max_new_tokens, configs=args.configs, peers=args.peers,
         backend=args.backend, dtype=args.dtype, max_seq_len=args.max_seq_len, threads=args.threads, out=args.out,
-        verify=args.verify, tuning_file=args.tuning_file,
+        verify=args.verify, tuning_file=args.tuning_file, exact=args.exact,
     )
     if paths:
         print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
@@ -134,6 +134,7 @@ def bench_model(
     backend: str | None, dtype: str, max_seq_len: int | None, threads: int | None, out: str | Path | None,
     verify: bool = True,
     tuning_file: str | None = None,
+    exact: bool | None = None,
 ) -> tuple[dict, list[Path]]:
     """Plan, load the runtime, run; with `out`, write the result files (step cost overlay from tuning)."""
     from trt_lookahead.bench.bench import plan_bench, run_bench, write_outputs
@@ -147,7 +148,7 @@ def bench_model(
                       peers=peers, max_seq_len=max_seq_len)
     rt = LookaheadRuntime.from_pretrained(plan.model_path, backend=backend, dtype=dtype, lookahead=None,
                                           max_seq_len=plan.max_seq_len, threads=threads, verify=verify,
-                                          tuning_file=tuning_file)
+                                          tuning_file=tuning_file, exact=exact)
     result = run_bench(rt, plan)
     rt.close()
     del rt
@@ -179,7 +180,7 @@ def bench_concurrency(args: argparse.Namespace) -> int:
     with LookaheadRuntime.from_pretrained(
         plan.model_path, backend=args.backend, dtype=args.dtype, lookahead=None, max_seq_len=plan.max_seq_len,
         threads=args.threads, verify=args.verify, max_batch=max(levels), max_queue=max(levels),
-        tuning_file=args.tuning_file,
+        tuning_file=args.tuning_file, exact=args.exact,
     ) as rt:
         result = run_concurrency(rt, prompts, levels=levels, modes=modes, requests=args.requests,
                                  max_new_tokens=args.max_new_tokens, seed=args.seed)
@@ -201,7 +202,7 @@ def tune(args: argparse.Namespace) -> int:
 
     entry = tune_model(args.model or DEFAULT_MODEL, backend=args.backend, dtype=args.dtype, datasets=args.dataset,
                        budget_seconds=args.budget_seconds, max_seq_len=args.max_seq_len, threads=args.threads,
-                       tuning_file=args.tuning_file)
+                       tuning_file=args.tuning_file, exact=args.exact)
     if args.json:
         print(json.dumps(entry))
     else:
@@ -213,7 +214,7 @@ def tune(args: argparse.Namespace) -> int:
 def tune_model(
     model: str, *, backend: str | None = None, dtype: str = "float32", datasets: str = DEFAULT_TUNE_DATASETS,
     budget_seconds: float = DEFAULT_BUDGET, max_seq_len: int | None = None, threads: int | None = None,
-    tuning_file: str | None = None,
+    tuning_file: str | None = None, exact: bool | None = None,
 ) -> dict:
     """Load the model greedy-only with small KV buffers, tune, store and return the tuning entry."""
     from trt_lookahead.model.fetch import resolve_model
@@ -224,7 +225,7 @@ def tune_model(
     path = resolve_model(model)
     rt = LookaheadRuntime.from_pretrained(
         path, backend=backend, dtype=dtype, lookahead=None,
-        max_seq_len=max_seq_len or tuning_seq_len(path), threads=threads, tuning_file=tuning_file,
+        max_seq_len=max_seq_len or tuning_seq_len(path), threads=threads, tuning_file=tuning_file, exact=exact,
     )
     with rt:
         return tune_and_store(rt, datasets=datasets, budget_seconds=budget_seconds, progress=True)

@@ -19,6 +19,10 @@ padded_tokens=T).mask` (slots past (W+G)(N-1) are pads that see only themselves)
 prefill mask (j <= i) for any T. Because (W, N, G) and cache_len are read from device tensors, one
 compiled graph serves every step, every mix of rows and every smaller config padded to the engine's T.
 Query head h reads KV head h // (Hq // Hkv) (grouped-query attention). See docs/design.md section 6.4.
+
+The reference computes with `BlockedAttention`, the row-invariant form the CPU executors also run
+(docs/design.md section 4.2): a query row's result depends only on that row and the keys it sees, never
+on how many other rows the call holds, where the row sits, or how many keys other rows see.
 """
 
 from __future__ import annotations
@@ -35,6 +39,11 @@ OP_DOMAIN = "trt_lookahead"  # also the TensorRT plugin namespace
 OP_VERSION = 1
 
 
+KEY_BLOCK = 64  # block b holds the keys at positions [b * KEY_BLOCK, (b + 1) * KEY_BLOCK), whatever the step
+ROW_MULTIPLE = 4  # query rows per product are padded to a multiple: BLAS rounds 1-3-row products differently
+VALUE_WIDTH = 16  # the value product's width is padded to a multiple (BLAS rounds 9 wide in float32 by row)
+
+
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
@@ -42,6 +51,129 @@ def default_scale(head_dim: int) -> float:
 def as_config_tensor(step_configs) -> torch.Tensor:
     """[B, 3] int32 device-tensor form of per-row (W, N, G) configs."""
     return torch.tensor(np.asarray(step_configs, np.int64).reshape(-1, 3), dtype=torch.int32)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class BlockedAttention:
+    """Row-invariant attention of a step's t tokens over cache_len cached keys and the step's own keys.
+
+    Planned once per step (mask and cache_len), called once per layer. A query row's result depends only
+    on its query and the keys it sees at their positions, never on the other rows, where the row sits,
+    or how many keys other rows see (docs/design.md section 4.2): its softmax runs over key blocks of
+    KEY_BLOCK positions (a step token's position is cache_len + the number of step tokens it sees - 1),
+    each block's scores [rows, D] x [D, KEY_BLOCK] and values [rows, KEY_BLOCK] x [KEY_BLOCK, width] one
+    fixed-shape product (rows a multiple of ROW_MULTIPLE), masked keys exact zeros, the maximum exact in
+    any order, and the blocks added pairwise over a power-of-two count. A row whose step keys are not
+    stored at their positions' rows (a lookahead branch past its first token) gets its own copy of the
+    blocks from cache_len's on, its keys put in position order. A ones column appended to V makes each
+    block's softmax denominator in the same product. Computes in float32 (float64 for float64 inputs).
+    """
+
+    def __init__(
+        self,
+        step_mask: torch.Tensor | np.ndarray | None,  # [t, t] bool: step token i sees step token j; None: t = 1
+        cache_len: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        scale: float | None = None,
+    ) -> None:
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"query heads {num_q_heads} are not a multiple of KV heads {num_kv_heads}")
+        if isinstance(step_mask, torch.Tensor):
+            step_mask = step_mask.cpu().numpy()
+        mask = np.ones((1, 1), bool) if step_mask is None else np.asarray(step_mask, bool)
+        t, P = len(mask), int(cache_len)
+        G, Hkv, D, BK = num_q_heads // num_kv_heads, num_kv_heads, head_dim, KEY_BLOCK
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        self.shape, self.dtype, self.keys, self.device = (t, num_q_heads, D), dtype, P + t, device
+        self.scale = default_scale(D) if scale is None else scale
+        self.blocks = blocks = -(-(P + t) // BK)
+        self.rows = rows = t * G  # row i * G + g: query i, head h * G + g of KV head h
+        padded = _round_up(rows, ROW_MULTIPLE)
+        allowed = np.zeros((padded, blocks * BK), bool)
+        allowed[:rows, :P] = True
+        allowed[:rows, P : P + t] = np.repeat(mask, G, 0)
+        allowed[rows:, 0] = True  # pad rows see key 0, so no row is empty
+        bias = np.where(allowed, 0.0, -np.inf).reshape(padded, blocks, BK).transpose(1, 0, 2)
+        bias = np.tile(bias, (Hkv, 1, 1)).reshape(Hkv * blocks, padded, BK)  # the same for every KV head
+        self.bias = torch.from_numpy(bias).to(work).to(device)  # [Hkv * blocks, padded, BK]: 0 or -inf
+        self.q = torch.zeros(Hkv, blocks, padded, D, dtype=work, device=device)  # the queries, once per block
+        self.k = torch.zeros(Hkv, blocks * BK, D, dtype=work, device=device)
+        width = _round_up(D + 1, VALUE_WIDTH)
+        self.v = torch.zeros(Hkv, blocks * BK, width, dtype=work, device=device)
+        self.v[..., D] = 1.0
+        self.tree = 1 << (blocks - 1).bit_length()  # the blocks are added pairwise over this power of two
+        self.branch_rows: torch.Tensor | None = None
+        self._plan_branches(mask, P, G, padded, work)
+
+    def _plan_branches(self, mask: np.ndarray, P: int, G: int, padded: int, work: torch.dtype) -> None:
+        """Index the own blocks of rows whose step keys sit away from their positions' rows."""
+        t, BK = len(mask), KEY_BLOCK
+        rel = mask.sum(1) - 1  # [t] a step token's position - cache_len: it sees one key per position of its chain
+        branch = np.flatnonzero((mask & (rel != np.arange(t))[None, :]).any(1))  # such queries
+        if len(branch) == 0:
+            return
+        i, j = np.nonzero(mask[branch])
+        if len(np.unique(i * t + rel[j])) != len(i):
+            raise ValueError("a step mask row sees two step tokens at one position; it is not a chain of positions")
+        self.first = first = P // BK  # blocks before it hold cached keys only, at their positions' rows
+        tail = (P + int(rel[branch].max())) // BK + 1 - first  # blocks up to the last branch position
+        x = first * BK + np.arange(tail * BK)  # the positions of the own blocks
+        key_row = np.tile(np.where(x < P, x, -1), (len(branch), 1))  # [n, tail * BK] the row holding each position
+        key_row[i, P + rel[j] - first * BK] = P + j
+        G4 = _round_up(G, ROW_MULTIPLE)
+        r = branch[:, None, None, None] * G + np.arange(G4)[None, None, :, None]  # [n, 1, G4, 1] rows of p
+        k = key_row.reshape(len(branch), tail, 1, BK)
+        valid = (k >= 0) & (np.arange(G4)[None, None, :, None] < G)  # [n, tail, G4, BK]
+        k = np.maximum(k, 0)
+        flat = np.where(valid, (k // BK) * padded * BK + r * BK + k % BK, 0)  # into one head's p [blocks, padded, BK]
+        dev = self.device
+        self.p_index = torch.from_numpy(flat.reshape(-1)).to(dev)
+        self.p_valid = torch.from_numpy(valid.reshape(-1)).to(work).to(dev)
+        self.v_index = torch.from_numpy(k.reshape(-1)).to(dev)  # key rows (a missing position reads row 0, times 0)
+        self.branch_rows = torch.from_numpy((branch[:, None] * G + np.arange(G)).reshape(-1)).to(dev)  # [n * G]
+        self.branch_shape = (len(branch), tail, G4)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [t, Hq, D], k/v [>= cache_len + t, Hkv, D] (any strides; rows past cache_len + t unread) -> [t, Hq, D]."""
+        T, Hq, D = self.shape
+        Hkv, blocks, padded, BK, n = self.k.shape[0], self.blocks, self.q.shape[2], KEY_BLOCK, self.keys
+        G, width = Hq // Hkv, self.v.shape[-1]
+        self.q[:, :, : self.rows].view(Hkv, blocks, T, G, D).copy_(q.view(T, Hkv, 1, G, D).permute(1, 2, 0, 3, 4))
+        self.k[:, :n] = k[:n].transpose(0, 1)
+        self.v[:, :n, :D] = v[:n].transpose(0, 1)
+        keys = self.k.view(Hkv * blocks, BK, D).transpose(1, 2)  # [Hkv * blocks, D, BK]
+        s = torch.baddbmm(self.bias, self.q.view(Hkv * blocks, padded, D), keys, alpha=self.scale)
+        s = s.view(Hkv, blocks, padded, BK)
+        p = s.sub_(s.amax(3, keepdim=True).amax(1, keepdim=True)).exp_()  # [Hkv, blocks, padded, BK]
+        o = torch.bmm(p.view(Hkv * blocks, padded, BK), self.v.view(Hkv * blocks, BK, width))
+        o = o.view(Hkv, blocks, padded, width)
+        if self.branch_rows is not None:
+            nb, tail, G4 = self.branch_shape
+            pb = p.view(Hkv, -1).index_select(1, self.p_index).mul_(self.p_valid)  # [Hkv, nb * tail * G4 * BK]
+            vb = self.v.index_select(1, self.v_index)  # [Hkv, nb * tail * BK, width]
+            ob = torch.bmm(pb.view(-1, G4, BK), vb.view(-1, BK, width)).view(Hkv, nb, tail, G4, width)
+            ob = ob[:, :, :, :G].transpose(1, 2).reshape(Hkv, tail, nb * G, width)
+            o[:, self.first : self.first + tail].index_copy_(2, self.branch_rows, ob)
+            o[:, self.first + tail :].index_fill_(2, self.branch_rows, 0.0)
+        half = self.tree // 2
+        while half:  # pairwise over `tree` blocks, the missing ones zeros: blocks past a row's keys add nothing
+            o[:, : o.shape[1] - half] += o[:, half:]
+            o, half = o[:, :half], half // 2
+        o = o[:, 0, : self.rows].view(Hkv, T, G, width)
+        out = torch.empty(T, Hkv, G, D, dtype=o.dtype, device=o.device)
+        torch.div(o[..., :D], o[..., D : D + 1], out=out.permute(1, 0, 2, 3))
+        return out.view(T, Hq, D).to(self.dtype)
+
+    def seam(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *_: object) -> torch.Tensor:
+        """The model's attention seam (model/llama.py) for the planned step: the cache's first rows are the keys."""
+        return self(q, k_cache, v_cache)
 
 
 def lookahead_attention(
@@ -63,33 +195,18 @@ def lookahead_attention(
     `tree_ends`: the verification slots form this tree template (TreeTemplate.ends) instead of G chains.
     """
     B, T, Hq, D = query.shape
-    if Hq % key.shape[2]:
-        raise ValueError(f"query heads {Hq} are not a multiple of KV heads {key.shape[2]}")
+    Hkv = key.shape[2]
     lengths = torch.as_tensor(cache_len).reshape(B).tolist()
     configs = np.asarray(step_config, np.int64).reshape(B, 3)
     rows = []
     for b in range(B):
+        P = int(lengths[b])
         row_mask = step_mask(T, configs[b], tree_ends) if masks is None else np.asarray(masks[b], bool)
-        rows.append(_row_attention(query[b], key[b], value[b], key_cache[b], value_cache[b], int(lengths[b]),
-                                   torch.from_numpy(row_mask), default_scale(D) if scale is None else scale))
+        keys = torch.cat([key_cache[b, :, :P].transpose(0, 1), key[b]], 0)  # [P+T, Hkv, D]
+        values = torch.cat([value_cache[b, :, :P].transpose(0, 1), value[b]], 0)
+        attend = BlockedAttention(row_mask, P, Hq, Hkv, D, query.dtype, query.device, scale)
+        rows.append(attend(query[b], keys, values))
     return torch.stack(rows)
-
-
-def _row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                   value_cache: torch.Tensor, cache_len: int, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """One row: query [T, Hq, D] over cache rows 0..cache_len-1 ([Hkv, S, D]) and the step rows `mask` allows."""
-    T, Hq, _ = query.shape
-    work = torch.float64 if query.dtype == torch.float64 else torch.float32
-    keys = torch.cat([key_cache[:, :cache_len].transpose(0, 1), key], 0).to(work)  # [P+T, Hkv, D]
-    values = torch.cat([value_cache[:, :cache_len].transpose(0, 1), value], 0).to(work)
-    group = Hq // key.shape[1]
-    keys = keys.repeat_interleave(group, dim=1)  # [P+T, Hq, D]
-    values = values.repeat_interleave(group, dim=1)
-    scores = torch.einsum("thd,shd->hts", query.to(work), keys) * scale  # [Hq, T, P+T]
-    allowed = torch.cat([torch.ones(T, cache_len, dtype=torch.bool), mask], 1)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hts,shd->thd", probs, values).to(query.dtype)
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -370,6 +370,20 @@ def auto_weight_layout(device: torch.device | str, dtype: torch.dtype) -> str:
     return "out_in"
 
 
+def row_invariant_layout(device: torch.device | str, dtype: torch.dtype) -> str:
+    """`auto_weight_layout` where it is row-invariant: a row's projections have the same bits however many rows
+    share the call. oneDNN's packed weights are; so is torch's CPU bfloat16 GEMM (one reduction order per
+    output); MKL sgemm's float32 F.linear is not (1-3 rows take another path). tests/model/test_exact.py checks.
+    """
+    layout = auto_weight_layout(device, dtype)
+    if torch.device(device).type == "cpu" and (layout == "onednn" or dtype == torch.bfloat16):
+        return layout
+    raise ValueError(
+        f"exact decoding needs row-invariant projections, and this build has none for {dtype} on "
+        f"{torch.device(device).type}; run without it (--no-exact / exact=False)"
+    )
+
+
 class Llama(nn.Module):
     """Llama decoder; see the module docstring for the forward contract and the attention seam."""
 

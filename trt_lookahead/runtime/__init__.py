@@ -53,6 +53,8 @@ DEFAULT_MAX_SEQ_LEN = 4096
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_MAX_QUEUE = 64
 Prompt = str | Sequence[dict[str, str]] | Sequence[int] | np.ndarray
+EXACT_ON_ENGINE = ("exact=True runs on the torch executor (a checkpoint, --backend torch); engines have no exact "
+                   "step yet: drop --exact or use the torch backend")
 PROMPT_KINDS = "a prompt is text, a list of chat messages {'role': ..., 'content': ...}, or a list of token ids"
 
 
@@ -237,6 +239,7 @@ class LookaheadRuntime:
     ) -> None:
         self.tokenizer = tokenizer
         self.executor = executor
+        self.exact = bool(getattr(executor, "exact", False))  # row-invariant steps (docs/design.md section 4.2)
         self.lookahead = lookahead  # None (greedy), AUTO or a LookaheadConfig
         self.max_seq_len = max_seq_len
         self.stop_token_ids = list(dict.fromkeys(int(t) for t in stop_token_ids))
@@ -267,14 +270,17 @@ class LookaheadRuntime:
         max_queue: int = DEFAULT_MAX_QUEUE,
         tuning_file: str | Path | None = None,
         verify: bool = True,
+        exact: bool | None = None,
     ) -> LookaheadRuntime:
         """Load a HF Llama checkpoint dir, a known model name, or an engine dir from `trt-lookahead build`.
 
         lookahead: DEFAULT (4,3,4; an engine's built config), W,N,G, a LookaheadConfig, AUTO (the policy,
         tuned on this runtime), or None / GREEDY (greedy). max_batch: request slots (default 8; an engine
-        dir's built max_batch). max_queue: requests that may
-        wait for a slot before `QueueFull`. tuning_file: where `auto` reads (and stores) what `tune` measured;
-        default the cache's tuning.json. verify: check an engine dir's files against their checksums.
+        dir's built max_batch). max_queue: requests that may wait for a slot before `QueueFull`. tuning_file:
+        where `auto` reads (and stores) what `tune` measured; default the cache's tuning.json. verify: check an
+        engine dir's files against their checksums. exact: run the row-invariant step (a token's logits are
+        bit-identical alone, batched and in greedy decoding; docs/design.md section 4.2); default: on wherever
+        the torch executor has it (CPU).
         """
         from trt_lookahead.model.fetch import resolve_model
 
@@ -287,24 +293,27 @@ class LookaheadRuntime:
             torch.set_num_threads(threads)
         if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
             raise UserError(f"max_batch must be a positive integer (request slots), got {max_batch!r}")
-        if is_engine_dir(path):
+        engine = is_engine_dir(path)
+        if engine:
+            if exact:
+                raise UserError(EXACT_ON_ENGINE)
             why = None  # an engine dir runs where it was built for: nothing to explain
             rt = cls._from_engine(path, backend or "onnxruntime", dtype, max_seq_len, max_batch, max_queue, tuning_file,
                                   verify)
         else:
             asked = None if lookahead in (DEFAULT, None) else resolve_lookahead(lookahead)
             asked = asked if isinstance(asked, LookaheadConfig) else None
-            backend, why = checkpoint_backend(backend, dtype, asked)
+            backend, why = checkpoint_backend(backend, dtype, asked, exact)
             if backend == "onnxruntime":
-                engine = cached_checkpoint_engine(path, dtype, max_seq_len, max_batch, asked)
-                rt = cls._from_engine(engine, backend, dtype, max_seq_len, max_batch, max_queue, tuning_file, verify,
+                cached = cached_checkpoint_engine(path, dtype, max_seq_len, max_batch, asked)
+                rt = cls._from_engine(cached, backend, dtype, max_seq_len, max_batch, max_queue, tuning_file, verify,
                                       model_path=path)
             else:
                 rt = cls._from_checkpoint(path, dtype, max_seq_len, max_batch or DEFAULT_MAX_BATCH, max_queue,
-                                          tuning_file)
+                                          tuning_file, exact)
         try:
             if lookahead == DEFAULT:  # an engine dir's built config; a checkpoint's (on any backend) 4,3,4
-                rt.lookahead = (rt.max_lookahead if is_engine_dir(path) else None) or DEFAULT_LOOKAHEAD
+                rt.lookahead = (rt.max_lookahead if engine else None) or DEFAULT_LOOKAHEAD
             elif lookahead is not None:
                 rt.lookahead = resolve_lookahead(lookahead)
             rt.request_config(None)  # the default must fit this executor
@@ -318,16 +327,20 @@ class LookaheadRuntime:
     @classmethod
     def _from_checkpoint(
         cls, path: Path, dtype: str, max_seq_len: int | None, max_batch: int, max_queue: int,
-        tuning_file: str | Path | None,
+        tuning_file: str | Path | None, exact: bool | None,
     ) -> LookaheadRuntime:
         from trt_lookahead.backends.torch import BatchedTorchExecutor
         from trt_lookahead.model.checkpoint import check_max_seq_len, load_llama, load_tokenizer
 
         model, config = load_llama(path, dtype=dtype, weight_layout="auto")
         seq_len = check_max_seq_len(max_seq_len, config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+        try:
+            executor = BatchedTorchExecutor(model, max_batch, seq_len, exact=exact)
+        except ValueError as exc:  # exact=True where the build has no row-invariant projections
+            raise UserError(str(exc)) from exc
         return cls(
             load_tokenizer(path),
-            BatchedTorchExecutor(model, max_batch, seq_len),
+            executor,
             lookahead=None,
             max_seq_len=seq_len,
             stop_token_ids=_stop_token_ids(path),
@@ -625,11 +638,18 @@ def engine_cover(asked: LookaheadConfig | None = None) -> LookaheadConfig:
     return LookaheadConfig(*(max(getattr(c, k) for c in configs) for k in "WNG"))
 
 
-def checkpoint_backend(backend: str | None, dtype: str, asked: LookaheadConfig | None = None) -> tuple[str, str]:
+def checkpoint_backend(
+    backend: str | None, dtype: str, asked: LookaheadConfig | None = None, exact: bool | None = None
+) -> tuple[str, str]:
     """(the backend that runs a checkpoint, why): onnxruntime on a cached engine for float32 (the fastest CPU
     path, docs/design.md section 6.8), torch for other dtypes, for a config wider than the standard cached
-    engine (so the default never builds a second one unasked), or when asked; UserError for one that cannot."""
+    engine (so the default never builds a second one unasked), for exact=True, or when asked; UserError for
+    one that cannot."""
+    if exact and backend not in (None, "torch"):
+        raise UserError(EXACT_ON_ENGINE)
     if backend is None:
+        if exact:
+            return "torch", "exact=True: the row-invariant step runs on the torch executor (docs/design.md 4.2)"
         if dtype != "float32":
             return "torch", f"the default for {dtype}: onnxruntime engines run float32 only"
         if asked is not None and engine_cover(asked) != engine_cover():

@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""The cost of the exact (row-invariant) step against the fastest step of the CPU torch executor.
+
+    python scripts/bench_exact.py [--model smollm2|stories260K] [--dtypes float32,bfloat16]
+                                  [--tokens 1,4,16,56,120] [--batches 1,8] [--context 300]
+                                  [--threads 1] [--repeats 9] [--json OUT.json]
+
+One `BatchedTorchExecutor.step` of B rows, each the lookahead layout of T tokens (T = 1 is greedy),
+every row's slot holding --context cached tokens. fast = exact=False (SDPA per row), exact = exact=True
+(`BlockedAttention` per row, planned inside the step as the runtime runs it); both on the same model in
+the runtime's 'auto' projection layout (row-invariant on x86: oneDNN float32, torch's bfloat16 GEMM), so
+the difference is attention. The two are timed alternately; medians of --repeats; ms per token =
+step ms / (B * T). The load average is recorded because this machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trt_lookahead.backends.torch import BatchedTorchExecutor
+from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.executor import StepBatch
+from trt_lookahead.lookahead.layout import StepLayout
+from trt_lookahead.lookahead.sampling import SamplingParams
+from trt_lookahead.model.checkpoint import load_llama
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYOUTS = {1: (1, 2, 0), 4: (2, 3, 0), 16: (4, 3, 4), 56: (7, 5, 7), 120: (15, 5, 15)}
+
+
+def checkpoint(name: str) -> Path:
+    if name == "stories260K":
+        return ROOT / "tests" / "fixtures" / "stories260K"
+    from trt_lookahead.model.fetch import resolve_model
+
+    return resolve_model("smollm2-135m-instruct")
+
+
+def step_timer(ex: BatchedTorchExecutor, rows: int, tokens: int, context: int):
+    """A function timing one step of `rows` rows of `tokens` tokens over `context` cached tokens each."""
+    layout = StepLayout(LookaheadConfig(*LAYOUTS[tokens]))
+    rng = np.random.default_rng(0)
+    for slot in range(rows):
+        ex.prefill(slot, rng.integers(3, ex.vocab_size, context), SamplingParams())
+    batch = StepBatch(
+        np.arange(rows), rng.integers(3, ex.vocab_size, (rows, tokens)),
+        np.tile(context + layout.rel_positions, (rows, 1)), np.tile(LAYOUTS[tokens], (rows, 1)).astype(np.int32),
+        np.tile(layout.output_slots, (rows, 1)),
+    )
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        ex.step(batch)
+        return time.perf_counter() - t0
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "stories260K"])
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--tokens", default="1,4,16,56,120")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rows, load_before = [], os.getloadavg()
+    for dtype in args.dtypes.split(","):
+        model, _ = load_llama(checkpoint(args.model), dtype=dtype, weight_layout="auto")
+        for B in (int(b) for b in args.batches.split(",")):
+            for T in (int(t) for t in args.tokens.split(",")):
+                timers = {
+                    name: step_timer(BatchedTorchExecutor(model, B, args.context + 128, 128, exact=exact), B, T,
+                                     args.context)
+                    for name, exact in (("fast", False), ("exact", True))
+                }
+                times: dict[str, list[float]] = {name: [] for name in timers}
+                for i in range(args.repeats + 1):  # the first round warms up
+                    for name, run in timers.items():
+                        seconds = run()
+                        if i:
+                            times[name].append(seconds)
+                med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+                row = {"dtype": dtype, "B": B, "T": T, "fast_ms": round(med["fast"], 2),
+                       "exact_ms": round(med["exact"], 2), "ratio": round(med["exact"] / med["fast"], 3),
+                       "fast_ms_per_token": round(med["fast"] / (B * T), 3),
+                       "exact_ms_per_token": round(med["exact"] / (B * T), 3), "layout": model.weight_layout}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    result = {"model": args.model, "context": args.context, "threads": args.threads, "repeats": args.repeats,
+              "load_before": load_before, "load_after": os.getloadavg(), "cpus": os.cpu_count(), "rows": rows}
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""BlockedAttention (kernels/reference.py): a row's output depends only on its query and the keys it sees at
+their positions, to the bit, whatever else the call holds (docs/design.md section 4.2)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trt_lookahead.kernels.reference import KEY_BLOCK, BlockedAttention, relative_error
+from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.layout import StepLayout
+
+CONFIGS = [(4, 3, 4), (7, 5, 7), (2, 4, 3), (1, 2, 0), (15, 5, 15), (3, 2, 5)]
+HEADS = [(8, 4, 8), (9, 3, 64), (4, 4, 16), (6, 1, 32)]  # (Hq, Hkv, D)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("seed", range(6))
+def test_a_rows_output_is_its_chain_alone(dtype, seed):
+    """Every slot of a lookahead step == the last row of a causal step over its chain alone (plain decoding)."""
+    rng = np.random.default_rng(seed)
+    Hq, Hkv, D = HEADS[seed % len(HEADS)]
+    layout = StepLayout(LookaheadConfig(*CONFIGS[seed % len(CONFIGS)]))
+    T = layout.step_tokens
+    P = int(rng.choice([0, KEY_BLOCK - 1, KEY_BLOCK, 3 * KEY_BLOCK - 5, int(rng.integers(1, 300))]))
+    q = torch.from_numpy(rng.standard_normal((T, Hq, D))).to(dtype)
+    k = torch.from_numpy(rng.standard_normal((P + T, Hkv, D))).to(dtype)
+    v = torch.from_numpy(rng.standard_normal((P + T, Hkv, D))).to(dtype)
+    step = BlockedAttention(layout.mask, P, Hq, Hkv, D, dtype)(q, k, v)
+    for i in range(T):
+        seen = np.flatnonzero(layout.mask[i])
+        chain = seen[np.argsort(layout.rel_positions[seen])]  # its step keys in position order, itself last
+        n = len(chain)
+        keys = torch.cat([k[:P], k[P + chain]])  # stored at their positions' rows, as plain decoding has them
+        values = torch.cat([v[:P], v[P + chain]])
+        alone = BlockedAttention(np.tril(np.ones((n, n), bool)), P, Hq, Hkv, D, dtype)(q[chain], keys, values)
+        assert torch.equal(step[i], alone[-1]), (i, (step[i].double() - alone[-1].double()).abs().max().item())
+
+
+def test_blocked_attention_is_attention():
+    """Against a dense float64 softmax: same numbers up to float32 rounding."""
+    rng = np.random.default_rng(0)
+    layout = StepLayout(LookaheadConfig(4, 3, 4))
+    T, P, Hq, Hkv, D = layout.step_tokens, 150, 8, 2, 16
+    q, k, v = (torch.from_numpy(rng.standard_normal(s)).float() for s in ((T, Hq, D), (P + T, Hkv, D), (P + T, Hkv, D)))
+    out = BlockedAttention(layout.mask, P, Hq, Hkv, D, torch.float32)(q, k, v)
+    allowed = torch.cat([torch.ones(T, P, dtype=torch.bool), torch.from_numpy(layout.mask.copy())], 1)
+    kk, vv = (x.double().repeat_interleave(Hq // Hkv, 1) for x in (k, v))
+    scores = torch.einsum("thd,shd->hts", q.double(), kk) / D**0.5
+    expected = torch.einsum("hts,shd->thd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vv)
+    assert relative_error(out, expected) < 1e-6
+
+
+def test_a_mask_that_is_not_a_chain_is_refused():
+    mask = np.eye(4, dtype=bool)
+    mask[3, [0, 1]] = True  # row 3 sees two step tokens that both sit at the step's first position
+    with pytest.raises(ValueError, match="not a chain of positions"):
+        BlockedAttention(mask, 10, 4, 2, 8, torch.float32)

@@ -1,0 +1,155 @@
+"""Exact by construction: a slot's logits are bit-identical (==) whatever else shares its step.
+
+For random states (prompt, lookahead config, step tokens), every slot of a T-token lookahead step run by
+the CPU executor's exact path gives, to the bit, the logits that plain decoding gives at that slot's
+context (1-token steps feeding the slot's chain of visible step tokens in position order), and the same
+logits again when the step is batched with random companions (other requests, other configs, other
+cache lengths, any row order). float32 and bfloat16, on stories260K and on a random-weight Llama with
+grouped-query attention. docs/design.md section 4.2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trt_lookahead.backends.torch import BatchedTorchExecutor
+from trt_lookahead.kernels.reference import KEY_BLOCK
+from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.executor import StepBatch
+from trt_lookahead.lookahead.layout import StepLayout
+from trt_lookahead.lookahead.sampling import SamplingParams
+from trt_lookahead.model.checkpoint import load_llama
+from trt_lookahead.model.llama import Llama, ModelConfig, apply_rope
+
+STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
+CONFIGS = [LookaheadConfig(4, 3, 4), LookaheadConfig(2, 4, 3), LookaheadConfig(5, 2, 3), LookaheadConfig(3, 3, 0)]
+STEP_TOKENS = 16
+GREEDY_STEP = LookaheadConfig.greedy()
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # 1 thread for speed; 2 threads pass too (measured)
+
+
+def random_gqa_llama(dtype: torch.dtype) -> Llama:
+    """A Llama with random weights: 8 query heads over 2 KV heads, untied head, norms away from 1."""
+    cfg = ModelConfig(hidden_size=128, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16,
+                      intermediate_size=256, vocab_size=300, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model.to(dtype).eval().requires_grad_(False).set_weight_layout("auto")
+
+
+@pytest.fixture(scope="module", params=["stories260K", "random-gqa"])
+def models(request) -> dict[torch.dtype, Llama]:
+    """The model in float32 and bfloat16, projections in the runtime's layout ('auto')."""
+    if request.param == "stories260K":
+        return {dtype: load_llama(STORIES, dtype=dtype, weight_layout="auto")[0]
+                for dtype in (torch.float32, torch.bfloat16)}
+    return {dtype: random_gqa_llama(dtype) for dtype in (torch.float32, torch.bfloat16)}
+
+
+def batch(rows: list[tuple[int, LookaheadConfig, np.ndarray, int]]) -> StepBatch:
+    """A step of rows (slot, config, step ids, cache_len), every real slot an output slot."""
+    T = max(len(ids) for _, _, ids, _ in rows)
+    K = T
+    input_ids = np.zeros((len(rows), T), np.int64)
+    positions = np.zeros((len(rows), T), np.int64)
+    outputs = np.zeros((len(rows), K), np.int64)
+    for b, (_, config, ids, cache_len) in enumerate(rows):
+        layout = StepLayout(config)
+        t = layout.step_tokens
+        input_ids[b, :t] = ids
+        positions[b] = cache_len
+        positions[b, :t] = cache_len + layout.rel_positions
+        outputs[b] = np.minimum(np.arange(K), t - 1)
+    configs = np.array([(c.W, c.N, c.G) for _, c, _, _ in rows], np.int32)
+    return StepBatch(np.array([r[0] for r in rows], np.int64), input_ids, positions, configs, outputs)
+
+
+def chain(layout: StepLayout, slot: int) -> np.ndarray:
+    """The step slots `slot` sees, in position order (its own last)."""
+    seen = np.flatnonzero(layout.mask[slot])
+    return seen[np.argsort(layout.rel_positions[seen])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_slots_logits_are_bit_identical_alone_batched_and_in_plain_decoding(models, dtype, seed):
+    model = models[dtype]
+    vocab = model.cfg.vocab_size
+    rng = np.random.default_rng(seed)
+    config = CONFIGS[seed % len(CONFIGS)]
+    layout = StepLayout(config)
+    T = layout.step_tokens
+    # prompts ending just before, on and after a key-block boundary, so branches cross one
+    P = int(rng.choice([KEY_BLOCK - 3, KEY_BLOCK, 2 * KEY_BLOCK + 1, int(rng.integers(5, 200))]))
+    prompt = rng.integers(3, vocab, P)
+    ex = BatchedTorchExecutor(model, 4, 300, STEP_TOKENS)
+    assert ex.exact  # the default wherever the projections are row-invariant
+    greedy = SamplingParams()
+    ex.prefill(0, prompt, greedy)
+    ids = rng.integers(3, vocab, T)
+    alone = ex.step_logits(batch([(0, config, ids, P)]))[0, :T]  # [T, vocab]
+
+    companions = []
+    for slot in (1, 2):  # other requests: other prompts, configs and cache lengths
+        other = CONFIGS[int(rng.integers(len(CONFIGS)))] if slot == 1 else GREEDY_STEP
+        p = int(rng.integers(1, 200))
+        ex.prefill(slot, rng.integers(3, vocab, p), greedy)
+        companions.append((slot, other, rng.integers(3, vocab, StepLayout(other).step_tokens), p))
+    rows = [(0, config, ids, P), *companions]
+    order = rng.permutation(len(rows))
+    together = ex.step_logits(batch([rows[i] for i in order]))
+    row = int(np.flatnonzero(order == 0)[0])
+    assert torch.equal(together[row, :T], alone), "batched with companions != alone"
+
+    for slot in range(T):  # plain decoding of the slot's context, one token per step, each kept
+        ex.prefill(3, prompt, greedy)
+        for n, j in enumerate(chain(layout, slot)):
+            logits = ex.step_logits(batch([(3, GREEDY_STEP, ids[j : j + 1], P + n)]))[0, 0]
+            ex.commit(3, np.array([0]))
+        assert torch.equal(logits, alone[slot]), (
+            f"slot {slot} of {config}: max |diff| {(logits - alone[slot]).abs().max().item():.3g}"
+        )
+
+
+def test_exact_needs_row_invariant_projections():
+    """float32 nn.Linear (MKL sgemm) is not row-invariant: the default turns exact off, asking for it fails."""
+    model = load_llama(STORIES)[0]  # 'out_in'
+    assert not BatchedTorchExecutor(model, 1, 64, 4).exact
+    with pytest.raises(ValueError, match="weight_layout='auto'"):
+        BatchedTorchExecutor(model, 1, 64, 4, exact=True)
+    model.set_weight_layout("auto")
+    assert BatchedTorchExecutor(model, 1, 64, 4, exact=True).exact
+    assert not BatchedTorchExecutor(model, 1, 64, 4, exact=False).exact
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_per_row_ops_give_a_row_the_same_bits_in_any_call(models, dtype):
+    """RMSNorm, RoPE, SwiGLU and the projections (row-invariant layout): row r of an M-row call == r alone."""
+    model = models[dtype]
+    cfg, block = model.cfg, model.layers[0]
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(rng.standard_normal((130, cfg.hidden_size))).to(dtype)
+    cos, sin = model.rope(torch.from_numpy(rng.integers(0, 500, 130)))
+    heads = torch.from_numpy(rng.standard_normal((130, cfg.num_heads, cfg.head_dim))).to(dtype)
+    ops = {
+        "rms_norm": lambda r: block.attention_norm(x[r]),
+        "rope": lambda r: apply_rope(heads[r], cos[r], sin[r]),
+        "feed_forward": lambda r: block.feed_forward(x[r]),
+        "wqkv": lambda r: block.attention.wqkv(x[r]),
+        "lm_head": lambda r: model.output(x[r]),
+    }
+    with torch.inference_mode():
+        for name, op in ops.items():
+            for M in (2, 3, 4, 7, 16, 57, 130):
+                together = op(slice(0, M))
+                for r in {0, M // 2, M - 1}:
+                    assert torch.equal(together[r], op(slice(r, r + 1))[0]), (name, M, r)
