@@ -1,5 +1,6 @@
 """Hostile arguments to every command: one `error:` line naming the problem, exit 2, before any work (issue 10)."""
 
+import json
 import socket
 import subprocess
 import sys
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from trt_lookahead.cli import main
+from trt_lookahead.engine.format import CONFIG_FILE, FORMAT_KEY
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 
@@ -105,6 +107,14 @@ def test_triton_repo_refuses_what_the_server_would_refuse(capsys, tmp_path, argv
         argv += ["--output", str(tmp_path / "repo")]
     assert words in one_error_line(capsys, ["triton-repo", "--model", str(STORIES), *argv])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "Once"], ["serve", "--port", "0"]])
+def test_exact_on_an_engine_dir_is_refused(capsys, tmp_path, command):
+    """--exact reaches the runtime from every command that loads a model; engine dirs have no exact step."""
+    (tmp_path / CONFIG_FILE).write_text(json.dumps({FORMAT_KEY: 1}))
+    line = one_error_line(capsys, [*command, "--engine", str(tmp_path), "--exact"])
+    assert "exact=True runs on the torch executor" in line
 
 
 @pytest.mark.parametrize("budget", ["nan", "inf", "0", "-5"])

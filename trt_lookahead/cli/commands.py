@@ -280,7 +280,7 @@ def serve(args: argparse.Namespace) -> int:
     with LookaheadRuntime.from_pretrained(
         source, backend=args.backend, dtype=args.dtype, lookahead=lookahead, max_seq_len=args.max_seq_len,
         threads=args.threads, verify=args.verify, tuning_file=args.tuning_file, max_batch=args.max_batch,
-        max_queue=args.max_queue,
+        max_queue=args.max_queue, exact=args.exact,
     ) as runtime:
         for config in (None, GREEDY):  # the served and the greedy paths' first-call costs now, not on a request
             runtime.generate("Hello", max_new_tokens=2, lookahead=config)
