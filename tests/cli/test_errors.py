@@ -110,10 +110,12 @@ def test_triton_repo_refuses_what_the_server_would_refuse(capsys, tmp_path, argv
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "Once"], ["serve", "--port", "0"]])
-def test_exact_on_an_engine_dir_is_refused(capsys, tmp_path, command):
-    """--exact reaches the runtime from every command that loads a model; engine dirs have no exact step."""
+@pytest.mark.parametrize("engine", [True, False], ids=["engine-dir", "onnxruntime-checkpoint"])
+def test_exact_on_an_engine_is_refused(capsys, tmp_path, command, engine):
+    """--exact reaches the runtime from every command that loads a model; engines have no exact step (yet)."""
     (tmp_path / CONFIG_FILE).write_text(json.dumps({FORMAT_KEY: 1}))
-    line = one_error_line(capsys, [*command, "--engine", str(tmp_path), "--exact"])
+    source = ["--engine", str(tmp_path)] if engine else ["--model", str(STORIES), "--backend", "onnxruntime"]
+    line = one_error_line(capsys, [*command, *source, "--exact"])
     assert "exact=True runs on the torch executor" in line
 
 
