@@ -10,8 +10,9 @@ slot), allocated once; nothing is allocated per request. Two step paths, one con
 
   packed (CPU): only the real tokens of each row are fed (pads skipped), flattened over the rows, so
     the linear layers see M = the step's real tokens; attention runs per row (`RowAttention`) over that
-    row's own cache_len + t keys. With `exact` (the default where the model's projections are
-    row-invariant, model/llama.py `row_invariant_layout`) a row's attention is kernels/reference.py's
+    row's own cache_len + t keys. With `exact` (asked for, or by default in EXACT_BY_DEFAULT's dtypes
+    where the model's projections are row-invariant, model/llama.py `row_invariant_layout`) a row's
+    attention is kernels/reference.py's
     `BlockedAttention`, so every token's logits are bit-identical whatever shares its step: other
     requests, or its own lookahead slots (the 1-token greedy step gives the same bits; docs/design.md
     section 4.2). Prefill keeps SDPA: a prompt is prefilled by one call of its own, alone or batched.
@@ -52,6 +53,9 @@ from trt_lookahead.lookahead.tree import TreeTemplate
 from trt_lookahead.model.llama import Llama, attend, row_invariant_layout
 
 DEFAULT_STEP_TOKENS = 128  # the largest row a runtime's torch executor takes (15/5/15 is 120)
+# dtypes whose exact step costs within 10% of the fast one at batch 1, T <= 16 on the CPU (README, "Exact by
+# construction", scripts/bench_exact.py): float32's SDPA is cheaper than BlockedAttention's calls at T = 1
+EXACT_BY_DEFAULT = (torch.bfloat16,)
 
 
 RowAttend = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q [t, Hq, D], k, v [keys, Hkv, D]) -> [t, Hq, D]
@@ -161,13 +165,13 @@ class BatchedTorchExecutor:
             self.buckets = sorted({min(1 << i, B) for i in range(B.bit_length() + 1)})
 
     def _exact(self, model: Llama, exact: bool | None) -> bool:
-        """Whether steps run row-invariant: asked for, or by default where the model's projections are."""
+        """Whether steps run row-invariant: asked for, or by default where it is cheap and the projections are."""
         try:
             layout = None if self.padded else row_invariant_layout(model.device, model.dtype)
         except ValueError:
             layout = None
         if exact is None:
-            return layout is not None and model.weight_layout == layout
+            return layout is not None and model.weight_layout == layout and model.dtype in EXACT_BY_DEFAULT
         if exact and layout is None:
             raise ValueError(
                 f"exact=True needs the packed CPU step and row-invariant projections, which this executor "

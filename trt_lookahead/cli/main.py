@@ -60,7 +60,8 @@ def _add_model_arguments(p: argparse.ArgumentParser, engine: bool = True) -> Non
                    help="CPU threads of torch and onnxruntime (default: torch's choice)")
     p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
                    help="row-invariant steps: a token's logits are bit-identical alone, batched and in greedy "
-                        "decoding (default: on wherever the torch executor has it)")
+                        "decoding (default: on in bfloat16 on the CPU torch executor, where it is cheap; off in "
+                        "float32)")
     if engine:
         _add_verify_argument(p)
     p.add_argument("--tuning-file", "--tuning_file", dest="tuning_file", default=None,

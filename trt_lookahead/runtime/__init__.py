@@ -279,8 +279,8 @@ class LookaheadRuntime:
         dir's built max_batch). max_queue: requests that may wait for a slot before `QueueFull`. tuning_file:
         where `auto` reads (and stores) what `tune` measured; default the cache's tuning.json. verify: check an
         engine dir's files against their checksums. exact: run the row-invariant step (a token's logits are
-        bit-identical alone, batched and in greedy decoding; docs/design.md section 4.2); default: on wherever
-        the torch executor has it (CPU).
+        bit-identical alone, batched and in greedy decoding; docs/design.md section 4.2); default: on where it is
+        cheap (bfloat16 on the CPU torch executor; backends/torch.py EXACT_BY_DEFAULT).
         """
         from trt_lookahead.model.fetch import resolve_model
 
