@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 import torch
 
+from trt_lookahead.kernels.mask import step_mask
 from trt_lookahead.kernels.reference import KEY_BLOCK, BlockedAttention, relative_error
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.layout import StepLayout
+from trt_lookahead.lookahead.tree import tree_template
 
 CONFIGS = [(4, 3, 4), (7, 5, 7), (2, 4, 3), (1, 2, 0), (15, 5, 15), (3, 2, 5)]
 HEADS = [(8, 4, 8), (9, 3, 64), (4, 4, 16), (6, 1, 32)]  # (Hq, Hkv, D)
@@ -57,3 +59,22 @@ def test_a_mask_that_is_not_a_chain_is_refused():
     mask[3, [0, 1]] = True  # row 3 sees two step tokens that both sit at the step's first position
     with pytest.raises(ValueError, match="not a chain of positions"):
         BlockedAttention(mask, 10, 4, 2, 8, torch.float32)
+
+
+@pytest.mark.parametrize(("nodes", "depth", "W", "N"), [(6, 3, 3, 4), (12, 4, 4, 5), (30, 6, 5, 4)])
+def test_a_tree_nodes_output_is_its_path_alone(nodes, depth, W, N):
+    """With a tree template's verification slots (kernels/mask.py tree_ends), each node == its path alone."""
+    rng = np.random.default_rng(nodes)
+    G = nodes // (N - 1)
+    mask = step_mask((W + G) * (N - 1), (W, N, G), tree_template(nodes, depth).ends)
+    T, P, Hq, Hkv, D = len(mask), int(rng.integers(50, 150)), 6, 2, 16
+    q, k, v = (torch.from_numpy(rng.standard_normal(s)).float() for s in ((T, Hq, D), (P + T, Hkv, D), (P + T, Hkv, D)))
+    step = BlockedAttention(mask, P, Hq, Hkv, D, torch.float32)(q, k, v)
+    rel = mask.sum(1) - 1  # a node's depth (its position - cache_len)
+    for i in range(T):
+        seen = np.flatnonzero(mask[i])
+        chain = seen[np.argsort(rel[seen])]
+        n = len(chain)
+        keys, values = torch.cat([k[:P], k[P + chain]]), torch.cat([v[:P], v[P + chain]])
+        alone = BlockedAttention(np.tril(np.ones((n, n), bool)), P, Hq, Hkv, D, torch.float32)(q[chain], keys, values)
+        assert torch.equal(step[i], alone[-1]), i
