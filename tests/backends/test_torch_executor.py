@@ -359,32 +359,24 @@ def test_seeded_sampling_in_the_executor_equals_numpy_reference(model):
     assert greedy_decode(ex, 1, PROMPT, 30, params) == got  # the same seed replays the same draws
 
 
-def test_sampled_lookahead_row_equals_sampled_sequential(model):
-    """With seeded sampling, each slot's draw equals the one-token draw on its visible prefix."""
+@pytest.mark.parametrize(
+    ("config", "tree", "padded"),
+    [
+        ((3, 3, 2), None, False),  # linear candidates
+        ((2, 3, 2), TreeTemplate((-1, 0, 1, 0, -1, 4, -1)), False),  # a tree: depth 3 on 4 verification slots
+        ((2, 3, 2), TreeTemplate((-1, 0, 1, 0, -1, 4, -1)), True),
+    ],
+    ids=["linear", "tree-packed", "tree-padded"],
+)
+def test_sampled_lookahead_row_slots_equal_the_draw_on_their_visible_prefix(model, config, tree, padded):
+    """With seeded sampling, each output slot's draw equals the one-token draw on its visible prefix (StepLayout's
+    mask), for linear candidates and for a draft tree."""
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=3)
-    layout = StepLayout(LookaheadConfig(3, 3, 2))
+    layout = StepLayout(LookaheadConfig(*config), tree=tree)
     ids = np.random.default_rng(2).integers(3, 512, layout.step_tokens)
-    ex = BatchedTorchExecutor(model, 1, 128, 16)
-    ids[0] = ex.prefill(0, PROMPT, params)
-    out = ex.step(make_batch([0], [row((3, 3, 2), ids, len(PROMPT) + layout.rel_positions)]))[0]
-    seq = BatchedTorchExecutor(model, 1, 128, 1)
-    for i in layout.output_slots:
-        visible = np.flatnonzero(layout.mask[i])
-        visible = visible[np.argsort(layout.rel_positions[visible], kind="stable")]
-        seq.release(0)
-        assert out[i] == seq.prefill(0, np.array([*PROMPT.tolist(), *ids[visible].tolist()]), params), f"slot {i}"
-
-
-@pytest.mark.parametrize("padded", [False, True], ids=["packed", "padded"])
-def test_tree_row_slots_see_their_tree_prefix(model, padded):
-    """A tree row: each output slot's draw equals the one-token draw on its visible prefix (StepLayout's mask)."""
-    params = SamplingParams(temperature=1.0, top_p=0.9, seed=5)
-    tree = TreeTemplate((-1, 0, 1, 0, -1, 4, -1))  # depth 3 on 4 verification slots of (2, 3, 2)
-    layout = StepLayout(LookaheadConfig(2, 3, 2), tree=tree)
-    ids = np.random.default_rng(4).integers(3, 512, layout.step_tokens)
     ex = BatchedTorchExecutor(model, 1, 128, 16, padded=padded, tree=tree)
     ids[0] = ex.prefill(0, PROMPT, params)
-    out = ex.step(make_batch([0], [row((2, 3, 2), ids, len(PROMPT) + layout.rel_positions)]))[0]
+    out = ex.step(make_batch([0], [row(config, ids, len(PROMPT) + layout.rel_positions)]))[0]
     seq = BatchedTorchExecutor(model, 1, 128, 1)
     for i in layout.output_slots:
         visible = np.flatnonzero(layout.mask[i])

@@ -11,6 +11,7 @@ from trt_lookahead.lookahead.executor import StepBatch, check_batch
 from trt_lookahead.lookahead.oracles import (
     ORACLES,
     OracleExecutor,
+    decode_together,
     induction_logits,
     markov_logits,
     reference_generate,
@@ -49,21 +50,9 @@ def test_every_request_of_a_batch_emits_its_plain_decoding_whatever_the_step_con
     logits = ORACLES[data.draw(st.sampled_from(sorted(ORACLES)))](vocab, data.draw(st.integers(0, 1000)))
     specs = data.draw(st.lists(requests(vocab), min_size=1, max_size=5))
     executor = OracleExecutor(logits, vocab, max_batch=len(specs), step_tokens=64)
-    stepper = BatchStepper(executor)
-    decoders, emitted = [], []
-    for slot, s in enumerate(specs):
-        d = RequestDecoder(s["config"], s["prompt"], s["max_new"], s["stop"], s["seed"])
-        emitted.append(list(d.setup(executor.prefill(slot, d.prompt, s["sampling"]))))
-        decoders.append(d)
     draw_int = lambda lo, hi: data.draw(st.integers(lo, hi))  # noqa: E731
-    while True:
-        rows = [Row(slot, d, smaller(draw_int, d.config)) for slot, d in enumerate(decoders) if not d.finished]
-        if not rows:
-            break
-        assert stepper.run(rows) == [None] * len(rows)
-        for row in rows:
-            emitted[row.slot].extend(row.decoder.emitted)
-    for s, d, got in zip(specs, decoders, emitted, strict=True):
+    done = decode_together(executor, specs, lambda d: smaller(draw_int, d.config))
+    for s, (d, got) in zip(specs, done, strict=True):
         expected = reference_generate(logits, s["prompt"], s["max_new"], s["sampling"], sorted(s["stop"]))
         assert got == d.tokens == expected
         assert d.finish_reason == ("stop" if expected[-1] in s["stop"] else "length")

@@ -11,7 +11,13 @@ from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.decoder import BatchStepper, RequestDecoder, Row, Switches, step_tables, verify
 from trt_lookahead.lookahead.drafts import SUFFIX, SuffixIndex, lay_tree
 from trt_lookahead.lookahead.layout import StepLayout, mask_from_positions
-from trt_lookahead.lookahead.oracles import ORACLES, OracleExecutor, induction_logits, reference_generate
+from trt_lookahead.lookahead.oracles import (
+    ORACLES,
+    OracleExecutor,
+    decode_together,
+    induction_logits,
+    reference_generate,
+)
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.lookahead.tree import TreeTemplate, chain_template, tree_template
 
@@ -167,21 +173,10 @@ def test_tree_requests_emit_their_plain_decoding(data):
     most = max(s["config"].G * s["config"].levels for s in specs)
     tree = data.draw(templates(min_nodes=most, max_nodes=most + 6))
     executor = OracleExecutor(logits, vocab, max_batch=len(specs), step_tokens=64, tree=tree)
-    stepper = BatchStepper(executor)
-    decoders, emitted = [], []
-    for slot, s in enumerate(specs):
-        d = RequestDecoder(s["config"], s["prompt"], s["max_new"], s["stop"], s["seed"], s["switches"], tree)
-        emitted.append(list(d.setup(executor.prefill(slot, d.prompt, s["sampling"]))))
-        decoders.append(d)
-    while True:
-        rows = [Row(slot, d, LookaheadConfig(d.config.W, d.config.N, data.draw(st.integers(0, d.config.G))))
-                for slot, d in enumerate(decoders) if not d.finished]  # fewer nodes: a prefix of the tree
-        if not rows:
-            break
-        assert stepper.run(rows) == [None] * len(rows)
-        for row in rows:
-            emitted[row.slot].extend(row.decoder.emitted)
-    for s, d, got in zip(specs, decoders, emitted, strict=True):
+    # each step verifies a random prefix of the tree (fewer nodes)
+    done = decode_together(executor, specs, lambda d: LookaheadConfig(
+        d.config.W, d.config.N, data.draw(st.integers(0, d.config.G))), tree)
+    for s, (d, got) in zip(specs, done, strict=True):
         expected = reference_generate(logits, s["prompt"], s["max_new"], s["sampling"], sorted(s["stop"]))
         assert got == d.tokens == expected
 

@@ -6,7 +6,7 @@ allows, ordered by position) and checks those positions are exactly cache_len ..
 position or commit, or a row reading another slot's cache, raises or yields a wrong token instead of
 passing silently. `reference_generate` is plain one-token-at-a-time decoding over the same logits, with
 no decoder code: what every request must emit. `InstantExecutor` is a bigram table in O(B T) numpy, for
-host-overhead measurements.
+host-overhead measurements. `decode_together` drives requests through one batch to the end.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from functools import lru_cache
 import numpy as np
 
 from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.decoder import BatchStepper, RequestDecoder, Row, Switches
 from trt_lookahead.lookahead.executor import StepBatch, check_batch, check_commit, check_prompt, check_slot
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.sampling import SamplingParams, select_tokens
@@ -218,3 +219,25 @@ class InstantExecutor:
 
     def release(self, slot: int) -> None:
         self._cache_len[slot] = 0
+
+
+def decode_together(
+    executor: OracleExecutor, specs: Sequence[dict], config_for: Callable[[RequestDecoder], LookaheadConfig],
+    tree: TreeTemplate | None = None,
+) -> list[tuple[RequestDecoder, list[int]]]:
+    """Decode `specs` (dicts of config, prompt, max_new, stop, seed, sampling, optionally switches) as one batch
+    on `executor` to the end, each step's config per request from `config_for`: (decoder, tokens emitted) each."""
+    stepper = BatchStepper(executor)
+    decoders, emitted = [], []
+    for slot, s in enumerate(specs):
+        d = RequestDecoder(s["config"], s["prompt"], s["max_new"], s["stop"], s["seed"],
+                           s.get("switches", Switches()), tree)
+        emitted.append(list(d.setup(executor.prefill(slot, d.prompt, s["sampling"]))))
+        decoders.append(d)
+    while rows := [Row(slot, d, config_for(d)) for slot, d in enumerate(decoders) if not d.finished]:
+        for failure in stepper.run(rows):
+            if failure is not None:  # an oracle run has no faults to isolate: any is a defect
+                raise failure
+        for row in rows:
+            emitted[row.slot].extend(row.decoder.emitted)
+    return list(zip(decoders, emitted, strict=True))
