@@ -267,3 +267,31 @@ def test_threads_and_asyncio_consumers_share_one_scheduler_thread():
     scheduler.close()
     assert results == {i: reference_generate(logits, prompts[i], 30) for i in range(10)}
     assert max(executor.rows_per_step) > 1  # they did share steps
+
+
+class QueueWatcher(OracleExecutor):
+    """Records, at each step, how many items the watched handles' consumers have been handed so far."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.handles, self.seen = [], []
+
+    def step(self, batch):
+        self.seen.append([h._queue.qsize() for h in self.handles])
+        return super().step(batch)
+
+
+def test_blocks_are_handed_over_while_the_next_step_runs_and_all_when_the_batch_ends():
+    logits = markov_logits(10, 1, 0)
+    executor = QueueWatcher(logits, 10, max_batch=2)
+    scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS))
+    executor.handles = [scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [i + 1], 4))) for i in range(2)]
+    scheduler.run_once()  # prefill (1 block each) and the first decode step
+    assert executor.seen == [[1, 1]]  # the prefill's blocks reached the consumers before that step ran
+    assert [h._queue.qsize() for h in executor.handles] == [1, 1]  # the step's own blocks wait for the next
+    while not scheduler.idle:
+        scheduler.run_once()
+    assert executor.seen == [[1, 1], [2, 2], [3, 3]]
+    assert [[t for b in h for t in b] for h in executor.handles] == [
+        reference_generate(logits, [i + 1], 4) for i in range(2)
+    ]  # the last blocks and the end marks were handed over although no step followed

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -412,11 +412,13 @@ class BatchStepper:
         self._slots = np.zeros(B, np.int64)
         self.executor_seconds = 0.0  # inside executor.step / commit, over the stepper's life
 
-    def run(self, rows: Sequence[Row]) -> list[BaseException | None]:
+    def run(self, rows: Sequence[Row], while_stepping: Callable[[], None] = lambda: None) -> list[BaseException | None]:
         """One step for `rows` (distinct slots). Returns per row None, or the error that ended that request.
 
         An error in one request's host code (prepare, accept, commit, update) ends that row only; a failing
         executor step ends the rows of the step. Each decoder's executor_seconds counts the whole step.
+        `while_stepping` runs after the rows are prepared, just before the executor step (the scheduler hands
+        blocks to consumers there).
         """
         errors: list[BaseException | None] = [None] * len(rows)
         T = max(row.config.step_tokens for row in rows)
@@ -433,6 +435,7 @@ class BatchStepper:
                 continue
             self._slots[b] = row.slot
             live.append(i)
+        while_stepping()
         if not live:
             return errors
         B = len(live)

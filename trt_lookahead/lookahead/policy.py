@@ -141,6 +141,7 @@ def ladder(config: LookaheadConfig) -> tuple[LookaheadConfig, ...]:
     return tuple(rungs)
 
 
+Rung = tuple[int, float, LookaheadConfig]  # (step tokens, prior extra tokens, config)
 Upgrade = tuple[float, int, int, float, LookaheadConfig]  # (extra tokens per extra step token, owner, dT, dE, rung)
 
 
@@ -150,13 +151,14 @@ class LookaheadPolicy:
     def __init__(self, cost: StepCost, priors: Priors) -> None:
         self.cost = cost
         self.priors = priors
+        self.rungs = lru_cache(maxsize=4096)(self._rungs)
 
     def start(self, config: LookaheadConfig, explicit: bool) -> RequestState:
         return RequestState(config, explicit, ladder(config))
 
     def expected(self, state: RequestState, config: LookaheadConfig) -> float:
         """Expected tokens of one step of `config` for this request."""
-        return min(1.0 + state.ratio * self.priors.extra(config), float(config.N))
+        return _expected(state.ratio, self.priors.extra(config), config.N)
 
     def choose(self, states: Sequence[RequestState], supplies: Sequence[int]) -> list[LookaheadConfig]:
         """Each request's config for the coming step (states[i] with supplies[i] pool candidates)."""
@@ -180,17 +182,22 @@ class LookaheadPolicy:
             chosen[owner] = rung  # a request's steps come in order: the last one taken is its rung
         return chosen
 
+    def _rungs(self, ladder: tuple[LookaheadConfig, ...], supply: int) -> tuple[Rung, ...]:
+        """(step tokens, prior extra tokens, rung) of a ladder with candidate rows capped at `supply`, by step
+        tokens, keeping the rung with the most extra tokens per step size (cached: `choose` runs every step)."""
+        points: dict[int, tuple[float, LookaheadConfig]] = {}
+        for rung in ladder:
+            capped = rung if supply >= rung.G else LookaheadConfig(rung.W, rung.N, supply)
+            t, extra = capped.step_tokens, self.priors.extra(capped)
+            if t not in points or extra > points[t][0]:
+                points[t] = (extra, capped)
+        return tuple((t, *points[t]) for t in sorted(points))
+
     def _upgrades(self, owner: int, state: RequestState, supply: int) -> list[Upgrade]:
         """The upper concave hull of the request's (step tokens, expected tokens) ladder, as steps from greedy."""
-        points: dict[int, tuple[float, LookaheadConfig]] = {}
-        for rung in state.ladder:
-            capped = rung if supply >= rung.G else LookaheadConfig(rung.W, rung.N, supply)
-            t, e = capped.step_tokens, self.expected(state, capped)
-            if t not in points or e > points[t][0]:
-                points[t] = (e, capped)
-        hull: list[tuple[int, float, LookaheadConfig]] = []
-        for t in sorted(points):
-            e, cfg = points[t]
+        hull: list[Rung] = []  # (step tokens, expected tokens, config)
+        for t, extra, cfg in self.rungs(state.ladder, min(supply, state.config.G)):
+            e = _expected(state.ratio, extra, cfg.N)
             while len(hull) >= 2 and _below(hull[-2], hull[-1], (t, e)):
                 hull.pop()
             hull.append((t, e, cfg))
@@ -208,6 +215,11 @@ class LookaheadPolicy:
             state.ratio += RECOVERY * (1.0 - state.ratio) if state.ratio < 1.0 else 0.0
             return
         state.ratio = min((1 - EMA) * state.ratio + EMA * (emitted - 1) / prior, MAX_RATIO)
+
+
+def _expected(ratio: float, extra: float, ngram: int) -> float:
+    """Expected tokens of a step: 1 + the request's ratio x the config's prior extra tokens, at most N."""
+    return min(1.0 + ratio * extra, float(ngram))
 
 
 def _below(a: tuple, b: tuple, c: tuple) -> bool:
