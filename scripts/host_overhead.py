@@ -1,11 +1,12 @@
 """Host overhead per request per step with an instant executor, and the ablation of our additions.
 
-    python scripts/host_overhead.py            # both tables, Markdown
+    python scripts/host_overhead.py            # the three tables, Markdown
 Host overhead = decode-step wall time outside the executor, per request in the step (docs/design.md section
 8), measured by the scheduler (runtime/scheduler.py) with an executor that costs ~1 us per row (a bigram
 table lookup), so it is the host's own cost: the policy, the pool, the window, verification, input assembly
 and delivery, for B requests in every step. `auto` lets the policy choose each step (explicit otherwise).
-The ablation runs a repetitive (induction) oracle.
+The ablation runs a repetitive (induction) oracle. The tree table compares linear candidates with the draft
+tree (lookahead/tree.py; pool, suffix and chain sources) at equal T for one request (`LookaheadDecoder`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from trt_lookahead.lookahead.config import AUTO, DEFAULT_LOOKAHEAD, LookaheadCon
 from trt_lookahead.lookahead.decoder import LookaheadDecoder, RequestDecoder, Switches
 from trt_lookahead.lookahead.oracles import InstantExecutor, OracleExecutor, induction_logits
 from trt_lookahead.lookahead.policy import LookaheadPolicy, Priors, StepCost
+from trt_lookahead.lookahead.tree import tree_template
 from trt_lookahead.runtime.scheduler import Request, Scheduler
 
 PRIORS = Priors({"1/3/1": 1.45, "2/3/2": 1.6, "4/3/4": 1.7})  # SmolLM2-like compression
@@ -39,6 +41,18 @@ def host_overhead_us(config: str, batch: int, runs: int = 5, tokens: int = 512, 
         while not scheduler.idle:
             scheduler.run_once()
         per_run.append(1000.0 * scheduler.stats.host_ms_per_row)
+    return statistics.median(per_run)
+
+
+def tree_host_us(config: LookaheadConfig, tree: bool, runs: int = 5, tokens: int = 400, vocab: int = 64) -> float:
+    """Median over runs of host microseconds per decode step of one request, linear or tree at the same T."""
+    template = tree_template(config.G * config.levels, 8) if tree else None
+    per_run = []
+    for seed in range(runs):
+        executor = InstantExecutor(vocab, max_batch=1, step_tokens=config.step_tokens, seed=seed)
+        decoder = LookaheadDecoder(executor, config, tree=template)
+        decoder.generate(np.random.default_rng(seed).integers(0, vocab, size=200).tolist(), tokens)
+        per_run.append(1000.0 * decoder.stats.host_ms_per_step)
     return statistics.median(per_run)
 
 
@@ -74,6 +88,13 @@ def main() -> None:
         T = DEFAULT_LOOKAHEAD.step_tokens if cfg == AUTO else LookaheadConfig.parse(cfg).step_tokens
         one, eight, full = (host_overhead_us(cfg, b, vocab=v) for b, v in ((1, 32000), (8, 32000), (8, 64)))
         print(f"| {cfg} | {T} | {one:.1f} | {eight:.1f} | {full:.1f} |")
+    print("\nhost us per decode step, one request, vocab 64, median of 5 runs x 400 tokens: linear vs tree")
+    print("| config | T | linear | tree |")
+    print("|---|---:|---:|---:|")
+    for cfg in ("7/5/7", "15/5/15"):
+        config = LookaheadConfig.parse(cfg)
+        linear, tree = tree_host_us(config, False), tree_host_us(config, True)
+        print(f"| {cfg} | {config.step_tokens} | {linear:.1f} | {tree:.1f} |")
     print("\nAblation, induction oracle (vocab 48, 12 prompts x 96 tokens): compression")
     configs = ("4/3/4", "7/5/7", "15/5/15")
     table = {cfg: ablation_compression(LookaheadConfig.parse(cfg)) for cfg in configs}
