@@ -52,6 +52,16 @@ VARIANTS = {  # name -> (tree?, switches)
 }
 
 
+def prompt_sets(tokenizer: object, names: list[str], start: int, stop: int) -> dict[str, list[list[int]]]:
+    """Token ids of prompts start .. stop - 1 of each named set ("assembled" = ASSEMBLED), chat-encoded."""
+    sets = {}
+    for name in names:
+        rows = ([PromptRow(f"a{i}", messages=(("user", text),)) for i, text in enumerate(ASSEMBLED)]
+                if name == "assembled" else list(load_dataset(name).rows))
+        sets[name] = [encode_row(tokenizer, row) for row in rows[start:stop]]
+    return sets
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=8)
@@ -69,11 +79,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    sets = {}
-    for name in args.sets.split(","):
-        rows = ([PromptRow(f"a{i}", messages=(("user", text),)) for i, text in enumerate(ASSEMBLED)]
-                if name == "assembled" else list(load_dataset(name).rows))
-        sets[name] = [encode_row(tokenizer, row) for row in rows[: args.prompts]]
+    sets = prompt_sets(tokenizer, args.sets.split(","), 0, args.prompts)
     print(f"SmolLM2-135M-Instruct float32, CPU, torch threads {args.threads}, {args.prompts} prompts x "
           f"{args.tokens} tokens per set, tree depth {args.depth}; load at start {os.getloadavg()}\n")
     print("| T | config | variant | " + " | ".join(sets) + " | all | host ms/step | accept >= depth 1..8 | sources |")

@@ -15,6 +15,7 @@ from trt_lookahead.lookahead.oracles import (
     induction_logits,
     markov_logits,
     reference_generate,
+    warmed_shared_pool,
 )
 from trt_lookahead.lookahead.sampling import SamplingParams
 
@@ -51,9 +52,11 @@ def test_every_request_of_a_batch_emits_its_plain_decoding_whatever_the_step_con
     specs = data.draw(st.lists(requests(vocab), min_size=1, max_size=5))
     executor = OracleExecutor(logits, vocab, max_batch=len(specs), step_tokens=64)
     draw_int = lambda lo, hi: data.draw(st.integers(lo, hi))  # noqa: E731
-    done = decode_together(executor, specs, lambda d: smaller(draw_int, d.config))
-    for s, (d, got) in zip(specs, done, strict=True):
-        expected = reference_generate(logits, s["prompt"], s["max_new"], s["sampling"], sorted(s["stop"]))
+    expect = [reference_generate(logits, s["prompt"], s["max_new"], s["sampling"], sorted(s["stop"])) for s in specs]
+    # a shared pool (junk and the requests' own future text) changes the drafts only, never the tokens
+    shared = warmed_shared_pool(expect, vocab, draw_int(0, 99)) if data.draw(st.booleans()) else None
+    done = decode_together(executor, specs, lambda d: smaller(draw_int, d.config), shared=shared)
+    for s, (d, got), expected in zip(specs, done, expect, strict=True):
         assert got == d.tokens == expected
         assert d.finish_reason == ("stop" if expected[-1] in s["stop"] else "length")
 

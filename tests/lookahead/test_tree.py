@@ -17,6 +17,7 @@ from trt_lookahead.lookahead.oracles import (
     decode_together,
     induction_logits,
     reference_generate,
+    warmed_shared_pool,
 )
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.lookahead.tree import TreeTemplate, chain_template, tree_template
@@ -173,11 +174,12 @@ def test_tree_requests_emit_their_plain_decoding(data):
     most = max(s["config"].G * s["config"].levels for s in specs)
     tree = data.draw(templates(min_nodes=most, max_nodes=most + 6))
     executor = OracleExecutor(logits, vocab, max_batch=len(specs), step_tokens=64, tree=tree)
+    expect = [reference_generate(logits, s["prompt"], s["max_new"], s["sampling"], sorted(s["stop"])) for s in specs]
+    shared = warmed_shared_pool(expect, vocab, data.draw(st.integers(0, 99))) if data.draw(st.booleans()) else None
     # each step verifies a random prefix of the tree (fewer nodes)
     done = decode_together(executor, specs, lambda d: LookaheadConfig(
-        d.config.W, d.config.N, data.draw(st.integers(0, d.config.G))), tree)
-    for s, (d, got) in zip(specs, done, strict=True):
-        expected = reference_generate(logits, s["prompt"], s["max_new"], s["sampling"], sorted(s["stop"]))
+        d.config.W, d.config.N, data.draw(st.integers(0, d.config.G))), tree, shared)
+    for (d, got), expected in zip(done, expect, strict=True):
         assert got == d.tokens == expected
 
 

@@ -49,7 +49,7 @@ BAD_REQUESTS = [
     dict(max_new_tokens=0), dict(max_new_tokens=2.0), dict(max_new_tokens="3"), dict(max_new_tokens=None),
     dict(max_new_tokens=True), dict(max_new_tokens=10**6), dict(lookahead=5), dict(lookahead=(4, 3, 4)),
     dict(lookahead="abc"), dict(lookahead="100000,100000,100000"), dict(lookahead="0,0,0"), dict(chat="yes"),
-    dict(chat=True), dict(prompt=[1, 2], chat=True),
+    dict(chat=True), dict(prompt=[1, 2], chat=True), dict(pool_scope="tenant"),
 ]
 
 
@@ -269,3 +269,20 @@ def test_random_keyword_values_give_a_result_or_value_error(stories, record_prop
     print(f"{ran} cases")
     assert ran["result"] >= 10 and ran["ValueError"] >= 10  # both sides of the contract were exercised
     assert stories.generate("Once upon a time", 8).generated_tokens == 8
+
+
+def test_a_repeated_prompt_gives_the_same_tokens_and_accepts_shared_drafts(stories):
+    prompt = "Lily found a red ball in the garden. She"
+    alone = stories.generate(prompt, 48, pool_scope="request")
+    first = stories.generate(prompt, 48)  # feeds the shared pool with its prompt and output
+    second = stories.generate(prompt, 48)
+    assert alone.token_ids == first.token_ids == second.token_ids
+    assert alone.stats.sources["shared"] == 0 and second.stats.sources["shared"] > 0
+
+
+def test_request_scope_only_narrows():
+    with LookaheadRuntime.from_pretrained(STORIES, backend="torch", lookahead="4,3,4", pool_scope="request") as rt:
+        assert rt.check_request("Once", 4, pool_scope="shared").pool_scope == "request"
+        assert rt.check_request("Once", 4).pool_scope == "request"
+    with pytest.raises(ValueError, match="pool_scope"):
+        LookaheadRuntime.from_pretrained(STORIES, backend="torch", pool_scope="global")

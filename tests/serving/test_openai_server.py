@@ -240,6 +240,8 @@ def complete(client, prompt: str, max_tokens: int, stream: bool = False, chat: b
     """One request through the openai client -> text, finish reason, usage and the lookahead extension."""
     kwargs.setdefault("temperature", 0.0)
     kwargs.setdefault("seed", 0)
+    # request scope: steps then equal a lone `generate` run's (the shared pool changes drafts, not tokens)
+    kwargs["extra_body"] = {"pool_scope": "request", **kwargs.get("extra_body", {})}
     if chat:
         call = functools.partial(client.chat.completions.create, messages=[{"role": "user", "content": prompt}],
                                  max_completion_tokens=max_tokens)

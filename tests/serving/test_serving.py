@@ -48,7 +48,8 @@ def runtime():
     from trt_lookahead.runtime import LookaheadRuntime
 
     torch.set_num_threads(1)
-    return LookaheadRuntime.from_pretrained(STORIES, lookahead=SERVED)
+    # request scope here and on the server: the tests compare steps with a lone run of each prompt
+    return LookaheadRuntime.from_pretrained(STORIES, lookahead=SERVED, pool_scope="request")
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("triton")
     for name, batch in ((NAME, "0"), (BATCHED, "4")):  # one server, two models: ~7 s per start saved
         assert main(["triton-repo", "--model", str(STORIES), "--output", str(root / "repo"), "--name", name,
-                     "--lookahead_config", SERVED, "--max_batch_size", batch]) == 0
+                     "--lookahead_config", SERVED, "--max_batch_size", batch, "--pool-scope", "request"]) == 0
     yield from serve(root, timeout=180)
 
 
@@ -110,7 +111,7 @@ INPUT_TYPES = {
     "temperature": ("FP64", np.float64), "top_k": ("INT64", np.int64), "top_p": ("FP64", np.float64),
     "random_seed": ("UINT64", np.uint64), "stop_words": ("BYTES", object),
     "lookahead_window_size": ("INT64", np.int64), "lookahead_ngram_size": ("INT64", np.int64),
-    "lookahead_verification_set_size": ("INT64", np.int64),
+    "lookahead_verification_set_size": ("INT64", np.int64), "pool_scope": ("BYTES", object),
 }
 
 
@@ -173,11 +174,12 @@ def test_triton_repo_writes_config_and_model(tmp_path, capsys):
     assert 'name: "la"' in config and "max_batch_size: 4" in config and "count: 2" in config
     assert "decoupled: true" in config
     for name in ("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "random_seed", "stop_words",
-                 "lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size",
+                 "lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size", "pool_scope",
                  "text_output", "prompt_tokens", "generated_tokens", "steps"):
         assert f'name: "{name}"' in config, name
     assert f'key: "model" value: {{ string_value: "{STORIES.resolve()}" }}' in config
     assert 'key: "lookahead_config" value: { string_value: "7,5,7" }' in config
+    assert 'key: "pool_scope" value: { string_value: "shared" }' in config  # the default
     assert 'key: "max_batch" value: { string_value: "6" }' in config
     model_py = (tmp_path / "repo" / "la" / "1" / "model.py").read_text()
     assert "class TritonPythonModel" in model_py and "is_cancelled" in model_py
@@ -447,6 +449,7 @@ OUT_OF_RANGE = [  # issue 10: tritonserver wrapped these into INT32/FP32 inputs,
     ({"parameters": {"chat": "yes"}}, "chat must be bool"),
     ({"temprature": 0.7}, "unknown request parameter(s) temprature"),  # a typo was ignored in silence
     ({"parameters": {"repetition_penalty": 1.2}}, "unknown request parameter(s) repetition_penalty"),
+    ({"pool_scope": "tenant"}, "pool_scope must be one of shared, request"),
 ]
 
 

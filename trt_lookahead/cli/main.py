@@ -15,6 +15,7 @@ from trt_lookahead.cli import commands
 from trt_lookahead.engine.format import ATTENTION_MODES, DEFAULT_BUILD_SEQ_LEN, DEFAULT_MAX_BATCH, DTYPES, TARGETS
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import DEFAULT_LOOKAHEAD
+from trt_lookahead.lookahead.pool import POOL_SCOPES
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.model.fetch import DEFAULT_MODEL
 from trt_lookahead.runtime import DEFAULT_MAX_QUEUE
@@ -44,6 +45,12 @@ class Parser(argparse.ArgumentParser):
 def _add_verify_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-verify", "--no_verify", dest="verify", action="store_false",
                    help="skip checking an engine dir's files against the checksums of its config.json")
+
+
+def _add_pool_scope_argument(p: argparse.ArgumentParser, default: str = POOL_SCOPES[0]) -> None:
+    p.add_argument("--pool-scope", "--pool_scope", dest="pool_scope", choices=POOL_SCOPES, default=default,
+                   help=f"shared: requests of one runtime share n-gram drafts (never the output; acceptance timing "
+                        f"can reveal another request's n-grams); request: no sharing (default {default})")
 
 
 def _add_model_arguments(p: argparse.ArgumentParser, engine: bool = True) -> None:
@@ -98,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=SAMPLING.top_p)
     p.add_argument("--seed", type=int, default=SAMPLING.seed)
     p.add_argument("--json", action="store_true", help="print one JSON object with text, ids and stats")
+    _add_pool_scope_argument(p)
 
     p = sub.add_parser("bench", help="measure greedy and lookahead side by side on a prompt set")
     _add_model_arguments(p, engine=True)
@@ -115,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --concurrency: greedy (batched), auto (batched, the policy), serial (one at a time)")
     p.add_argument("--requests", type=int, default=4, help="with --concurrency: requests per stream, in turn")
     p.add_argument("--seed", type=int, default=0, help="with --concurrency: the arrival pattern")
+    _add_pool_scope_argument(p, default="request")  # bench reruns each prompt per config: shared would leak outputs
 
     p = sub.add_parser("tune", help="choose W,N,G for this machine, model and workload")
     _add_model_arguments(p, engine=False)
@@ -149,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "an engine: its built --max-batch)")
     p.add_argument("--max_batch_size", "--max-batch-size", dest="max_batch_size", type=int, default=0,
                    help="Triton's own batch dimension of the inputs (0: none); not the concurrency")
+    _add_pool_scope_argument(p)
     p.add_argument("--max_seq_len", "--max-seq-len", dest="max_seq_len", type=int, default=None)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     _add_verify_argument(p)
@@ -165,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"requests that may wait for a slot (default {DEFAULT_MAX_QUEUE}); one more is answered 429")
     p.add_argument("--served-model-name", "--served_model_name", dest="served_model_name", default=None,
                    help="the `model` requests name (default: the model or engine directory's name)")
+    _add_pool_scope_argument(p)
 
     p = sub.add_parser("triton-serve", help="run tritonserver (from nvidia-pytriton) on a repository")
     p.add_argument("--repo", required=True)

@@ -32,7 +32,7 @@ from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.drafts import SUFFIX, Branch, SuffixIndex, lay_tree
 from trt_lookahead.lookahead.executor import Executor, StepBatch
 from trt_lookahead.lookahead.layout import StepLayout
-from trt_lookahead.lookahead.pool import OUTPUT, PROMPT, WINDOW, Continuation, NgramPool
+from trt_lookahead.lookahead.pool import OUTPUT, PROMPT, SHARED, WINDOW, Continuation, NgramPool, SharedPool
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.lookahead.tree import ROOT, TreeTemplate
 
@@ -53,7 +53,8 @@ class DecodeStats:
     decode_seconds: float = 0.0  # wall time of the decode steps the request was in
     executor_seconds: float = 0.0  # inside executor.step/commit during those steps (a batched step counts whole)
     accepted_histogram: Counter = field(default_factory=Counter)  # tokens emitted per decode step
-    sources: Counter = field(default_factory=Counter)  # accepted drafts by origin: prompt/output/window/suffix/chain
+    sources: Counter = field(default_factory=Counter)  # accepted drafts by origin: prompt/output/window/shared/
+    # suffix/chain
     depths: Counter = field(default_factory=Counter)  # accepted drafts by depth (1 = the token after x_t)
     configs: Counter = field(default_factory=Counter)  # decode steps per step config label (greedy or W/N/G)
 
@@ -218,6 +219,7 @@ class RequestDecoder:
         seed: int = 0,
         switches: Switches = Switches(),
         tree: TreeTemplate | None = None,
+        shared: SharedPool | None = None,
     ) -> None:
         self.config = config  # the largest config any step of this request may use
         self.tree = tree  # the executor's verification tree template; None = G linear candidates
@@ -231,6 +233,8 @@ class RequestDecoder:
         self.fillers = np.array([t for t in prompt_list if t not in self.stop_tokens] or prompt_list)
         self.window = np.zeros((config.levels, config.W), np.int64)  # row l = level l, row 0 = B0 = [x_t, L0]
         self.pool = NgramPool(config.N, config.G)
+        # other requests' n-grams (None: request scope); fed with text only, read after the own pool
+        self.shared = shared if switches.pool and switches.prompt_pool and config.G else None
         self.suffix = SuffixIndex(SUFFIX_MATCH) if tree is not None and switches.suffix else None
         self.candidates: list[tuple[Continuation, str]] = []
         self.sequence: list[int] = []
@@ -263,6 +267,8 @@ class RequestDecoder:
         self.sequence = [*self.prompt.tolist(), x]
         if self.switches.prompt_pool:
             self.pool.insert_sequence(self.sequence, PROMPT)
+        if self.shared is not None:
+            self.shared.insert_sequence(self.sequence, self.config.N)
         if self.suffix is not None:
             self.suffix.extend(self.sequence)
         self.window = self.rng.choice(self.fillers, size=self.window.shape)
@@ -276,7 +282,16 @@ class RequestDecoder:
 
     def draft_supply(self) -> int:
         """Pool candidates x_t has now: candidate rows beyond them would be fed empty."""
-        return len(self.pool.candidates(self.x, self.config.G)) if self.config.G and self.switches.pool else 0
+        return len(self._pool_candidates(self.config.G)) if self.config.G and self.switches.pool else 0
+
+    def _pool_candidates(self, limit: int) -> list[tuple[Continuation, str]]:
+        """x_t's own pool candidates, then the shared pool's (other than those) up to `limit`, newest first each."""
+        own = self.pool.candidates(self.x, limit)
+        if self.shared is None or len(own) >= limit:
+            return own
+        seen = {c for c, _ in own}
+        extra = [(c, SHARED) for c in self.shared.candidates(self.config.N, self.x, limit) if c not in seen]
+        return own + extra[: limit - len(own)]
 
     def prepare(
         self,
@@ -295,7 +310,7 @@ class RequestDecoder:
         tab = self._tables = step_tables(config, self.tree)
         W, levels, G = config.W, config.levels, config.G
         V = G * levels
-        self.candidates = self.pool.candidates(self.x, G) if G and self.switches.pool else []
+        self.candidates = self._pool_candidates(G) if G and self.switches.pool else []
         drafts = self._drafts = self._drafts_buffer[: V + levels - 1]  # verification nodes, then the chain
         drafts.fill(NO_DRAFT)
         if self.tree is None:  # linear: candidate k in nodes k(N-1) ..
@@ -381,6 +396,8 @@ class RequestDecoder:
             self.suffix.extend(self.block)
         if self.switches.prompt_pool and cfg.G:
             self.pool.insert_sequence(self.sequence, OUTPUT, start=before)
+        if self.shared is not None:
+            self.shared.insert_sequence(self.sequence, cfg.N, start=before)
         self._tables = None
 
     def _replace_stop_tokens(self, level: np.ndarray) -> None:

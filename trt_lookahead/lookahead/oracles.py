@@ -20,6 +20,7 @@ from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.decoder import BatchStepper, RequestDecoder, Row, Switches
 from trt_lookahead.lookahead.executor import StepBatch, check_batch, check_commit, check_prompt, check_slot
 from trt_lookahead.lookahead.layout import StepLayout
+from trt_lookahead.lookahead.pool import SharedPool
 from trt_lookahead.lookahead.sampling import SamplingParams, select_tokens
 from trt_lookahead.lookahead.tree import TreeTemplate
 
@@ -221,17 +222,30 @@ class InstantExecutor:
         self._cache_len[slot] = 0
 
 
+def warmed_shared_pool(texts: Sequence[Sequence[int]], vocab: int, seed: int, junk: int = 200,
+                       budget: int = 4096) -> SharedPool:
+    """A shared pool holding `junk` random n-grams and every n-gram of `texts`, for N = 2 .. 6 (the texts last)."""
+    rng = np.random.default_rng(seed)
+    pool = SharedPool(budget)
+    for n in range(2, 7):
+        pool.insert_sequence(rng.integers(0, vocab, junk + n).tolist(), n)
+        for text in texts:
+            pool.insert_sequence(list(text), n)
+    return pool
+
+
 def decode_together(
     executor: OracleExecutor, specs: Sequence[dict], config_for: Callable[[RequestDecoder], LookaheadConfig],
-    tree: TreeTemplate | None = None,
+    tree: TreeTemplate | None = None, shared: SharedPool | None = None,
 ) -> list[tuple[RequestDecoder, list[int]]]:
     """Decode `specs` (dicts of config, prompt, max_new, stop, seed, sampling, optionally switches) as one batch
-    on `executor` to the end, each step's config per request from `config_for`: (decoder, tokens emitted) each."""
+    on `executor` to the end, each step's config per request from `config_for`: (decoder, tokens emitted) each.
+    `shared`: the n-gram pool all of them read and feed (None: request scope)."""
     stepper = BatchStepper(executor)
     decoders, emitted = [], []
     for slot, s in enumerate(specs):
         d = RequestDecoder(s["config"], s["prompt"], s["max_new"], s["stop"], s["seed"],
-                           s.get("switches", Switches()), tree)
+                           s.get("switches", Switches()), tree, shared)
         emitted.append(list(d.setup(executor.prefill(slot, d.prompt, s["sampling"]))))
         decoders.append(d)
     while rows := [Row(slot, d, config_for(d)) for slot, d in enumerate(decoders) if not d.finished]:

@@ -45,6 +45,7 @@ from trt_lookahead.lookahead.config import AUTO, DEFAULT, DEFAULT_LOOKAHEAD, GRE
 from trt_lookahead.lookahead.decoder import DecodeStats, RequestDecoder, check_request
 from trt_lookahead.lookahead.executor import Executor, check_kv_memory
 from trt_lookahead.lookahead.policy import LookaheadPolicy, Priors, StepCost
+from trt_lookahead.lookahead.pool import POOL_SCOPES, SharedPool
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.runtime import scheduler
 from trt_lookahead.runtime.scheduler import RequestHandle, Scheduler
@@ -127,6 +128,7 @@ class Request:
     config: LookaheadConfig  # the largest config a step of it may use
     explicit: bool  # run `config` every step (False: `auto`, the policy chooses up to it)
     stop: tuple[str, ...]  # non-empty stop strings
+    pool_scope: str = "shared"  # "shared": reads and feeds the runtime's SharedPool; "request": its own pool only
 
 
 @dataclass
@@ -236,6 +238,7 @@ class LookaheadRuntime:
         max_lookahead: LookaheadConfig | None = None,
         max_queue: int = DEFAULT_MAX_QUEUE,
         tuning_file: str | Path | None = None,
+        pool_scope: str = "shared",
     ) -> None:
         self.tokenizer = tokenizer
         self.executor = executor
@@ -248,6 +251,8 @@ class LookaheadRuntime:
         self.model_path = model_path
         self.max_lookahead = max_lookahead  # an engine's built config: requests must fit inside it
         self.tuning_file = None if tuning_file is None else Path(tuning_file)  # None: the cache's tuning.json
+        self.pool_scope = check_pool_scope(pool_scope)  # the widest scope a request may use
+        self.shared_pool = SharedPool()  # touched only by the scheduler thread (decoders' setup/prepare/update)
         # until `auto` is first asked for, the policy only runs explicit configs (it never sees auto requests)
         self.scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(1.0, 0.0), Priors({})), max_queue)
         self.auto_config: LookaheadConfig | None = None  # the largest config `auto` requests may use (tuned)
@@ -271,6 +276,7 @@ class LookaheadRuntime:
         tuning_file: str | Path | None = None,
         verify: bool = True,
         exact: bool | None = None,
+        pool_scope: str = "shared",
     ) -> LookaheadRuntime:
         """Load a HF Llama checkpoint dir, a known model name, or an engine dir from `trt-lookahead build`.
 
@@ -280,10 +286,12 @@ class LookaheadRuntime:
         where `auto` reads (and stores) what `tune` measured; default the cache's tuning.json. verify: check an
         engine dir's files against their checksums. exact: run the row-invariant step (a token's logits are
         bit-identical alone, batched and in greedy decoding; docs/design.md section 4.2); default: on where it is
-        cheap (bfloat16 on the CPU torch executor; backends/torch.py EXACT_BY_DEFAULT).
+        cheap (bfloat16 on the CPU torch executor; backends/torch.py EXACT_BY_DEFAULT). pool_scope: "shared"
+        (requests read and feed one bounded n-gram pool; README "Shared n-gram pool") or "request" (no sharing).
         """
         from trt_lookahead.model.fetch import resolve_model
 
+        check_pool_scope(pool_scope)
         path = resolve_model(str(path_or_name))
         if threads is not None:
             import torch
@@ -317,6 +325,7 @@ class LookaheadRuntime:
             elif lookahead is not None:
                 rt.lookahead = resolve_lookahead(lookahead)
             rt.request_config(None)  # the default must fit this executor
+            rt.pool_scope = pool_scope
         except BaseException:
             rt.close()
             raise
@@ -483,13 +492,19 @@ class LookaheadRuntime:
         stop: str | Sequence[str] | None = None,
         lookahead: LookaheadConfig | str | None = None,
         chat: bool = False,
+        pool_scope: str | None = None,
     ) -> Request:
-        """Check every argument of a request (ValueError naming it) before any work; `stream` runs the result."""
+        """Check every argument of a request (ValueError naming it) before any work; `stream` runs the result.
+
+        pool_scope: None (the runtime's), "shared" or "request"; it can only narrow the runtime's scope.
+        """
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         config, explicit = self.request_config(lookahead)
         prompt_ids = self.encode(prompt, chat=chat)
         check_request(prompt_ids, max_new_tokens, self.executor.vocab_size, self.max_seq_len)
-        return Request(prompt_ids, int(max_new_tokens), sampling, config, explicit, _stop_strings(stop))
+        scope = self.pool_scope if pool_scope is None else check_pool_scope(pool_scope)
+        scope = "request" if "request" in (scope, self.pool_scope) else scope
+        return Request(prompt_ids, int(max_new_tokens), sampling, config, explicit, _stop_strings(stop), scope)
 
     def submit(
         self, requests: Sequence[Request], loop: asyncio.AbstractEventLoop | None = None
@@ -497,7 +512,8 @@ class LookaheadRuntime:
         """Queue checked requests together on the scheduler (QueueFull if they do not fit in the queue)."""
         jobs = [
             scheduler.Request(
-                RequestDecoder(r.config, r.prompt_ids, r.max_new_tokens, self.stop_token_ids, r.sampling.seed),
+                RequestDecoder(r.config, r.prompt_ids, r.max_new_tokens, self.stop_token_ids, r.sampling.seed,
+                               shared=self.shared_pool if r.pool_scope == "shared" else None),
                 r.sampling,
                 r.explicit,
             )
@@ -616,6 +632,13 @@ def _stop_token_ids(path: Path) -> list[int]:
 
 
 BACKEND_CHOICES = ("torch", "onnxruntime", "tensorrt")
+
+
+def check_pool_scope(scope: object) -> str:
+    """"shared" or "request" (UserError otherwise)."""
+    if scope not in POOL_SCOPES:
+        raise UserError(f"pool_scope must be one of {', '.join(POOL_SCOPES)}, got {scope!r}")
+    return cast(str, scope)
 
 
 def resolve_lookahead(lookahead: LookaheadConfig | str) -> LookaheadConfig | str | None:

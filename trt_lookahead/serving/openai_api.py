@@ -183,7 +183,7 @@ class OpenAIServer:
             raise ApiError(400, str(exc)) from None
         room = self.runtime.max_seq_len - len(prompt_ids)
         arguments = dict(max_new_tokens=body.requested_tokens(room), lookahead=config, seed=seed,
-                         stop=list(body.stop), **body.sampling())
+                         stop=list(body.stop), pool_scope=body.pool_scope, **body.sampling())
         return Job(body, prompt_ids, arguments, seed)
 
     def _config(self, option: LookaheadOption | bool | None) -> LookaheadConfig | str | None:

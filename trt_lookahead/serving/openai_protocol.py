@@ -3,8 +3,9 @@
 Requests follow the OpenAI API reference of /v1/completions and /v1/chat/completions. Every field the API
 defines is either used, accepted without effect (IGNORED), or accepted only at its "off" value (OFF_ONLY:
 anything else is a 400 naming the field); a field the API does not define is a 400, as OpenAI answers it.
-Two extensions: `lookahead` ({"window": W, "ngram": N, "verification": G}, true = the served config, false =
-greedy) and `top_k` (as vLLM has it). Responses carry `usage` and a `lookahead` object: the config that ran,
+Three extensions: `lookahead` ({"window": W, "ngram": N, "verification": G}, true = the served config, false =
+greedy), `top_k` (as vLLM has it) and `pool_scope` ("request": this request neither reads nor feeds the server's
+shared n-gram pool). Responses carry `usage` and a `lookahead` object: the config that ran,
 steps, tokens per step, the seed and the runtime's prefill and decode seconds. docs/design.md section 7.6.
 """
 
@@ -164,6 +165,7 @@ class GenerationRequest(_Strict):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None  # extension (vLLM): 0 = off
+    pool_scope: Literal["shared", "request"] | None = None  # extension: None = the server's --pool-scope
     seed: int | None = None
     stop: Annotated[tuple[str, ...], BeforeValidator(_stop_strings)] = ()
     stream: bool | None = None

@@ -31,6 +31,7 @@ from trt_lookahead.runtime import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_MAX_SEQ_LEN,
     cached_checkpoint_engine,
+    check_pool_scope,
     checkpoint_backend,
 )
 from trt_lookahead.serving.schema import INPUTS, OUTPUTS, pbtxt_list
@@ -62,6 +63,7 @@ def write_repository(
     default_max_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     verify: bool = True,
     max_batch: int | None = None,
+    pool_scope: str = "shared",
 ) -> Path:
     """Write REPO/NAME/{config.pbtxt,1/model.py}; returns the model directory."""
     if (model is None) == (engine is None):
@@ -112,6 +114,7 @@ def write_repository(
         max_seq_len="" if max_seq_len is None else str(max_seq_len),
         default_max_tokens=str(default_max_tokens),
         verify=str(verify).lower(),
+        pool_scope=check_pool_scope(pool_scope),
         trt_lookahead_path=str(Path(trt_lookahead.__file__).resolve().parent.parent),
     )
 

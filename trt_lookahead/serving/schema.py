@@ -58,6 +58,7 @@ INPUTS = (
     Field("random_seed", "TYPE_UINT64", int, _SAMPLING.seed),
     Field("stop_words", "TYPE_STRING", str, (), dims=(-1,)),
     *(Field(name, "TYPE_INT64", int) for name in LOOKAHEAD_INPUTS),  # default: the served config's
+    Field("pool_scope", "TYPE_STRING", str),  # "request": no shared n-gram pool; default: the repository's
 )
 CHAT = Field("chat", "TYPE_BOOL", bool, False)  # a request parameter only: wrap text_input in the chat template
 OUTPUTS = (

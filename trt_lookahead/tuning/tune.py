@@ -137,7 +137,9 @@ def run_together(
     rt: LookaheadRuntime, prompts: Sequence[Sequence[int]], max_new_tokens: int, config: LookaheadConfig
 ) -> list[Result]:
     """Run `prompts` as one batch (submitted together), each with `config` every step; their results."""
-    handles = rt.submit([rt.check_request(list(p), max_new_tokens, lookahead=config) for p in prompts])
+    # request scope: tuning runs the same prompts under every config, so a shared pool would hold their outputs
+    handles = rt.submit([rt.check_request(list(p), max_new_tokens, lookahead=config, pool_scope="request")
+                         for p in prompts])
     for handle in handles:
         for _ in handle:  # blocks arrive as steps accept them; the result comes with the last
             pass
@@ -304,7 +306,7 @@ def tune(
         for i, (_, p) in enumerate(named):
             order = [(GREEDY, greedy_outs), (AUTO, auto_outs)][:: 1 if i % 2 == 0 else -1]
             for mode, outs in order:
-                outs.append(rt.generate(list(p), max_new_tokens, lookahead=mode))
+                outs.append(rt.generate(list(p), max_new_tokens, lookahead=mode, pool_scope="request"))
             if clock() > start + budget_seconds:
                 break
     finally:

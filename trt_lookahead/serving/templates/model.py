@@ -76,6 +76,7 @@ class TritonPythonModel:
             max_seq_len=int(max_seq_len) if max_seq_len else None,
             verify=params.get("verify") != "false",
             max_batch=int(max_batch) if max_batch else None,
+            pool_scope=params.get("pool_scope") or "shared",
         )
         self.served = self.runtime.request_config(None)[0]  # per-request lookahead inputs fit inside it
         self.runtime.generate([1], max_new_tokens=2)  # warm the executor now, not on the first request
@@ -83,7 +84,8 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(
             f"{self.name}: {source} backend={self.runtime.backend} dtype={self.runtime.dtype} "
             f"lookahead={self.runtime.lookahead} (largest {self.served}) max_batch={self.runtime.max_batch} "
-            f"max_seq_len={self.runtime.max_seq_len} threads={torch.get_num_threads()} "
+            f"max_seq_len={self.runtime.max_seq_len} pool_scope={self.runtime.pool_scope} "
+            f"threads={torch.get_num_threads()} "
             f"trt_lookahead={os.path.dirname(trt_lookahead.__file__)}"
         )
 
@@ -143,6 +145,7 @@ class TritonPythonModel:
             seed=self._value(request, parameters, "random_seed"),
             stop=[w for w in stop_words if w],
             lookahead=self._lookahead(request, parameters),
+            pool_scope=self._value(request, parameters, "pool_scope"),
         )
         stream = self._value(request, parameters, "stream")
         chat = self._value(request, parameters, "chat")
