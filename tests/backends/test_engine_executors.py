@@ -335,9 +335,11 @@ ENGINE_JOBS = [  # (prompt, request): configs within the engine's 4/3/4, samplin
 ]
 
 
-def test_concurrent_requests_on_an_engine_equal_their_solo_runs(engines, tmp_path):
-    """Six requests from six threads on one engine runtime of four slots (two wait for a slot): every answer
-    is token-identical to the same request run alone, and every slot is free afterwards."""
+@pytest.mark.parametrize("prefill", ["separate", 5])
+def test_concurrent_requests_on_an_engine_equal_their_solo_runs(engines, tmp_path, prefill):
+    """Six requests from six threads on one engine runtime of four slots (two wait for a slot, joining later):
+    every answer is token-identical to the same request run alone with separate prefill, and every slot is
+    free afterwards. With chunked prefill (5-token chunks, padded to the step's T beside 4/3/4 rows) too."""
     import threading
 
     from trt_lookahead.lookahead.policy import StepCost
@@ -349,8 +351,9 @@ def test_concurrent_requests_on_an_engine_equal_their_solo_runs(engines, tmp_pat
     entry = {"config": "4/3/4", "step_cost": cost.to_dict(), "priors": {"1/3/1": 1.3, "2/3/2": 1.5, "4/3/4": 1.7}}
     tuning_file.write_tuning_entry(tuning_file.tuning_key(str(engines["plugin"]), "float32", "onnxruntime"), entry,
                                    tuning)
-    with LookaheadRuntime.from_pretrained(engines["plugin"], tuning_file=tuning) as rt:
+    with LookaheadRuntime.from_pretrained(engines["plugin"], tuning_file=tuning, prefill="separate") as rt:
         alone = [rt.generate(prompt, **request) for prompt, request in ENGINE_JOBS]
+        rt.scheduler.prefill = prefill
         together: list = [None] * len(ENGINE_JOBS)
         barrier = threading.Barrier(len(ENGINE_JOBS))
 
@@ -367,6 +370,9 @@ def test_concurrent_requests_on_an_engine_equal_their_solo_runs(engines, tmp_pat
             assert b.token_ids == a.token_ids and b.text == a.text and b.finish_reason == a.finish_reason, job
         assert max(step.rows for step in rt.scheduler.steps) >= 3  # they did share steps
         assert rt.scheduler.free_slots == MAX_BATCH
+        if prefill != "separate":
+            assert any(0 < step.prefill_rows < step.rows for step in rt.scheduler.steps)  # beside decode rows
+            assert rt.scheduler.stats.prefill_chunks > len(ENGINE_JOBS)  # prompts were split
 
 
 @pytest.mark.slow

@@ -317,23 +317,26 @@ def test_bench_concurrency_on_stories260k(stories_set, tmp_path, tuning, capsys)
     code = main([
         "bench", "--model", str(STORIES), "--dataset", str(stories_set), "--limit", "3", "--max-new-tokens", "16",
         "--concurrency", "1,3", "--requests", "2", "--out", str(out), "--json", "--tuning-file", str(tuning),
+        "--prefill", "separate,4",
     ])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     result = json.loads(captured.out.strip().splitlines()[-1])
     assert result["kind"] == "concurrency" and result["max_batch"] == 3 and set(result["machine"]) >= {"cpu", "load"}
-    levels = {(r["mode"], r["concurrency"]): r for r in result["levels"]}
-    assert list(levels) == [(m, c) for c in (1, 3) for m in ("greedy", "auto", "serial")]
-    assert result["auto_up_to"] == "7/5/7" and sum(levels[("auto", 3)]["configs"].values()) > 0
-    for (mode, streams), r in levels.items():
+    runs = {(r["prefill"], r["mode"], r["concurrency"]): r for r in result["levels"]}
+    assert list(runs) == [(p, m, c) for c in (1, 3) for p in ("separate", "4") for m in ("greedy", "auto", "serial")]
+    for (prefill, mode, streams), r in runs.items():
         assert r["requests"] == 2 * streams and r["output_tokens"] > 0 and r["tokens_per_second"] > 0
-        assert r["exact"] == 1.0, (mode, streams)  # batched and one-at-a-time answers equal greedy's alone
+        # batched, one at a time, prefilled in chunks: every answer equals greedy's alone with separate prefill
+        assert r["exact"] == 1.0, (prefill, mode, streams)
         assert r["ttft_p95_ms"] >= r["ttft_p50_ms"] > 0 and r["itl_p95_ms"] >= r["itl_p50_ms"] >= 0
         assert r["peak_rss_mb"] > 0 and r["host_ms_per_request_step"] > 0 and r["load"]
+    levels = {(mode, streams): r for (prefill, mode, streams), r in runs.items() if prefill == "separate"}
+    assert result["auto_up_to"] == "7/5/7" and sum(levels[("auto", 3)]["configs"].values()) > 0
     assert levels[("serial", 3)]["mean_rows_per_step"] == 1.0  # one request at a time
     assert levels[("greedy", 3)]["mean_rows_per_step"] > 1.0  # the streams shared steps
     assert levels[("auto", 1)]["compression"] > 1.0  # cheap wide steps: the policy used lookahead
-    assert (out / "results.md").read_text().count("| greedy |") == 2
+    assert (out / "results.md").read_text().count("| greedy |") == 4
     assert sorted(p.name for p in out.glob("*.png")) == ["concurrency.png"]
 
 
@@ -343,6 +346,7 @@ def test_bench_concurrency_on_stories260k(stories_set, tmp_path, tuning, capsys)
         (["--dataset", "gsm8k", "--concurrency", "0,4"], "--concurrency takes positive integers"),
         (["--dataset", "gsm8k", "--concurrency", "1,x"], "--concurrency takes a comma list"),
         (["--dataset", "gsm8k", "--concurrency", "2", "--modes", "fast"], "--modes: unknown"),
+        (["--dataset", "gsm8k", "--concurrency", "2", "--prefill", "separate,sideways"], "prefill takes separate"),
         (["--dataset", "nope"], "neither a built-in set"),
         (["--dataset", "gsm8k", "--configs", "greedy,4/x/4"], "--configs entry"),
         (["--dataset", "gsm8k", "--peers", "llama.cpp"], "unknown peer"),

@@ -1,13 +1,15 @@
 """LookaheadRuntime under in-flight batching on real models: concurrent requests from threads and asyncio are
-token-identical to the same requests run alone; cancellation, disconnects, a full queue, bad requests and
-faults in one request's host code leave the others exact and every slot free."""
+token-identical to the same requests run alone, their prompts prefilled separately or in chunks beside the
+decode steps; cancellation, disconnects, a full queue, bad requests and faults in one request's host code
+leave the others exact and every slot free."""
 
 import asyncio
 import gc
+import math
 import random
 import threading
 import time
-from contextlib import closing
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ from trt_lookahead.lookahead.policy import StepCost
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.runtime import LookaheadRuntime
 from trt_lookahead.runtime import scheduler as sched
-from trt_lookahead.runtime.scheduler import QueueFull, SchedulerClosed
+from trt_lookahead.runtime.scheduler import SEPARATE, QueueFull, SchedulerClosed
 from trt_lookahead.tuning import file as tuning_file
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
@@ -70,6 +72,22 @@ def wait_idle(rt):
         time.sleep(0.005)
 
 
+@contextmanager
+def prefilling(rt, prefill):
+    """Requests that join inside the block are prefilled this way (nothing is in flight at either end)."""
+    wait_idle(rt)
+    before, rt.scheduler.prefill = rt.scheduler.prefill, prefill
+    try:
+        yield
+    finally:
+        wait_idle(rt)
+        rt.scheduler.prefill = before
+
+
+# chunked prefill in 4-token chunks: every prompt is split, its causal rows padded beside rows of up to 120 tokens
+PREFILLS = [SEPARATE, 4]
+
+
 def solo(rt, prompt, kwargs):
     """The request alone: nothing else in flight."""
     wait_idle(rt)
@@ -95,15 +113,25 @@ def run_concurrently(rt, jobs):
     return outputs
 
 
-def test_eight_mixed_concurrent_requests_equal_their_solo_runs(stories):
+@pytest.mark.parametrize("prefill", PREFILLS)
+def test_eight_mixed_concurrent_requests_equal_their_solo_runs(stories, prefill):
+    """Batched, and alone, with this prefill: the tokens of each request alone with separate prefill."""
     jobs = list(zip(PROMPTS, MIXED, strict=True))
-    alone = [solo(stories, p, kw) for p, kw in jobs]
-    steps_before = stories.scheduler.stats.steps
-    together = run_concurrently(stories, jobs)
-    for (prompt, kw), a, b in zip(jobs, alone, together, strict=True):
-        assert b.token_ids == a.token_ids and b.text == a.text and b.finish_reason == a.finish_reason, (prompt, kw)
+    with prefilling(stories, SEPARATE):
+        reference = [solo(stories, p, kw) for p, kw in jobs]
+    with prefilling(stories, prefill):
+        alone = [solo(stories, p, kw) for p, kw in jobs]
+        steps_before, chunks_before = stories.scheduler.stats.steps, stories.scheduler.stats.prefill_chunks
+        together = run_concurrently(stories, jobs)
+    for (prompt, kw), r, a, b in zip(jobs, reference, alone, together, strict=True):
+        assert b.token_ids == a.token_ids == r.token_ids and b.text == a.text, (prompt, kw)
+        assert b.finish_reason == a.finish_reason == r.finish_reason, (prompt, kw)
     log = list(stories.scheduler.steps)[-(stories.scheduler.stats.steps - steps_before):]
     assert max(s.rows for s in log) >= 6  # they did share steps
+    if prefill != SEPARATE:
+        chunks = sum(math.ceil(out.prompt_tokens / prefill) for out in together)
+        assert stories.scheduler.stats.prefill_chunks - chunks_before == chunks > len(jobs)
+        assert any(0 < s.prefill_rows < s.rows for s in log)  # chunks ran beside decode rows
     assert together[5].config == AUTO and sum(together[5].stats.configs.values()) == together[5].steps - 1
     assert stories.scheduler.free_slots == 8
 
@@ -128,10 +156,12 @@ def test_asyncio_requests_equal_their_solo_runs(stories):
     assert asyncio.run(stories.agenerate(jobs[1][0], **jobs[1][1])).token_ids == alone[1].token_ids
 
 
-def test_a_request_joining_or_others_leaving_midway_changes_nothing(stories):
+@pytest.mark.parametrize("prefill", PREFILLS)
+def test_a_request_joining_or_others_leaving_midway_changes_nothing(stories, prefill):
     long = ("Once upon a time", dict(lookahead="4,3,4", max_new_tokens=120))
-    reference = solo(stories, *long).token_ids
-    with closing(stories.stream(*long[:1], **long[1])) as chunks:
+    with prefilling(stories, SEPARATE):
+        reference = solo(stories, *long).token_ids
+    with prefilling(stories, prefill), closing(stories.stream(*long[:1], **long[1])) as chunks:
         tokens = list(next(chunks).token_ids)
         others = [stories.stream(p, max_new_tokens=n, lookahead=c) for p, n, c in
                   (("Sam had a red ball", 5, "greedy"), ("The cat sat on the", 30, "7,5,7"), ("Mom said", 60, "2,2,1"))]

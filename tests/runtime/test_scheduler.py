@@ -1,4 +1,5 @@
-"""The scheduler with model-free oracles: exact under batching whatever arrives, leaves or fails, and when."""
+"""The scheduler with model-free oracles: exact under batching whatever arrives, leaves or fails, and when, with
+prompts prefilled separately or in chunks beside the decode steps."""
 
 import asyncio
 import random
@@ -9,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.decoder import GREEDY_STEP, RequestDecoder
 from trt_lookahead.lookahead.oracles import (
@@ -20,7 +22,9 @@ from trt_lookahead.lookahead.oracles import (
 )
 from trt_lookahead.lookahead.policy import LookaheadPolicy, Priors, StepCost
 from trt_lookahead.lookahead.sampling import SamplingParams
-from trt_lookahead.runtime.scheduler import QueueFull, Request, Scheduler, SchedulerClosed
+from trt_lookahead.runtime.scheduler import CHUNKED, SEPARATE, QueueFull, Request, Scheduler, SchedulerClosed
+
+PREFILLS = [SEPARATE, 3]  # 3: prompts of up to 14 tokens take up to five chunks
 
 PRIORS = Priors({"1/3/1": 1.5, "2/3/2": 1.8, "4/3/4": 2.1, "2/4/2": 2.0})
 
@@ -80,12 +84,15 @@ def make_policy(kind: str, seed: int) -> LookaheadPolicy:
     return LookaheadPolicy(StepCost.linear(10.0, 0.1 if kind == "cheap" else 6.0), PRIORS)
 
 
+@pytest.mark.parametrize("prefill", PREFILLS)
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(workloads())
-def test_every_request_emits_its_plain_decoding_whatever_shares_its_steps(w):
+def test_every_request_emits_its_plain_decoding_whatever_shares_its_steps(prefill, w):
+    """Greedy and seeded sampling, any arrivals, configs, stops and cancellations (during prefill too): every
+    request's tokens are those of plain decoding alone (the oracle checks every position and commit)."""
     logits = ORACLES[w["oracle"]](w["vocab"], w["oracle_seed"])
     executor = OracleExecutor(logits, w["vocab"], max_batch=w["max_batch"], step_tokens=64)
-    scheduler = Scheduler(executor, make_policy(w["policy"], w["policy_seed"]), max_queue=100)
+    scheduler = Scheduler(executor, make_policy(w["policy"], w["policy_seed"]), max_queue=100, prefill=prefill)
     handles, step = {}, 0
     pending = sorted(range(len(w["requests"])), key=lambda i: w["requests"][i]["arrival"])
     while pending or not scheduler.idle:
@@ -148,12 +155,13 @@ class Faulty(RequestDecoder):
         return super().draft_supply()
 
 
+@pytest.mark.parametrize("prefill", PREFILLS)
 @pytest.mark.parametrize(("phase", "after"), [("setup", 0), ("prepare", 2), ("accept", 2), ("update", 2),
                                               ("draft_supply", 2)])
-def test_a_fault_in_one_requests_host_code_fails_that_request_only(phase, after):
+def test_a_fault_in_one_requests_host_code_fails_that_request_only(phase, after, prefill):
     logits = induction_logits(20, 1)
     executor = OracleExecutor(logits, 20, max_batch=3)
-    scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS))
+    scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS), prefill=prefill)
     prompt = [1, 2, 3, 4, 1, 2]
     good = [scheduler.submit(Request(RequestDecoder(LookaheadConfig(3, 3, 3), prompt, 25), explicit=e))
             for e in (True, False)]
@@ -295,3 +303,48 @@ def test_blocks_are_handed_over_while_the_next_step_runs_and_all_when_the_batch_
     assert [[t for b in h for t in b] for h in executor.handles] == [
         reference_generate(logits, [i + 1], 4) for i in range(2)
     ]  # the last blocks and the end marks were handed over although no step followed
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_beside_the_decode_steps_and_gives_the_same_tokens():
+    logits = induction_logits(30, 5)
+    executor = OracleExecutor(logits, 30, max_batch=2, step_tokens=16)
+    scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS), prefill=4)
+    sampled = SamplingParams(0.8, 4, 0.9, 11)
+    running = scheduler.submit(Request(RequestDecoder(LookaheadConfig(2, 3, 2), [1, 2, 3], 20)))
+    scheduler.run_once()  # the three-token prompt: one chunk, alone in the step, whose output is the first token
+    prompt = np.random.default_rng(0).integers(0, 30, 10).tolist()
+    joining = scheduler.submit(Request(RequestDecoder(LookaheadConfig(2, 3, 2), prompt, 12), sampled))
+    for _ in range(3):  # 10 tokens in chunks of 4, 4, 2, each a causal row beside the running request's row
+        assert joining.result is None and joining._queue.empty()
+        scheduler.run_once()
+    assert [(s.rows, s.prefill_rows, s.tokens) for s in list(scheduler.steps)[1:4]] == [
+        (2, 1, 4 + 8), (2, 1, 4 + 8), (2, 1, 2 + 8)]  # 2/3/2 rows are 8 tokens
+    assert executor.cache_len(1) == 10 and scheduler.stats.prefill_chunks == 4
+    assert next(iter(running)) == reference_generate(logits, [1, 2, 3], 1)  # the first chunk's output
+    while not scheduler.idle:
+        scheduler.run_once()
+    assert [t for b in joining for t in b] == reference_generate(logits, prompt, 12, sampled)
+    assert [t for b in running for t in b] == reference_generate(logits, [1, 2, 3], 20)[1:]
+
+
+def test_a_request_cancelled_while_its_prompt_is_prefilled_frees_its_slot():
+    executor = OracleExecutor(markov_logits(20, 2, 3), 20, max_batch=1, step_tokens=8)
+    scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS), prefill=CHUNKED)
+    handle = scheduler.submit(Request(RequestDecoder(GREEDY_STEP, list(range(20)), 5)))
+    waiting = scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [3, 4], 5)))
+    scheduler.run_once()  # the first chunk of 8 of the 20 prompt tokens
+    assert executor.cache_len(0) == 8 and scheduler.free_slots == 0
+    handle.cancel()
+    scheduler.run_once()  # it leaves before the step; the waiting request takes the slot
+    assert list(handle) == [] and handle.result.finish_reason == "cancelled"
+    while not scheduler.idle:
+        scheduler.run_once()
+    assert [t for b in waiting for t in b] == reference_generate(markov_logits(20, 2, 3), [3, 4], 5)
+    assert scheduler.free_slots == 1 and executor.cache_len(0) == 0 and scheduler.stats.cancelled == 1
+
+
+@pytest.mark.parametrize("prefill", [0, 9, -1, "sideways", True])
+def test_a_bad_prefill_is_refused_naming_the_choices(prefill):
+    executor = OracleExecutor(markov_logits(10, 1, 0), 10, step_tokens=8)
+    with pytest.raises(UserError, match=r"prefill must be 'separate', 'chunked' or a chunk of 1 \.\. 8 tokens"):
+        Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS), prefill=prefill)

@@ -1,8 +1,8 @@
 """What the engine backends (onnxruntime, TensorRT) share: the opened engine, and the batched executor's
 host-side state and logic (docs/design.md sections 5, 6.3 and 9).
 
-`SlotExecutor` implements the batched contract (lookahead/executor.py: prefill / step / commit / release /
-cache_len) over a backend that runs the engine's graph on the first B physical slots of its
+`SlotExecutor` implements the batched contract (lookahead/executor.py: prefill / claim / step / commit /
+release / cache_len) over a backend that runs the engine's graph on the first B physical slots of its
 [max_batch, Hkv, S, D] caches. It keeps the active slots physically compact, slots 0 .. A-1: a prefilled
 slot takes the next physical slot, a released one is filled by moving the last active slot's valid rows
 into it, and a step whose slots are not the first B physical slots first swaps them there (rare: a
@@ -78,13 +78,16 @@ class SlotExecutor:
     def cache_len(self, slot: int) -> int:
         return int(self._cache_len[check_slot(slot, self.max_batch)])
 
-    def prefill(self, slot: int, prompt_ids: np.ndarray, sampling: SamplingParams) -> int:
+    def claim(self, slot: int, sampling: SamplingParams) -> None:
         slot = check_slot(slot, self.max_batch)
-        ids = check_prompt(prompt_ids, self.max_seq_len, self.vocab_size)
         if self._physical[slot] < 0:
             self._physical[slot], self._slot_at[self._active] = self._active, slot
             self._active += 1
         self._cache_len[slot], self._last_row[slot], self._sampling[slot] = 0, -1, sampling
+
+    def prefill(self, slot: int, prompt_ids: np.ndarray, sampling: SamplingParams) -> int:
+        ids = check_prompt(prompt_ids, self.max_seq_len, self.vocab_size)
+        self.claim(slot, sampling)
         chunks = [self._prefill_chunk(int(self._physical[slot]), start, inputs)
                   for start, inputs in prefill_chunks(ids, self.config.max_input_len)]
         next_ids, logits = chunks[-1]  # the last chunk's row reads the prompt's last token

@@ -2,6 +2,7 @@
 
     ex = BatchedTorchExecutor(model, max_batch=8, max_seq_len=2048, step_tokens=128)
     x = ex.prefill(slot, prompt_ids, SamplingParams())    # KV rows [0, P) of the slot; next token
+    ex.claim(slot, SamplingParams())                       # or: cache_len 0; the prompt comes as causal rows
     out = ex.step(StepBatch(...))                          # [B, T]; valid at each row's output slots
     ex.commit(slot, rows); ex.release(slot)
 
@@ -190,13 +191,17 @@ class BatchedTorchExecutor:
         return int(self._cache_len[check_slot(slot, self.max_batch)])
 
     @torch.inference_mode()
-    def prefill(self, slot: int, prompt_ids: np.ndarray, sampling: SamplingParams) -> int:
+    def claim(self, slot: int, sampling: SamplingParams) -> None:
         slot = check_slot(slot, self.max_batch)
-        ids = check_prompt(prompt_ids, self.max_seq_len, self.vocab_size)
         self._claim(slot)
-        phys = int(self._physical[slot])
         self._cache_len[slot] = self._step_real[slot] = 0
-        self._set_sampling(phys, sampling)
+        self._set_sampling(int(self._physical[slot]), sampling)
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, prompt_ids: np.ndarray, sampling: SamplingParams) -> int:
+        ids = check_prompt(prompt_ids, self.max_seq_len, self.vocab_size)
+        self.claim(slot, sampling)
+        phys = int(self._physical[slot])
         P, dev = len(ids), self.device
         first = phys * self.rows_per_slot
         mask = None if P == 1 else torch.from_numpy(step_mask(P, CAUSAL)).to(dev)

@@ -11,12 +11,13 @@ seeded order: the same arrival pattern for every mode. Modes:
   auto     every request `auto`: the load- and acceptance-aware policy, batched
   serial   every request `auto`, but one at a time (the next waits for the previous): today's
            one-request-at-a-time runtime, on the same weights
-Per (mode, C): output tokens/s and requests/s over the level's wall time, time to first token (from when
-the client is ready to send: a wait for a slot, or for the previous request in `serial`, counts) and
-inter-token latency p50/p95 (a block of k tokens arriving dt after the previous counts k tokens of
-dt/k), peak RSS, host ms per request per step and mean rows per step (from the scheduler), the steps per
-config the policy chose, and `exact`: the fraction of answers equal to the greedy mode's for the prompt
-(measures of docs/design.md section 8).
+With --prefill separate,chunked every (mode, C) runs once per prefill (runtime/scheduler.py), on the same
+runtime, the prefills interleaved per level. Per (prefill, mode, C): output tokens/s and requests/s over
+the level's wall time, time to first token (from when the client is ready to send: a wait for a slot, or
+for the previous request in `serial`, counts) and inter-token latency p50/p95 (a block of k tokens
+arriving dt after the previous counts k tokens of dt/k), peak RSS, host ms per request per step and mean
+rows per step (from the scheduler), the steps per config the policy chose, and `exact`: the fraction of
+answers equal to the greedy mode's for the prompt (measures of docs/design.md section 8).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import numpy as np
 from trt_lookahead.bench.machine import load_average, machine_info, peak_rss_mb, reset_peak_rss, utc_now
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import AUTO, GREEDY
+from trt_lookahead.lookahead.decoder import Prefill, parse_prefill
 
 if TYPE_CHECKING:
     from trt_lookahead.runtime import LookaheadRuntime
@@ -62,6 +64,11 @@ def parse_modes(text: str) -> list[str]:
     return [m for m in MODES if m in modes]
 
 
+def parse_prefills(text: str) -> list[Prefill]:
+    """`--prefill separate,chunked` -> ["separate", "chunked"] (each `parse_prefill`; no duplicates)."""
+    return list(dict.fromkeys(parse_prefill(t) for t in text.split(",") if t.strip())) or [parse_prefill(text)]
+
+
 @dataclass
 class Request:
     """What one request of a level saw, in seconds from when its client was ready to send it."""
@@ -80,6 +87,7 @@ class Request:
 @dataclass
 class Level:
     mode: str
+    prefill: str
     concurrency: int
     requests: int
     seconds: float
@@ -167,9 +175,11 @@ def run_level(
 
 def run_concurrency(
     rt: LookaheadRuntime, prompts: Sequence[Sequence[int]], *, levels: Sequence[int], modes: Sequence[str],
-    requests: int, max_new_tokens: int, seed: int = 0, progress: bool = True,
+    requests: int, max_new_tokens: int, seed: int = 0, progress: bool = True, prefills: Sequence[Prefill] = (),
 ) -> dict[str, Any]:
-    """Every (mode, level), modes interleaved per level; the `bench --concurrency --json` object."""
+    """Every (prefill, mode, level), interleaved per level; the `bench --concurrency --json` object.
+
+    prefills: the scheduler's prefill for each run of a level (default: the runtime's own)."""
     if max(levels) > rt.max_batch and any(m != "serial" for m in modes):
         raise UserError(f"--concurrency {max(levels)} exceeds the runtime's max_batch {rt.max_batch}")
     result: dict[str, Any] = {
@@ -182,8 +192,10 @@ def run_concurrency(
         result["auto_up_to"] = rt.request_config(AUTO)[0].label  # tunes on first use, before any timing
     rt.generate(list(prompts[0]), min(8, max_new_tokens), lookahead=GREEDY)  # warm-up
     reference: dict[int, list[int]] = {}
+    runs = [(prefill, mode) for prefill in (prefills or [rt.scheduler.prefill]) for mode in modes]
     for concurrency in levels:
-        for mode in modes:
+        for prefill, mode in runs:
+            rt.scheduler.prefill = prefill  # between levels: nothing is in flight
             stats = rt.scheduler.stats
             steps, rows = stats.steps, stats.rows
             host = stats.step_seconds - stats.executor_seconds
@@ -203,7 +215,7 @@ def run_concurrency(
                     configs[label] = configs.get(label, 0) + n
             tokens = sum(r.tokens for r in seen)
             level = Level(
-                mode=mode, concurrency=concurrency, requests=len(seen), seconds=round(seconds, 3),
+                mode=mode, prefill=str(prefill), concurrency=concurrency, requests=len(seen), seconds=round(seconds, 3),
                 output_tokens=tokens, tokens_per_second=round(tokens / seconds, 3),
                 requests_per_second=round(len(seen) / seconds, 4),
                 ttft_p50_ms=_percentile([r.ttft for r in seen], 50),
@@ -219,7 +231,7 @@ def run_concurrency(
             )
             result["levels"].append(asdict(level))
             if progress:
-                print(f"bench: {mode:>6} x{concurrency:<3} {level.tokens_per_second:8.1f} tok/s "
+                print(f"bench: {mode:>6} {prefill!s:>8} x{concurrency:<3} {level.tokens_per_second:8.1f} tok/s "
                       f"{level.requests_per_second:6.3f} req/s  ttft p50 {level.ttft_p50_ms:.0f} ms  "
                       f"itl p50 {level.itl_p50_ms:.1f} ms  rows/step {level.mean_rows_per_step:.2f}  "
                       f"load {load[0] if load else '?'}", flush=True)
@@ -235,14 +247,15 @@ def format_concurrency_markdown(result: dict[str, Any]) -> str:
         f"{result['requests_per_stream']} requests per stream x {result['max_new_tokens']} new tokens at most, "
         f"auto up to {result.get('auto_up_to', '-')}, load {m.get('load')} -> {result.get('load_end')}",
         "",
-        "| mode | streams | tok/s | req/s | TTFT p50 / p95 ms | ITL p50 / p95 ms | rows/step | compression "
+        "| mode | prefill | streams | tok/s | req/s | TTFT p50 / p95 ms | ITL p50 / p95 ms | rows/step | compression "
         "| host ms/req/step | peak RSS MB | exact | load |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["levels"]:
         exact = "-" if r["exact"] is None else f"{r['exact']:.2f}"
         lines.append(
-            f"| {r['mode']} | {r['concurrency']} | {r['tokens_per_second']:.1f} | {r['requests_per_second']:.3f} | "
+            f"| {r['mode']} | {r['prefill']} | {r['concurrency']} | {r['tokens_per_second']:.1f} | "
+            f"{r['requests_per_second']:.3f} | "
             f"{r['ttft_p50_ms']:.0f} / {r['ttft_p95_ms']:.0f} | {r['itl_p50_ms']:.1f} / {r['itl_p95_ms']:.1f} | "
             f"{r['mean_rows_per_step']:.2f} | {r['compression']:.2f} | {r['host_ms_per_request_step']:.3f} | "
             f"{r['peak_rss_mb']:.0f} | {exact} | {r['load'][0] if r['load'] else '?'} |"
@@ -254,11 +267,12 @@ def format_concurrency_markdown(result: dict[str, Any]) -> str:
 
 
 def _ratios(result: dict[str, Any]) -> str:
-    """auto / greedy and greedy, auto / serial tokens per second, per concurrency."""
-    by = {(r["mode"], r["concurrency"]): r["tokens_per_second"] for r in result["levels"]}
+    """auto / greedy and greedy, auto / serial tokens per second, per concurrency (and prefill, if several)."""
+    by = {(r["prefill"], r["mode"], r["concurrency"]): r["tokens_per_second"] for r in result["levels"]}
+    prefills = list(dict.fromkeys(r["prefill"] for r in result["levels"]))
     parts = []
-    for c in sorted({r["concurrency"] for r in result["levels"]}):
-        g, a, s = by.get((GREEDY, c)), by.get((AUTO, c)), by.get(("serial", c))
+    for c, p in ((c, p) for c in sorted({r["concurrency"] for r in result["levels"]}) for p in prefills):
+        g, a, s = by.get((p, GREEDY, c)), by.get((p, AUTO, c)), by.get((p, "serial", c))
         items = []
         if a and g:
             items.append(f"auto/greedy {a / g:.2f}")
@@ -267,5 +281,5 @@ def _ratios(result: dict[str, Any]) -> str:
         if s and a:
             items.append(f"auto/serial {a / s:.2f}")
         if items:
-            parts.append(f"{c} streams: " + ", ".join(items))
+            parts.append(f"{c} streams{f' ({p} prefill)' if len(prefills) > 1 else ''}: " + ", ".join(items))
     return "; ".join(parts)

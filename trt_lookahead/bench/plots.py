@@ -165,6 +165,16 @@ def write_plots(
     return [p for p in written if p is not None]
 
 
+def _series(levels: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The levels of each plotted line, by concurrency: one line per mode, and per prefill if several ran."""
+    several = len({r.get("prefill") for r in levels}) > 1
+    lines: dict[str, list[dict[str, Any]]] = {}
+    for mode in _ordered([r["mode"] for r in levels]):
+        for r in sorted((r for r in levels if r["mode"] == mode), key=lambda r: r["concurrency"]):
+            lines.setdefault(f"{mode}, {r.get('prefill')} prefill" if several else mode, []).append(r)
+    return lines
+
+
 def write_concurrency_plots(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     """concurrency.png: output tokens/s, TTFT and ITL (p50 solid, p95 dashed) against streams, per mode."""
     plt = _pyplot()
@@ -177,10 +187,9 @@ def write_concurrency_plots(result: dict[str, Any], out_dir: str | Path) -> list
         ("itl_p50_ms", "itl_p95_ms", "inter-token latency (ms)"),
     )
     for ax, (p50, p95, title) in zip(axes, panels, strict=True):
-        for mode in _ordered([r["mode"] for r in result["levels"]]):
-            rows = sorted((r for r in result["levels"] if r["mode"] == mode), key=lambda r: r["concurrency"])
+        for label, rows in _series(result["levels"]).items():
             xs = [r["concurrency"] for r in rows]
-            (line,) = ax.plot(xs, [r[p50] for r in rows], marker="o", label=mode)
+            (line,) = ax.plot(xs, [r[p50] for r in rows], marker="o", label=label)
             if p95:
                 ax.plot(xs, [r[p95] for r in rows], marker=".", linestyle="--", color=line.get_color())
         ax.set_xscale("log", base=2)

@@ -16,6 +16,7 @@ from trt_lookahead.bench.bench import DEFAULT_CONFIGS
 from trt_lookahead.bench.concurrency import MODES as CONCURRENCY_MODES
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import AUTO, DEFAULT, DEFAULT_LOOKAHEAD, GREEDY, LookaheadConfig
+from trt_lookahead.lookahead.decoder import parse_prefill
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.model.fetch import DEFAULT_MODEL
 from trt_lookahead.runtime import DEFAULT_MAX_NEW_TOKENS
@@ -165,11 +166,18 @@ def bench_model(
 def bench_concurrency(args: argparse.Namespace) -> int:
     """`bench --concurrency`: streams at once on one runtime (bench/concurrency.py)."""
     from trt_lookahead.bench.bench import plan_bench
-    from trt_lookahead.bench.concurrency import format_concurrency_markdown, parse_levels, parse_modes, run_concurrency
+    from trt_lookahead.bench.concurrency import (
+        format_concurrency_markdown,
+        parse_levels,
+        parse_modes,
+        parse_prefills,
+        run_concurrency,
+    )
     from trt_lookahead.bench.plots import write_concurrency_plots
     from trt_lookahead.runtime import LookaheadRuntime
 
     levels, modes = parse_levels(args.concurrency), parse_modes(args.modes)
+    prefills = [] if args.prefill is None else parse_prefills(args.prefill)
     if args.requests < 1:
         raise UserError(f"--requests must be >= 1 (requests per stream), got {args.requests}")
     out = None if args.out is None else Path(args.out)
@@ -185,7 +193,7 @@ def bench_concurrency(args: argparse.Namespace) -> int:
         tuning_file=args.tuning_file, exact=args.exact, pool_scope=args.pool_scope,
     ) as rt:
         result = run_concurrency(rt, prompts, levels=levels, modes=modes, requests=args.requests,
-                                 max_new_tokens=args.max_new_tokens, seed=args.seed)
+                                 max_new_tokens=args.max_new_tokens, seed=args.seed, prefills=prefills)
     result["datasets"] = [ds.name for ds in plan.sets]
     markdown = format_concurrency_markdown(result)
     if out is not None:
@@ -270,6 +278,7 @@ def triton_serve(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace) -> int:
     """Take the port, load and warm the model, then serve until SIGINT or SIGTERM."""
     lookahead = lookahead_choice(args)
+    prefill = None if args.prefill is None else parse_prefill(args.prefill)
     source = model_source(args)
 
     from trt_lookahead.runtime import LookaheadRuntime
@@ -283,7 +292,7 @@ def serve(args: argparse.Namespace) -> int:
     with LookaheadRuntime.from_pretrained(
         source, backend=args.backend, dtype=args.dtype, lookahead=lookahead, max_seq_len=args.max_seq_len,
         threads=args.threads, verify=args.verify, tuning_file=args.tuning_file, max_batch=args.max_batch,
-        max_queue=args.max_queue, exact=args.exact, pool_scope=args.pool_scope,
+        max_queue=args.max_queue, exact=args.exact, pool_scope=args.pool_scope, prefill=prefill,
     ) as runtime:
         for config in (None, GREEDY):  # the served and the greedy paths' first-call costs now, not on a request
             runtime.generate("Hello", max_new_tokens=2, lookahead=config)

@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=4, help="with --concurrency: requests per stream, in turn")
     p.add_argument("--seed", type=int, default=0, help="with --concurrency: the arrival pattern")
     _add_pool_scope_argument(p, default="request")  # bench reruns each prompt per config: shared would leak outputs
+    p.add_argument("--prefill", default=None,
+                   help="with --concurrency: how joining requests are prefilled, a comma list of separate, chunked "
+                        "or a chunk size in tokens, each run in turn (default: the backend's)")
 
     p = sub.add_parser("tune", help="choose W,N,G for this machine, model and workload")
     _add_model_arguments(p, engine=False)
@@ -173,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "an engine: its built --max-batch)")
     p.add_argument("--max-queue", "--max_queue", dest="max_queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help=f"requests that may wait for a slot (default {DEFAULT_MAX_QUEUE}); one more is answered 429")
+    p.add_argument("--prefill", default=None,
+                   help="how a joining request's prompt is prefilled: separate (alone, before the step), chunked "
+                        "(in causal rows beside the others' decode steps) or a chunk size (default: the backend's)")
     p.add_argument("--served-model-name", "--served_model_name", dest="served_model_name", default=None,
                    help="the `model` requests name (default: the model or engine directory's name)")
     _add_pool_scope_argument(p)

@@ -13,8 +13,10 @@ Columns a step does not use keep their state; a step of another N (greedy under 
 Which config a step uses never changes the tokens (docs/design.md section 4), only how many are accepted.
 
 `BatchStepper.run` is the one decode-loop body: prepare every row, one executor.step, then per row
-accept -> executor.commit(commit_slots) -> update. The scheduler (runtime/scheduler.py) calls it for all
-active requests; `LookaheadDecoder`, the single-request driver, calls it with one row.
+accept -> executor.commit(commit_slots) -> update. A row is a `StepRow`: a request's decode step (`Row`)
+or a chunk of a prompt being prefilled in steps (`PrefillChunk`, a causal row), so chunked prefill and
+decoding share one step and one loop. The scheduler (runtime/scheduler.py) calls it for all active
+requests; `LookaheadDecoder`, the single-request driver, calls it with one row.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Protocol
 
 import numpy as np
 
 from trt_lookahead.errors import UserError, as_int
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.drafts import SUFFIX, Branch, SuffixIndex, lay_tree
-from trt_lookahead.lookahead.executor import Executor, StepBatch
+from trt_lookahead.lookahead.executor import CAUSAL, Executor, StepBatch
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.pool import OUTPUT, PROMPT, SHARED, WINDOW, Continuation, NgramPool, SharedPool
 from trt_lookahead.lookahead.sampling import SamplingParams
@@ -407,6 +410,30 @@ class RequestDecoder:
                 level[i] = self.fillers[self.rng.integers(len(self.fillers))]
 
 
+class StepRow(Protocol):
+    """One row of a step as BatchStepper drives it."""
+
+    slot: int
+
+    def shape(self) -> tuple[int, int]:
+        """(tokens, output slots) the row needs; the step's views are as wide as its widest row."""
+        ...
+
+    def prepare(
+        self, input_ids: np.ndarray, positions: np.ndarray, step_config: np.ndarray, output_slots: np.ndarray
+    ) -> None: ...
+
+    def accept(self, out: np.ndarray) -> np.ndarray | None:
+        """Read the step's outputs; -> the step slots to commit, or None when the request ended (no commit)."""
+        ...
+
+    def update(self, out: np.ndarray) -> None: ...
+
+    def timed(self, executor_seconds: float) -> None:
+        """The step's executor seconds (step and commits), counted whole for every row."""
+        ...
+
+
 @dataclass
 class Row:
     """One request in one step: its KV slot, its decoder, and the config this step uses."""
@@ -414,6 +441,81 @@ class Row:
     slot: int
     decoder: RequestDecoder
     config: LookaheadConfig
+
+    def shape(self) -> tuple[int, int]:
+        return self.config.step_tokens, len(step_tables(self.config, self.decoder.tree).output_slots)
+
+    def prepare(
+        self, input_ids: np.ndarray, positions: np.ndarray, step_config: np.ndarray, output_slots: np.ndarray
+    ) -> None:
+        self.decoder.prepare(self.config, input_ids, positions, step_config, output_slots)
+
+    def accept(self, out: np.ndarray) -> np.ndarray | None:
+        self.decoder.accept(out)
+        return None if self.decoder.finished else self.decoder.commit_slots
+
+    def update(self, out: np.ndarray) -> None:
+        self.decoder.update(out)
+
+    def timed(self, executor_seconds: float) -> None:
+        self.decoder.stats.executor_seconds += executor_seconds
+
+
+SEPARATE, CHUNKED = "separate", "chunked"  # how a scheduler prefills a joining request (runtime/scheduler.py)
+Prefill = str | int  # SEPARATE, CHUNKED, or chunked with this many prompt tokens per chunk
+
+
+def parse_prefill(text: str) -> Prefill:
+    """`separate`, `chunked` or a chunk size in tokens, from a command line; UserError otherwise."""
+    word = text.strip().lower()
+    if word in (SEPARATE, CHUNKED):
+        return word
+    if word.isdigit() and int(word) > 0:
+        return int(word)
+    raise UserError(f"prefill takes {SEPARATE}, {CHUNKED} or a chunk size in tokens (a positive integer); got {text!r}")
+
+
+@dataclass
+class PrefillChunk:
+    """Prompt tokens start .. start+tokens-1 of a claimed slot as one causal row (chunked prefill).
+
+    Pads past the chunk continue its positions and are never committed (lookahead/executor.py). After the
+    last chunk, `first` is the step's output at the chunk's last token: the request's first token.
+    """
+
+    slot: int
+    prompt: np.ndarray
+    start: int
+    tokens: int
+    first: int | None = None
+
+    @property
+    def last(self) -> bool:
+        return self.start + self.tokens == len(self.prompt)
+
+    def shape(self) -> tuple[int, int]:
+        return self.tokens, 1
+
+    def prepare(
+        self, input_ids: np.ndarray, positions: np.ndarray, step_config: np.ndarray, output_slots: np.ndarray
+    ) -> None:
+        n = self.tokens
+        input_ids[:n] = self.prompt[self.start : self.start + n]
+        input_ids[n:] = 0
+        positions[:] = np.arange(self.start, self.start + len(positions))
+        step_config[:] = CAUSAL
+        output_slots[:] = n - 1
+
+    def accept(self, out: np.ndarray) -> np.ndarray:
+        if self.last:
+            self.first = int(out[self.tokens - 1])
+        return np.arange(self.tokens)
+
+    def update(self, out: np.ndarray) -> None:
+        """Nothing to do: the scheduler sets the request up from `first`."""
+
+    def timed(self, executor_seconds: float) -> None:
+        """Not counted: the scheduler times a prefilling request's steps as its prefill."""
 
 
 class BatchStepper:
@@ -429,24 +531,24 @@ class BatchStepper:
         self._slots = np.zeros(B, np.int64)
         self.executor_seconds = 0.0  # inside executor.step / commit, over the stepper's life
 
-    def run(self, rows: Sequence[Row], while_stepping: Callable[[], None] = lambda: None) -> list[BaseException | None]:
+    def run(
+        self, rows: Sequence[StepRow], while_stepping: Callable[[], None] = lambda: None
+    ) -> list[BaseException | None]:
         """One step for `rows` (distinct slots). Returns per row None, or the error that ended that request.
 
         An error in one request's host code (prepare, accept, commit, update) ends that row only; a failing
-        executor step ends the rows of the step. Each decoder's executor_seconds counts the whole step.
+        executor step ends the rows of the step. Each row is timed with the whole step's executor seconds.
         `while_stepping` runs after the rows are prepared, just before the executor step (the scheduler hands
         blocks to consumers there).
         """
         errors: list[BaseException | None] = [None] * len(rows)
-        T = max(row.config.step_tokens for row in rows)
-        K = max(len(step_tables(row.config, row.decoder.tree).output_slots) for row in rows)
+        shapes = [row.shape() for row in rows]
+        T, K = max(t for t, _ in shapes), max(k for _, k in shapes)
         live: list[int] = []
         for i, row in enumerate(rows):
             b = len(live)
             try:
-                row.decoder.prepare(
-                    row.config, self._ids[b, :T], self._positions[b, :T], self._config[b], self._outputs[b, :K]
-                )
+                row.prepare(self._ids[b, :T], self._positions[b, :T], self._config[b], self._outputs[b, :K])
             except Exception as exc:
                 errors[i] = exc
                 continue
@@ -470,16 +572,16 @@ class BatchStepper:
         for b, i in enumerate(live):
             row = rows[i]
             try:
-                row.decoder.accept(out[b])
-                if not row.decoder.finished:
+                commit = row.accept(out[b])
+                if commit is not None:
                     start = time.perf_counter()
-                    self.executor.commit(row.slot, row.decoder.commit_slots)
+                    self.executor.commit(row.slot, commit)
                     seconds += time.perf_counter() - start
-                    row.decoder.update(out[b])
+                    row.update(out[b])
             except Exception as exc:
                 errors[i] = exc
         for i in live:
-            rows[i].decoder.stats.executor_seconds += seconds
+            rows[i].timed(seconds)
         self.executor_seconds += seconds
         return errors
 

@@ -4,6 +4,8 @@ One step runs B request slots x T tokens. Row b belongs to KV slot slots[b]; its
 step_config[b] = (W, N, G) (docs/design.md section 2) padded to T, or (0, 0, 0) for a causal row.
 
     x = ex.prefill(slot, prompt_ids, sampling)   # KV rows [0, P) of the slot, its sampling set; next token
+    ex.claim(slot, sampling)                     # or: the slot holds a request of cache_len 0 and this
+                                                 #   sampling; its prompt then arrives as causal step rows
     out = ex.step(StepBatch(...))                # [B, T] int64 next tokens, valid at output_slots, -1 elsewhere
     ex.commit(slot, rows)                        # keep the KV of these step rows of the slot's last step
     ex.release(slot)                             # the slot is free (cache_len 0)
@@ -11,6 +13,12 @@ step_config[b] = (W, N, G) (docs/design.md section 2) padded to T, or (0, 0, 0) 
 A row's pads (slots past its layout's real tokens) hold any valid id at position cache_len; an executor
 may skip them. Token i of row b is chosen with the slot's sampling parameters, keyed by positions[b, i]
 (lookahead/sampling.py). A row's results never depend on the other rows of the step.
+
+Chunked prefill (runtime/scheduler.py) feeds a claimed slot's prompt as causal rows: the next c prompt
+tokens at positions cache_len .. cache_len+c-1, then, where the step is wider than c, pad tokens at the
+positions that follow (a causal row's T tokens are all real, and a causal token never sees a later one, so
+the pads change nothing); the commit keeps rows 0 .. c-1 only. The last chunk's output at slot c-1 is the
+prompt's next token, chosen as `prefill` chooses it (keyed by position P-1).
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ import numpy as np
 
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.sampling import SamplingParams
+
+CAUSAL = (0, 0, 0)  # the step_config of a causal row (kernels/mask.py's, which this layer cannot import)
 
 
 @dataclass
@@ -51,6 +61,8 @@ class Executor(Protocol):
     step_tokens: int  # the largest T a row may have
 
     def prefill(self, slot: int, prompt_ids: np.ndarray, sampling: SamplingParams) -> int: ...
+
+    def claim(self, slot: int, sampling: SamplingParams) -> None: ...
 
     def step(self, batch: StepBatch) -> np.ndarray: ...
 

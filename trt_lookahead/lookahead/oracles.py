@@ -136,12 +136,16 @@ class OracleExecutor:
     def cache_len(self, slot: int) -> int:
         return len(self.caches[check_slot(slot, self.max_batch)])
 
-    def prefill(self, slot: int, prompt_ids: np.ndarray, sampling: SamplingParams) -> int:
+    def claim(self, slot: int, sampling: SamplingParams) -> None:
         slot = check_slot(slot, self.max_batch)
-        ids = check_prompt(prompt_ids, self.max_seq_len, self.vocab_size)
-        self.caches[slot] = [int(t) for t in ids]
+        self.caches[slot] = []
         self.sampling[slot] = sampling
         self._last.pop(slot, None)
+
+    def prefill(self, slot: int, prompt_ids: np.ndarray, sampling: SamplingParams) -> int:
+        ids = check_prompt(prompt_ids, self.max_seq_len, self.vocab_size)
+        self.claim(slot, sampling)
+        self.caches[slot] = [int(t) for t in ids]
         logits = self.logits_fn(tuple(self.caches[slot]))[None]
         return int(select_tokens(logits, np.array([len(ids) - 1]), sampling)[0])
 
@@ -207,6 +211,9 @@ class InstantExecutor:
 
     def cache_len(self, slot: int) -> int:
         return int(self._cache_len[slot])
+
+    def claim(self, slot: int, sampling: SamplingParams) -> None:
+        self._cache_len[slot] = 0
 
     def prefill(self, slot: int, prompt_ids: np.ndarray, sampling: SamplingParams) -> int:
         self._cache_len[slot] = len(prompt_ids)

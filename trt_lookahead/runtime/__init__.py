@@ -48,7 +48,7 @@ from trt_lookahead.lookahead.policy import LookaheadPolicy, Priors, StepCost
 from trt_lookahead.lookahead.pool import POOL_SCOPES, SharedPool
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.runtime import scheduler
-from trt_lookahead.runtime.scheduler import RequestHandle, Scheduler
+from trt_lookahead.runtime.scheduler import Prefill, RequestHandle, Scheduler, default_prefill
 
 DEFAULT_MAX_SEQ_LEN = 4096
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -239,6 +239,7 @@ class LookaheadRuntime:
         max_queue: int = DEFAULT_MAX_QUEUE,
         tuning_file: str | Path | None = None,
         pool_scope: str = "shared",
+        prefill: Prefill | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.executor = executor
@@ -254,7 +255,9 @@ class LookaheadRuntime:
         self.pool_scope = check_pool_scope(pool_scope)  # the widest scope a request may use
         self.shared_pool = SharedPool()  # touched only by the scheduler thread (decoders' setup/prepare/update)
         # until `auto` is first asked for, the policy only runs explicit configs (it never sees auto requests)
-        self.scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(1.0, 0.0), Priors({})), max_queue)
+        policy = LookaheadPolicy(StepCost.linear(1.0, 0.0), Priors({}))
+        prefill = default_prefill(backend) if prefill is None else prefill
+        self.scheduler = Scheduler(executor, policy, max_queue, prefill)
         self.auto_config: LookaheadConfig | None = None  # the largest config `auto` requests may use (tuned)
         self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to call from several threads
         self._tuning_lock = threading.RLock()
@@ -277,6 +280,7 @@ class LookaheadRuntime:
         verify: bool = True,
         exact: bool | None = None,
         pool_scope: str = "shared",
+        prefill: Prefill | None = None,
     ) -> LookaheadRuntime:
         """Load a HF Llama checkpoint dir, a known model name, or an engine dir from `trt-lookahead build`.
 
@@ -288,6 +292,8 @@ class LookaheadRuntime:
         bit-identical alone, batched and in greedy decoding; docs/design.md section 4.2); default: on where it is
         cheap (bfloat16 on the CPU torch executor; backends/torch.py EXACT_BY_DEFAULT). pool_scope: "shared"
         (requests read and feed one bounded n-gram pool; README "Shared n-gram pool") or "request" (no sharing).
+        prefill: how a joining request's prompt is prefilled, "separate", "chunked" or a chunk size
+        (runtime/scheduler.py); default per backend, `default_prefill`.
         """
         from trt_lookahead.model.fetch import resolve_model
 
@@ -307,7 +313,7 @@ class LookaheadRuntime:
                 raise UserError(EXACT_ON_ENGINE)
             why = None  # an engine dir runs where it was built for: nothing to explain
             rt = cls._from_engine(path, backend or "onnxruntime", dtype, max_seq_len, max_batch, max_queue, tuning_file,
-                                  verify)
+                                  verify, prefill=prefill)
         else:
             asked = None if lookahead in (DEFAULT, None) else resolve_lookahead(lookahead)
             asked = asked if isinstance(asked, LookaheadConfig) else None
@@ -315,10 +321,10 @@ class LookaheadRuntime:
             if backend == "onnxruntime":
                 cached = cached_checkpoint_engine(path, dtype, max_seq_len, max_batch, asked)
                 rt = cls._from_engine(cached, backend, dtype, max_seq_len, max_batch, max_queue, tuning_file, verify,
-                                      model_path=path)
+                                      model_path=path, prefill=prefill)
             else:
                 rt = cls._from_checkpoint(path, dtype, max_seq_len, max_batch or DEFAULT_MAX_BATCH, max_queue,
-                                          tuning_file, exact)
+                                          tuning_file, exact, prefill)
         try:
             if lookahead == DEFAULT:  # an engine dir's built config; a checkpoint's (on any backend) 4,3,4
                 rt.lookahead = (rt.max_lookahead if engine else None) or DEFAULT_LOOKAHEAD
@@ -336,7 +342,7 @@ class LookaheadRuntime:
     @classmethod
     def _from_checkpoint(
         cls, path: Path, dtype: str, max_seq_len: int | None, max_batch: int, max_queue: int,
-        tuning_file: str | Path | None, exact: bool | None,
+        tuning_file: str | Path | None, exact: bool | None, prefill: Prefill | None,
     ) -> LookaheadRuntime:
         from trt_lookahead.backends.torch import BatchedTorchExecutor
         from trt_lookahead.model.checkpoint import check_max_seq_len, load_llama, load_tokenizer
@@ -358,12 +364,13 @@ class LookaheadRuntime:
             model_path=path,
             max_queue=max_queue,
             tuning_file=tuning_file,
+            prefill=prefill,
         )
 
     @classmethod
     def _from_engine(
         cls, path: Path, backend: str, dtype: str, max_seq_len: int | None, max_batch: int | None, max_queue: int,
-        tuning_file: str | Path | None, verify: bool, model_path: Path | None = None,
+        tuning_file: str | Path | None, verify: bool, model_path: Path | None = None, prefill: Prefill | None = None,
     ) -> LookaheadRuntime:
         from trt_lookahead.backends.open import open_engine
         from trt_lookahead.model.checkpoint import load_tokenizer
@@ -383,6 +390,7 @@ class LookaheadRuntime:
             max_lookahead=engine.lookahead,
             max_queue=max_queue,
             tuning_file=tuning_file,
+            prefill=prefill,
         )
 
     @property

@@ -6,15 +6,20 @@
     handle.cancel()                                                   # takes effect at the next step
 
 Each iteration (`run_once`): cancelled requests leave and free their slot; waiting requests are admitted
-in arrival order into free slots and prefilled one by one (executor.prefill); the policy picks each
-request's config for the step; one BatchStepper step runs every active request; finished, failed and
-cancelled requests release their slot at once. An exception in one request's host code (prefill, setup,
-prepare, accept, update) fails that request only, its handle raising it; a failing executor step fails the
-requests of that step only. Blocks are buffered per request, so a slow or absent consumer never stalls
-the loop, and handed over while the next step's executor runs (or at once when no step follows): a
-consumer woken earlier would contend for the GIL with the step's host work. Admission is FIFO and every
-admitted request is in every step: no request starves.
-See docs/design.md section 9.
+in arrival order into free slots; the policy picks each decoding request's config for the step; one
+BatchStepper step runs every active request; finished, failed and cancelled requests release their slot
+at once. How an admitted request's prompt is prefilled (`prefill`):
+  separate   executor.prefill, one request after another before the step: every other request waits for
+             the whole prompt
+  chunked    executor.claim, then one causal row of the next `prefill_chunk` prompt tokens in each step,
+             beside the other requests' decode rows (lookahead/executor.py); the last chunk's output is the
+             first token. A prefilling request holds its slot, is in every step and can be cancelled.
+An exception in one request's host code (prefill, setup, prepare, accept, update) fails that request
+only, its handle raising it; a failing executor step fails the requests of that step only. Blocks are
+buffered per request, so a slow or absent consumer never stalls the loop, and handed over while the next
+step's executor runs (or at once when no step follows): a consumer woken earlier would contend for the GIL
+with the step's host work. Admission is FIFO and every admitted request is in every step: no request
+starves. See docs/design.md section 9.
 """
 
 from __future__ import annotations
@@ -29,7 +34,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trt_lookahead.errors import UserError
-from trt_lookahead.lookahead.decoder import BatchStepper, DecodeStats, RequestDecoder, Row
+from trt_lookahead.lookahead.decoder import (
+    CHUNKED,
+    SEPARATE,
+    BatchStepper,
+    DecodeStats,
+    Prefill,
+    PrefillChunk,
+    RequestDecoder,
+    Row,
+    StepRow,
+)
 from trt_lookahead.lookahead.executor import Executor
 from trt_lookahead.lookahead.policy import LookaheadPolicy, RequestState
 from trt_lookahead.lookahead.sampling import SamplingParams
@@ -72,6 +87,8 @@ class RequestHandle:
         self.result: Result | None = None
         self.policy_state: RequestState | None = None
         self.slot: int | None = None
+        self.chunk = 0  # while its prompt is prefilled in steps: tokens per chunk (0: prefilled, or separately)
+        self.prefilled = 0  # prompt tokens committed by those chunks
         self._loop = loop
         self._queue: Any = queue.SimpleQueue() if loop is None else asyncio.Queue()
         self._cancelled = threading.Event()
@@ -149,6 +166,7 @@ class StepRecord:
     tokens: int
     executor_seconds: float
     host_seconds: float
+    prefill_rows: int = 0  # of `rows`, chunks of prompts (their tokens are in `tokens`)
 
 
 @dataclass
@@ -159,7 +177,8 @@ class SchedulerStats:
     finished: int = 0
     cancelled: int = 0
     failed: int = 0
-    prefill_seconds: float = 0.0
+    prefill_chunks: int = 0
+    prefill_seconds: float = 0.0  # in executor.prefill (separate prefill; chunks are timed in step_seconds)
     step_seconds: float = 0.0  # wall time of the decode steps: host work and executor
     executor_seconds: float = 0.0  # inside executor.step / commit
 
@@ -173,15 +192,45 @@ class SchedulerStats:
         return self.rows / self.steps if self.steps else 0.0
 
 
+def prefill_chunk(executor: Executor, prefill: Prefill) -> int:
+    """Prompt tokens per chunk for `prefill` (0: separate); UserError for anything else.
+
+    CHUNKED is the executor's step_tokens: the padded executors (engines, CUDA torch) pay B x T a step, and
+    a chunk then widens a step no further than the engine's own lookahead rows do; the packed CPU torch
+    executor pays only real tokens. The size is fixed per scheduler, never taken from what shares the step,
+    so a prompt's chunk boundaries, and the float bits of its KV, are the same alone or batched.
+    """
+    if prefill == SEPARATE:
+        return 0
+    if prefill == CHUNKED:
+        return executor.step_tokens
+    if isinstance(prefill, bool) or not isinstance(prefill, int) or not 1 <= prefill <= executor.step_tokens:
+        raise UserError(f"prefill must be {SEPARATE!r}, {CHUNKED!r} or a chunk of 1 .. {executor.step_tokens} "
+                        f"tokens (the executor's step_tokens), got {prefill!r}")
+    return prefill
+
+
+DEFAULT_PREFILL: dict[str, Prefill] = {}  # per backend; see default_prefill
+
+
+def default_prefill(backend: str) -> Prefill:
+    """The prefill a runtime of `backend` uses unless asked (the one place it is decided)."""
+    return DEFAULT_PREFILL.get(backend, SEPARATE)
+
+
 class Scheduler:
     """See the module docstring. `start()` runs the loop in a daemon thread; `run_once()` is one iteration."""
 
-    def __init__(self, executor: Executor, policy: LookaheadPolicy, max_queue: int = 64) -> None:
+    def __init__(
+        self, executor: Executor, policy: LookaheadPolicy, max_queue: int = 64, prefill: Prefill = SEPARATE
+    ) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise UserError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.executor = executor
         self.policy = policy
         self.max_queue = max_queue
+        self._chunk = prefill_chunk(executor, prefill)
+        self._prefill = prefill
         self.stats = SchedulerStats()
         self._stepper = BatchStepper(executor)
         self.steps: deque[StepRecord] = deque(maxlen=STEP_LOG)  # the latest steps (tuning measures from them)
@@ -242,6 +291,15 @@ class Scheduler:
         self._deliver()
 
     @property
+    def prefill(self) -> Prefill:
+        return self._prefill
+
+    @prefill.setter
+    def prefill(self, prefill: Prefill) -> None:
+        """How requests admitted from now on are prefilled (those prefilling in chunks finish as they began)."""
+        self._chunk, self._prefill = prefill_chunk(self.executor, prefill), prefill
+
+    @property
     def idle(self) -> bool:
         with self._cond:
             return not self._waiting and not self._active
@@ -293,7 +351,7 @@ class Scheduler:
                 self._active[handle.slot] = handle
                 admitted.append(handle)
         for handle in admitted:
-            self._prefill(handle)
+            self._admit(handle)
         if self._active:
             self._step()
         if not self._active:  # no step runs next: hand over now
@@ -307,18 +365,35 @@ class Scheduler:
             handle._hand_over(item)
 
     def _prefill(self, handle: RequestHandle) -> None:
+    def _admit(self, handle: RequestHandle) -> None:
+        """Prefill the request now (separate), or claim its slot for chunks in the coming steps (chunked)."""
         request, slot = handle.request, handle.slot
         assert slot is not None
         decoder = request.decoder
         self.stats.admitted += 1
         try:
+            if self._chunk:
+                self.executor.claim(slot, request.sampling)
+                handle.chunk, handle.prefilled = self._chunk, 0
+                return
             start = time.perf_counter()
             first = self.executor.prefill(slot, decoder.prompt, request.sampling)
             decoder.stats.prefill_seconds = seconds = time.perf_counter() - start
             self.stats.prefill_seconds += seconds
+        except Exception as exc:  # this request's prefill failed: it alone ends
+            self._end(slot, error=exc)
+            return
+        self._start(handle, first)
+
+    def _start(self, handle: RequestHandle, first: int) -> None:
+        """The prompt is in the cache: emit its first token and start decoding."""
+        request, slot = handle.request, handle.slot
+        assert slot is not None
+        decoder = request.decoder
+        try:
             block = decoder.setup(first)
             handle.policy_state = self.policy.start(decoder.config, request.explicit)
-        except Exception as exc:  # this request's prefill or setup failed: it alone ends
+        except Exception as exc:  # this request's setup failed: it alone ends
             self._end(slot, error=exc)
             return
         handle._put(block)
@@ -327,8 +402,14 @@ class Scheduler:
 
     def _step(self) -> None:
         start = time.perf_counter()
+        chunks: list[PrefillChunk] = []
         slots, handles, states, supplies = [], [], [], []
         for slot, handle in list(self._active.items()):
+            if handle.chunk:
+                prompt = handle.request.decoder.prompt
+                tokens = min(handle.chunk, len(prompt) - handle.prefilled)
+                chunks.append(PrefillChunk(slot, prompt, handle.prefilled, tokens))
+                continue
             try:
                 supply = 0 if handle.request.explicit else handle.request.decoder.draft_supply()
             except Exception as exc:  # this request's host state is broken: it alone ends
@@ -339,26 +420,30 @@ class Scheduler:
             handles.append(handle)
             states.append(handle.policy_state)
             supplies.append(supply)
-        if not slots:
-            return
         try:
-            configs = self.policy.choose(states, supplies)
-        except Exception as exc:  # no step can run without configs: its requests end
+            configs = self.policy.choose(states, supplies) if states else []
+        except Exception as exc:  # no decode step can run without configs: those requests end
             for slot in slots:
                 self._end(slot, error=exc)
+            slots, handles, configs = [], [], []
+        decoding = [Row(s, h.request.decoder, c) for s, h, c in zip(slots, handles, configs, strict=True)]
+        rows: list[StepRow] = [*chunks, *decoding]
+        if not rows:
             return
-        rows = [Row(s, h.request.decoder, c) for s, h, c in zip(slots, handles, configs, strict=True)]
         before = self._stepper.executor_seconds
         errors = self._stepper.run(rows, self._deliver)
         seconds = time.perf_counter() - start
         executor_seconds = self._stepper.executor_seconds - before
         self.stats.steps += 1
         self.stats.rows += len(rows)
+        self.stats.prefill_chunks += len(chunks)
         self.stats.step_seconds += seconds
         self.stats.executor_seconds += executor_seconds
-        tokens = sum(c.step_tokens for c in configs)
-        self.steps.append(StepRecord(len(rows), tokens, executor_seconds, seconds - executor_seconds))
-        for row, handle, error in zip(rows, handles, errors, strict=True):
+        tokens = sum(chunk.tokens for chunk in chunks) + sum(c.step_tokens for c in configs)
+        self.steps.append(StepRecord(len(rows), tokens, executor_seconds, seconds - executor_seconds, len(chunks)))
+        for chunk, error in zip(chunks, errors[: len(chunks)], strict=True):
+            self._chunk_done(chunk, seconds, error)
+        for row, handle, error in zip(decoding, handles, errors[len(chunks) :], strict=True):
             decoder = row.decoder
             decoder.stats.decode_seconds += seconds
             if error is not None:
@@ -369,6 +454,18 @@ class Scheduler:
                 self._end(row.slot, reason=decoder.finish_reason)
             else:
                 self.policy.observe(handle.policy_state, row.config, len(decoder.emitted))  # type: ignore[arg-type]
+
+    def _chunk_done(self, chunk: PrefillChunk, seconds: float, error: BaseException | None) -> None:
+        """After the step: the chunk is committed; the last one starts the request (its step counts as prefill)."""
+        handle = self._active[chunk.slot]
+        handle.request.decoder.stats.prefill_seconds += seconds
+        if error is not None:
+            self._end(chunk.slot, error=error)
+            return
+        handle.prefilled = chunk.start + chunk.tokens
+        if chunk.first is not None:
+            handle.chunk = 0
+            self._start(handle, chunk.first)
 
     def _end(self, slot: int, reason: str = "", error: BaseException | None = None) -> None:
         """The request in `slot` leaves: release the slot, tell its consumer."""

@@ -168,7 +168,7 @@ def measure_step_cost(
             before = rt.scheduler.stats.steps
             run_together(rt, [context] * b, COST_STEPS + 1, config)
             fresh = list(rt.scheduler.steps)[-(rt.scheduler.stats.steps - before) :]
-            seconds = [s.executor_seconds + s.host_seconds for s in fresh if s.rows == b]
+            seconds = [s.executor_seconds + s.host_seconds for s in fresh if s.rows == b and not s.prefill_rows]
             if seconds:
                 times.setdefault((b, b * config.step_tokens), []).extend(seconds)
     measured: dict[int, list[tuple[int, float]]] = {}
