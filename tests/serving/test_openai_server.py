@@ -508,6 +508,8 @@ def test_serve_bad_arguments_exit_2_with_one_error_line(capsys):
             ([], "exactly one of --model"),
             (["--model", str(STORIES), "--max-batch", "0"], "max_batch must be a positive integer"),
             (["--model", str(STORIES), "--max-queue", "-1"], "max_queue must be an integer >= 0"),
+            (["--model", str(STORIES), "--prefill", "sideways"], "prefill takes separate, chunked or a chunk"),
+            (["--model", str(STORIES), "--prefill", "100000"], "or a chunk of 1 .. "),
             (["--model", str(STORIES), "--port", "70000"], "not a TCP port"),
             (["--model", str(STORIES), "--port", port], f"cannot listen on 127.0.0.1:{port}"),
             (["--model", str(STORIES), "--lookahead_config", "0,3,4"], "W=0 is impossible"),

@@ -87,7 +87,7 @@ class OpenAIServer:
             lambda: scheduler.waiting, lambda: runtime.max_batch - scheduler.free_slots,
             {"model": model_name, "backend": runtime.backend, "dtype": runtime.dtype, "lookahead": self.label,
              "max_seq_len": str(runtime.max_seq_len), "max_batch": str(runtime.max_batch),
-             "max_queue": str(scheduler.max_queue)},
+             "max_queue": str(scheduler.max_queue), "prefill": str(scheduler.prefill)},
         )
 
     @property
@@ -335,7 +335,8 @@ def serve(runtime: LookaheadRuntime, sock: socket.socket, *, model_name: str, lo
     host, port = sock.getsockname()[:2]
     print(
         f"trt-lookahead serve: {model_name} ({runtime.backend}, {runtime.dtype}, lookahead {api.label}, max_seq_len "
-        f"{runtime.max_seq_len}, max_batch {runtime.max_batch}, max_queue {runtime.scheduler.max_queue}) on "
+        f"{runtime.max_seq_len}, max_batch {runtime.max_batch}, max_queue {runtime.scheduler.max_queue}, prefill "
+        f"{runtime.scheduler.prefill}) on "
         f"http://{host}:{port}/v1 (POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics); "
         "Ctrl-C stops it", file=sys.stderr, flush=True,
     )
