@@ -364,7 +364,6 @@ class Scheduler:
         for handle, item in outbox:
             handle._hand_over(item)
 
-    def _prefill(self, handle: RequestHandle) -> None:
     def _admit(self, handle: RequestHandle) -> None:
         """Prefill the request now (separate), or claim its slot for chunks in the coming steps (chunked)."""
         request, slot = handle.request, handle.slot
