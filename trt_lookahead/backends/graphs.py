@@ -72,6 +72,7 @@ class SlotExecutor:
         self._sampling = [SamplingParams()] * max_batch
         self._last_row = np.full(max_batch, -1, np.int64)  # slot -> its row in the last step's outputs, -1: none
         self._last_real = np.zeros(max_batch, np.int64)  # real tokens of that row
+        self._last_logits: tuple[Logits, np.ndarray] | None = None  # the last step's reader and graph rows
 
     # -- contract ---------------------------------------------------------------------------------
 
@@ -115,7 +116,15 @@ class SlotExecutor:
             result[b, batch.output_slots[b]] = chosen
         self._last_row[:] = -1
         self._last_row[slots], self._last_real[slots] = rows, real
+        self._last_logits = (logits, rows)
         return result
+
+    def step_logits(self) -> np.ndarray:
+        """A copy of the last step's float32 logits [B, K, V] at its output slots, in the StepBatch's row order."""
+        if self._last_logits is None:
+            raise ValueError("no step has run: step_logits reads the last step's logits")
+        logits, rows = self._last_logits
+        return logits()[rows].copy()
 
     def commit(self, slot: int, rows: np.ndarray) -> None:
         slot = check_slot(slot, self.max_batch)

@@ -1,0 +1,112 @@
+"""The exact engine step (docs/design.md section 4.2) through the onnxruntime executor on stories260K: every
+output slot of a lookahead step has the logits, bit for bit (==), of the 1-token greedy step at the same
+context, alone and beside companion rows of other configs and cache lengths; the fast engine does not.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trt_lookahead.backends.open import open_engine
+from trt_lookahead.cli import main
+from trt_lookahead.kernels.mask import CAUSAL, step_mask
+from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.executor import StepBatch
+from trt_lookahead.lookahead.layout import StepLayout
+from trt_lookahead.lookahead.sampling import SamplingParams
+
+STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
+MAX_SEQ_LEN, MAX_BATCH, T = 256, 4, 16  # T: the step tokens of the built 4,3,4
+GREEDY = (1, 2, 0)
+TARGETS = [(4, 3, 4), (2, 3, 2), (2, 2, 1), (1, 3, 4), (4, 2, 3)]  # configs within 4/3/4, padded to T
+COMPANIONS = [(4, 3, 4), GREEDY, CAUSAL, (2, 2, 1), (3, 3, 1)]
+NEAR_BLOCKS = [1, 2, 62, 63, 64, 65, 126, 127, 128, 190, 191, 192]  # prompt lengths around 64-key blocks
+
+pytestmark = pytest.mark.export  # every test here builds engine dirs
+
+
+def build(out: Path, *extra: str) -> Path:
+    argv = ["build", "--model", str(STORIES), "--output", str(out), "--lookahead_config", "4,3,4", "--max_seq_len",
+            str(MAX_SEQ_LEN), "--max_input_len", "64", "--max-batch", str(MAX_BATCH), *extra]
+    assert main(argv) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    root = tmp_path_factory.mktemp("exact")
+    return {"fast": build(root / "fast")}
+
+
+def step_row(slot: int, config: tuple, cache_len: int, ids: np.ndarray) -> StepBatch:
+    """One row of `config` (padded to len(ids) tokens; CAUSAL: all causal) at `cache_len`."""
+    tokens = len(ids)
+    if config == CAUSAL:
+        positions, slots = np.arange(tokens), np.arange(tokens)
+    else:
+        layout = StepLayout(LookaheadConfig(*config), padded_tokens=tokens)
+        positions, slots = layout.rel_positions, layout.output_slots
+    return StepBatch(np.array([slot]), ids[None], (cache_len + positions)[None], np.array([config], np.int32),
+                     slots[None])
+
+
+def stack(rows: list[StepBatch]) -> StepBatch:
+    """The rows as one batch (output slots padded by repeating the last)."""
+    K = max(r.output_slots.shape[1] for r in rows)
+    slots = [np.pad(r.output_slots[0], (0, K - r.output_slots.shape[1]), mode="edge") for r in rows]
+    return StepBatch(np.concatenate([r.slots for r in rows]), np.concatenate([r.input_ids for r in rows]),
+                     np.concatenate([r.positions for r in rows]), np.concatenate([r.step_config for r in rows]),
+                     np.array(slots))
+
+
+def greedy_logits(ex, prompt: np.ndarray, chain: np.ndarray) -> np.ndarray:
+    """Logits [V] of plain 1-token greedy decoding: the prompt, then the chain's tokens one step each."""
+    ex.prefill(0, prompt, SamplingParams())
+    for i, token in enumerate(chain.tolist()):
+        ex.step(step_row(0, GREEDY, ex.cache_len(0), np.array([token])))
+        if i < len(chain) - 1:
+            ex.commit(0, np.array([0]))
+    logits = ex.step_logits()[0, 0]
+    ex.release(0)
+    return logits
+
+
+def differences(engine_dir: Path, trials: int, seed: int, threads: int = 1) -> tuple[int, list[tuple]]:
+    """(slots compared, the differing ones): each output slot of random lookahead steps, alone and batched with
+    random companions in a random row order, against 1-token greedy decoding of the same context."""
+    engine = open_engine(engine_dir, threads=threads)
+    ex, ref = engine.executor(), engine.executor(max_batch=1)
+    rng = np.random.default_rng(seed)
+    compared, differ = 0, []
+    for trial in range(trials):
+        length = int(rng.choice(NEAR_BLOCKS)) if trial % 2 else int(rng.integers(1, 200))
+        prompt = rng.integers(0, 512, length)
+        config = TARGETS[int(rng.integers(len(TARGETS)))]
+        for slot in range(MAX_BATCH):
+            ex.release(slot)
+        ex.prefill(0, prompt, SamplingParams())
+        for slot in range(1, MAX_BATCH):
+            ex.prefill(slot, rng.integers(0, 512, int(rng.integers(1, 200))), SamplingParams())
+        target = step_row(0, config, length, rng.integers(0, 512, T))
+        ex.step(target)
+        alone = ex.step_logits()[0]
+        rows = [target] + [step_row(s, COMPANIONS[int(rng.integers(len(COMPANIONS)))], ex.cache_len(s),
+                                    rng.integers(0, 512, T)) for s in range(1, int(rng.integers(2, MAX_BATCH + 1)))]
+        order = rng.permutation(len(rows))
+        ex.step(stack([rows[i] for i in order]))
+        batched = ex.step_logits()[int(np.flatnonzero(order == 0)[0])]
+        mask = step_mask(T, config)
+        for k, slot in enumerate(target.output_slots[0].tolist()):
+            want = greedy_logits(ref, prompt, target.input_ids[0][mask[slot]])
+            for how, got in (("alone", alone[k]), ("batched", batched[k])):
+                compared += 1
+                if not np.array_equal(got, want):
+                    differ.append((how, config, length, slot, float(np.abs(got - want).max())))
+    return compared, differ
+
+
+def test_fast_engine_lookahead_slots_differ_from_greedy_steps(engines):
+    """The same check on the fast decomposition finds differing bits (one softmax over all of a row's keys)."""
+    compared, differ = differences(engines["fast"], trials=12, seed=0)
+    assert differ, compared
