@@ -49,6 +49,8 @@ class OpenedEngine:
         self.max_seq_len = config.max_seq_len if max_seq_len is None else int(max_seq_len)
         self.max_batch = config.max_batch if max_batch is None else int(max_batch)
         self.dtype = config.dtype
+        self.exact = False  # row-invariant steps (docs/design.md section 4.2); a backend that runs them says so
+        self.prefill_tokens = config.max_input_len  # the most tokens of one prefill chunk
 
 
 class SlotExecutor:
@@ -64,6 +66,8 @@ class SlotExecutor:
         self.max_seq_len = engine.max_seq_len
         self.max_batch = max_batch
         self.step_tokens = engine.step_tokens
+        self.exact = engine.exact
+        self._prefill_tokens = engine.prefill_tokens
         self._limits = np.array([engine.lookahead.W, engine.lookahead.N, engine.lookahead.G])
         self._cache_len = np.zeros(max_batch, np.int64)  # per slot
         self._physical = np.full(max_batch, -1, np.int64)  # slot -> physical slot, -1: free
@@ -90,7 +94,7 @@ class SlotExecutor:
         ids = check_prompt(prompt_ids, self.max_seq_len, self.vocab_size)
         self.claim(slot, sampling)
         chunks = [self._prefill_chunk(int(self._physical[slot]), start, inputs)
-                  for start, inputs in prefill_chunks(ids, self.config.max_input_len)]
+                  for start, inputs in prefill_chunks(ids, self._prefill_tokens)]
         next_ids, logits = chunks[-1]  # the last chunk's row reads the prompt's last token
         self._cache_len[slot] = len(ids)
         return int(self._choose(sampling, next_ids[0], logits, 0, np.array([len(ids) - 1]))[0])

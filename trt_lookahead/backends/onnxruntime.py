@@ -85,6 +85,15 @@ class OnnxRuntimeEngine(OpenedEngine):
                 "(no bfloat16 MatMul); build a float32 engine for the onnxruntime backend, or use --backend tensorrt"
             )
         super().__init__(config, max_seq_len, max_batch)
+        if config.exact:
+            from trt_lookahead.kernels.onnx_op import EXACT_MAX_TOKENS
+
+            if config.step_tokens > EXACT_MAX_TOKENS:
+                raise UserError(f"engine {config.path} is marked exact but its steps hold {config.step_tokens} tokens "
+                                f"(an exact graph holds at most {EXACT_MAX_TOKENS}); rebuild it")
+            self.exact = True
+            # exact graphs hold at most EXACT_MAX_TOKENS tokens per row: longer prompts are prefilled in chunks
+            self.prefill_tokens = min(config.max_input_len, EXACT_MAX_TOKENS)
         self.settings = settings
         self._session: Any = None
         self._lock = threading.Lock()
@@ -112,7 +121,10 @@ class OnnxRuntimeEngine(OpenedEngine):
                               for dim in value.type.tensor_type.shape.dim)
             for value in (*proto.graph.input, *proto.graph.output)
         })
-        proto = onnx_op.decompose(proto)
+        try:
+            proto = onnx_op.decompose(proto, exact=self.config.exact, max_keys=self.config.cache_rows)
+        except ValueError as exc:
+            raise UserError(f"engine {self.config.path}: {exc}; rebuild it without --exact") from exc
         options = self.settings.options()
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
         try:

@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=DTYPES[0], help=", ".join(DTYPES))
     p.add_argument("--attention", choices=ATTENTION_MODES, default=ATTENTION_MODES[0])
     p.add_argument("--target", choices=TARGETS, default=TARGETS[0])
+    p.add_argument("--exact", action="store_true",
+                   help="the row-invariant attention graph for onnxruntime: a token's logits are bit-identical "
+                        "alone, batched and in greedy decoding (float32, T <= 64; docs/design.md 4.2)")
     p.add_argument("--force", action="store_true", help="replace an existing engine dir (never anything else)")
 
     p = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository")

@@ -73,13 +73,14 @@ class BuildRequest:
     attention: str
     target: str
     force: bool
+    exact: bool = False  # the row-invariant attention graph on onnxruntime (docs/design.md section 4.2)
 
     def key(self, weights_sha256: str) -> dict[str, Any]:
         """What identifies a build: equal keys mean an existing engine dir already is this build."""
         return {
             "format": FORMAT_VERSION, "weights_sha256": weights_sha256, "lookahead": str(self.lookahead),
             "max_seq_len": self.max_seq_len, "max_input_len": self.max_input_len, "max_batch": self.max_batch,
-            "dtype": self.dtype, "attention": self.attention, "target": self.target,
+            "dtype": self.dtype, "attention": self.attention, "target": self.target, "exact": self.exact,
         }
 
 
@@ -110,6 +111,7 @@ def build_request(
     attention: str = "plugin",
     target: str = "onnx",
     force: bool = False,
+    exact: bool = False,
 ) -> BuildRequest:
     """Validate a build before any work (UserError with one clear line); `model` is a dir or a known name.
 
@@ -135,8 +137,29 @@ def build_request(
     max_batch = as_int("max_batch", max_batch)
     if max_batch < 1:
         raise UserError(f"max_batch {max_batch} is impossible; an engine runs at least one row per step")
+    if exact:
+        _check_exact(model_dir, lookahead, dtype, attention, target)
     return BuildRequest(model_dir, output, lookahead, max_seq_len, max_input_len, max_batch, dtype, attention, target,
-                        force)
+                        force, exact)
+
+
+def _check_exact(model_dir: Path, lookahead: LookaheadConfig, dtype: str, attention: str, target: str) -> None:
+    """UserError naming why an exact engine cannot be built as asked (docs/design.md section 4.2)."""
+    from trt_lookahead.kernels.onnx_op import EXACT_MAX_TOKENS
+    from trt_lookahead.model.checkpoint import read_config
+
+    cfg = read_config(model_dir)
+    problems = [
+        (dtype != "float32", f"it runs float32 (not {dtype})"),
+        (attention != "plugin", "its attention is the LookaheadAttention node (--attention plugin)"),
+        (target != "onnx", "it runs on onnxruntime; TensorRT has no exact step (--target onnx)"),
+        (lookahead.step_tokens > EXACT_MAX_TOKENS,
+         f"its steps hold at most {EXACT_MAX_TOKENS} tokens, and {lookahead} has T = {lookahead.step_tokens}"),
+        (cfg.num_heads == cfg.num_kv_heads, "it needs grouped-query attention (query heads > KV heads)"),
+    ]
+    broken = [why for bad, why in problems if bad]
+    if broken:
+        raise UserError(f"--exact cannot build this engine: {'; '.join(broken)}")
 
 
 def _existing_build(output: Path) -> dict | None:
@@ -273,6 +296,7 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
         "cache_layout": "[batch, num_kv_heads, cache_rows, head_dim] per layer; an executor keeps max_batch slots "
                         "and binds the first B",
         "attention": request.attention,
+        "exact": request.exact,
         "plugin": plugin_contract() if request.attention == "plugin" else None,
         "graphs": {"model": GRAPH_FILE},
         "weights": WEIGHTS_FILE,

@@ -93,6 +93,7 @@ class EngineConfig:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    exact: bool  # the row-invariant attention graph on onnxruntime (docs/design.md section 4.2)
     raw: dict[str, Any]
 
     @classmethod
@@ -113,6 +114,7 @@ class EngineConfig:
             num_layers=_positive(raw, "model", "num_layers"),
             num_kv_heads=_positive(raw, "model", "num_kv_heads"),
             head_dim=_positive(raw, "model", "head_dim"),
+            exact=_flag(raw, "exact"),
             raw=raw,
         )
         rules = (
@@ -170,9 +172,12 @@ class EngineConfig:
 
     def check_request(self, *, lookahead: LookaheadConfig | None = None, dtype: str | None = None,
                       max_seq_len: int | None = None, max_batch: int | None = None,
-                      model_sha256: str | None = None) -> None:
+                      model_sha256: str | None = None, exact: bool | None = None) -> None:
         """Raise UserError naming every way a request differs from what this engine was built for."""
         problems = []
+        if exact and not self.exact:
+            problems.append("exact steps were asked for but the engine was built without them (rebuild it with "
+                            "`trt-lookahead build --exact`, or drop --exact)")
         if lookahead is not None:
             try:
                 lookahead.check_fits(self.lookahead)
@@ -201,6 +206,14 @@ def _field(raw: dict[str, Any], *keys: str) -> Any:
         if not isinstance(value, dict) or key not in value:
             raise UserError(f"config.json has no {'.'.join(keys[: i + 1])}")
         value = value[key]
+    return value
+
+
+def _flag(raw: dict[str, Any], key: str) -> bool:
+    """An optional true/false field (absent: false)."""
+    value = raw.get(key, False)
+    if not isinstance(value, bool):
+        raise UserError(f"{key} = {value!r}; it must be true or false")
     return value
 
 

@@ -24,14 +24,17 @@ without repeating K/V. See docs/design.md section 6.4.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from trt_lookahead.kernels.mask import step_visible
-from trt_lookahead.kernels.reference import OP_DOMAIN, OP_NAME, OP_VERSION
+from trt_lookahead.kernels.reference import KEY_BLOCK, OP_DOMAIN, OP_NAME, OP_VERSION
 
 PLUGIN_VERSION = "1"
+EXACT_MAX_TOKENS = KEY_BLOCK  # tokens per row of an exact graph: its step keys span two key blocks
 
 
 def node_attributes(num_q_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> dict:
@@ -125,6 +128,12 @@ class Sym:
     __hash__ = None  # type: ignore[assignment]  # __eq__ builds a node
 
 
+def _bias(g: _Graph, visible: str, axes: list[int]) -> str:
+    """0 where visible, -inf elsewhere (float32), with `axes` inserted."""
+    bias = g.op("Where", visible, g.const(0.0, np.float32), g.const(-np.inf, np.float32))
+    return g.op("Unsqueeze", bias, g.const(axes)) if axes else bias
+
+
 class _Masks:
     """The per-graph values every layer's decomposition shares: the rows' step and prefix masks as additive
     biases, T and the longest prefix. Built once, ahead of the first layer; tiled per query-head group."""
@@ -139,19 +148,14 @@ class _Masks:
         window, ngram, verify = (Sym(g, g.op("Unsqueeze", g.op("Gather", cfg, g.const(k), axis=1), g.const([1, 2])))
                                  for k in range(3))  # [B, 1, 1] each
         step = step_visible(rows, cols, window, ngram, verify)  # [B, T, T]
-        self.step_bias = self._bias(step.name, [1])  # [B, 1, T, T]
-        length = g.op("Cast", cache_len, to=TensorProto.INT64)  # [B]
+        self.visible = step.name
+        self.step_bias = _bias(g, step.name, [1])  # [B, 1, T, T]
+        self.length = length = g.op("Cast", cache_len, to=TensorProto.INT64)  # [B]
         self.longest = g.op("ReduceMax", length, keepdims=1)  # [1]
         prefix_idx = g.op("Range", g.const(0), g.op("Squeeze", self.longest), g.const(1))
         prefix = g.op("Less", g.op("Unsqueeze", prefix_idx, g.const([0])), g.op("Unsqueeze", length, g.const([1])))
-        self.prefix_bias = self._bias(prefix, [1, 2])  # [B, 1, 1, P]
+        self.prefix_bias = _bias(g, prefix, [1, 2])  # [B, 1, 1, P]
         self._tiled: dict[int, str] = {}
-
-    def _bias(self, visible: str, axes: list[int]) -> str:
-        """0 where visible, -inf elsewhere (float32), with `axes` inserted."""
-        g = self.g
-        bias = g.op("Where", visible, g.const(0.0, np.float32), g.const(-np.inf, np.float32))
-        return g.op("Unsqueeze", bias, g.const(axes))
 
     def step_bias_for(self, group: int) -> str:
         """[B, 1, group*T, T]: the step bias repeated for the query heads of one KV head (rows g-major)."""
@@ -160,36 +164,175 @@ class _Masks:
         return self._tiled[group]
 
 
-def _decompose_node(g: _Graph, node: onnx.NodeProto, masks: _Masks) -> None:
+@dataclass(frozen=True)
+class _Heads:
+    """A LookaheadAttention node's grouped inputs: queries scaled, query heads grouped by KV head."""
+
+    hq: int
+    hkv: int
+    group: int
+    d: int
+    qg: str  # [B, Hkv, g*T, D] (rows ordered g-major, then T)
+    k_new: str  # [B, Hkv, D, T]
+    v_new: str  # [B, Hkv, T, D]
+
+
+def _heads(g: _Graph, node: onnx.NodeProto) -> _Heads:
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     hq, hkv, d, scale = attrs["num_q_heads"], attrs["num_kv_heads"], attrs["head_dim"], attrs["scale"]
     group = hq // hkv
-    q, k, v, kc, vc = node.input[:5]
-    tokens, longest = masks.tokens, masks.longest
+    q, k, v = node.input[:3]
     # query heads grouped by KV head: [B, T, Hq, D] -> [B, Hkv, g*T, D] (rows ordered g-major, then T)
     qs = g.op("Mul", q, g.op("CastLike", g.const(scale, np.float32), q))
     q5 = g.op("Transpose", g.op("Reshape", qs, g.const([0, 0, hkv, group, d])), perm=[0, 2, 3, 1, 4])
     qg = g.op("Reshape", q5, g.const([0, hkv, -1, d]))
     k_new = g.op("Transpose", k, perm=[0, 2, 3, 1])  # [B, Hkv, D, T]
     v_new = g.op("Transpose", v, perm=[0, 2, 1, 3])  # [B, Hkv, T, D]
+    return _Heads(hq, hkv, group, d, qg, k_new, v_new)
+
+
+def _write_output(g: _Graph, node: onnx.NodeProto, heads: _Heads, o: str) -> None:
+    """o [B, Hkv, g*T, D] -> the node's output [B, T, Hq, D]."""
+    h = heads
+    o = g.op("Transpose", g.op("Reshape", o, g.const([0, h.hkv, h.group, -1, h.d])), perm=[0, 3, 1, 2, 4])
+    g.nodes.append(helper.make_node("Reshape", [o, g.const([0, 0, h.hq, h.d])], [node.output[0]], name=g.fresh()))
+
+
+def _decompose_node(g: _Graph, node: onnx.NodeProto, masks: _Masks) -> None:
+    h = _heads(g, node)
+    kc, vc = node.input[3:5]
+    tokens, longest = masks.tokens, masks.longest
     zero, axis2, axis3 = g.const([0]), g.const([2]), g.const([3])
     k_old = g.op("Transpose", g.op("Slice", kc, zero, longest, axis2), perm=[0, 1, 3, 2])  # [B, Hkv, D, P]
     v_old = g.op("Slice", vc, zero, longest, axis2)  # [B, Hkv, P, D]
-    s_new = g.op("Add", g.op("MatMul", qg, k_new), g.op("CastLike", masks.step_bias_for(group), q))  # [B, Hkv, gT, T]
-    s_old = g.op("Add", g.op("MatMul", qg, k_old), g.op("CastLike", masks.prefix_bias, q))  # [B, Hkv, gT, P]
+    step_bias = g.op("CastLike", masks.step_bias_for(h.group), h.qg)
+    s_new = g.op("Add", g.op("MatMul", h.qg, h.k_new), step_bias)  # [B, Hkv, gT, T]
+    s_old = g.op("Add", g.op("MatMul", h.qg, k_old), g.op("CastLike", masks.prefix_bias, h.qg))  # [B, Hkv, gT, P]
     # Step columns first: a row's real scores sit at the same columns whatever the batch's longest prefix,
     # and the masked columns of a shorter prefix trail (exp = 0), so onnxruntime's softmax and MatMul give
     # a row the same bits alone or batched (tests/backends check it on real engines).
     probs = g.op("Softmax", g.op("Concat", s_new, s_old, axis=3), axis=3)
     p_new = g.op("Slice", probs, zero, tokens, axis3)
     p_old = g.op("Slice", probs, tokens, g.op("Add", tokens, longest), axis3)
-    o = g.op("Add", g.op("MatMul", p_new, v_new), g.op("MatMul", p_old, v_old))  # [B, Hkv, gT, D]
-    o = g.op("Transpose", g.op("Reshape", o, g.const([0, hkv, group, -1, d])), perm=[0, 3, 1, 2, 4])
-    g.nodes.append(helper.make_node("Reshape", [o, g.const([0, 0, hq, d])], [node.output[0]], name=g.fresh()))
+    o = g.op("Add", g.op("MatMul", p_new, h.v_new), g.op("MatMul", p_old, v_old))  # [B, Hkv, gT, D]
+    _write_output(g, node, h, o)
 
 
-def decompose(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of `model` whose LookaheadAttention nodes are standard ops (for onnxruntime)."""
+class _ExactPlan:
+    """The per-graph indices and masks of the exact decomposition (module docstring), built once.
+
+    Row b's keys are cut into blocks of KEY_BLOCK positions. Blocks before cache_len // KEY_BLOCK hold only
+    cached keys; the two from there on (the tail) hold the rest of the cache and every step key, a step
+    token at position cache_len + rel (rel = the step tokens it sees - 1) in tail block
+    (cache_len % KEY_BLOCK + rel) // KEY_BLOCK: so a row holds at most EXACT_MAX_TOKENS tokens.
+    """
+
+    def __init__(self, g: _Graph, masks: _Masks, key_cache: str, hkv: int, group: int, max_keys: int) -> None:
+        BK = KEY_BLOCK
+        self.group = group
+        first = g.op("Div", masks.length, g.const(BK))  # [B] the block holding position cache_len
+        first_col = g.op("Unsqueeze", first, g.const([1]))  # [B, 1]
+        offset = g.op("Unsqueeze", g.op("Mod", masks.length, g.const(BK)), g.const([1]))  # [B, 1]
+        self.blocks = blocks = g.op("Add", g.op("Div", masks.longest, g.const(BK)), g.const([2]))  # [1] nb
+        keys = g.op("Shape", key_cache, start=2, end=3)  # [1] S, the cache rows
+        last = g.op("Sub", keys, g.const([1]))
+        # positions 0 .. nb*BK - 1, clamped to the cache (rows past a row's cache are masked)
+        span = g.op("Squeeze", g.op("Mul", blocks, g.const([BK])))
+        self.cache_index = g.op("Min", g.op("Range", g.const(0), span, g.const(1)), last)  # [nb*BK]
+        t = g.op("Unsqueeze", g.op("Range", g.const(0), g.op("Squeeze", blocks), g.const(1)), g.const([0]))  # [1, nb]
+        self.cache_bias = _bias(g, g.op("Less", t, first_col), [1, 3, 4])  # [B, 1, nb, 1, 1]: blocks before the tail
+        n = g.const(np.arange(2 * BK)[None])  # [1, 2*BK]
+        tail_pos = g.op("Min", g.op("Add", g.op("Mul", first_col, g.const(BK)), n), last)  # [B, 2*BK]
+        cached = _bias(g, g.op("Less", n, offset), [])  # [B, 2*BK]: the tail's cached positions
+        self.tail_cache_bias = g.op("Unsqueeze", g.op("Reshape", cached, g.const([0, 2, 1, BK])), g.const([1]))
+        # [B, 1, 2, 1, BK]; the caches read as [B*Hkv*S, D] rows: row (b*Hkv + h)*S + position
+        batch = g.op("Range", g.const(0), g.op("Squeeze", g.op("Shape", masks.length)), g.const(1))  # [B]
+        heads = g.op("Add", g.op("Mul", g.op("Unsqueeze", batch, g.const([1, 2])), g.const(hkv)),
+                     g.const(np.arange(hkv).reshape(1, hkv, 1)))  # [B, Hkv, 1]: b*Hkv + h
+        self.tail_index = g.op("Add", g.op("Mul", heads, keys), g.op("Unsqueeze", tail_pos, g.const([1])))
+        # [B, Hkv, 2*BK]
+        visible = g.op("Cast", masks.visible, to=TensorProto.INT64)  # [B, T, T]
+        rel = g.op("Sub", g.op("ReduceSum", visible, g.const([2]), keepdims=0), g.const(1))  # [B, T]
+        part = g.op("Div", g.op("Add", offset, rel), g.const(BK))  # [B, T]: each step key's tail block, 0 or 1
+        in_part = g.op("Equal", g.op("Unsqueeze", part, g.const([1, 2])), g.const(np.arange(2).reshape(1, 2, 1, 1)))
+        step = g.op("And", g.op("Unsqueeze", masks.visible, g.const([1])), in_part)  # [B, 2, T, T]
+        self.tail_step_bias = g.op("Tile", _bias(g, step, [1]), g.const([1, 1, 1, group, 1]))  # [B, 1, 2, gT, T]
+        # tail blocks into place: block t of row b is its cache block (t < first), tail block t - first, or a
+        # zero block (nb - 1 is past every row's cache); read from the [B*Hkv*(nb+2), gT, W] concatenation
+        past = g.op("Where", g.op("Less", t, g.op("Add", first_col, g.const(2))),
+                    g.op("Sub", g.op("Add", blocks, t), first_col), g.op("Sub", blocks, g.const([1])))
+        source = g.op("Where", g.op("Less", t, first_col), t, past)  # [B, nb]
+        self.out_index = g.op("Add", g.op("Mul", heads, g.op("Add", blocks, g.const([2]))),
+                              g.op("Unsqueeze", source, g.const([1])))  # [B, Hkv, nb]
+        self.tokens = masks.tokens
+        self._rows = g.op("Mul", masks.tokens, g.const([group]))  # [1] g*T
+        self._shapes: dict[int, tuple[str, str]] = {}
+        self.levels = (max_keys // BK + 1).bit_length()  # pairwise levels over nb <= max_keys // BK + 2 blocks
+
+    def shapes(self, g: _Graph, width: int) -> tuple[str, str]:
+        """([-1, gT, W], [0, 0, -1, 2, gT, W]): the block outputs flattened, and paired for one tree level."""
+        if width not in self._shapes:
+            flat = g.op("Concat", g.const([-1]), self._rows, g.const([width]), axis=0)
+            pairs = g.op("Concat", g.const([0, 0, -1, 2]), self._rows, g.const([width]), axis=0)
+            self._shapes[width] = (flat, pairs)
+        return self._shapes[width]
+
+
+def _with_ones(g: _Graph, values: str, rank: int) -> str:
+    """values [..., D] -> [..., D + 1]: a ones column, so a block's product also sums its probabilities."""
+    pads = g.const([0] * (2 * rank - 1) + [1])
+    return g.op("Pad", values, pads, g.op("CastLike", g.const(1.0, np.float32), values))
+
+
+def _decompose_exact_node(g: _Graph, node: onnx.NodeProto, masks: _Masks, plan: _ExactPlan) -> None:
+    """The row-invariant form: fixed-position key blocks, each block one product, the blocks added pairwise."""
+    h = _heads(g, node)
+    kc, vc = node.input[3:5]
+    BK, d, W = KEY_BLOCK, h.d, h.d + 1
+    flat_shape, pair_shape = plan.shapes(g, W)
+    q5 = g.op("Unsqueeze", h.qg, g.const([2]))  # [B, Hkv, 1, gT, D]
+    to_keys = [0, 1, 2, 4, 3]
+    k_blocks = g.op("Transpose", g.op("Reshape", g.op("Gather", kc, plan.cache_index, axis=2),
+                                      g.const([0, 0, -1, BK, d])), perm=to_keys)  # [B, Hkv, nb, D, BK]
+    s_cache = g.op("Add", g.op("MatMul", q5, k_blocks), plan.cache_bias)  # [B, Hkv, nb, gT, BK]
+    kc_rows, vc_rows = (g.op("Reshape", c, g.const([-1, d])) for c in (kc, vc))  # [B*Hkv*S, D]
+    k_tail = g.op("Transpose", g.op("Reshape", g.op("Gather", kc_rows, plan.tail_index, axis=0),
+                                    g.const([0, 0, 2, BK, d])), perm=to_keys)  # [B, Hkv, 2, D, BK]
+    s_tail_cache = g.op("Add", g.op("MatMul", q5, k_tail), plan.tail_cache_bias)  # [B, Hkv, 2, gT, BK]
+    # a zero key column: a 1-column product (T = 1) would round another way
+    k_step = g.op("Pad", h.k_new, g.const([0, 0, 0, 0, 0, 0, 0, 1]))  # [B, Hkv, D, T + 1]
+    s_step = g.op("Slice", g.op("MatMul", h.qg, k_step), g.const([0]), plan.tokens, g.const([3]))  # [B, Hkv, gT, T]
+    s_tail_step = g.op("Add", g.op("Unsqueeze", s_step, g.const([2])), plan.tail_step_bias)  # [B, Hkv, 2, gT, T]
+    s_tail = g.op("Concat", s_tail_cache, s_tail_step, axis=4)  # [B, Hkv, 2, gT, BK + T]
+    axes = g.const([2, 4])
+    top = g.op("Max", g.op("ReduceMax", s_cache, axes, keepdims=1), g.op("ReduceMax", s_tail, axes, keepdims=1))
+    # [B, Hkv, 1, gT, 1]: the row maximum, exact in any order
+    v_blocks = g.op("Reshape", _with_ones(g, g.op("Gather", vc, plan.cache_index, axis=2), 4),
+                    g.const([0, 0, -1, BK, W]))  # [B, Hkv, nb, BK, W]
+    o_cache = g.op("MatMul", g.op("Exp", g.op("Sub", s_cache, top)), v_blocks)  # [B, Hkv, nb, gT, W]
+    v_tail_cache = g.op("Reshape", _with_ones(g, g.op("Gather", vc_rows, plan.tail_index, axis=0), 4),
+                        g.const([0, 0, 2, BK, W]))  # [B, Hkv, 2, BK, W]
+    v_step = g.op("Unsqueeze", _with_ones(g, h.v_new, 4), g.const([2]))  # [B, Hkv, 1, T, W]
+    v_tail = g.op("Concat", v_tail_cache, g.op("Concat", v_step, v_step, axis=2), axis=3)  # [B, Hkv, 2, BK + T, W]
+    o_tail = g.op("MatMul", g.op("Exp", g.op("Sub", s_tail, top)), v_tail)  # [B, Hkv, 2, gT, W]
+    both = g.op("Reshape", g.op("Concat", o_cache, o_tail, axis=2), flat_shape)  # [B*Hkv*(nb+2), gT, W]
+    o = g.op("Gather", both, plan.out_index, axis=0)  # [B, Hkv, nb, gT, W] in position order
+    for _ in range(plan.levels):  # adjacent blocks added pairwise; the blocks past a row's keys are zeros
+        odd = g.op("Mod", g.op("Shape", o, start=2, end=3), g.const([2]))
+        pads = g.op("Concat", g.const([0] * 7), odd, g.const([0, 0]), axis=0)
+        o = g.op("ReduceSum", g.op("Reshape", g.op("Pad", o, pads), pair_shape), g.const([3]), keepdims=0)
+    o = g.op("Squeeze", o, g.const([2]))  # [B, Hkv, gT, W]: one block left
+    out = g.op("Div", g.op("Slice", o, g.const([0]), g.const([d]), g.const([3])),
+               g.op("Slice", o, g.const([d]), g.const([W]), g.const([3])))  # [B, Hkv, gT, D]
+    _write_output(g, node, h, out)
+
+
+def decompose(model: onnx.ModelProto, exact: bool = False, max_keys: int = 0) -> onnx.ModelProto:
+    """A copy of `model` whose LookaheadAttention nodes are standard ops (for onnxruntime).
+
+    exact: the row-invariant form (module docstring), for rows of at most EXACT_MAX_TOKENS tokens over
+    caches of at most `max_keys` keys; float32, and query heads sharing a KV head (ValueError otherwise).
+    """
     nodes = attention_nodes(model)
     if not nodes:
         return model
@@ -198,12 +341,23 @@ def decompose(model: onnx.ModelProto) -> onnx.ModelProto:
     g = _Graph("lookahead_attention")
     first = nodes[0]
     masks = _Masks(g, first.input[0], first.input[5], first.input[6])
+    plan = None
+    if exact:
+        attrs = {a.name: helper.get_attribute_value(a) for a in first.attribute}
+        group = attrs["num_q_heads"] // attrs["num_kv_heads"]
+        if group < 2:  # a 1-row product (T = 1) would round another way
+            raise ValueError("the exact decomposition needs grouped-query attention (query heads > KV heads)")
+        plan = _ExactPlan(g, masks, first.input[3], attrs["num_kv_heads"], group, max_keys)
     rewritten: list[onnx.NodeProto] = []
     for node in out.graph.node:
         if node.op_type == OP_NAME and node.domain == OP_DOMAIN:
-            if node.input[5:7] != first.input[5:7]:
-                raise ValueError("LookaheadAttention nodes of one graph must share cache_len and step_config")
-            _decompose_node(g, node, masks)
+            if node.input[5:7] != first.input[5:7] or (plan and node.attribute != first.attribute):
+                raise ValueError("LookaheadAttention nodes of one graph must share cache_len, step_config "
+                                 "(and, exact, their heads)")
+            if plan is None:
+                _decompose_node(g, node, masks)
+            else:
+                _decompose_exact_node(g, node, masks, plan)
             rewritten.extend(g.nodes)  # the shared mask nodes come first, ahead of the first layer
             g.nodes = []
         else:
