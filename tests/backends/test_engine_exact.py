@@ -118,3 +118,53 @@ def test_fast_engine_lookahead_slots_differ_from_greedy_steps(engines):
     """The same check on the fast decomposition finds differing bits (one softmax over all of a row's keys)."""
     compared, differ = differences(engines["fast"], trials=12, seed=0)
     assert differ, compared
+
+
+PROMPTS = ["Once upon a time", "Lily and Tom went to the park. They", "The cat sat on the", "Sam had a red ball"]
+
+
+def test_runtime_on_the_exact_engine_gives_lookahead_tokens_equal_to_greedy(engines):
+    """End to end: exact=True is taken on an engine built with --exact, and its lookahead tokens are its greedy
+    tokens, one request at a time and four at once."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    from trt_lookahead.runtime import LookaheadRuntime
+
+    assert json.loads((engines["exact"] / "config.json").read_text())["exact"] is True
+    with LookaheadRuntime.from_pretrained(engines["exact"], exact=True) as rt:
+        assert rt.exact and rt.backend == "onnxruntime"
+        greedy = [rt.generate(p, max_new_tokens=60, lookahead="greedy").token_ids for p in PROMPTS]
+        for config in ("4,3,4", "2,3,2", "1,2,0"):
+            with ThreadPoolExecutor(len(PROMPTS)) as pool:
+                together = list(pool.map(lambda p, c=config: rt.generate(p, max_new_tokens=60, lookahead=c).token_ids,
+                                         PROMPTS))
+            assert together == greedy, config
+            assert [rt.generate(p, max_new_tokens=60, lookahead=config).token_ids for p in PROMPTS] == greedy
+
+
+def test_exact_is_refused_where_the_engine_cannot_run_it(engines, capsys):
+    from trt_lookahead.errors import UserError
+    from trt_lookahead.runtime import LookaheadRuntime
+
+    with pytest.raises(UserError, match=r"built without them \(rebuild it with `trt-lookahead build --exact`"):
+        LookaheadRuntime.from_pretrained(engines["fast"], exact=True)
+    with pytest.raises(UserError, match="the TensorRT backend has no exact step"):
+        open_engine(engines["exact"], backend="tensorrt", exact=True)
+    assert main(["generate", "--engine", str(engines["fast"]), "--prompt", "Once", "--exact"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "exact steps were asked for but the engine was built without them" in err[0]
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    (["--dtype", "bfloat16"], "it runs float32 (not bfloat16)"),
+    (["--attention", "native"], "its attention is the LookaheadAttention node"),
+    (["--target", "tensorrt"], "TensorRT has no exact step"),
+    (["--lookahead_config", "8,6,8"], "its steps hold at most 64 tokens, and 8/6/8 has T = 80"),
+])
+def test_build_exact_refuses_what_it_cannot_build(tmp_path, capsys, extra, words):
+    argv = ["build", "--model", str(STORIES), "--output", str(tmp_path / "e"), "--exact", *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--exact cannot build this engine" in err and words in err
+    assert not (tmp_path / "e").exists()

@@ -1,6 +1,5 @@
 """Hostile arguments to every command: one `error:` line naming the problem, exit 2, before any work (issue 10)."""
 
-import json
 import socket
 import subprocess
 import sys
@@ -9,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from trt_lookahead.cli import main
-from trt_lookahead.engine.format import CONFIG_FILE, FORMAT_KEY
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 
@@ -110,13 +108,11 @@ def test_triton_repo_refuses_what_the_server_would_refuse(capsys, tmp_path, argv
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "Once"], ["serve", "--port", "0"]])
-@pytest.mark.parametrize("engine", [True, False], ids=["engine-dir", "onnxruntime-checkpoint"])
-def test_exact_on_an_engine_is_refused(capsys, tmp_path, command, engine):
-    """--exact reaches the runtime from every command that loads a model; engines have no exact step (yet)."""
-    (tmp_path / CONFIG_FILE).write_text(json.dumps({FORMAT_KEY: 1}))
-    source = ["--engine", str(tmp_path)] if engine else ["--model", str(STORIES), "--backend", "onnxruntime"]
-    line = one_error_line(capsys, [*command, *source, "--exact"])
-    assert "exact=True runs on the torch executor" in line
+def test_exact_on_the_onnxruntime_backend_of_a_checkpoint_is_refused(capsys, command):
+    """--exact reaches the runtime from every command that loads a model; a checkpoint's cached engine is not
+    exact (an engine dir built with --exact is: tests/backends/test_engine_exact.py)."""
+    line = one_error_line(capsys, [*command, "--model", str(STORIES), "--backend", "onnxruntime", "--exact"])
+    assert "onnxruntime runs exact steps only on an engine dir built with `trt-lookahead build --exact`" in line
 
 
 @pytest.mark.parametrize("budget", ["nan", "inf", "0", "-5"])

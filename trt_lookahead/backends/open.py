@@ -36,21 +36,26 @@ class Engine(Protocol):
 def open_engine(path: str | os.PathLike, backend: str = "onnxruntime", dtype: str | None = None,
                 max_seq_len: int | None = None, threads: int | None = None, lookahead: LookaheadConfig | None = None,
                 model: str | os.PathLike | None = None, max_batch: int | None = None, verify: bool = True,
-                session: SessionSettings | None = None) -> Engine:
+                session: SessionSettings | None = None, exact: bool | None = None) -> Engine:
     """Open an engine dir for `backend`, refusing (UserError naming what differs) a mismatching request.
 
     `model`: a checkpoint dir the engine must have been built from (checked by its weights' sha256).
     `verify`: check every file against the checksums config.json recorded (engine/format.py).
     `session`: onnxruntime's settings (default: SessionSettings() with `threads`).
+    `exact`: row-invariant steps are required (an engine built with --exact, on onnxruntime); an exact engine
+    runs them whatever this says.
     """
     from trt_lookahead.model.checkpoint import weights_sha256
 
     if backend not in BACKENDS:
         raise UserError(f"an engine dir runs on the onnxruntime or tensorrt backend, not {backend!r}")
+    if exact and backend == "tensorrt":
+        raise UserError("the TensorRT backend has no exact step: run an engine built with `trt-lookahead build "
+                        "--exact` on --backend onnxruntime, or drop --exact")
     config = load_engine_config(path, verify=verify)
     model_sha = None if model is None else weights_sha256(model)
     config.check_request(lookahead=lookahead, dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch,
-                         model_sha256=model_sha)
+                         model_sha256=model_sha, exact=exact)
     if backend == "tensorrt":
         from trt_lookahead.backends.tensorrt import TensorRTEngine
 

@@ -54,8 +54,9 @@ DEFAULT_MAX_SEQ_LEN = 4096
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_MAX_QUEUE = 64
 Prompt = str | Sequence[dict[str, str]] | Sequence[int] | np.ndarray
-EXACT_ON_ENGINE = ("exact=True runs on the torch executor (a checkpoint, --backend torch); engines have no exact "
-                   "step yet: drop --exact or use the torch backend")
+EXACT_ON_ENGINE = ("exact=True runs a checkpoint on the torch executor; onnxruntime runs exact steps only on an "
+                   "engine dir built with `trt-lookahead build --exact`: drop --backend onnxruntime, or pass such an "
+                   "engine")
 PROMPT_KINDS = "a prompt is text, a list of chat messages {'role': ..., 'content': ...}, or a list of token ids"
 
 
@@ -309,11 +310,9 @@ class LookaheadRuntime:
             raise UserError(f"max_batch must be a positive integer (request slots), got {max_batch!r}")
         engine = is_engine_dir(path)
         if engine:
-            if exact:
-                raise UserError(EXACT_ON_ENGINE)
             why = None  # an engine dir runs where it was built for: nothing to explain
             rt = cls._from_engine(path, backend or "onnxruntime", dtype, max_seq_len, max_batch, max_queue, tuning_file,
-                                  verify, prefill=prefill)
+                                  verify, prefill=prefill, exact=exact)
         else:
             asked = None if lookahead in (DEFAULT, None) else resolve_lookahead(lookahead)
             asked = asked if isinstance(asked, LookaheadConfig) else None
@@ -371,12 +370,13 @@ class LookaheadRuntime:
     def _from_engine(
         cls, path: Path, backend: str, dtype: str, max_seq_len: int | None, max_batch: int | None, max_queue: int,
         tuning_file: str | Path | None, verify: bool, model_path: Path | None = None, prefill: Prefill | None = None,
+        exact: bool | None = None,
     ) -> LookaheadRuntime:
         from trt_lookahead.backends.open import open_engine
         from trt_lookahead.model.checkpoint import load_tokenizer
 
         engine = open_engine(path, backend=backend, dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch,
-                             verify=verify)
+                             verify=verify, exact=exact)
         source = model_path or path  # a cached engine's checkpoint: its tokenizer files as they are now
         return cls(
             load_tokenizer(source),
