@@ -1,16 +1,19 @@
 #!/usr/bin/env python3
-"""The cost of the exact (row-invariant) step against the fastest step of the CPU torch executor.
+"""The cost of the exact (row-invariant) step against the fastest step of the CPU torch executor, or of the
+exact onnxruntime engine against the fast one.
 
     python scripts/bench_exact.py [--model smollm2|stories260K] [--dtypes float32,bfloat16]
                                   [--tokens 1,4,16,56,120] [--batches 1,8] [--context 300]
-                                  [--threads 1] [--repeats 9] [--json OUT.json]
+                                  [--threads 1] [--repeats 9] [--json OUT.json] [--backend torch|onnxruntime]
 
 One `BatchedTorchExecutor.step` of B rows, each the lookahead layout of T tokens (T = 1 is greedy),
 every row's slot holding --context cached tokens. fast = exact=False (SDPA per row), exact = exact=True
 (`BlockedAttention` per row, planned inside the step as the runtime runs it); both on the same model in
 the runtime's 'auto' projection layout (row-invariant on x86: oneDNN float32, torch's bfloat16 GEMM), so
-the difference is attention. The two are timed alternately; medians of --repeats; ms per token =
-step ms / (B * T). The load average is recorded because this machine is shared.
+the difference is attention. --backend onnxruntime: two float32 engines of the model built for 7,5,7
+(T = 56) under engines/ (once), one with --exact; a step of each engine's executor. The two are timed
+alternately; medians of --repeats; ms per token = step ms / (B * T). The load average is recorded because
+this machine is shared.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +31,7 @@ import torch
 
 from trt_lookahead.backends.torch import BatchedTorchExecutor
 from trt_lookahead.lookahead.config import LookaheadConfig
-from trt_lookahead.lookahead.executor import StepBatch
+from trt_lookahead.lookahead.executor import Executor, StepBatch
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.model.checkpoint import load_llama
@@ -44,7 +48,7 @@ def checkpoint(name: str) -> Path:
     return resolve_model("smollm2-135m-instruct")
 
 
-def step_timer(ex: BatchedTorchExecutor, rows: int, tokens: int, context: int):
+def step_timer(ex: Executor, rows: int, tokens: int, context: int):
     """A function timing one step of `rows` rows of `tokens` tokens over `context` cached tokens each."""
     layout = StepLayout(LookaheadConfig(*LAYOUTS[tokens]))
     rng = np.random.default_rng(0)
@@ -64,6 +68,26 @@ def step_timer(ex: BatchedTorchExecutor, rows: int, tokens: int, context: int):
     return run
 
 
+def engine(name: str, max_seq_len: int, exact: bool, threads: int):
+    """The model's float32 engine for 7,5,7 (T = 56) and 8 rows under engines/, built on first use; opened."""
+    from trt_lookahead.backends.open import open_engine
+    from trt_lookahead.engine.build import build, build_request
+
+    out = ROOT / "engines" / f"bench-{name}-{max_seq_len}{'-exact' if exact else ''}"
+    build(build_request(checkpoint(name), out, lookahead=LookaheadConfig(7, 5, 7), max_seq_len=max_seq_len,
+                        max_batch=8, exact=exact, force=True))
+    return open_engine(out, threads=threads)
+
+
+def executors(args: argparse.Namespace, dtype: str) -> tuple[str, Callable[[int, bool], Executor]]:
+    """(the projection layout, a maker of a B-slot executor, fast or exact) for --backend."""
+    if args.backend == "onnxruntime":
+        opened = {exact: engine(args.model, args.context + 128, exact, args.threads) for exact in (False, True)}
+        return "onnxruntime", lambda B, exact: opened[exact].executor(max_batch=B)
+    model, _ = load_llama(checkpoint(args.model), dtype=dtype, weight_layout="auto")
+    return model.weight_layout, lambda B, exact: BatchedTorchExecutor(model, B, args.context + 128, 128, exact=exact)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", choices=["smollm2", "stories260K"])
@@ -74,18 +98,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--backend", default="torch", choices=["torch", "onnxruntime"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows, load_before = [], os.getloadavg()
-    for dtype in args.dtypes.split(","):
-        model, _ = load_llama(checkpoint(args.model), dtype=dtype, weight_layout="auto")
+    dtypes = args.dtypes.split(",") if args.backend == "torch" else ["float32"]
+    for dtype in dtypes:
+        layout, executor = executors(args, dtype)
         for B in (int(b) for b in args.batches.split(",")):
             for T in (int(t) for t in args.tokens.split(",")):
-                timers = {
-                    name: step_timer(BatchedTorchExecutor(model, B, args.context + 128, 128, exact=exact), B, T,
-                                     args.context)
-                    for name, exact in (("fast", False), ("exact", True))
-                }
+                timers = {name: step_timer(executor(B, exact), B, T, args.context)
+                          for name, exact in (("fast", False), ("exact", True))}
                 times: dict[str, list[float]] = {name: [] for name in timers}
                 for i in range(args.repeats + 1):  # the first round warms up
                     for name, run in timers.items():
@@ -96,11 +119,12 @@ def main() -> None:
                 row = {"dtype": dtype, "B": B, "T": T, "fast_ms": round(med["fast"], 2),
                        "exact_ms": round(med["exact"], 2), "ratio": round(med["exact"] / med["fast"], 3),
                        "fast_ms_per_token": round(med["fast"] / (B * T), 3),
-                       "exact_ms_per_token": round(med["exact"] / (B * T), 3), "layout": model.weight_layout}
+                       "exact_ms_per_token": round(med["exact"] / (B * T), 3), "layout": layout}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    result = {"model": args.model, "context": args.context, "threads": args.threads, "repeats": args.repeats,
-              "load_before": load_before, "load_after": os.getloadavg(), "cpus": os.cpu_count(), "rows": rows}
+    result = {"model": args.model, "backend": args.backend, "context": args.context, "threads": args.threads,
+              "repeats": args.repeats, "load_before": load_before, "load_after": os.getloadavg(),
+              "cpus": os.cpu_count(), "rows": rows}
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
