@@ -9,7 +9,8 @@ MatMul of two activations (no prepacked weight), as attention runs it (kernels/o
   zeros      K-reductions: a row's nonzero terms in the same order with zeros anywhere in between, K <= 128,
              against the compact product (a key block with step keys placed among its cached keys)
   wide K     the same for K > 128 (expected to differ: K is split into panels)
-Exp of a value at any position of any length; exp(-inf). Prints one JSON line per check: the failing cases.
+Exp of a value at any position of any length; exp(-inf). Prints one JSON line per check: the failing cases
+(expected: M = 1 and N = 1, which take another path, and wide K).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def main() -> None:
                                  np.stack([b] * 6).reshape(2, 3, K, N))[1, 2],
                        "broadcast": run(np.stack([a[:M]] * 3), b)[2]}
                 for r in {0, M // 2, M - 1}:
-                    ref = run(a[r : r + 4], b)[0]
+                    ref = run(np.vstack([a[r : r + 1], a[:3]]), b)[0]  # row r first of a 4-row product
                     rows += [(K, N, M, r, how) for how, c in got.items() if not np.array_equal(c[r], ref)]
         print(json.dumps({"threads": threads, "check": "rows", "differing (K, N, M, row, how)": rows}), flush=True)
 
