@@ -168,3 +168,18 @@ def test_build_exact_refuses_what_it_cannot_build(tmp_path, capsys, extra, words
     err = capsys.readouterr().err
     assert "--exact cannot build this engine" in err and words in err
     assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.slow
+def test_smollm2_exact_engine_slots_equal_greedy_steps_and_the_fast_engine_differs(tmp_path):
+    """The same check on SmolLM2-135M (30 layers, 3 query heads per KV head, head_dim 64), 2 threads."""
+    from trt_lookahead.model.fetch import resolve_model
+
+    model = str(resolve_model("smollm2-135m-instruct"))
+    common = ["--model", model, "--lookahead_config", "4,3,4", "--max_seq_len", "384", "--max-batch", str(MAX_BATCH)]
+    assert main(["build", *common, "--output", str(tmp_path / "exact"), "--exact"]) == 0
+    assert main(["build", *common, "--output", str(tmp_path / "fast")]) == 0
+    compared, differ = differences(tmp_path / "exact", trials=4, seed=7, threads=2)
+    assert compared > 40 and differ == []
+    compared, differ = differences(tmp_path / "fast", trials=2, seed=7, threads=2)
+    assert differ, compared

@@ -16,7 +16,9 @@ cache, with presents of their own so that a pending step's presents survive. The
 compact physical order and the host-side token choice are backends/graphs.py's SlotExecutor.
 
 LookaheadAttention nodes (--attention plugin) run as their standard-op decomposition
-(kernels/onnx_op.decompose): onnxruntime has no kernel for them.
+(kernels/onnx_op.decompose): onnxruntime has no kernel for them. An engine built with --exact runs the
+row-invariant decomposition (docs/design.md section 4.2) and prefills in chunks of at most
+EXACT_MAX_TOKENS tokens.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ A leaf (docs/design.md section 6): backends read engine dirs through it without 
 
 engines/NAME/
     config.json         format version (under FORMAT_KEY), model dims, dtype, lengths, max_batch, W/N/G and
-                        T, attention mode, I/O, file checksums, what was built for which target and how it
-                        was checked
+                        T, attention mode, `exact` (true: onnxruntime runs the row-invariant decomposition,
+                        docs/design.md section 4.2; absent: false), I/O, file checksums, what was built for
+                        which target and how it was checked
     model.onnx          the network with a dynamic batch B and token count T: lookahead steps, greedy
                         and causal rows mixed in one batch, and prefill chunks all run this one graph
                         (TensorRT builds all its profiles from it)

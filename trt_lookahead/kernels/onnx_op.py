@@ -20,6 +20,17 @@ ops ([B, T, T]), and each row's prefix mask (cache column c < cache_len[b]). Per
 sliced to the batch's longest prefix, max(cache_len) rows (never the whole cache, and never copied
 beyond that), so a shorter row's extra columns are masked; grouped query heads share their KV head
 without repeating K/V. See docs/design.md section 6.4.
+
+`decompose(exact=True)` (engines built with --exact) gives the row-invariant form instead: a token's
+result depends only on its own query and the keys it sees at their positions (docs/design.md section
+4.2). Row b's keys are cut into blocks of KEY_BLOCK positions; each block is one score product and one
+value product (a ones column appended to V gives the softmax denominator), masked keys are exact zeros,
+the row maximum is exact, and the blocks are added pairwise in position order. Blocks before
+cache_len // KEY_BLOCK hold cached keys only; the two from there on hold the rest of the cache and every
+step key, a step token in the tail block of its position, after the block's cached columns: onnxruntime's
+MatMul reduces K <= 2 * KEY_BLOCK in order with zeros neutral, so such a block gives a query the bits of
+the same keys stored in the cache (scripts/onnxruntime_attention_ops.py). Hence at most EXACT_MAX_TOKENS
+tokens per row, and no product of one row or one column (those take another path).
 """
 
 from __future__ import annotations
