@@ -250,10 +250,10 @@ ORT_CASES = [  # (T, rows: (step_config, cache_len))
 ]
 
 
-def decomposed_session(Hq, Hkv, D, S):
+def decomposed_session(Hq, Hkv, D, S, exact=False):
     import onnxruntime as ort
 
-    decomposed = onnx_op.decompose(single_op_model("B", "T", Hq, Hkv, D, S))
+    decomposed = onnx_op.decompose(single_op_model("B", "T", Hq, Hkv, D, S), exact=exact, max_keys=S)
     assert not onnx_op.attention_nodes(decomposed)
     onnx.checker.check_model(decomposed)
     return ort.InferenceSession(decomposed.SerializeToString(), providers=["CPUExecutionProvider"])
@@ -275,6 +275,56 @@ def test_decomposition_runs_on_onnxruntime_like_the_reference(T, rows):
     expected = reference.lookahead_attention(q, k, v, kc, vc, p, np.array(configs))
     for b, row in enumerate(rows):
         assert reference.relative_error(torch.from_numpy(out[b]), expected[b]) < 1e-5, row
+
+
+EXACT_CASES = [  # (T, rows): cache lengths around 64-key blocks
+    (16, [((4, 3, 4), 63), ((4, 3, 4), 64), ((2, 2, 1), 127), ((0, 0, 0), 0), ((1, 2, 0), 190)]),
+    (1, [((1, 2, 0), 64), ((0, 0, 0), 0), ((1, 2, 0), 1)]),
+    (64, [((0, 0, 0), 0), ((0, 0, 0), 100), ((4, 3, 4), 63)]),
+]
+
+
+@pytest.mark.parametrize("T,rows", EXACT_CASES, ids=lambda c: str(c) if isinstance(c, int) else f"B{len(c)}")
+def test_exact_decomposition_is_attention_like_the_reference(T, rows):
+    Hq, Hkv, D, S = 9, 3, 16, 256
+    configs, lengths = zip(*rows, strict=True)
+    session = decomposed_session(Hq, Hkv, D, S, exact=True)
+    q, k, v, kc, vc, p = random_case(T, Hq, Hkv, D, S, lengths)
+    (out,) = session.run(None, op_feeds((q, k, v, kc, vc, p, configs)))
+    expected = reference.lookahead_attention(q, k, v, kc, vc, p, np.array(configs))
+    for b, row in enumerate(rows):
+        assert reference.relative_error(torch.from_numpy(out[b]), expected[b]) < 1e-5, row
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_exact_decomposition_gives_each_slot_the_bits_of_a_1_token_step_at_its_context(seed):
+    """Every slot of every row of a mixed batch == the op run for that token alone (T = 1, greedy), its chain's
+    step keys stored in the cache at their positions: what plain decoding computes."""
+    rng = np.random.default_rng(seed)
+    Hq, Hkv, D = [(8, 4, 8), (9, 3, 64)][seed % 2]
+    T, S = 16, 400
+    configs = [(4, 3, 4), (2, 2, 1), (0, 0, 0), (1, 2, 0), (2, 3, 2)]
+    rng.shuffle(configs)
+    lengths = [int(rng.choice([0, 1, 62, 63, 64, 65, 127, 128, int(rng.integers(1, 300))])) for _ in configs]
+    exact = decomposed_session(Hq, Hkv, D, S, exact=True)
+    q, k, v, kc, vc, p = random_case(T, Hq, Hkv, D, S, lengths, seed=seed)
+    (out,) = exact.run(None, op_feeds((q, k, v, kc, vc, p, configs)))
+    for b, (config, P) in enumerate(zip(configs, lengths, strict=True)):
+        visible = mask.step_mask(T, config)
+        for i in range(T):
+            chain = np.flatnonzero(visible[i])  # slot order is position order along a chain; itself last
+            caches = [c[b : b + 1].clone() for c in (kc, vc)]
+            for cache, new in zip(caches, (k, v), strict=True):
+                cache[0, :, P : P + len(chain) - 1] = new[b, chain[:-1]].transpose(0, 1)
+            one = (q[b : b + 1, i : i + 1], k[b : b + 1, i : i + 1], v[b : b + 1, i : i + 1], *caches,
+                   torch.tensor([P + len(chain) - 1], dtype=torch.int32), [(1, 2, 0)])
+            (alone,) = exact.run(None, op_feeds(one))
+            assert np.array_equal(alone[0, 0], out[b, i]), (config, P, i)
+
+
+def test_exact_decomposition_refuses_a_graph_without_grouped_query_heads():
+    with pytest.raises(ValueError, match="needs grouped-query attention"):
+        onnx_op.decompose(single_op_model("B", "T", 4, 4, 8, 64), exact=True, max_keys=64)
 
 
 def test_decomposition_gives_a_row_the_same_bits_alone_and_batched():

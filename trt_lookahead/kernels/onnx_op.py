@@ -216,9 +216,10 @@ def _decompose_node(g: _Graph, node: onnx.NodeProto, masks: _Masks) -> None:
     zero, axis2, axis3 = g.const([0]), g.const([2]), g.const([3])
     k_old = g.op("Transpose", g.op("Slice", kc, zero, longest, axis2), perm=[0, 1, 3, 2])  # [B, Hkv, D, P]
     v_old = g.op("Slice", vc, zero, longest, axis2)  # [B, Hkv, P, D]
-    step_bias = g.op("CastLike", masks.step_bias_for(h.group), h.qg)
-    s_new = g.op("Add", g.op("MatMul", h.qg, h.k_new), step_bias)  # [B, Hkv, gT, T]
-    s_old = g.op("Add", g.op("MatMul", h.qg, k_old), g.op("CastLike", masks.prefix_bias, h.qg))  # [B, Hkv, gT, P]
+    q = node.input[0]
+    s_new = g.op("Add", g.op("MatMul", h.qg, h.k_new),
+                 g.op("CastLike", masks.step_bias_for(h.group), q))  # [B, Hkv, gT, T]
+    s_old = g.op("Add", g.op("MatMul", h.qg, k_old), g.op("CastLike", masks.prefix_bias, q))  # [B, Hkv, gT, P]
     # Step columns first: a row's real scores sit at the same columns whatever the batch's longest prefix,
     # and the masked columns of a shorter prefix trail (exp = 0), so onnxruntime's softmax and MatMul give
     # a row the same bits alone or batched (tests/backends check it on real engines).
