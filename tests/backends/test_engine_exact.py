@@ -120,6 +120,39 @@ def test_fast_engine_lookahead_slots_differ_from_greedy_steps(engines):
     assert differ, compared
 
 
+def chunked_then_step(ex, prompt: np.ndarray, chunk: int, token: int, rng) -> np.ndarray:
+    """Logits [V] of a 1-token step after the prompt was fed as causal rows of `chunk` tokens (chunked prefill),
+    full chunks beside companion rows of slots 1 .. 3 (prefilled, random configs)."""
+    for slot in range(MAX_BATCH):
+        ex.release(slot)
+    ex.claim(0, SamplingParams())
+    for slot in range(1, MAX_BATCH):
+        ex.prefill(slot, rng.integers(0, 512, int(rng.integers(1, 150))), SamplingParams())
+    for start in range(0, len(prompt), chunk):
+        part = prompt[start : start + chunk]
+        rows = [step_row(0, CAUSAL, ex.cache_len(0), part)]
+        if len(part) == T:
+            rows += [step_row(s, COMPANIONS[int(rng.integers(len(COMPANIONS)))], ex.cache_len(s),
+                              rng.integers(0, 512, T)) for s in range(1, MAX_BATCH)]
+        ex.step(stack(rows))
+        ex.commit(0, np.arange(len(part)))
+    ex.step(step_row(0, GREEDY, ex.cache_len(0), np.array([token])))
+    return ex.step_logits()[0, 0]
+
+
+def test_exact_engine_prompt_fed_as_causal_chunks_gives_its_prefills_logits(engines):
+    """Chunked prefill (causal rows of 1, 5 or T tokens, beside other rows) leaves the KV that prefill leaves:
+    the next step's logits are ==."""
+    engine = open_engine(engines["exact"], threads=1)
+    ex, ref = engine.executor(), engine.executor(max_batch=1)
+    rng = np.random.default_rng(5)
+    for length in (1, 63, 64, 65, 130):
+        prompt, token = rng.integers(0, 512, length), int(rng.integers(512))
+        want = greedy_logits(ref, prompt, np.array([token]))
+        for chunk in (1, 5, T):
+            assert np.array_equal(chunked_then_step(ex, prompt, chunk, token, rng), want), (length, chunk)
+
+
 PROMPTS = ["Once upon a time", "Lily and Tom went to the park. They", "The cat sat on the", "Sam had a red ball"]
 
 
