@@ -241,11 +241,10 @@ class _ExactPlan:
 
     def __init__(self, g: _Graph, masks: _Masks, key_cache: str, hkv: int, group: int, max_keys: int) -> None:
         BK = KEY_BLOCK
-        self.group = group
         first = g.op("Div", masks.length, g.const(BK))  # [B] the block holding position cache_len
         first_col = g.op("Unsqueeze", first, g.const([1]))  # [B, 1]
         offset = g.op("Unsqueeze", g.op("Mod", masks.length, g.const(BK)), g.const([1]))  # [B, 1]
-        self.blocks = blocks = g.op("Add", g.op("Div", masks.longest, g.const(BK)), g.const([2]))  # [1] nb
+        blocks = g.op("Add", g.op("Div", masks.longest, g.const(BK)), g.const([2]))  # [1] nb
         keys = g.op("Shape", key_cache, start=2, end=3)  # [1] S, the cache rows
         last = g.op("Sub", keys, g.const([1]))
         # positions 0 .. nb*BK - 1, clamped to the cache (rows past a row's cache are masked)
