@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from trt_lookahead.backends.onnxruntime import SessionSettings
 from trt_lookahead.backends.open import open_engine
 from trt_lookahead.cli import main
 from trt_lookahead.kernels.mask import CAUSAL, step_mask
@@ -184,6 +185,8 @@ def test_exact_is_refused_where_the_engine_cannot_run_it(engines, capsys):
         LookaheadRuntime.from_pretrained(engines["fast"], exact=True)
     with pytest.raises(UserError, match="the TensorRT backend has no exact step"):
         open_engine(engines["exact"], backend="tensorrt", exact=True)
+    with pytest.raises(UserError, match="row-invariant only with prepacked weights"):
+        open_engine(engines["exact"], session=SessionSettings(prepacking=False))
     assert main(["generate", "--engine", str(engines["fast"]), "--prompt", "Once", "--exact"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "exact steps were asked for but the engine was built without them" in err[0]

@@ -93,6 +93,9 @@ class OnnxRuntimeEngine(OpenedEngine):
             if config.step_tokens > EXACT_MAX_TOKENS:
                 raise UserError(f"engine {config.path} is marked exact but its steps hold {config.step_tokens} tokens "
                                 f"(an exact graph holds at most {EXACT_MAX_TOKENS}); rebuild it")
+            if not settings.prepacking:  # unpacked weights take a 1-row MatMul path that rounds another way
+                raise UserError(f"engine {config.path} is exact, and its projections are row-invariant only with "
+                                "prepacked weights: run it with prepacking on (the default)")
             self.exact = True
             # exact graphs hold at most EXACT_MAX_TOKENS tokens per row: longer prompts are prefilled in chunks
             self.prefill_tokens = min(config.max_input_len, EXACT_MAX_TOKENS)
