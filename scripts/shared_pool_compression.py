@@ -2,8 +2,9 @@
 
     python scripts/shared_pool_compression.py --prompts 4 --tokens 48 --warmup 32 --threads 2 > shared.md
 
-SmolLM2-135M-Instruct float32 on one LookaheadRuntime (torch executor, as scripts/tree_compression.py), linear
-7/5/7, requests one at a time. Each set's first `--prompts` prompts run in request scope (reading and feeding no
+SmolLM2-135M-Instruct float32 on one LookaheadRuntime (torch executor, as scripts/tree_compression.py), 7/5/7
+with linear candidates or `--tree auto` (the shared scope then also shares recycled successors), requests one
+at a time. Each set's first `--prompts` prompts run in request scope (reading and feeding no
 shared pool); then `--warmup` OTHER prompts (the next ones of each set, in turn) run in shared scope to fill the
 pool; then the measured prompts run again in shared scope. Tokens must be equal in both scopes (checked).
 Compression = generated tokens / forward passes (prefill counted); sources = accepted drafts per decode step.
@@ -48,16 +49,17 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=32, help="other requests run before the shared measurement")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lookahead", default="7,5,7")
+    ap.add_argument("--tree", default="off", help="off (linear candidates), auto or parents: the runtime's draft tree")
     ap.add_argument("--sets", default=SETS)
     args = ap.parse_args()
     names = args.sets.split(",")
     rt = LookaheadRuntime.from_pretrained("smollm2-135m-instruct", backend="torch", lookahead=args.lookahead,
-                                          threads=args.threads, max_seq_len=1024)
+                                          threads=args.threads, max_seq_len=1024, tree=args.tree)
     measured = prompt_sets(rt.tokenizer, names, 0, args.prompts)
     per = -(-args.warmup // len(names))  # warm-up prompts per set, after the measured ones
     others = prompt_sets(rt.tokenizer, names, args.prompts, args.prompts + per)
     warmup = [ids for group in zip(*others.values(), strict=False) for ids in group][: args.warmup]
-    print(f"SmolLM2-135M-Instruct float32, torch, {torch.get_num_threads()} threads, linear {args.lookahead}, "
+    print(f"SmolLM2-135M-Instruct float32, torch, {torch.get_num_threads()} threads, {args.lookahead} tree {args.tree}, "
           f"{args.prompts} prompts x {args.tokens} tokens per set, warm-up {len(warmup)} other requests; "
           f"load at start {os.getloadavg()}\n")
     rows = [("request", *run(rt, measured, args.tokens, "request"))]
@@ -70,7 +72,8 @@ def main() -> None:
     for scope, per_set, overall, sources, _ in rows:
         share = ", ".join(f"{k} {v:.2f}" for k, v in sorted(sources.items()))
         print(f"| {scope} | " + " | ".join(f"{per_set[n]:.3f}" for n in names) + f" | {overall:.3f} | {share} |")
-    print(f"\nshared pool entries {len(rt.shared_pool)}; load at end {os.getloadavg()}")
+    print(f"\nshared pool entries {len(rt.shared_pool)}, recycled successors {len(rt.successors)}; "
+          f"load at end {os.getloadavg()}")
     rt.close()
 
 

@@ -21,7 +21,7 @@ from trt_lookahead.backends.torch import BatchedTorchExecutor
 from trt_lookahead.bench.datasets import PromptRow, encode_row, load_dataset
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.decoder import LookaheadDecoder, Switches
-from trt_lookahead.lookahead.tree import tree_template
+from trt_lookahead.lookahead.tree import TREE_DEPTH, tree_template
 from trt_lookahead.model.checkpoint import load_llama
 from trt_lookahead.model.fetch import resolve_model
 
@@ -46,9 +46,11 @@ ASSEMBLED = [
 CONFIGS = {28: LookaheadConfig(4, 5, 3), 56: LookaheadConfig(7, 5, 7), 120: LookaheadConfig(15, 5, 15)}
 VARIANTS = {  # name -> (tree?, switches)
     "linear (today)": (False, Switches()),
-    "tree: pool": (True, Switches(suffix=False)),
-    "tree: suffix": (True, Switches(pool=False)),
-    "tree: pool+suffix": (True, Switches()),
+    "tree: pool": (True, Switches(suffix=False, recycle=False)),
+    "tree: suffix": (True, Switches(pool=False, recycle=False)),
+    "tree: recycled": (True, Switches(pool=False, suffix=False)),
+    "tree: pool+suffix": (True, Switches(recycle=False)),
+    "tree: pool+suffix+recycled": (True, Switches()),
 }
 
 
@@ -67,7 +69,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--depth", type=int, default=8, help="tree template depth")
+    ap.add_argument("--depth", type=int, default=TREE_DEPTH, help="tree template depth")
     ap.add_argument("--decay", type=float, default=0.45, help="tree template rank decay")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--steps", default="28,56,120", help="T values")

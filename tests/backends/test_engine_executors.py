@@ -164,13 +164,19 @@ class Lockstep:
 
     def step(self, slots: list[int], configs: list[tuple], rng) -> None:
         batch = mixed_batch(slots, configs, self.ex.cache_len, rng)
+        batch.top_ids = np.full((*batch.input_ids.shape, 3), -1, np.int64)  # recycled drafts' top-k, asked for
         out = self.ex.step(batch)
         assert out.shape == batch.input_ids.shape and out.dtype == np.int64
         for b, (slot, logits) in enumerate(zip(slots, self.model.step(batch), strict=True)):
             read = batch.output_slots[b]
             want = select_tokens(logits, batch.positions[b][read], self.sampling[slot])
             assert np.array_equal(out[b, read], want), (slot, configs[b])
-            assert (np.delete(out[b], read) == -1).all()
+            assert (np.delete(out[b], read) == -1).all() and (np.delete(batch.top_ids[b], read, axis=0) == -1).all()
+            for k, row_logits in zip(read.tolist(), logits, strict=True):
+                ranked = np.argsort(-row_logits, kind="stable")[:3]
+                gaps = -np.diff(row_logits[ranked])
+                sure = next((r for r, g in enumerate(gaps) if g < 1e-4), 2) + 1  # ranks clear of float near-ties
+                assert batch.top_ids[b, k, :sure].tolist() == ranked[:sure].tolist(), (slot, configs[b], k)
             assert np.array_equal(self.solo[slot].step(one_row(batch, b))[0], out[b]), (slot, configs[b])
         for b, slot in enumerate(slots):
             rows = commit_rows(batch, b)

@@ -385,6 +385,35 @@ def test_sampled_lookahead_row_slots_equal_the_draw_on_their_visible_prefix(mode
         assert out[i] == seq.prefill(0, np.array([*PROMPT.tolist(), *ids[visible].tolist()]), params), f"slot {i}"
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["packed", "padded"])
+def test_top_ids_are_the_likeliest_next_tokens_of_each_output_slots_prefix(model, padded):
+    """StepBatch.top_ids: at every output slot, the k ids of the largest logits of the one-token forward pass on
+    that slot's visible prefix (the model called directly), largest first; other entries untouched."""
+    tree = TreeTemplate((-1, 0, 1, 0, -1, 4, -1))
+    config = (2, 3, 2)
+    layout = StepLayout(LookaheadConfig(*config), tree=tree)
+    ids = np.random.default_rng(5).integers(3, 512, layout.step_tokens)
+    ex = BatchedTorchExecutor(model, 2, 128, 16, padded=padded, tree=tree)
+    ids[0] = ex.prefill(1, PROMPT, SamplingParams())
+    batch = make_batch([1], [row(config, ids, len(PROMPT) + layout.rel_positions)])
+    batch.top_ids = np.full((1, batch.tokens, 4), -7, np.int64)
+    out = ex.step(batch)[0]
+    reads = np.unique(layout.output_slots)
+    assert (np.delete(batch.top_ids[0], reads, axis=0) == -7).all()
+    for i in reads:
+        visible = np.flatnonzero(layout.mask[i])
+        context = [*PROMPT.tolist(), *ids[visible[np.argsort(layout.rel_positions[visible], kind="stable")]].tolist()]
+        scratch = BatchedTorchExecutor(model, 1, 128, 1)
+        with torch.inference_mode():
+            logits = model(torch.tensor(context), torch.arange(len(context)), scratch.k_cache, scratch.v_cache,
+                           torch.tensor(0), torch.ones(len(context), len(context)).tril().bool())[-1]
+        top = torch.argsort(logits, descending=True)[:4].tolist()
+        gaps = (logits[top[:-1]] - logits[top[1:]]).tolist()
+        assert batch.top_ids[0, i, 0] == out[i] == top[0], f"slot {i}"
+        sure = next((r for r, g in enumerate(gaps) if g < 1e-4), 3) + 1  # ranks clear of float near-ties
+        assert batch.top_ids[0, i, :sure].tolist() == top[:sure], f"slot {i}"
+
+
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, seed=9)],
                          ids=["greedy", "sampled"])
 def test_tree_decoding_emits_plain_decoding(model, sampling):

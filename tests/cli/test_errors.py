@@ -58,6 +58,9 @@ def test_the_installed_entry_point_prints_no_usage_block():
         (["--lookahead_config", "100000,100000,100000"], "above the limit of 1024"),  # issue 10: numpy OOM
         (["--lookahead_config", "٤,3,4"], "W,N,G"),
         (["--backend", "tensorrt"], "runs engine dirs"),  # --model on onnxruntime: a cached engine
+        (["--tree", "0,1"], "parents must be -1 (x_t) or an earlier node"),
+        (["--tree", "-1,0", "--lookahead_config", "4,3,4"], "cannot fill the 8 verification slots"),
+        (["--tree", "auto", "--backend", "onnxruntime"], "a draft tree runs on the torch executor"),
     ],
 )
 def test_generate_refuses_bad_values_naming_them(capsys, extra, words):

@@ -1,6 +1,7 @@
 """LookaheadRuntime and `trt-lookahead generate` on real models: exactness, streaming, JSON, bad input."""
 
 import itertools
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -122,3 +123,21 @@ def test_incremental_detokenizer_matches_a_full_decode(stories):
             assert all("\ufffd" not in t for t in pushed)
             assert all(b.startswith(a) for a, b in itertools.pairwise(pushed))
             assert detokenizer.text == stories.decode(ids)
+
+
+def test_a_draft_tree_runtime_emits_greedy_and_recycles_successors_in_its_shared_scope(stories):
+    """tree="auto": the torch executor verifies a 28-node tree fed by the pool, suffix matches and recycled top-k;
+    the tokens are greedy's. Shared-scope requests feed the runtime's successor map; request scope does not."""
+    rt = LookaheadRuntime.from_pretrained(STORIES, backend="torch", lookahead="7,5,7", tree="auto")
+    try:
+        assert rt.tree is not None and rt.tree.nodes == 28 and rt.executor.tree == rt.tree
+        sources = Counter()
+        for prompt in PROMPTS:
+            out = rt.generate(prompt, max_new_tokens=64, pool_scope="request")
+            assert out.token_ids == stories.generate(prompt, max_new_tokens=64, lookahead="greedy").token_ids
+            sources.update(out.stats.sources)
+        assert sources["recycled"] > 0 and len(rt.successors) == 0
+        rt.generate(PROMPTS[0], max_new_tokens=16)
+        assert len(rt.successors) > 0
+    finally:
+        rt.close()

@@ -146,9 +146,9 @@ class Faulty(RequestDecoder):
         self._maybe("accept")
         return super().accept(out)
 
-    def update(self, out):
+    def update(self, out, top=None):
         self._maybe("update")
-        return super().update(out)
+        return super().update(out, top)
 
     def draft_supply(self):
         self._maybe("draft_supply")

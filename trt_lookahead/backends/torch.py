@@ -160,7 +160,7 @@ class BatchedTorchExecutor:
             # W, N, G]; the host fills a (pinned on CUDA) staging copy and never freezes values into a graph
             self._d_in = torch.zeros(B, 3 * T + 4, dtype=torch.int64, device=dev)
             self._h_in = torch.zeros(B, 3 * T + 4, dtype=torch.int64, pin_memory=is_cuda)
-            self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+            self._graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
             # the tree template's subtree ends as a [T] device table (the closed form reads it per key slot)
             self._ends = torch.from_numpy(tree_ends(np.zeros(0) if tree is None else tree.ends, T)).to(dev)
             self.buckets = sorted({min(1 << i, B) for i in range(B.bit_length() + 1)})
@@ -335,6 +335,8 @@ class BatchedTorchExecutor:
         positions = torch.from_numpy(batch.positions[row_of, read]).to(self.device)
         result = np.full(batch.input_ids.shape, -1, np.int64)
         result[row_of, read] = self._select(logits, positions, phys[row_of])
+        if batch.top_ids is not None:
+            batch.top_ids[row_of, read] = torch.topk(logits, batch.top_ids.shape[2], dim=-1).indices.cpu().numpy()
         return result
 
     def _packed_logits(self, batch: StepBatch, real: np.ndarray) -> tuple[Tensor, np.ndarray]:
@@ -405,18 +407,25 @@ class BatchedTorchExecutor:
         h[phys, 3 * TT + 1 :] = batch.step_config
         self._d_in[:bucket].copy_(self._h_in[:bucket], non_blocking=True)
         sampled = bool(self._sampled[:bucket].any())
+        k = 0 if batch.top_ids is None else batch.top_ids.shape[2]
         if self.cuda_graph:
-            graph, tokens = self._graph(bucket, sampled)
+            graph, (tokens, top) = self._graph(bucket, sampled, k)
             graph.replay()
         else:
-            tokens = self._run_padded(bucket, sampled)
+            tokens, top = self._run_padded(bucket, sampled, k)
         chosen = tokens.cpu().numpy()  # [bucket, TT]: the token at each output slot entry
         result = np.full((B, T), -1, np.int64)
-        result[np.arange(B)[:, None], batch.output_slots] = chosen[phys, :K]
+        rows = np.arange(B)[:, None]
+        result[rows, batch.output_slots] = chosen[phys, :K]
+        if batch.top_ids is not None:
+            batch.top_ids[rows, batch.output_slots] = top.cpu().numpy()[phys, :K]
         return result
 
-    def _run_padded(self, bucket: int, sampled: bool) -> Tensor:
-        """The fixed-shape step of physical slots 0 .. bucket-1 (no host synchronisation: capturable)."""
+    def _run_padded(self, bucket: int, sampled: bool, k: int) -> tuple[Tensor, Tensor]:
+        """The fixed-shape step of physical slots 0 .. bucket-1 (no host synchronisation: capturable).
+
+        -> tokens [bucket, T] at each output slot entry, and their top-k next ids [bucket, T, k].
+        """
         T, S, dev = self.step_tokens, self.rows_per_slot, self.device
         d = self._d_in[:bucket]
         ids, positions, outputs = d[:, :T], d[:, T : 2 * T], d[:, 2 * T : 3 * T]
@@ -442,28 +451,29 @@ class BatchedTorchExecutor:
             attention=PaddedAttention(mask, S),
             cache_rows=rows.reshape(-1),
         )
+        top = torch.topk(logits, k, dim=-1).indices.view(bucket, T, k)
         if not sampled:
-            return torch.argmax(logits, dim=-1).view(bucket, T)
+            return torch.argmax(logits, dim=-1).view(bucket, T), top
         each = torch.arange(bucket, device=dev).repeat_interleave(T)  # the physical slot of each output row
         return select_rows_torch(
             logits, positions.gather(1, outputs).reshape(-1), self._temperature[each], self._top_k[each],
             self._top_p[each], self._seed[each], self._salts,
-        ).view(bucket, T)
+        ).view(bucket, T), top
 
-    def _graph(self, bucket: int, sampled: bool) -> tuple[torch.cuda.CUDAGraph, Tensor]:
-        """The CUDA graph of `_run_padded` for (bucket, sampled), captured on first use."""
-        entry = self._graphs.get((bucket, sampled))
+    def _graph(self, bucket: int, sampled: bool, k: int) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]:
+        """The CUDA graph of `_run_padded` for (bucket, sampled, k), captured on first use."""
+        entry = self._graphs.get((bucket, sampled, k))
         if entry is None:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: writes only scratch rows at or past each slot's cache_len
-                    self._run_padded(bucket, sampled)
+                    self._run_padded(bucket, sampled, k)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                tokens = self._run_padded(bucket, sampled)
-            entry = self._graphs[(bucket, sampled)] = (graph, tokens)
+                outputs = self._run_padded(bucket, sampled, k)
+            entry = self._graphs[(bucket, sampled, k)] = (graph, outputs)
         return entry
 
 

@@ -90,7 +90,7 @@ def generate(args: argparse.Namespace) -> int:
     runtime = LookaheadRuntime.from_pretrained(
         source, backend=args.backend, dtype=args.dtype, lookahead=lookahead, max_seq_len=args.max_seq_len,
         threads=args.threads, verify=args.verify, tuning_file=args.tuning_file, exact=args.exact,
-        pool_scope=args.pool_scope,
+        pool_scope=args.pool_scope, tree=args.tree,
     )
     request = dict(max_new_tokens=args.max_new_tokens, chat=args.chat, **sampling)
     if args.json:
@@ -122,6 +122,7 @@ def bench(args: argparse.Namespace) -> int:
         limit=args.limit, max_new_tokens=args.max_new_tokens, configs=args.configs, peers=args.peers,
         backend=args.backend, dtype=args.dtype, max_seq_len=args.max_seq_len, threads=args.threads, out=args.out,
         verify=args.verify, tuning_file=args.tuning_file, exact=args.exact, pool_scope=args.pool_scope,
+        tree=args.tree,
     )
     if paths:
         print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
@@ -138,6 +139,7 @@ def bench_model(
     tuning_file: str | None = None,
     exact: bool | None = None,
     pool_scope: str = "shared",
+    tree: str | None = None,
 ) -> tuple[dict, list[Path]]:
     """Plan, load the runtime, run; with `out`, write the result files (step cost overlay from tuning)."""
     from trt_lookahead.bench.bench import plan_bench, run_bench, write_outputs
@@ -151,7 +153,7 @@ def bench_model(
                       peers=peers, max_seq_len=max_seq_len)
     rt = LookaheadRuntime.from_pretrained(plan.model_path, backend=backend, dtype=dtype, lookahead=None,
                                           max_seq_len=plan.max_seq_len, threads=threads, verify=verify,
-                                          tuning_file=tuning_file, exact=exact, pool_scope=pool_scope)
+                                          tuning_file=tuning_file, exact=exact, pool_scope=pool_scope, tree=tree)
     result = run_bench(rt, plan)
     rt.close()
     del rt
@@ -190,7 +192,7 @@ def bench_concurrency(args: argparse.Namespace) -> int:
     with LookaheadRuntime.from_pretrained(
         plan.model_path, backend=args.backend, dtype=args.dtype, lookahead=None, max_seq_len=plan.max_seq_len,
         threads=args.threads, verify=args.verify, max_batch=max(levels), max_queue=max(levels),
-        tuning_file=args.tuning_file, exact=args.exact, pool_scope=args.pool_scope,
+        tuning_file=args.tuning_file, exact=args.exact, pool_scope=args.pool_scope, tree=args.tree,
     ) as rt:
         result = run_concurrency(rt, prompts, levels=levels, modes=modes, requests=args.requests,
                                  max_new_tokens=args.max_new_tokens, seed=args.seed, prefills=prefills)
@@ -292,7 +294,7 @@ def serve(args: argparse.Namespace) -> int:
     with LookaheadRuntime.from_pretrained(
         source, backend=args.backend, dtype=args.dtype, lookahead=lookahead, max_seq_len=args.max_seq_len,
         threads=args.threads, verify=args.verify, tuning_file=args.tuning_file, max_batch=args.max_batch,
-        max_queue=args.max_queue, exact=args.exact, pool_scope=args.pool_scope, prefill=prefill,
+        max_queue=args.max_queue, exact=args.exact, pool_scope=args.pool_scope, prefill=prefill, tree=args.tree,
     ) as runtime:
         for config in (None, GREEDY):  # the served and the greedy paths' first-call costs now, not on a request
             runtime.generate("Hello", max_new_tokens=2, lookahead=config)

@@ -53,6 +53,13 @@ def _add_pool_scope_argument(p: argparse.ArgumentParser, default: str = POOL_SCO
                         f"can reveal another request's n-grams); request: no sharing (default {default})")
 
 
+def _add_tree_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tree", default=None,
+                   help="the verification branch as a draft tree fed by the pool, suffix matches and recycled top-k "
+                        "(torch backend): off (default), auto (sized for the lookahead config) or a comma list of "
+                        "parents in preorder, e.g. -1,0,0,-1")
+
+
 def _add_model_arguments(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--model", help=f"local HF Llama checkpoint dir, or a known name: {DEFAULT_MODEL}")
     if engine:
@@ -106,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=SAMPLING.seed)
     p.add_argument("--json", action="store_true", help="print one JSON object with text, ids and stats")
     _add_pool_scope_argument(p)
+    _add_tree_argument(p)
 
     p = sub.add_parser("bench", help="measure greedy and lookahead side by side on a prompt set")
     _add_model_arguments(p, engine=True)
@@ -124,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=4, help="with --concurrency: requests per stream, in turn")
     p.add_argument("--seed", type=int, default=0, help="with --concurrency: the arrival pattern")
     _add_pool_scope_argument(p, default="request")  # bench reruns each prompt per config: shared would leak outputs
+    _add_tree_argument(p)
     p.add_argument("--prefill", default=None,
                    help="with --concurrency: how joining requests are prefilled, a comma list of separate, chunked "
                         "or a chunk size in tokens, each run in turn (default: the backend's)")
@@ -185,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", "--served_model_name", dest="served_model_name", default=None,
                    help="the `model` requests name (default: the model or engine directory's name)")
     _add_pool_scope_argument(p)
+    _add_tree_argument(p)
 
     p = sub.add_parser("triton-serve", help="run tritonserver (from nvidia-pytriton) on a repository")
     p.add_argument("--repo", required=True)

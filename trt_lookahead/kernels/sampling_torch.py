@@ -6,6 +6,7 @@ top-p filter is written again in torch ops, per row (each row may have its own p
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -70,3 +71,8 @@ def select_tokens_torch(
         logits, positions, each(params.temperature, torch.float64), each(params.top_k, torch.int64),
         each(params.top_p, torch.float64), each(params.seed & MASK32, torch.int64), salts,
     )
+
+
+def top_ids(logits: np.ndarray, k: int) -> np.ndarray:
+    """[R, k] int64 the k largest logits' ids per row of float logits [R, V], largest first (recycled drafts)."""
+    return torch.topk(torch.from_numpy(logits), k, dim=-1).indices.numpy()

@@ -36,6 +36,7 @@ from trt_lookahead.lookahead.drafts import SUFFIX, Branch, SuffixIndex, lay_tree
 from trt_lookahead.lookahead.executor import CAUSAL, Executor, StepBatch
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.pool import OUTPUT, PROMPT, SHARED, WINDOW, Continuation, NgramPool, SharedPool
+from trt_lookahead.lookahead.recycle import RECYCLE_K, SuccessorMap, fill_recycled
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.lookahead.tree import ROOT, TreeTemplate
 
@@ -115,6 +116,7 @@ class Switches:
     chain: bool = True  # verify the window's column-0 chain as an extra candidate
     pool: bool = True  # the n-gram pool's candidates fill the verification branch
     suffix: bool = True  # suffix-matched continuations of the text so far fill the draft tree (tree only)
+    recycle: bool = True  # recycled top-k successors fill the tree nodes the other sources left empty (tree only)
 
 
 def verify_nodes(layout: StepLayout) -> tuple[np.ndarray, np.ndarray]:
@@ -223,6 +225,7 @@ class RequestDecoder:
         switches: Switches = Switches(),
         tree: TreeTemplate | None = None,
         shared: SharedPool | None = None,
+        successors: SuccessorMap | None = None,
     ) -> None:
         self.config = config  # the largest config any step of this request may use
         self.tree = tree  # the executor's verification tree template; None = G linear candidates
@@ -239,6 +242,10 @@ class RequestDecoder:
         # other requests' n-grams (None: request scope); fed with text only, read after the own pool
         self.shared = shared if switches.pool and switches.prompt_pool and config.G else None
         self.suffix = SuffixIndex(SUFFIX_MATCH) if tree is not None and switches.suffix else None
+        # token -> top-k successors (the runtime's, shared by its requests, or this request's own)
+        recycle = tree is not None and switches.recycle
+        self.successors = (SuccessorMap() if successors is None else successors) if recycle else None
+        self._ids = np.zeros(0, np.int64)  # this step's row of input ids (a view into the stepper's buffer)
         self.candidates: list[tuple[Continuation, str]] = []
         self.sequence: list[int] = []
         self.tokens: list[int] = []  # emitted so far
@@ -322,12 +329,15 @@ class RequestDecoder:
                 self._origins[k * levels : (k + 1) * levels] = [origin] * levels
         elif V:
             lay_tree(tab.template, tab.ranks, self._branches(tab.template.max_depth), drafts, self._origins)
+            if self.successors is not None:
+                fill_recycled(tab.template.parents, drafts[:V], self._origins, self.successors, self.x)
         if self.switches.chain:
             drafts[V:] = self.window[1:levels, 0]
             self._origins[V : V + levels - 1] = [CHAIN] * (levels - 1)
         if not self.switches.bonus:
             drafts[tab.depth >= levels] = NO_DRAFT  # a step then yields at most N - 1 tokens, as in LADE
         T, n = len(tab.rel_positions), tab.window_size
+        self._ids = input_ids
         input_ids[:n].reshape(levels, W)[:] = self.window[:levels, :W]
         np.maximum(drafts[:V], 0, out=input_ids[n:T])  # empty nodes: any valid id
         input_ids[T:] = 0
@@ -375,10 +385,22 @@ class RequestDecoder:
         self.commit_slots = np.concatenate([(0,), tab.node_slots[path]])  # x_t, then the accepted drafts' slots
         return emitted
 
-    def update(self, out: np.ndarray) -> None:
-        """After the commit: harvest and shift the window columns this step used, extend the sequence and the pool."""
+    @property
+    def recycles(self) -> bool:
+        """Whether this request's steps need the executor's top-k ids (StepBatch.top_ids)."""
+        return self.successors is not None
+
+    def update(self, out: np.ndarray, top: np.ndarray | None = None) -> None:
+        """After the commit: harvest and shift the window columns this step used, extend the sequence and the pool.
+
+        top [T, k]: the step's top-k ids at the output slots, recorded as successors of the tokens fed there.
+        """
         tab, cfg = self._tables, self.config
         assert tab is not None, "update() needs an accepted step"
+        if self.successors is not None and top is not None:
+            ids, record = self._ids, self.successors.record
+            record(ids[tab.output_slots], top[tab.output_slots])
+            record(ids[self.commit_slots], top[self.commit_slots])  # the accepted context's successors win
         self.cache_len += len(self.commit_slots)
         self.x = self.block[-1]
         if tab.config.N == cfg.N:  # a greedy step under a larger N uses no window column
@@ -415,6 +437,11 @@ class StepRow(Protocol):
 
     slot: int
 
+    @property
+    def recycles(self) -> bool:
+        """Whether the row needs the step's top-k ids at its output slots (then passed to `update`)."""
+        ...
+
     def shape(self) -> tuple[int, int]:
         """(tokens, output slots) the row needs; the step's views are as wide as its widest row."""
         ...
@@ -427,7 +454,7 @@ class StepRow(Protocol):
         """Read the step's outputs; -> the step slots to commit, or None when the request ended (no commit)."""
         ...
 
-    def update(self, out: np.ndarray) -> None: ...
+    def update(self, out: np.ndarray, top: np.ndarray | None) -> None: ...
 
     def timed(self, executor_seconds: float) -> None:
         """The step's executor seconds (step and commits), counted whole for every row."""
@@ -454,8 +481,12 @@ class Row:
         self.decoder.accept(out)
         return None if self.decoder.finished else self.decoder.commit_slots
 
-    def update(self, out: np.ndarray) -> None:
-        self.decoder.update(out)
+    @property
+    def recycles(self) -> bool:
+        return self.decoder.recycles
+
+    def update(self, out: np.ndarray, top: np.ndarray | None) -> None:
+        self.decoder.update(out, top)
 
     def timed(self, executor_seconds: float) -> None:
         self.decoder.stats.executor_seconds += executor_seconds
@@ -511,7 +542,9 @@ class PrefillChunk:
             self.first = int(out[self.tokens - 1])
         return np.arange(self.tokens)
 
-    def update(self, out: np.ndarray) -> None:
+    recycles = False  # a prompt chunk's outputs are not drafts' context yet
+
+    def update(self, out: np.ndarray, top: np.ndarray | None) -> None:
         """Nothing to do: the scheduler sets the request up from `first`."""
 
     def timed(self, executor_seconds: float) -> None:
@@ -529,6 +562,8 @@ class BatchStepper:
         self._config = np.zeros((B, 3), np.int32)
         self._outputs = np.zeros((B, T), np.int64)
         self._slots = np.zeros(B, np.int64)
+        # top-k ids, filled only in steps with recycling rows (k: at most the vocabulary)
+        self._top = np.zeros((B, T, min(RECYCLE_K, executor.vocab_size)), np.int64)
         self.executor_seconds = 0.0  # inside executor.step / commit, over the stepper's life
 
     def run(
@@ -558,8 +593,9 @@ class BatchStepper:
         if not live:
             return errors
         B = len(live)
+        top = self._top[:B, :T] if any(rows[i].recycles for i in live) else None
         batch = StepBatch(
-            self._slots[:B], self._ids[:B, :T], self._positions[:B, :T], self._config[:B], self._outputs[:B, :K]
+            self._slots[:B], self._ids[:B, :T], self._positions[:B, :T], self._config[:B], self._outputs[:B, :K], top
         )
         start = time.perf_counter()
         try:
@@ -577,7 +613,7 @@ class BatchStepper:
                     start = time.perf_counter()
                     self.executor.commit(row.slot, commit)
                     seconds += time.perf_counter() - start
-                    row.update(out[b])
+                    row.update(out[b], None if top is None else top[b])
             except Exception as exc:
                 errors[i] = exc
         for i in live:

@@ -15,6 +15,7 @@ import numpy as np
 from trt_lookahead.lookahead.tree import ROOT, TreeTemplate
 
 SUFFIX = "suffix"  # the origin of suffix-matched drafts
+SCAN = 4  # occurrences of one match read per continuation asked for (repeats are skipped)
 Branch = tuple[Sequence[int], str, float]  # (tokens after x_t, origin, score)
 
 
@@ -43,7 +44,8 @@ class SuffixIndex:
         found: list[tuple[tuple[int, ...], int]] = []
         seen: set[tuple[int, ...]] = set()
         for n in range(min(self.max_match, len(seq)), 0, -1):
-            for end in reversed(self._ends.get(tuple(seq[last - n + 1 :]), ())):
+            ends = self._ends.get(tuple(seq[last - n + 1 :]), ())
+            for end in ends[: -SCAN * limit - 1 : -1]:  # the newest occurrences: a common token has thousands
                 following = tuple(seq[end + 1 : end + 1 + depth])
                 if end == last or following in seen:
                     continue

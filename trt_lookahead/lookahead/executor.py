@@ -6,13 +6,17 @@ step_config[b] = (W, N, G) (docs/design.md section 2) padded to T, or (0, 0, 0) 
     x = ex.prefill(slot, prompt_ids, sampling)   # KV rows [0, P) of the slot, its sampling set; next token
     ex.claim(slot, sampling)                     # or: the slot holds a request of cache_len 0 and this
                                                  #   sampling; its prompt then arrives as causal step rows
-    out = ex.step(StepBatch(...))                # [B, T] int64 next tokens, valid at output_slots, -1 elsewhere
+    out = ex.step(StepBatch(...))                # [B, T] int64 next tokens, valid at output_slots, -1 elsewhere;
+                                                 #   with top_ids given, also the top-k next ids there
     ex.commit(slot, rows)                        # keep the KV of these step rows of the slot's last step
     ex.release(slot)                             # the slot is free (cache_len 0)
 
 A row's pads (slots past its layout's real tokens) hold any valid id at position cache_len; an executor
 may skip them. Token i of row b is chosen with the slot's sampling parameters, keyed by positions[b, i]
-(lookahead/sampling.py). A row's results never depend on the other rows of the step.
+(lookahead/sampling.py). A row's results never depend on the other rows of the step. When the batch
+carries `top_ids` [B, T, k], the executor also writes there the k most likely next ids (by the raw
+logits, most likely first) at each output slot, for recycled drafts (lookahead/recycle.py); other entries
+are left as they are.
 
 Chunked prefill (runtime/scheduler.py) feeds a claimed slot's prompt as causal rows: the next c prompt
 tokens at positions cache_len .. cache_len+c-1, then, where the step is wider than c, pad tokens at the
@@ -44,6 +48,7 @@ class StepBatch:
     positions: np.ndarray  # [B, T] int64 absolute positions (pads: the row's cache_len)
     step_config: np.ndarray  # [B, 3] int32 (W, N, G) of each row; (0, 0, 0) = a causal row
     output_slots: np.ndarray  # [B, K] int64 step slots read per row (padded by repeating the last)
+    top_ids: np.ndarray | None = None  # [B, T, k] int64 out: the k likeliest next ids at output slots (recycling)
 
     @property
     def rows(self) -> int:
@@ -124,6 +129,9 @@ def check_batch(batch: StepBatch, max_batch: int, step_tokens: int, vocab_size: 
         raise ValueError(f"row {b}: step_config {config[b].tolist()} is not a layout of at most {T} tokens")
     if out.min() < 0 or (out >= real[:, None]).any():
         raise ValueError("output_slots must name real step slots of their row")
+    top = batch.top_ids
+    if top is not None and (top.ndim != 3 or top.shape[:2] != (B, T) or not 1 <= top.shape[2] <= vocab_size):
+        raise ValueError(f"StepBatch.top_ids must have shape ({B}, {T}, k), 1 <= k <= {vocab_size}; got {top.shape}")
     ids = np.asarray(batch.input_ids)
     if ids.min() < 0 or ids.max() >= vocab_size:
         raise ValueError(f"input ids must lie in [0, {vocab_size}), got {ids.min()}..{ids.max()}")

@@ -172,6 +172,8 @@ class OracleExecutor:
             reads = np.unique(batch.output_slots[b])
             logits = np.stack([self.logits_fn(contexts[i]) for i in reads])
             out[b, reads] = select_tokens(logits, positions[reads], self.sampling[slot])
+            if batch.top_ids is not None:  # stable: ties keep the lower id first
+                batch.top_ids[b, reads] = np.argsort(-logits, axis=1, kind="stable")[:, : batch.top_ids.shape[2]]
             self._last[slot] = (np.array(ids), np.array(positions), int(real[b]))
         self.steps += 1
         self.rows_per_step.append(batch.rows)
@@ -220,6 +222,9 @@ class InstantExecutor:
         return int(self.table[prompt_ids[-1]])
 
     def step(self, batch: StepBatch) -> np.ndarray:
+        if batch.top_ids is not None:  # the table's token first, then a fixed pseudo-random runner-up list
+            batch.top_ids[:] = self.table[(batch.input_ids[:, :, None] + np.arange(batch.top_ids.shape[2])) %
+                                          self.vocab_size]
         return self.table[batch.input_ids]
 
     def commit(self, slot: int, rows: np.ndarray) -> None:

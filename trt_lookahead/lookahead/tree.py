@@ -7,6 +7,7 @@ Siblings are ranked (rank 0 first); the draft laying puts the best-scored branch
 
     chain_template(G, levels)      today's G linear candidates: G chains of `levels` nodes
     tree_template(nodes, depth)    every tree size from one rule: best-first by a rank-decaying prior
+    resolve_tree(spec, config)     what a runtime's `tree` option names: None (linear), auto or parents
 """
 
 from __future__ import annotations
@@ -16,9 +17,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from trt_lookahead.errors import UserError
+from trt_lookahead.lookahead.config import LookaheadConfig
+
 ROOT = -1  # the parent of depth-1 nodes: x_t, step slot 0
 RANK_DECAY = 0.45  # prior acceptance of a rank-r child relative to rank 0 (tree_template's shaping rule)
 FIRST_ACCEPT = 0.6  # prior acceptance of a rank-0 child given its parent
+TREE_DEPTH = 6  # the depth of `auto` templates (measured: depth 6 and 8 accept the same, docs/design.md 9)
+TREE_CHOICES = ("off", "auto")  # besides a parent list
 
 
 @dataclass(frozen=True)
@@ -117,3 +123,24 @@ def tree_template(nodes: int, depth: int, decay: float = RANK_DECAY) -> TreeTemp
         parents.append(parent_pos)
         stack.extend((c, pos) for c in reversed(kids.get(me, [])))
     return TreeTemplate(tuple(parents))
+
+
+def resolve_tree(spec: str | TreeTemplate | None, config: LookaheadConfig) -> TreeTemplate | None:
+    """None for "off"/None (G linear candidates); "auto": tree_template(G(N-1), TREE_DEPTH) of `config`;
+    a parent list or a TreeTemplate as given. UserError if it cannot fill config's G(N-1) verification slots."""
+    if spec is None or (isinstance(spec, str) and spec.strip().lower() == "off"):
+        return None
+    nodes = config.G * config.levels
+    if isinstance(spec, str) and spec.strip().lower() == "auto":
+        if not nodes:
+            raise UserError(f"tree=auto sizes the draft tree from the lookahead config's G(N-1) slots, and {config} "
+                            "has none: give a config with G >= 1 (e.g. 7,5,7)")
+        return tree_template(nodes, TREE_DEPTH)
+    try:
+        template = spec if isinstance(spec, TreeTemplate) else TreeTemplate.parse(str(spec))
+    except ValueError as exc:
+        raise UserError(f"{exc} (or give tree=auto or off)") from None
+    if template.nodes < nodes:
+        raise UserError(f"a {template.nodes}-node tree template cannot fill the {nodes} verification slots of "
+                        f"{config}: give at least {nodes} parents, tree=auto, or a smaller G")
+    return template

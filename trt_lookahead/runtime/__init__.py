@@ -46,7 +46,9 @@ from trt_lookahead.lookahead.decoder import DecodeStats, RequestDecoder, check_r
 from trt_lookahead.lookahead.executor import Executor, check_kv_memory
 from trt_lookahead.lookahead.policy import LookaheadPolicy, Priors, StepCost
 from trt_lookahead.lookahead.pool import POOL_SCOPES, SharedPool
+from trt_lookahead.lookahead.recycle import SuccessorMap
 from trt_lookahead.lookahead.sampling import SamplingParams
+from trt_lookahead.lookahead.tree import TreeTemplate, resolve_tree
 from trt_lookahead.runtime import scheduler
 from trt_lookahead.runtime.scheduler import Prefill, RequestHandle, Scheduler, default_prefill
 
@@ -57,6 +59,8 @@ Prompt = str | Sequence[dict[str, str]] | Sequence[int] | np.ndarray
 EXACT_ON_ENGINE = ("exact=True runs a checkpoint on the torch executor; onnxruntime runs exact steps only on an "
                    "engine dir built with `trt-lookahead build --exact`: drop --backend onnxruntime, or pass such an "
                    "engine")
+TREE_ON_ENGINE = ("a draft tree runs on the torch executor (a checkpoint, --backend torch); engines are built with "
+                  "linear candidates: drop --tree or use the torch backend")
 PROMPT_KINDS = "a prompt is text, a list of chat messages {'role': ..., 'content': ...}, or a list of token ids"
 
 
@@ -255,6 +259,8 @@ class LookaheadRuntime:
         self.tuning_file = None if tuning_file is None else Path(tuning_file)  # None: the cache's tuning.json
         self.pool_scope = check_pool_scope(pool_scope)  # the widest scope a request may use
         self.shared_pool = SharedPool()  # touched only by the scheduler thread (decoders' setup/prepare/update)
+        self.tree: TreeTemplate | None = getattr(executor, "tree", None)  # the executor's draft tree template
+        self.successors = SuccessorMap()  # recycled top-k of the shared scope's tree requests (scheduler thread)
         # until `auto` is first asked for, the policy only runs explicit configs (it never sees auto requests)
         policy = LookaheadPolicy(StepCost.linear(1.0, 0.0), Priors({}))
         prefill = default_prefill(backend) if prefill is None else prefill
@@ -282,6 +288,7 @@ class LookaheadRuntime:
         exact: bool | None = None,
         pool_scope: str = "shared",
         prefill: Prefill | None = None,
+        tree: str | TreeTemplate | None = None,
     ) -> LookaheadRuntime:
         """Load a HF Llama checkpoint dir, a known model name, or an engine dir from `trt-lookahead build`.
 
@@ -294,7 +301,9 @@ class LookaheadRuntime:
         cheap (bfloat16 on the CPU torch executor; backends/torch.py EXACT_BY_DEFAULT). pool_scope: "shared"
         (requests read and feed one bounded n-gram pool; README "Shared n-gram pool") or "request" (no sharing).
         prefill: how a joining request's prompt is prefilled, "separate", "chunked" or a chunk size
-        (runtime/scheduler.py); default per backend, `default_prefill`.
+        (runtime/scheduler.py); default per backend, `default_prefill`. tree: the verification branch as a draft
+        tree (docs/design.md 2.7, 3.9; torch backend): None/"off" (G linear candidates), "auto" (a template sized
+        for the default config's G(N-1) slots) or a parent list; requests with a smaller G use its first nodes.
         """
         from trt_lookahead.model.fetch import resolve_model
 
@@ -310,20 +319,26 @@ class LookaheadRuntime:
             raise UserError(f"max_batch must be a positive integer (request slots), got {max_batch!r}")
         engine = is_engine_dir(path)
         if engine:
+            if tree not in (None, "off"):
+                raise UserError(TREE_ON_ENGINE)
             why = None  # an engine dir runs where it was built for: nothing to explain
             rt = cls._from_engine(path, backend or "onnxruntime", dtype, max_seq_len, max_batch, max_queue, tuning_file,
                                   verify, prefill=prefill, exact=exact)
         else:
             asked = None if lookahead in (DEFAULT, None) else resolve_lookahead(lookahead)
             asked = asked if isinstance(asked, LookaheadConfig) else None
-            backend, why = checkpoint_backend(backend, dtype, asked, exact)
+            template = resolve_tree(tree, asked or (engine_cover() if lookahead == AUTO else DEFAULT_LOOKAHEAD))
+            if template is not None and backend not in (None, "torch"):
+                raise UserError(TREE_ON_ENGINE)
+            backend, why = checkpoint_backend("torch" if template else backend, dtype, asked, exact)
+            why = "a draft tree runs on the torch executor (docs/design.md 2.7)" if template else why
             if backend == "onnxruntime":
                 cached = cached_checkpoint_engine(path, dtype, max_seq_len, max_batch, asked)
                 rt = cls._from_engine(cached, backend, dtype, max_seq_len, max_batch, max_queue, tuning_file, verify,
                                       model_path=path, prefill=prefill)
             else:
                 rt = cls._from_checkpoint(path, dtype, max_seq_len, max_batch or DEFAULT_MAX_BATCH, max_queue,
-                                          tuning_file, exact, prefill)
+                                          tuning_file, exact, prefill, template)
         try:
             if lookahead == DEFAULT:  # an engine dir's built config; a checkpoint's (on any backend) 4,3,4
                 rt.lookahead = (rt.max_lookahead if engine else None) or DEFAULT_LOOKAHEAD
@@ -341,7 +356,7 @@ class LookaheadRuntime:
     @classmethod
     def _from_checkpoint(
         cls, path: Path, dtype: str, max_seq_len: int | None, max_batch: int, max_queue: int,
-        tuning_file: str | Path | None, exact: bool | None, prefill: Prefill | None,
+        tuning_file: str | Path | None, exact: bool | None, prefill: Prefill | None, tree: TreeTemplate | None = None,
     ) -> LookaheadRuntime:
         from trt_lookahead.backends.torch import BatchedTorchExecutor
         from trt_lookahead.model.checkpoint import check_max_seq_len, load_llama, load_tokenizer
@@ -349,7 +364,7 @@ class LookaheadRuntime:
         model, config = load_llama(path, dtype=dtype, weight_layout="auto")
         seq_len = check_max_seq_len(max_seq_len, config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
         try:
-            executor = BatchedTorchExecutor(model, max_batch, seq_len, exact=exact)
+            executor = BatchedTorchExecutor(model, max_batch, seq_len, exact=exact, tree=tree)
         except ValueError as exc:  # exact=True where the build has no row-invariant projections
             raise UserError(str(exc)) from exc
         return cls(
@@ -521,7 +536,8 @@ class LookaheadRuntime:
         jobs = [
             scheduler.Request(
                 RequestDecoder(r.config, r.prompt_ids, r.max_new_tokens, self.stop_token_ids, r.sampling.seed,
-                               shared=self.shared_pool if r.pool_scope == "shared" else None),
+                               tree=self.tree, shared=self.shared_pool if r.pool_scope == "shared" else None,
+                               successors=self.successors if r.pool_scope == "shared" else None),
                 r.sampling,
                 r.explicit,
             )

@@ -1,0 +1,71 @@
+"""Recycled top-k: every token's most likely successors, as the model last computed them (docs/design.md 3.9).
+
+A step already computes the next-token distribution at each of its output slots; the executor returns the
+top RECYCLE_K ids there (StepBatch.top_ids). `SuccessorMap.record` keeps, for each input token, the top-k
+of the newest slot that fed it (Token Recycling's adjacency matrix, arXiv 2408.08696). `fill_recycled`
+then fills the draft-tree slots the trie left empty, from the successors of each slot's parent token.
+
+Worked example, template parents [-1, 0, 0, -1] (x_t -> a -> {b, c}; x_t -> d), x_t = 5:
+    successors {5: [7, 9], 7: [3, 4], 9: [1, 2]}, drafts after the trie [7, -1, -1, -1]
+    node 1 (rank 0 under 7): 3;  node 2 (rank 1 under 7): 4, the next successor not taken by a sibling;
+    node 3 (rank 1 under x_t): 9, since 7 is taken  ->  drafts [7, 3, 4, 9]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from trt_lookahead.lookahead.tree import ROOT
+
+RECYCLE = "recycled"  # the origin of recycled drafts
+RECYCLE_K = 8  # successors kept per token (the widest rank a template node takes from them)
+
+
+class SuccessorMap:
+    """token -> its top-k successors (a tuple, most likely first) from the newest step slot that fed it."""
+
+    def __init__(self) -> None:
+        self.table: dict[int, tuple[int, ...]] = {}  # bounded by the vocabulary: one entry per token
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def get(self, token: int) -> tuple[int, ...]:
+        return self.table.get(token, ())
+
+    def record(self, inputs: np.ndarray, top: np.ndarray) -> None:
+        """inputs [K] the tokens fed at K output slots, top [K, k] the model's top-k there; later slots win."""
+        self.table.update(zip(inputs.tolist(), map(tuple, top.tolist()), strict=True))
+
+
+def fill_recycled(parents: Sequence[int], drafts: np.ndarray, origins: list[str], successors: SuccessorMap,
+                  x: int) -> None:
+    """Fill the empty (-1) nodes of drafts[:V] (V = len(parents), preorder) with recycled successors, in place.
+
+    A node takes its parent token's (x for a depth-1 node) most likely successor that no earlier sibling
+    holds; a node whose parent is empty stays empty.
+    """
+    V = len(parents)
+    tokens = drafts[:V].tolist()
+    table = successors.table
+    taken: dict[int, list[int]] = {}  # node (ROOT = x_t) -> the tokens its children hold so far
+    for v, p in enumerate(parents):
+        token = tokens[v]
+        siblings = taken.get(p)
+        if token < 0:
+            parent = x if p == ROOT else tokens[p]
+            if parent < 0:
+                continue
+            for token in table.get(parent, ()):
+                if siblings is None or token not in siblings:
+                    break
+            else:
+                continue
+            tokens[v], origins[v] = token, RECYCLE
+        if siblings is None:
+            taken[p] = [token]
+        else:
+            siblings.append(token)
+    drafts[:V] = tokens
