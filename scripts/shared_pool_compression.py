@@ -59,9 +59,9 @@ def main() -> None:
     per = -(-args.warmup // len(names))  # warm-up prompts per set, after the measured ones
     others = prompt_sets(rt.tokenizer, names, args.prompts, args.prompts + per)
     warmup = [ids for group in zip(*others.values(), strict=False) for ids in group][: args.warmup]
-    print(f"SmolLM2-135M-Instruct float32, torch, {torch.get_num_threads()} threads, {args.lookahead} tree {args.tree}, "
-          f"{args.prompts} prompts x {args.tokens} tokens per set, warm-up {len(warmup)} other requests; "
-          f"load at start {os.getloadavg()}\n")
+    print(f"SmolLM2-135M-Instruct float32, torch, {torch.get_num_threads()} threads, {args.lookahead} "
+          f"tree {args.tree}, {args.prompts} prompts x {args.tokens} tokens per set, warm-up {len(warmup)} other "
+          f"requests; load at start {os.getloadavg()}\n")
     rows = [("request", *run(rt, measured, args.tokens, "request"))]
     for ids in warmup:
         rt.generate(ids, args.tokens)
