@@ -59,7 +59,7 @@ def test_the_installed_entry_point_prints_no_usage_block():
         (["--lookahead_config", "٤,3,4"], "W,N,G"),
         (["--backend", "tensorrt"], "runs engine dirs"),  # --model on onnxruntime: a cached engine
         (["--tree", "0,1"], "parents must be -1 (x_t) or an earlier node"),
-        (["--tree", "-1,0", "--lookahead_config", "4,3,4"], "cannot fill the 8 verification slots"),
+        (["--tree=-1,0", "--lookahead_config", "4,3,4"], "cannot fill the 8 verification slots"),
         (["--tree", "auto", "--backend", "onnxruntime"], "a draft tree runs on the torch executor"),
     ],
 )

@@ -125,10 +125,12 @@ def test_any_oracle_with_recycling_emits_its_plain_decoding(oracle, seed, nodes,
     assert out.token_ids == reference_generate(logits, prompt, 40, sampling)
 
 
-def test_a_template_of_the_wrong_size_for_a_tree_is_a_user_error():
+def test_a_template_of_the_wrong_size_for_a_tree_is_a_user_error(tmp_path):
     assert resolve_tree("off", LookaheadConfig(7, 5, 7)) is None
     assert resolve_tree("auto", LookaheadConfig(7, 5, 7)).nodes == 28
     assert resolve_tree(" -1,0,-1 ", LookaheadConfig(1, 2, 3)) == TreeTemplate((-1, 0, -1))
+    (tmp_path / "tree.txt").write_text("-1,0,\n0,-1\n")
+    assert resolve_tree(str(tmp_path / "tree.txt"), LookaheadConfig(1, 2, 4)) == TreeTemplate((-1, 0, 0, -1))
     with pytest.raises(UserError, match="cannot fill the 28 verification slots"):
         resolve_tree("-1,0", LookaheadConfig(7, 5, 7))
     with pytest.raises(UserError, match="G >= 1"):

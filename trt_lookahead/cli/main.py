@@ -56,8 +56,8 @@ def _add_pool_scope_argument(p: argparse.ArgumentParser, default: str = POOL_SCO
 def _add_tree_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree", default=None,
                    help="the verification branch as a draft tree fed by the pool, suffix matches and recycled top-k "
-                        "(torch backend): off (default), auto (sized for the lookahead config) or a comma list of "
-                        "parents in preorder, e.g. -1,0,0,-1")
+                        "(torch backend): off (default), auto (sized for the lookahead config), a comma list of "
+                        "parents in preorder (--tree=-1,0,0,-1) or a file holding one")
 
 
 def _add_model_arguments(p: argparse.ArgumentParser, engine: bool = True) -> None:

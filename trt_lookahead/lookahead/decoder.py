@@ -60,6 +60,7 @@ class DecodeStats:
     sources: Counter = field(default_factory=Counter)  # accepted drafts by origin: prompt/output/window/shared/
     # suffix/chain
     depths: Counter = field(default_factory=Counter)  # accepted drafts by depth (1 = the token after x_t)
+    nodes: Counter = field(default_factory=Counter)  # accepted drafts by verification node (template's, then chain's)
     configs: Counter = field(default_factory=Counter)  # decode steps per step config label (greedy or W/N/G)
 
     @property
@@ -96,6 +97,7 @@ class DecodeStats:
             "accepted_histogram": {str(k): v for k, v in sorted(self.accepted_histogram.items())},
             "sources": dict(sorted(self.sources.items())),
             "depths": {str(k): v for k, v in sorted(self.depths.items())},
+            "nodes": {str(k): v for k, v in sorted(self.nodes.items())},
             "configs": dict(sorted(self.configs.items())),
         }
 
@@ -377,6 +379,7 @@ class RequestDecoder:
         for depth, node in enumerate(path[: len(emitted)].tolist(), start=1):
             stats.sources[self._origins[node]] += 1
             stats.depths[depth] += 1
+            stats.nodes[node] += 1
         self.finished = (
             len(emitted) < len(self.block)
             or emitted[-1] in self.stop_tokens

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -81,7 +82,7 @@ class TreeTemplate:
     def parse(cls, text: str) -> TreeTemplate:
         """A comma list of parents, e.g. `-1,0,1,-1,3` (the form `str` writes)."""
         try:
-            return cls(tuple(int(p) for p in text.replace(" ", "").split(",") if p))
+            return cls(tuple(int(p) for p in text.replace(" ", "").replace("\n", "").split(",") if p))
         except ValueError as exc:
             raise ValueError(f"tree template {text!r}: {exc}; write parents as a comma list like -1,0,-1") from None
 
@@ -126,8 +127,8 @@ def tree_template(nodes: int, depth: int, decay: float = RANK_DECAY) -> TreeTemp
 
 
 def resolve_tree(spec: str | TreeTemplate | None, config: LookaheadConfig) -> TreeTemplate | None:
-    """None for "off"/None (G linear candidates); "auto": tree_template(G(N-1), TREE_DEPTH) of `config`;
-    a parent list or a TreeTemplate as given. UserError if it cannot fill config's G(N-1) verification slots."""
+    """None for "off"/None (G linear candidates); "auto": tree_template(G(N-1), TREE_DEPTH) of `config`; a parent
+    list, a file holding one, or a TreeTemplate as given. UserError if it cannot fill config's G(N-1) slots."""
     if spec is None or (isinstance(spec, str) and spec.strip().lower() == "off"):
         return None
     nodes = config.G * config.levels
@@ -136,8 +137,11 @@ def resolve_tree(spec: str | TreeTemplate | None, config: LookaheadConfig) -> Tr
             raise UserError(f"tree=auto sizes the draft tree from the lookahead config's G(N-1) slots, and {config} "
                             "has none: give a config with G >= 1 (e.g. 7,5,7)")
         return tree_template(nodes, TREE_DEPTH)
+    text = spec if isinstance(spec, str) else ""
+    if text and not text.lstrip().startswith("-") and Path(text).is_file():
+        text = Path(text).read_text()
     try:
-        template = spec if isinstance(spec, TreeTemplate) else TreeTemplate.parse(str(spec))
+        template = spec if isinstance(spec, TreeTemplate) else TreeTemplate.parse(text)
     except ValueError as exc:
         raise UserError(f"{exc} (or give tree=auto or off)") from None
     if template.nodes < nodes:
