@@ -3,7 +3,8 @@
     python scripts/tree_compression.py --prompts 8 --tokens 64 --threads 1 > tree.md
 
 SmolLM2-135M-Instruct, float32, torch executor on the CPU. Compression = generated tokens / forward passes
-(prefill counted as one); acceptance per decode step by depth (fraction of steps accepting >= d drafts)
+(prefill counted as one); acceptance per decode step by depth (fraction of steps accepting >= d drafts),
+by the rank of the accepted node among its siblings (accepted drafts per step; chain drafts not counted)
 and by source; host ms per decode step (wall time outside the executor, median over prompts; give the
 machine's load beside it). Every run is checked token for token against the first variant's run of the same prompt.
 """
@@ -21,7 +22,7 @@ from trt_lookahead.backends.torch import BatchedTorchExecutor
 from trt_lookahead.bench.datasets import PromptRow, encode_row, load_dataset
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.decoder import LookaheadDecoder, Switches
-from trt_lookahead.lookahead.tree import TREE_DEPTH, tree_template
+from trt_lookahead.lookahead.tree import TREE_DEPTH, chain_template, tree_template
 from trt_lookahead.model.checkpoint import load_llama
 from trt_lookahead.model.fetch import resolve_model
 
@@ -84,8 +85,9 @@ def main() -> None:
     sets = prompt_sets(tokenizer, args.sets.split(","), 0, args.prompts)
     print(f"SmolLM2-135M-Instruct float32, CPU, torch threads {args.threads}, {args.prompts} prompts x "
           f"{args.tokens} tokens per set, tree depth {args.depth}; load at start {os.getloadavg()}\n")
-    print("| T | config | variant | " + " | ".join(sets) + " | all | host ms/step | accept >= depth 1..8 | sources |")
-    print("|---|---|---|" + "---:|" * (len(sets) + 2) + "---|---|")
+    print("| T | config | variant | " + " | ".join(sets) + " | all | host ms/step | accept >= depth 1..8 | "
+          "accepted by rank 0..3 | sources |")
+    print("|---|---|---|" + "---:|" * (len(sets) + 2) + "---|---|---|")
     for T in (int(t) for t in args.steps.split(",")):
         cfg = CONFIGS[T]
         tree = tree_template(cfg.G * cfg.levels, args.depth, args.decay)
@@ -94,7 +96,7 @@ def main() -> None:
             use_tree, switches = VARIANTS[variant]
             t = tree if use_tree else None
             executor = BatchedTorchExecutor(model, 1, 2048, T, tree=t)
-            per_set, host, depths, sources = [], [], Counter(), Counter()
+            per_set, host, depths, sources, nodes = [], [], Counter(), Counter(), Counter()
             generated = steps = decode_steps = 0
             for name, prompts in sets.items():
                 g = s = 0
@@ -108,13 +110,17 @@ def main() -> None:
                     host.append(stats.host_ms_per_step)
                     depths.update(stats.depths)
                     sources.update(stats.sources)
+                    nodes.update(stats.nodes)
                 per_set.append(g / s)
                 generated, steps = generated + g, steps + s
             accept = " ".join(f"{depths[d] / decode_steps:.2f}" for d in range(1, 9))
+            template = tree if use_tree else chain_template(cfg.G, cfg.levels)
+            by_rank = Counter(int(template.rank[v]) for v, n in nodes.items() if v < template.nodes for _ in range(n))
+            ranks = " ".join(f"{by_rank[r] / decode_steps:.2f}" for r in range(4))
             share = ", ".join(f"{k} {v / decode_steps:.2f}" for k, v in sorted(sources.items()))
             cells = " | ".join(f"{c:.3f}" for c in per_set)
             print(f"| {T} | {cfg} | {variant} | {cells} | {generated / steps:.3f} | {statistics.median(host):.3f} | "
-                  f"{accept} | {share} |", flush=True)
+                  f"{accept} | {ranks} | {share} |", flush=True)
     print(f"\nload at end {os.getloadavg()}")
 
 
