@@ -6,6 +6,7 @@ onnxruntime runs here; TensorRT runs the same tests on a GPU host with TensorRT 
 SmolLM2-135M runs only in the @slow test.
 """
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -388,3 +389,39 @@ def test_smollm2_engine_rows_match_the_model_and_their_solo_runs(tmp_path):
     path = resolve_model("smollm2-135m-instruct")
     engine = open_engine(build(tmp_path / "smollm2", model=path, max_seq_len=512, max_input_len=128), threads=2)
     run_mixed_steps(engine, load_llama(path)[0], [2, 3, 1, 0], steps=3, seed=4)
+
+
+def test_a_tree_engine_verifies_its_draft_tree_and_emits_the_checkpoints_tokens(tmp_path):
+    """build --tree auto: config.json carries the template, the graph masks it (the build's smoke check compares
+    it with the torch model row by row), and the runtime on the engine dir emits greedy's tokens while accepting
+    recycled drafts. TensorRT, whose plugin has no tree table, refuses the engine; a template of the wrong size
+    in config.json and a tree on a graph without the LookaheadAttention node are refused."""
+    from collections import Counter
+
+    from trt_lookahead.engine.build import build_request
+    from trt_lookahead.engine.format import load_engine_config
+    from trt_lookahead.lookahead.tree import TREE_DEPTH, tree_template
+    from trt_lookahead.runtime import LookaheadRuntime
+
+    path = build(tmp_path / "tree", "--lookahead_config", "7,5,7", "--tree", "auto")
+    assert load_engine_config(path).tree == tree_template(28, TREE_DEPTH)
+    sources: Counter = Counter()
+    with (LookaheadRuntime.from_pretrained(path) as engine,
+          LookaheadRuntime.from_pretrained(STORIES, backend="torch", max_seq_len=MAX_SEQ_LEN) as reference):
+        assert engine.tree == tree_template(28, TREE_DEPTH) and engine.executor.tree == engine.tree
+        for prompt in ("Once upon a time", "Lily and Tom went to the park. They", "Sam had a red ball"):
+            out = engine.generate(prompt, max_new_tokens=64, pool_scope="request")
+            assert out.token_ids == reference.generate(prompt, max_new_tokens=64, lookahead="greedy").token_ids
+            sources.update(out.stats.sources)
+        with pytest.raises(UserError, match="verifies the tree it was built with"):
+            LookaheadRuntime.from_pretrained(path, tree="auto")
+    assert sources["recycled"] > 0
+    with pytest.raises(UserError, match="the TensorRT plugin cannot mask"):
+        open_engine(path, backend="tensorrt")
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "tree": [-1, 0]}))
+    with pytest.raises(UserError, match="tree does not have the G\\(N-1\\) nodes of 7/5/7"):
+        load_engine_config(path, verify=False)
+    with pytest.raises(UserError, match="--tree cannot build this engine: its mask is the LookaheadAttention"):
+        build_request(STORIES, tmp_path / "native", lookahead=LookaheadConfig(7, 5, 7), attention="native",
+                      tree="auto")

@@ -68,6 +68,7 @@ class SlotExecutor:
         self.max_batch = max_batch
         self.step_tokens = engine.step_tokens
         self.exact = engine.exact
+        self.tree = engine.config.tree  # the verification slots' draft tree (docs/design.md 2.7); None: linear
         self._prefill_tokens = engine.prefill_tokens
         self._limits = np.array([engine.lookahead.W, engine.lookahead.N, engine.lookahead.G])
         self._cache_len = np.zeros(max_batch, np.int64)  # per slot

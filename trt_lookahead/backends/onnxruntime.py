@@ -33,6 +33,7 @@ import numpy as np
 from trt_lookahead.backends.graphs import Logits, OpenedEngine, SlotExecutor
 from trt_lookahead.engine.format import INPUTS, OUTPUTS, EngineConfig, cache_names
 from trt_lookahead.errors import UserError
+from trt_lookahead.kernels.mask import tree_ends
 from trt_lookahead.lookahead.executor import check_kv_memory
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -127,7 +128,9 @@ class OnnxRuntimeEngine(OpenedEngine):
             for value in (*proto.graph.input, *proto.graph.output)
         })
         try:
-            proto = onnx_op.decompose(proto, exact=self.config.exact, max_keys=self.config.cache_rows)
+            tree = self.config.tree
+            proto = onnx_op.decompose(proto, exact=self.config.exact, max_keys=self.config.cache_rows,
+                                      tree_ends=None if tree is None else tree_ends(tree.ends, self.config.step_tokens))
         except ValueError as exc:
             raise UserError(f"engine {self.config.path}: {exc}; rebuild it without --exact") from exc
         options = self.settings.options()

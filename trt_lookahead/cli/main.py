@@ -159,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exact", action="store_true",
                    help="the row-invariant attention graph for onnxruntime: a token's logits are bit-identical "
                         "alone, batched and in greedy decoding (float32, T <= 64; docs/design.md 4.2)")
+    p.add_argument("--tree", default=None,
+                   help="verify a draft tree fed by the pool, suffix matches and recycled top-k instead of G linear "
+                        "candidates (onnxruntime): auto (sized for the lookahead config), a comma list of parents "
+                        "in preorder (--tree=-1,0,0,-1) or a file holding one; default: linear")
     p.add_argument("--force", action="store_true", help="replace an existing engine dir (never anything else)")
 
     p = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository")

@@ -54,6 +54,7 @@ from trt_lookahead.errors import UserError, as_int
 from trt_lookahead.files import check_output_dir, remove_stale_work_dirs, replace_dir, work_dir
 from trt_lookahead.lookahead.config import DEFAULT_LOOKAHEAD, LookaheadConfig
 from trt_lookahead.lookahead.layout import StepLayout
+from trt_lookahead.lookahead.tree import TreeTemplate, resolve_tree
 
 if TYPE_CHECKING:
     from trt_lookahead.model.llama import Llama, ModelConfig
@@ -74,6 +75,7 @@ class BuildRequest:
     target: str
     force: bool
     exact: bool = False  # the row-invariant attention graph on onnxruntime (docs/design.md section 4.2)
+    tree: TreeTemplate | None = None  # the verification slots' draft tree (docs/design.md 2.7); None: linear
 
     def key(self, weights_sha256: str) -> dict[str, Any]:
         """What identifies a build: equal keys mean an existing engine dir already is this build."""
@@ -81,6 +83,7 @@ class BuildRequest:
             "format": FORMAT_VERSION, "weights_sha256": weights_sha256, "lookahead": str(self.lookahead),
             "max_seq_len": self.max_seq_len, "max_input_len": self.max_input_len, "max_batch": self.max_batch,
             "dtype": self.dtype, "attention": self.attention, "target": self.target, "exact": self.exact,
+            "tree": None if self.tree is None else list(self.tree.parents),
         }
 
 
@@ -112,6 +115,7 @@ def build_request(
     target: str = "onnx",
     force: bool = False,
     exact: bool = False,
+    tree: str | None = None,
 ) -> BuildRequest:
     """Validate a build before any work (UserError with one clear line); `model` is a dir or a known name.
 
@@ -139,8 +143,17 @@ def build_request(
         raise UserError(f"max_batch {max_batch} is impossible; an engine runs at least one row per step")
     if exact:
         _check_exact(model_dir, lookahead, dtype, attention, target)
+    template = resolve_tree(tree, lookahead)
+    if template is not None:
+        template = template.prefix(lookahead.G * lookahead.levels)  # the engine's slots: its first G(N-1) nodes
+        problems = [(attention != "plugin", "its mask is the LookaheadAttention node's (--attention plugin)"),
+                    (target != "onnx", "it runs on onnxruntime; the TensorRT plugin has no tree table yet"),
+                    (exact, "the exact decomposition has no tree yet (drop --exact)")]
+        broken = [why for bad, why in problems if bad]
+        if broken:
+            raise UserError(f"--tree cannot build this engine: {'; '.join(broken)}")
     return BuildRequest(model_dir, output, lookahead, max_seq_len, max_input_len, max_batch, dtype, attention, target,
-                        force, exact)
+                        force, exact, template)
 
 
 def _check_exact(model_dir: Path, lookahead: LookaheadConfig, dtype: str, attention: str, target: str) -> None:
@@ -297,6 +310,7 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
                         "and binds the first B",
         "attention": request.attention,
         "exact": request.exact,
+        "tree": None if request.tree is None else list(request.tree.parents),
         "plugin": plugin_contract() if request.attention == "plugin" else None,
         "graphs": {"model": GRAPH_FILE},
         "weights": WEIGHTS_FILE,
@@ -385,7 +399,7 @@ def smoke_check(engine_dir: Path, model: Llama, lookahead: LookaheadConfig) -> d
     compare(rng.integers(0, vocab, (B, P)), np.tile(np.arange(P), (B, 1)), np.zeros((B, 3)),
             [np.tril(np.ones((P, P), bool))] * B, (lengths - 1)[:, None], lengths)
     configs = (lookahead, LookaheadConfig.greedy())  # rows 0 and 1; row 2 is causal (0, 0, 0)
-    layouts = [StepLayout(c, padded_tokens=T) for c in configs]
+    layouts = [StepLayout(c, padded_tokens=T, tree=config.tree) for c in configs]
     step_config = np.array([(c.W, c.N, c.G) for c in configs] + [(0, 0, 0)])
     rel_positions = np.array([lay.rel_positions for lay in layouts] + [np.arange(T)])
     masks = [lay.mask for lay in layouts] + [np.tril(np.ones((T, T), bool))]

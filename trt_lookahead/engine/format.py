@@ -5,8 +5,9 @@ A leaf (docs/design.md section 6): backends read engine dirs through it without 
 engines/NAME/
     config.json         format version (under FORMAT_KEY), model dims, dtype, lengths, max_batch, W/N/G and
                         T, attention mode, `exact` (true: onnxruntime runs the row-invariant decomposition,
-                        docs/design.md section 4.2; absent: false), I/O, file checksums, what was built for
-                        which target and how it was checked
+                        docs/design.md section 4.2; absent: false), `tree` (the draft tree's parents, docs/
+                        design.md 2.7; absent or null: linear candidates), I/O, file checksums, what was built
+                        for which target and how it was checked
     model.onnx          the network with a dynamic batch B and token count T: lookahead steps, greedy
                         and causal rows mixed in one batch, and prefill chunks all run this one graph
                         (TensorRT builds all its profiles from it)
@@ -45,6 +46,7 @@ from typing import Any
 from trt_lookahead.errors import UserError, as_int
 from trt_lookahead.files import cache_dir, sha256_file, write_text_atomic
 from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.tree import TreeTemplate
 
 FORMAT_KEY = "trt_lookahead_engine"
 FORMAT_VERSION = 4  # 2: tokens_per_step was renamed step_tokens; 3: config_sha256; 4: one graph with a batch
@@ -95,6 +97,7 @@ class EngineConfig:
     num_kv_heads: int
     head_dim: int
     exact: bool  # the row-invariant attention graph on onnxruntime (docs/design.md section 4.2)
+    tree: TreeTemplate | None  # the verification slots' draft tree (docs/design.md 2.7); None: linear candidates
     raw: dict[str, Any]
 
     @classmethod
@@ -116,12 +119,15 @@ class EngineConfig:
             num_kv_heads=_positive(raw, "model", "num_kv_heads"),
             head_dim=_positive(raw, "model", "head_dim"),
             exact=_flag(raw, "exact"),
+            tree=_tree(raw),
             raw=raw,
         )
         rules = (
             (config.step_tokens == lookahead.step_tokens, f"step_tokens is not (W+G)(N-1) of {lookahead}"),
             (config.max_input_len <= config.max_seq_len, "max_input_len exceeds max_seq_len"),
             (config.cache_rows == config.max_seq_len + config.step_tokens, "cache_rows is not max_seq_len + T"),
+            (config.tree is None or config.tree.nodes == lookahead.G * lookahead.levels,
+             f"tree does not have the G(N-1) nodes of {lookahead}"),
         )
         for holds, broken in rules:
             if not holds:
@@ -208,6 +214,17 @@ def _field(raw: dict[str, Any], *keys: str) -> Any:
             raise UserError(f"config.json has no {'.'.join(keys[: i + 1])}")
         value = value[key]
     return value
+
+
+def _tree(raw: dict[str, Any]) -> TreeTemplate | None:
+    """The optional draft tree: a list of parents in preorder (absent or null: none)."""
+    parents = raw.get("tree")
+    if parents is None:
+        return None
+    try:
+        return TreeTemplate(tuple(as_int("tree parent", p) for p in parents))
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"tree = {parents!r} is not a draft tree ({exc}); rebuild the engine") from None
 
 
 def _flag(raw: dict[str, Any], key: str) -> bool:

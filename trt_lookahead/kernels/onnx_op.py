@@ -41,7 +41,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from trt_lookahead.kernels.mask import step_visible
+from trt_lookahead.kernels.mask import step_visible, tree_step_visible
 from trt_lookahead.kernels.reference import KEY_BLOCK, OP_DOMAIN, OP_NAME, OP_VERSION
 
 PLUGIN_VERSION = "1"
@@ -135,6 +135,7 @@ class Sym:
     def __and__(self, o): return self._logic("And", o)
     def __or__(self, o): return self._logic("Or", o)
     def __invert__(self): return Sym(self.g, self.g.op("Not", self.name), is_bool=True)
+    def __getitem__(self, index): return Sym(self.g, self.g.op("Gather", self.name, self._operand(index, True)))
 
     __hash__ = None  # type: ignore[assignment]  # __eq__ builds a node
 
@@ -149,7 +150,8 @@ class _Masks:
     """The per-graph values every layer's decomposition shares: the rows' step and prefix masks as additive
     biases, T and the longest prefix. Built once, ahead of the first layer; tiled per query-head group."""
 
-    def __init__(self, g: _Graph, query: str, cache_len: str, step_config: str) -> None:
+    def __init__(self, g: _Graph, query: str, cache_len: str, step_config: str,
+                 tree_ends: np.ndarray | None = None) -> None:
         self.g = g
         self.tokens = g.op("Shape", query, start=1, end=2)  # [1] int64
         idx = g.op("Range", g.const(0), g.op("Squeeze", self.tokens), g.const(1))
@@ -158,7 +160,10 @@ class _Masks:
         cfg = g.op("Cast", step_config, to=TensorProto.INT64)
         window, ngram, verify = (Sym(g, g.op("Unsqueeze", g.op("Gather", cfg, g.const(k), axis=1), g.const([1, 2])))
                                  for k in range(3))  # [B, 1, 1] each
-        step = step_visible(rows, cols, window, ngram, verify)  # [B, T, T]
+        if tree_ends is None:
+            step = step_visible(rows, cols, window, ngram, verify)  # [B, T, T]
+        else:  # the draft tree's subtree ends, a constant table read per key slot (docs/design.md 2.7)
+            step = tree_step_visible(rows, cols, window, ngram, verify, Sym(g, g.const(tree_ends)))
         self.visible = step.name
         self.step_bias = _bias(g, step.name, [1])  # [B, 1, T, T]
         self.length = length = g.op("Cast", cache_len, to=TensorProto.INT64)  # [B]
@@ -338,8 +343,12 @@ def _decompose_exact_node(g: _Graph, node: onnx.NodeProto, masks: _Masks, plan: 
     _write_output(g, node, h, out)
 
 
-def decompose(model: onnx.ModelProto, exact: bool = False, max_keys: int = 0) -> onnx.ModelProto:
+def decompose(model: onnx.ModelProto, exact: bool = False, max_keys: int = 0,
+              tree_ends: np.ndarray | None = None) -> onnx.ModelProto:
     """A copy of `model` whose LookaheadAttention nodes are standard ops (for onnxruntime).
+
+    tree_ends: the verification slots are a draft tree with these subtree ends (mask.tree_ends: [T] int64,
+    at least the graph's T long); None: G linear candidates.
 
     exact: the row-invariant form (module docstring), for rows of at most EXACT_MAX_TOKENS tokens over
     caches of at most `max_keys` keys; float32, and query heads sharing a KV head (ValueError otherwise).
@@ -351,8 +360,10 @@ def decompose(model: onnx.ModelProto, exact: bool = False, max_keys: int = 0) ->
     out.CopyFrom(model)
     g = _Graph("lookahead_attention")
     first = nodes[0]
-    masks = _Masks(g, first.input[0], first.input[5], first.input[6])
+    masks = _Masks(g, first.input[0], first.input[5], first.input[6], tree_ends)
     plan = None
+    if exact and tree_ends is not None:
+        raise ValueError("the exact decomposition has no draft tree yet")
     if exact:
         attrs = {a.name: helper.get_attribute_value(a) for a in first.attribute}
         group = attrs["num_q_heads"] // attrs["num_kv_heads"]

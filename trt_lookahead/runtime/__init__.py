@@ -59,8 +59,8 @@ Prompt = str | Sequence[dict[str, str]] | Sequence[int] | np.ndarray
 EXACT_ON_ENGINE = ("exact=True runs a checkpoint on the torch executor; onnxruntime runs exact steps only on an "
                    "engine dir built with `trt-lookahead build --exact`: drop --backend onnxruntime, or pass such an "
                    "engine")
-TREE_ON_ENGINE = ("a draft tree runs on the torch executor (a checkpoint, --backend torch); engines are built with "
-                  "linear candidates: drop --tree or use the torch backend")
+TREE_ON_ENGINE = ("a checkpoint runs a draft tree on the torch executor (--backend torch); an engine dir verifies "
+                  "the tree it was built with (`trt-lookahead build --tree`): drop --tree")
 PROMPT_KINDS = "a prompt is text, a list of chat messages {'role': ..., 'content': ...}, or a list of token ids"
 
 
