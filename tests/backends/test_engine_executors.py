@@ -425,3 +425,21 @@ def test_a_tree_engine_verifies_its_draft_tree_and_emits_the_checkpoints_tokens(
     with pytest.raises(UserError, match="--tree cannot build this engine: its mask is the LookaheadAttention"):
         build_request(STORIES, tmp_path / "native", lookahead=LookaheadConfig(7, 5, 7), attention="native",
                       tree="auto")
+
+
+def test_bench_runs_on_an_engine_dir(engines, tmp_path, capsys):
+    """`bench --engine`: greedy and lookahead rows on the engine's executor, exact, and the memory limit from the
+    engine's weights file (it once read the engine dir as a checkpoint and failed)."""
+    from trt_lookahead.engine.format import WEIGHTS_FILE
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Once upon a time"}) + "\n" + json.dumps({"prompt": "Sam had a"}) + "\n")
+    code = main(["bench", "--engine", str(engines["plugin"]), "--dataset", str(prompts), "--limit", "2",
+                 "--max-new-tokens", "16", "--configs", "greedy,4/3/4", "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    result = json.loads(out.out.strip().splitlines()[-1])
+    rows = {r["config"]: r for r in result["results"]}
+    assert rows["4/3/4"]["exact"] == 1.0 and rows["4/3/4"]["prompts"] == 2 and result["backend"] == "onnxruntime"
+    size = (engines["plugin"] / WEIGHTS_FILE).stat().st_size
+    assert result["memory_limit"]["weight_mb"] == round(size / 1e6, 1)

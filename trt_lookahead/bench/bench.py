@@ -456,9 +456,13 @@ def plan_bench(
 
 
 def memory_limit(model_path: Path, dtype: str) -> dict[str, float]:
-    """The fastest a memory-bound greedy step can be on this machine: the weights' bytes over the measured read
-    bandwidth (docs/design.md section 8)."""
-    weights, bandwidth = weight_bytes(model_path, dtype), read_bandwidth_gbps()
+    """The fastest a memory-bound greedy step can be on this machine: the weights' bytes (a checkpoint's in
+    `dtype`, an engine dir's weights file) over the measured read bandwidth (docs/design.md section 8)."""
+    from trt_lookahead.engine.format import WEIGHTS_FILE, is_engine_dir
+
+    engine = is_engine_dir(model_path)
+    weights = (model_path / WEIGHTS_FILE).stat().st_size if engine else weight_bytes(model_path, dtype)
+    bandwidth = read_bandwidth_gbps()
     return {"weight_mb": round(weights / 1e6, 1), "read_gbps": round(bandwidth, 2),
             "ms_per_step": round(weights / bandwidth / 1e6, 2)}
 
