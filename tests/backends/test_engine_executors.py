@@ -409,7 +409,8 @@ def test_a_tree_engine_verifies_its_draft_tree_and_emits_the_checkpoints_tokens(
     with (LookaheadRuntime.from_pretrained(path) as engine,
           LookaheadRuntime.from_pretrained(STORIES, backend="torch", max_seq_len=MAX_SEQ_LEN) as reference):
         assert engine.tree == tree_template(28, TREE_DEPTH) and engine.executor.tree == engine.tree
-        for prompt in ("Once upon a time", "Lily and Tom went to the park. They", "Sam had a red ball"):
+        long = " ".join(["Lily and Tom went to the park."] * 10)  # > T = 56 tokens: a 64-token prefill chunk
+        for prompt in ("Once upon a time", "Lily and Tom went to the park. They", "Sam had a red ball", long):
             out = engine.generate(prompt, max_new_tokens=64, pool_scope="request")
             assert out.token_ids == reference.generate(prompt, max_new_tokens=64, lookahead="greedy").token_ids
             sources.update(out.stats.sources)

@@ -128,9 +128,11 @@ class OnnxRuntimeEngine(OpenedEngine):
             for value in (*proto.graph.input, *proto.graph.output)
         })
         try:
-            tree = self.config.tree
-            proto = onnx_op.decompose(proto, exact=self.config.exact, max_keys=self.config.cache_rows,
-                                      tree_ends=None if tree is None else tree_ends(tree.ends, self.config.step_tokens))
+            tree, config = self.config.tree, self.config
+            # the table covers every row the graph runs: steps of T tokens and prefill chunks of max_input_len
+            rows = max(config.step_tokens, config.max_input_len)
+            proto = onnx_op.decompose(proto, exact=config.exact, max_keys=config.cache_rows,
+                                      tree_ends=None if tree is None else tree_ends(tree.ends, rows))
         except ValueError as exc:
             raise UserError(f"engine {self.config.path}: {exc}; rebuild it without --exact") from exc
         options = self.settings.options()
