@@ -80,6 +80,9 @@ def test_the_ceiling_is_the_n_predicted_fastest_for_one_request():
     assert config == LookaheadConfig(8, 4, 8) and predicted["4"] > predicted["3"]
     narrow = tune.choose_ceiling(cheap, step_tokens=16)[0]
     assert narrow.step_tokens <= 16
+    # an engine dir built for 8/3/8 runs no N = 4 or 5 (tune once asked it for 1/4/1 and failed)
+    assert tune.choose_ceiling(cheap, step_tokens=32, engine=LookaheadConfig(8, 3, 8))[0] == LookaheadConfig(8, 3, 8)
+    assert tune.choose_ceiling(cheap, step_tokens=48, engine=LookaheadConfig(2, 5, 4))[0].W == 2
 
 
 @pytest.fixture(scope="module")

@@ -233,12 +233,14 @@ def single_request_speed(policy: LookaheadPolicy, config: LookaheadConfig) -> fl
     return max(1000.0 * policy.expected(state, c) / policy.cost(c.step_tokens, 1) for c in state.ladder)
 
 
-def choose_ceiling(policy: LookaheadPolicy, step_tokens: int) -> tuple[LookaheadConfig, dict[str, float]]:
-    """The largest config `auto` may use: (TOP, N, TOP) within `step_tokens`, for the N predicted fastest."""
+def choose_ceiling(policy: LookaheadPolicy, step_tokens: int, engine: LookaheadConfig | None = None
+                   ) -> tuple[LookaheadConfig, dict[str, float]]:
+    """The largest config `auto` may use: (TOP, N, TOP) within `step_tokens` (and an engine's W, N, G), for the
+    N predicted fastest."""
     predicted = {}
     best = LookaheadConfig.greedy()
-    for n in NGRAMS:
-        width = max(1, min(TOP, step_tokens // (2 * (n - 1))))
+    for n in (n for n in NGRAMS if engine is None or n <= engine.N):
+        width = max(1, min(TOP, step_tokens // (2 * (n - 1)), *(() if engine is None else (engine.W, engine.G))))
         top = LookaheadConfig(width, n, width)
         predicted[str(n)] = round(single_request_speed(policy, top), 4)
         if best.is_greedy or predicted[str(n)] > predicted[str(best.N)]:
@@ -249,6 +251,18 @@ def choose_ceiling(policy: LookaheadPolicy, step_tokens: int) -> tuple[Lookahead
 def _decode_ms_per_token(outs: Sequence[GenerationOutput]) -> float:
     tokens = sum(max(o.generated_tokens - 1, 0) for o in outs)
     return 1000.0 * sum(o.decode_seconds for o in outs) / tokens if tokens else math.inf
+
+
+def _runs_on(rt: LookaheadRuntime, config: LookaheadConfig) -> bool:
+    """Whether `config` fits the runtime's executor (its step tokens, and an engine dir's W, N and G)."""
+    if config.step_tokens > rt.executor.step_tokens:
+        return False
+    if rt.max_lookahead is not None:
+        try:
+            config.check_fits(rt.max_lookahead)
+        except ValueError:
+            return False
+    return True
 
 
 def _say(progress: bool, msg: str) -> None:
@@ -281,20 +295,20 @@ def tune(
         budget_seconds=budget_seconds,
     )
     context = sorted((p for _, p in named), key=len)[len(named) // 2]
-    fitting = [c for c in COST_LADDER if c.step_tokens <= rt.executor.step_tokens]
+    fitting = [c for c in COST_LADDER if _runs_on(rt, c)]
     _say(progress, f"step cost for rows up to {rt.max_batch} x step tokens {[c.step_tokens for c in fitting]}")
     cost = measure_step_cost(rt, context, configs=fitting, deadline=start + 0.35 * budget_seconds, clock=clock)
     report.step_cost = cost.to_dict()
     _say(progress, "ms per step, one row: " + ", ".join(f"M={m}: {ms:.1f}" for m, ms in cost.points[1]))
 
-    rungs = sorted({rung for n in NGRAMS for rung in ladder(LookaheadConfig(TOP, n, TOP))[1:]
-                    if rung.step_tokens <= rt.executor.step_tokens}, key=lambda c: (c.step_tokens, c.N))
+    rungs = sorted({rung for n in NGRAMS for rung in ladder(LookaheadConfig(TOP, n, TOP))[1:] if _runs_on(rt, rung)},
+                   key=lambda c: (c.step_tokens, c.N))
     report.priors, report.set_compression = measure_priors(
         rt, named, rungs, max_new_tokens, deadline=start + 0.8 * budget_seconds, clock=clock
     )
     _say(progress, "compression: " + ", ".join(f"{c} {v:.2f}" for c, v in report.priors.items()))
     policy = LookaheadPolicy(cost, Priors(report.priors))
-    ceiling, report.predicted = choose_ceiling(policy, rt.executor.step_tokens)
+    ceiling, report.predicted = choose_ceiling(policy, rt.executor.step_tokens, rt.max_lookahead)
 
     # verify, one request at a time: auto (this policy, up to the ceiling) against greedy, interleaved
     previous = rt.scheduler.policy
