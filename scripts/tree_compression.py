@@ -115,7 +115,10 @@ def main() -> None:
                 generated, steps = generated + g, steps + s
             accept = " ".join(f"{depths[d] / decode_steps:.2f}" for d in range(1, 9))
             template = tree if use_tree else chain_template(cfg.G, cfg.levels)
-            by_rank = Counter(int(template.rank[v]) for v, n in nodes.items() if v < template.nodes for _ in range(n))
+            by_rank: Counter = Counter()
+            for v, n in nodes.items():
+                if v < template.nodes:  # chain nodes have no rank in the template
+                    by_rank[int(template.rank[v])] += n
             ranks = " ".join(f"{by_rank[r] / decode_steps:.2f}" for r in range(4))
             share = ", ".join(f"{k} {v / decode_steps:.2f}" for k, v in sorted(sources.items()))
             cells = " | ".join(f"{c:.3f}" for c in per_set)

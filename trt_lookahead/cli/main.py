@@ -53,11 +53,11 @@ def _add_pool_scope_argument(p: argparse.ArgumentParser, default: str = POOL_SCO
                         f"can reveal another request's n-grams); request: no sharing (default {default})")
 
 
-def _add_tree_argument(p: argparse.ArgumentParser) -> None:
+def _add_tree_argument(p: argparse.ArgumentParser, runs_on: str = "a checkpoint on the torch backend") -> None:
     p.add_argument("--tree", default=None,
-                   help="the verification branch as a draft tree fed by the pool, suffix matches and recycled top-k "
-                        "(torch backend): off (default), auto (sized for the lookahead config), a comma list of "
-                        "parents in preorder (--tree=-1,0,0,-1) or a file holding one")
+                   help=f"the verification branch as a draft tree fed by the pool, suffix matches and recycled top-k "
+                        f"({runs_on}): off (default: linear candidates), auto (sized for the lookahead config), a "
+                        f"comma list of parents in preorder (--tree=-1,0,0,-1) or a file holding one")
 
 
 def _add_model_arguments(p: argparse.ArgumentParser, engine: bool = True) -> None:
@@ -159,10 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exact", action="store_true",
                    help="the row-invariant attention graph for onnxruntime: a token's logits are bit-identical "
                         "alone, batched and in greedy decoding (float32, T <= 64; docs/design.md 4.2)")
-    p.add_argument("--tree", default=None,
-                   help="verify a draft tree fed by the pool, suffix matches and recycled top-k instead of G linear "
-                        "candidates (onnxruntime): auto (sized for the lookahead config), a comma list of parents "
-                        "in preorder (--tree=-1,0,0,-1) or a file holding one; default: linear")
+    _add_tree_argument(p, runs_on="an engine for onnxruntime")
     p.add_argument("--force", action="store_true", help="replace an existing engine dir (never anything else)")
 
     p = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository")

@@ -401,9 +401,8 @@ class RequestDecoder:
         tab, cfg = self._tables, self.config
         assert tab is not None, "update() needs an accepted step"
         if self.successors is not None and top is not None:
-            ids, record = self._ids, self.successors.record
-            record(ids[tab.output_slots], top[tab.output_slots])
-            record(ids[self.commit_slots], top[self.commit_slots])  # the accepted context's successors win
+            slots = np.concatenate((tab.output_slots, self.commit_slots))  # the accepted path last: its context wins
+            self.successors.record(self._ids[slots], top[slots])
         self.cache_len += len(self.commit_slots)
         self.x = self.block[-1]
         if tab.config.N == cfg.N:  # a greedy step under a larger N uses no window column

@@ -25,7 +25,6 @@ ROOT = -1  # the parent of depth-1 nodes: x_t, step slot 0
 RANK_DECAY = 0.45  # prior acceptance of a rank-r child relative to rank 0 (tree_template's shaping rule)
 FIRST_ACCEPT = 0.6  # prior acceptance of a rank-0 child given its parent
 TREE_DEPTH = 6  # the depth of `auto` templates (measured: depth 6 and 8 accept the same, docs/design.md 9)
-TREE_CHOICES = ("off", "auto")  # besides a parent list
 
 
 @dataclass(frozen=True)
@@ -129,10 +128,11 @@ def tree_template(nodes: int, depth: int, decay: float = RANK_DECAY) -> TreeTemp
 def resolve_tree(spec: str | TreeTemplate | None, config: LookaheadConfig) -> TreeTemplate | None:
     """None for "off"/None (G linear candidates); "auto": tree_template(G(N-1), TREE_DEPTH) of `config`; a parent
     list, a file holding one, or a TreeTemplate as given. UserError if it cannot fill config's G(N-1) slots."""
-    if spec is None or (isinstance(spec, str) and spec.strip().lower() == "off"):
+    word = spec.strip().lower() if isinstance(spec, str) else None
+    if spec is None or word == "off":
         return None
     nodes = config.G * config.levels
-    if isinstance(spec, str) and spec.strip().lower() == "auto":
+    if word == "auto":
         if not nodes:
             raise UserError(f"tree=auto sizes the draft tree from the lookahead config's G(N-1) slots, and {config} "
                             "has none: give a config with G >= 1 (e.g. 7,5,7)")
