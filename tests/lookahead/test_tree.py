@@ -19,6 +19,7 @@ from trt_lookahead.lookahead.oracles import (
     reference_generate,
     warmed_shared_pool,
 )
+from trt_lookahead.lookahead.recycle import SuccessorMap
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.lookahead.tree import TreeTemplate, chain_template, tree_template
 
@@ -157,7 +158,7 @@ def tree_requests(draw, vocab):
         stop=draw(st.sets(st.integers(0, vocab - 1), max_size=1)),
         seed=draw(st.integers(0, 2**31)),
         switches=Switches(pool=draw(st.booleans()), suffix=draw(st.booleans()), chain=draw(st.booleans()),
-                          bonus=draw(st.booleans())),
+                          bonus=draw(st.booleans()), recycle=draw(st.booleans())),
         sampling=SamplingParams(
             draw(st.floats(0.3, 1.5)), draw(st.sampled_from([0, 3])), draw(st.sampled_from([1.0, 0.8])),
             draw(st.integers(0, 2**31)),
@@ -176,9 +177,13 @@ def test_tree_requests_emit_their_plain_decoding(data):
     executor = OracleExecutor(logits, vocab, max_batch=len(specs), step_tokens=64, tree=tree)
     expect = [reference_generate(logits, s["prompt"], s["max_new"], s["sampling"], sorted(s["stop"])) for s in specs]
     shared = warmed_shared_pool(expect, vocab, data.draw(st.integers(0, 99))) if data.draw(st.booleans()) else None
+    successors = None
+    if data.draw(st.booleans()):  # one map for the batch, holding junk successors before the first step
+        successors, rng = SuccessorMap(), np.random.default_rng(data.draw(st.integers(0, 99)))
+        successors.record(rng.integers(0, vocab, 2 * vocab), rng.integers(0, vocab, (2 * vocab, 4)))
     # each step verifies a random prefix of the tree (fewer nodes)
     done = decode_together(executor, specs, lambda d: LookaheadConfig(
-        d.config.W, d.config.N, data.draw(st.integers(0, d.config.G))), tree, shared)
+        d.config.W, d.config.N, data.draw(st.integers(0, d.config.G))), tree, shared, successors)
     for (d, got), expected in zip(done, expect, strict=True):
         assert got == d.tokens == expected
 

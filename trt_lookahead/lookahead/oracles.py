@@ -21,6 +21,7 @@ from trt_lookahead.lookahead.decoder import BatchStepper, RequestDecoder, Row, S
 from trt_lookahead.lookahead.executor import StepBatch, check_batch, check_commit, check_prompt, check_slot
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.pool import SharedPool
+from trt_lookahead.lookahead.recycle import SuccessorMap
 from trt_lookahead.lookahead.sampling import SamplingParams, select_tokens
 from trt_lookahead.lookahead.tree import TreeTemplate
 
@@ -248,16 +249,16 @@ def warmed_shared_pool(texts: Sequence[Sequence[int]], vocab: int, seed: int, ju
 
 def decode_together(
     executor: OracleExecutor, specs: Sequence[dict], config_for: Callable[[RequestDecoder], LookaheadConfig],
-    tree: TreeTemplate | None = None, shared: SharedPool | None = None,
+    tree: TreeTemplate | None = None, shared: SharedPool | None = None, successors: SuccessorMap | None = None,
 ) -> list[tuple[RequestDecoder, list[int]]]:
     """Decode `specs` (dicts of config, prompt, max_new, stop, seed, sampling, optionally switches) as one batch
     on `executor` to the end, each step's config per request from `config_for`: (decoder, tokens emitted) each.
-    `shared`: the n-gram pool all of them read and feed (None: request scope)."""
+    `shared`, `successors`: the n-gram pool and recycled successors all of them read and feed (None: their own)."""
     stepper = BatchStepper(executor)
     decoders, emitted = [], []
     for slot, s in enumerate(specs):
         d = RequestDecoder(s["config"], s["prompt"], s["max_new"], s["stop"], s["seed"],
-                           s.get("switches", Switches()), tree, shared)
+                           s.get("switches", Switches()), tree, shared, successors)
         emitted.append(list(d.setup(executor.prefill(slot, d.prompt, s["sampling"]))))
         decoders.append(d)
     while rows := [Row(slot, d, config_for(d)) for slot, d in enumerate(decoders) if not d.finished]:
