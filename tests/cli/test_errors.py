@@ -1,5 +1,6 @@
 """Hostile arguments to every command: one `error:` line naming the problem, exit 2, before any work (issue 10)."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -142,3 +143,17 @@ def test_triton_serve_checks_its_ports_before_starting(capsys, tmp_path):
             (["--http-port", "18771", "--grpc-port", "18771"], "is given twice"),
         ):
             assert words in one_error_line(capsys, [*base, *ports])
+
+
+def test_an_interrupt_that_passed_through_an_exec_still_exits_130(tmp_path):
+    # CI flake at 5afcf74: a SIGINT landing in a lazy import (dataclass creation execs a string) made
+    # `python -m trt_lookahead.cli build` die by SIGINT (-2) after printing "interrupted", instead of exiting 130
+    (tmp_path / "sitecustomize.py").write_text(
+        "import importlib\n"
+        "commands = importlib.import_module('trt_lookahead.cli.main').COMMANDS\n"
+        "commands['build'] = lambda args: exec('raise KeyboardInterrupt')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "trt_lookahead.cli", "build", "--model", str(STORIES), "--output",
+                          str(tmp_path / "out")], capture_output=True, text=True, env=env)
+    assert (out.returncode, out.stderr) == (130, "interrupted\n")
