@@ -24,7 +24,8 @@ from trt_lookahead.bench.bench import format_markdown
 from trt_lookahead.bench.machine import load_average, machine_key, utc_now
 from trt_lookahead.cli.commands import bench_model, tune_model
 from trt_lookahead.lookahead.config import AUTO, GREEDY
-from trt_lookahead.tuning.file import lookup_tuning
+from trt_lookahead.runtime import checkpoint_tuning_key
+from trt_lookahead.tuning.file import read_tuning_file
 from trt_lookahead.tuning.tune import format_report
 
 DATASETS = "mt_bench,humaneval,gsm8k"
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     for dtype in dtypes:
         if args.tune_only or AUTO in args.configs:
-            missing = lookup_tuning(args.model, dtype, "torch") is None
+            missing = checkpoint_tuning_key(args.model, dtype) not in read_tuning_file()["entries"]
             if args.retune or missing:
                 print(f"== tune {dtype}: load {load_average()} at {utc_now()}, {machine_key()}", file=sys.stderr)
                 entry = tune_model(args.model, dtype=dtype, budget_seconds=args.tune_budget, threads=args.threads)

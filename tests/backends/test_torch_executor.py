@@ -125,12 +125,14 @@ def sequential_argmax(model, prefix: list[int]) -> int:
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["packed", "padded"])
-def test_each_row_slot_sees_exactly_its_own_prefix(model, padded):
-    """A batch of rows with different configs and cache lengths: every output slot == greedy on its prefix."""
+@pytest.mark.parametrize("tree", [None, tree_template(6, 3)], ids=["linear", "tree"])
+def test_each_row_slot_sees_exactly_its_own_prefix(model, padded, tree):
+    """A batch of rows with different configs and cache lengths: every output slot == greedy on its prefix. With
+    a 6-node tree, 2/2/1 verifies its first node and 4/3/4 (8 slots) linear candidates (tree.covers)."""
     rng = np.random.default_rng(0)
     prompts = [PROMPT, PROMPT[:5], PROMPT[3:12]]
     configs = [(4, 3, 4), (2, 2, 1), CAUSAL]
-    ex = BatchedTorchExecutor(model, 4, 128, 16, padded=padded)
+    ex = BatchedTorchExecutor(model, 4, 128, 16, padded=padded, tree=tree)
     rows, contexts = [], []
     for slot, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
         x = ex.prefill(slot, prompt, SamplingParams())
@@ -138,7 +140,7 @@ def test_each_row_slot_sees_exactly_its_own_prefix(model, padded):
             ids = np.concatenate([[x], rng.integers(3, 512, 5)])
             rel, mask = np.arange(6), step_mask(6, CAUSAL)
         else:
-            layout = StepLayout(LookaheadConfig(*config))
+            layout = StepLayout(LookaheadConfig(*config), tree=tree)
             ids = rng.integers(3, 512, layout.step_tokens)
             ids[0] = x
             rel, mask = layout.rel_positions, layout.mask

@@ -16,7 +16,7 @@ from trt_lookahead.bench.bench import RunRecord, aggregate, format_markdown, mar
 from trt_lookahead.cli import main
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.policy import StepCost
-from trt_lookahead.runtime import LookaheadRuntime
+from trt_lookahead.runtime import LookaheadRuntime, checkpoint_tuning_key
 from trt_lookahead.tuning import file as tuning_file
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
@@ -277,7 +277,7 @@ def stories_set(tmp_path_factory):
 
 @pytest.mark.slow  # our rows and transformers' peers end to end (seconds)
 def test_bench_cli_on_stories260k(stories_set, tmp_path, tuning, capsys):
-    tuning_file.write_tuning_entry(tuning_file.tuning_key(str(STORIES), "float32", "onnxruntime"), cheap_entry("7/5/7"),
+    tuning_file.write_tuning_entry(checkpoint_tuning_key(STORIES, "float32"), cheap_entry("7/5/7"),
                                    tuning)
     out = tmp_path / "out"
     code = main([
@@ -311,7 +311,7 @@ def test_bench_cli_on_stories260k(stories_set, tmp_path, tuning, capsys):
 
 
 def test_bench_concurrency_on_stories260k(stories_set, tmp_path, tuning, capsys):
-    tuning_file.write_tuning_entry(tuning_file.tuning_key(str(STORIES), "float32", "onnxruntime"), cheap_entry("7/5/7"),
+    tuning_file.write_tuning_entry(checkpoint_tuning_key(STORIES, "float32"), cheap_entry("7/5/7"),
                                    tuning)
     out = tmp_path / "conc"
     code = main([
@@ -362,7 +362,7 @@ def test_bench_bad_input_is_one_error_line(argv, message, capsys):
 
 @pytest.mark.slow
 def test_bench_smollm2_chat_sets_and_peers(tuning):
-    key = tuning_file.tuning_key("smollm2-135m-instruct", "float32", "onnxruntime")
+    key = checkpoint_tuning_key("smollm2-135m-instruct", "float32")
     tuning_file.write_tuning_entry(key, cheap_entry("greedy"), tuning)  # auto is greedy here
     plan = bench.plan_bench(
         "smollm2-135m-instruct", datasets="mt_bench,humaneval", limit=1, max_new_tokens=32,

@@ -10,7 +10,8 @@ import pytest
 from trt_lookahead.cli import main
 from trt_lookahead.lookahead.config import AUTO, LookaheadConfig
 from trt_lookahead.lookahead.policy import LookaheadPolicy, Priors, StepCost
-from trt_lookahead.runtime import LookaheadRuntime
+from trt_lookahead.lookahead.tree import TREE_DEPTH, tree_template
+from trt_lookahead.runtime import LookaheadRuntime, checkpoint_tuning_key
 from trt_lookahead.tuning import file as tuning_file
 from trt_lookahead.tuning import tune
 
@@ -38,7 +39,15 @@ def test_tuning_file_round_trip(tuning):
     assert tuning_file.write_tuning_entry(key, entry(), tuning) == tuning
     tuning_file.write_tuning_entry(tuning_file.tuning_key(str(STORIES), "bfloat16", "torch"), entry("greedy"), tuning)
     assert tuning_file.lookup_tuning(str(STORIES), "float32", "torch", path=tuning) == entry()
-    assert len(json.loads(tuning.read_text())["entries"]) == 2
+    # a draft tree accepts differently at every rung: its runtime has an entry of its own
+    tree = str(tree_template(8, TREE_DEPTH))
+    assert tuning_file.tuning_key(str(STORIES), "float32", "torch", tree=tree) != key
+    assert tuning_file.lookup_tuning(str(STORIES), "float32", "torch", path=tuning, tree=tree) is None
+    tuning_file.write_tuning_entry(tuning_file.tuning_key(str(STORIES), "float32", "torch", tree=tree), entry("1/3/1"),
+                                   tuning)
+    assert tuning_file.lookup_tuning(str(STORIES), "float32", "torch", path=tuning, tree=tree) == entry("1/3/1")
+    assert tuning_file.lookup_tuning(str(STORIES), "float32", "torch", path=tuning) == entry()
+    assert len(json.loads(tuning.read_text())["entries"]) == 3
     assert tuning_file.tuning_path().name == "tuning.json"  # the default: in the cache dir, beside the models
 
 
@@ -60,9 +69,10 @@ def test_an_entry_gives_auto_its_largest_config_and_policy():
 
 
 def test_auto_runs_the_tuned_policy_and_keeps_greedy_tokens(tuning):
-    tuning_file.write_tuning_entry(tuning_file.tuning_key(str(STORIES), "float32", "onnxruntime"), entry("4/3/4"),
-                                   tuning)  # the default backend's entry
+    key = checkpoint_tuning_key(STORIES, "float32")  # the default: a cached engine, with a draft tree
+    tuning_file.write_tuning_entry(key, entry("4/3/4"), tuning)
     with LookaheadRuntime.from_pretrained(STORIES, lookahead=AUTO, max_seq_len=256, tuning_file=tuning) as rt:
+        assert tune.runtime_tuning_key(rt) == key and rt.backend == "onnxruntime" and rt.tree is not None
         assert rt.request_config(None) == (LookaheadConfig(4, 3, 4), False)
         out = rt.generate("Once upon a time", max_new_tokens=60)
         assert out.token_ids == rt.generate("Once upon a time", max_new_tokens=60, lookahead="greedy").token_ids
@@ -106,7 +116,7 @@ def test_priors_are_measured_compression(stories):
     compression, per_set = tune.measure_priors(stories, named, configs, 40)
     assert set(compression) == {"1/3/1", "4/3/4"} and all(1.0 <= v <= 3.0 for v in compression.values())
     assert set(per_set["4/3/4"]) == {"a", "b"}
-    outs = [stories.generate(p, 40, lookahead="4,3,4") for _, p in named]
+    outs = [stories.generate(p, 40, lookahead="4,3,4", pool_scope="request") for _, p in named]
     measured = sum(o.generated_tokens for o in outs) / sum(o.steps for o in outs)
     assert compression["4/3/4"] == pytest.approx(measured, abs=1e-4)
 

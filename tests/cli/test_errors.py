@@ -60,8 +60,8 @@ def test_the_installed_entry_point_prints_no_usage_block():
         (["--lookahead_config", "٤,3,4"], "W,N,G"),
         (["--backend", "tensorrt"], "runs engine dirs"),  # --model on onnxruntime: a cached engine
         (["--tree", "0,1"], "parents must be -1 (x_t) or an earlier node"),
-        (["--tree=-1,0", "--lookahead_config", "4,3,4"], "cannot fill the 8 verification slots"),
-        (["--tree", "auto", "--backend", "onnxruntime"], "a checkpoint runs a draft tree on the torch executor"),
+        (["--tree=-1,0", "--lookahead_config", "4,3,4", "--backend", "torch"], "cannot fill the 8 verification slots"),
+        (["--tree=-1,0"], "cannot fill the 32 verification slots"),  # the default: the cached engine's 8/5/8
     ],
 )
 def test_generate_refuses_bad_values_naming_them(capsys, extra, words):

@@ -21,7 +21,7 @@ from trt_lookahead.lookahead.oracles import (
 )
 from trt_lookahead.lookahead.recycle import SuccessorMap
 from trt_lookahead.lookahead.sampling import SamplingParams
-from trt_lookahead.lookahead.tree import TreeTemplate, chain_template, tree_template
+from trt_lookahead.lookahead.tree import TreeTemplate, chain_template, covers, tree_template
 
 
 @st.composite
@@ -109,8 +109,10 @@ def test_tree_layout_mask_three_ways(tree, W, N, pad):
 def test_linear_layout_is_the_chain_template():
     cfg = LookaheadConfig(3, 4, 2)
     assert (StepLayout(cfg).mask == StepLayout(cfg, tree=chain_template(2, 3)).mask).all()
-    with pytest.raises(ValueError, match="only 5 nodes"):
-        StepLayout(cfg, tree=tree_template(5, 3))
+    # a tree with fewer nodes than the config's G(N-1) slots leaves it linear (a runtime's tree never caps a request)
+    assert covers(tree_template(5, 3), cfg) is None and covers(tree_template(6, 3), cfg) == tree_template(6, 3)
+    assert (StepLayout(cfg, tree=tree_template(5, 3)).mask == StepLayout(cfg).mask).all()
+    assert not (StepLayout(cfg, tree=tree_template(7, 3)).mask == StepLayout(cfg).mask).all()
 
 
 def test_verify_a_tree_by_hand():

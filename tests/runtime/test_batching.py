@@ -18,7 +18,7 @@ from trt_lookahead.lookahead.config import AUTO, LookaheadConfig
 from trt_lookahead.lookahead.decoder import RequestDecoder
 from trt_lookahead.lookahead.policy import StepCost
 from trt_lookahead.lookahead.sampling import SamplingParams
-from trt_lookahead.runtime import LookaheadRuntime
+from trt_lookahead.runtime import LookaheadRuntime, checkpoint_tuning_key
 from trt_lookahead.runtime import scheduler as sched
 from trt_lookahead.runtime.scheduler import SEPARATE, QueueFull, SchedulerClosed
 from trt_lookahead.tuning import file as tuning_file
@@ -53,7 +53,8 @@ def tuning(tmp_path_factory, one_torch_thread):
     path = tmp_path_factory.mktemp("tuning") / "tuning.json"
     cost = StepCost({1: [(1, 2.0), (32, 3.0), (256, 12.0)], 8: [(8, 3.0), (256, 14.0)]})
     entry = {"config": "8/3/8", "step_cost": cost.to_dict(), "priors": {"1/3/1": 1.3, "2/3/2": 1.5, "4/3/4": 1.7}}
-    tuning_file.write_tuning_entry(tuning_file.tuning_key(str(STORIES), "float32", "torch"), entry, path)
+    key = checkpoint_tuning_key(STORIES, "float32", "torch", LookaheadConfig(4, 3, 4))  # the `stories` runtime's
+    tuning_file.write_tuning_entry(key, entry, path)
     return path
 
 

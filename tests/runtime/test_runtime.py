@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.tree import TREE_DEPTH, tree_template
 from trt_lookahead.runtime import LookaheadRuntime
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
@@ -123,6 +124,23 @@ def test_incremental_detokenizer_matches_a_full_decode(stories):
             assert all("\ufffd" not in t for t in pushed)
             assert all(b.startswith(a) for a, b in itertools.pairwise(pushed))
             assert detokenizer.text == stories.decode(ids)
+
+
+def test_a_checkpoint_verifies_a_draft_tree_by_default_and_off_runs_linear_candidates():
+    """The default path (float32 on the cached onnxruntime engine) verifies the `auto` tree of its 8/5/8 engine,
+    requests with smaller configs its first nodes; tree="off" runs a linear engine. Both emit greedy's tokens."""
+    with (LookaheadRuntime.from_pretrained(STORIES, max_seq_len=256) as tree_rt,
+          LookaheadRuntime.from_pretrained(STORIES, max_seq_len=256, tree="off") as linear):
+        assert tree_rt.backend == linear.backend == "onnxruntime"
+        assert tree_rt.tree == tree_template(32, TREE_DEPTH) and linear.tree is None
+        sources: dict[str, Counter] = {"tree": Counter(), "linear": Counter()}
+        for prompt, config in zip(PROMPTS, ["8,5,8", "4,3,4", "8,5,8", "2,5,2"], strict=True):
+            want = linear.generate(prompt, max_new_tokens=48, lookahead="greedy").token_ids
+            for name, rt in (("tree", tree_rt), ("linear", linear)):
+                out = rt.generate(prompt, max_new_tokens=48, lookahead=config, pool_scope="request")
+                assert out.token_ids == want, (name, prompt, config)
+                sources[name].update(out.stats.sources)
+        assert sources["tree"]["recycled"] > 0 and sources["linear"]["recycled"] == 0
 
 
 def test_a_draft_tree_runtime_emits_greedy_and_recycles_successors_in_its_shared_scope(stories):

@@ -41,6 +41,7 @@ from torch import Tensor
 from trt_lookahead.kernels.mask import CAUSAL, step_mask, step_visible, tree_ends, tree_step_visible
 from trt_lookahead.kernels.reference import BlockedAttention
 from trt_lookahead.kernels.sampling_torch import select_rows_torch, vocab_salts
+from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.executor import (
     StepBatch,
     check_batch,
@@ -50,7 +51,7 @@ from trt_lookahead.lookahead.executor import (
     check_slot,
 )
 from trt_lookahead.lookahead.sampling import MASK32, SamplingParams
-from trt_lookahead.lookahead.tree import TreeTemplate
+from trt_lookahead.lookahead.tree import TreeTemplate, covers
 from trt_lookahead.model.llama import Llama, attend, row_invariant_layout
 
 DEFAULT_STEP_TOKENS = 128  # the largest row a runtime's torch executor takes (15/5/15 is 120)
@@ -376,7 +377,8 @@ class BatchedTorchExecutor:
         key = ((W, N, G), tokens)
         step = self._row_masks.get(key)
         if step is None:
-            ends = None if self.tree is None else self.tree.ends
+            tree = covers(self.tree, LookaheadConfig(W, N, G)) if W else None  # W = 0: a causal chunk
+            ends = None if tree is None else tree.ends
             step = self._row_masks[key] = torch.from_numpy(step_mask(tokens, (W, N, G), ends)).to(self.device)
         cfg = self.model.cfg
         if self.exact:
@@ -434,10 +436,11 @@ class BatchedTorchExecutor:
         rel = torch.arange(S, device=dev)[None, None, :] - cache_len[:, None, None]  # [Bb, 1, S] key - cache_len
         W, N, G = (config[:, c, None, None] for c in range(3))
         j = rel.clamp(0, T - 1)
-        own = (
-            step_visible(i[None, :, None], j, W, N, G) if self.tree is None
-            else tree_step_visible(i[None, :, None], j, W, N, G, self._ends)
-        ) & (rel >= 0) & (rel < T)
+        own = step_visible(i[None, :, None], j, W, N, G)
+        if self.tree is not None:  # rows whose G(N-1) slots the tree covers (tree.covers; causal rows too)
+            covered = self.tree.nodes >= G * (N - 1)
+            own = torch.where(covered, tree_step_visible(i[None, :, None], j, W, N, G, self._ends), own)
+        own = own & (rel >= 0) & (rel < T)
         mask = (rel < 0) | own  # [Bb, T, S]: the cached prefix, then the row's step mask
         rows = (torch.arange(bucket, device=dev)[:, None] * S + cache_len[:, None]) + i[None, :]
         logits = self.model(

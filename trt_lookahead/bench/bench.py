@@ -491,6 +491,7 @@ def run_bench(rt: LookaheadRuntime, plan: BenchPlan, *, progress: bool = True, w
     records: list[RunRecord] = []
     started = time.perf_counter()
     stop_ids, dtype, backend, exact_step = list(rt.stop_token_ids), rt.dtype, rt.backend, rt.exact
+    tree = None if rt.tree is None else str(rt.tree)  # the draft tree's parents (None: linear)
     try:
         if warmup:
             for spec in unique:
@@ -539,6 +540,7 @@ def run_bench(rt: LookaheadRuntime, plan: BenchPlan, *, progress: bool = True, w
         "backend": backend,
         "dtype": dtype,
         "exact_step": exact_step,
+        "tree": tree,
         "machine": machine,
         "memory_limit": memory,
         "load_end": load_average(),

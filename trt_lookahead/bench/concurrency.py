@@ -184,7 +184,8 @@ def run_concurrency(
         raise UserError(f"--concurrency {max(levels)} exceeds the runtime's max_batch {rt.max_batch}")
     result: dict[str, Any] = {
         "schema": SCHEMA_VERSION, "kind": "concurrency", "model": str(rt.model_path), "dtype": rt.dtype,
-        "backend": rt.backend, "exact_step": rt.exact, "machine": machine_info(), "date": utc_now(),
+        "backend": rt.backend, "exact_step": rt.exact,
+        "tree": None if rt.tree is None else str(rt.tree), "machine": machine_info(), "date": utc_now(),
         "max_new_tokens": max_new_tokens, "requests_per_stream": requests, "prompts": len(prompts),
         "max_batch": rt.max_batch, "levels": [],
     }

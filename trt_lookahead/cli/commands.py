@@ -139,7 +139,7 @@ def bench_model(
     tuning_file: str | None = None,
     exact: bool | None = None,
     pool_scope: str = "shared",
-    tree: str | None = None,
+    tree: str | None = DEFAULT,
 ) -> tuple[dict, list[Path]]:
     """Plan, load the runtime, run; with `out`, write the result files (step cost overlay from tuning)."""
     from trt_lookahead.bench.bench import plan_bench, run_bench, write_outputs
@@ -161,7 +161,7 @@ def bench_model(
     if out is None:
         return result, []
     step_cost = tuned_step_cost(result["model"], result["dtype"], result["backend"], result["machine"]["threads"],
-                                None if tuning_file is None else Path(tuning_file))
+                                None if tuning_file is None else Path(tuning_file), result["tree"])
     return result, write_outputs(result, out, step_cost)
 
 
@@ -214,7 +214,7 @@ def tune(args: argparse.Namespace) -> int:
 
     entry = tune_model(args.model or DEFAULT_MODEL, backend=args.backend, dtype=args.dtype, datasets=args.dataset,
                        budget_seconds=args.budget_seconds, max_seq_len=args.max_seq_len, threads=args.threads,
-                       tuning_file=args.tuning_file, exact=args.exact)
+                       tuning_file=args.tuning_file, exact=args.exact, tree=args.tree)
     if args.json:
         print(json.dumps(entry))
     else:
@@ -226,7 +226,7 @@ def tune(args: argparse.Namespace) -> int:
 def tune_model(
     model: str, *, backend: str | None = None, dtype: str = "float32", datasets: str = DEFAULT_TUNE_DATASETS,
     budget_seconds: float = DEFAULT_BUDGET, max_seq_len: int | None = None, threads: int | None = None,
-    tuning_file: str | None = None, exact: bool | None = None,
+    tuning_file: str | None = None, exact: bool | None = None, tree: str | None = DEFAULT,
 ) -> dict:
     """Load the model greedy-only with small KV buffers, tune, store and return the tuning entry."""
     from trt_lookahead.model.fetch import resolve_model
@@ -238,6 +238,7 @@ def tune_model(
     rt = LookaheadRuntime.from_pretrained(
         path, backend=backend, dtype=dtype, lookahead=None,
         max_seq_len=max_seq_len or tuning_seq_len(path), threads=threads, tuning_file=tuning_file, exact=exact,
+        tree=tree,
     )
     with rt:
         return tune_and_store(rt, datasets=datasets, budget_seconds=budget_seconds, progress=True)

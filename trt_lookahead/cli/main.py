@@ -14,6 +14,7 @@ from typing import NoReturn
 from trt_lookahead.cli import commands
 from trt_lookahead.engine.format import ATTENTION_MODES, DEFAULT_BUILD_SEQ_LEN, DEFAULT_MAX_BATCH, DTYPES, TARGETS
 from trt_lookahead.errors import UserError
+from trt_lookahead.lookahead.config import DEFAULT as RUNTIME_DEFAULT
 from trt_lookahead.lookahead.config import DEFAULT_LOOKAHEAD
 from trt_lookahead.lookahead.pool import POOL_SCOPES
 from trt_lookahead.lookahead.sampling import SamplingParams
@@ -53,11 +54,12 @@ def _add_pool_scope_argument(p: argparse.ArgumentParser, default: str = POOL_SCO
                         f"can reveal another request's n-grams); request: no sharing (default {default})")
 
 
-def _add_tree_argument(p: argparse.ArgumentParser, runs_on: str = "a checkpoint on the torch backend") -> None:
-    p.add_argument("--tree", default=None,
-                   help=f"the verification branch as a draft tree fed by the pool, suffix matches and recycled top-k "
-                        f"({runs_on}): off (default: linear candidates), auto (sized for the lookahead config), a "
-                        f"comma list of parents in preorder (--tree=-1,0,0,-1) or a file holding one")
+def _add_tree_argument(p: argparse.ArgumentParser, build: bool = False) -> None:
+    default = "off (linear candidates)" if build else "auto for a checkpoint, an engine dir's built tree"
+    p.add_argument("--tree", default=None if build else RUNTIME_DEFAULT,
+                   help=f"the verification branch as a draft tree fed by the pool, suffix matches and recycled top-k: "
+                        f"auto (sized for the lookahead config), off (G linear candidates), a comma list of parents "
+                        f"in preorder (--tree=-1,0,0,-1) or a file holding one (default: {default})")
 
 
 def _add_model_arguments(p: argparse.ArgumentParser, engine: bool = True) -> None:
@@ -143,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-seconds", "--budget_seconds", dest="budget_seconds", type=float,
                    default=commands.DEFAULT_BUDGET)
     p.add_argument("--json", action="store_true")
+    _add_tree_argument(p)
 
     p = sub.add_parser("build", help="compile a checkpoint into an engine dir at fixed W,N,G")
     p.add_argument("--model", required=True)
@@ -159,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exact", action="store_true",
                    help="the row-invariant attention graph for onnxruntime: a token's logits are bit-identical "
                         "alone, batched and in greedy decoding (float32, T <= 64; docs/design.md 4.2)")
-    _add_tree_argument(p, runs_on="an engine for onnxruntime")
+    _add_tree_argument(p, build=True)
     p.add_argument("--force", action="store_true", help="replace an existing engine dir (never anything else)")
 
     p = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository")

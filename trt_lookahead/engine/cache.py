@@ -25,26 +25,29 @@ from trt_lookahead.engine.format import load_engine_config
 from trt_lookahead.errors import UserError
 from trt_lookahead.files import cache_dir, locked
 from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.tree import TreeTemplate
 
 ENGINES = "engines"  # the cache dir's subfolder of cached engine dirs
 
 
 def cache_request(model_dir: str | os.PathLike, *, dtype: str, lookahead: LookaheadConfig, max_seq_len: int,
-                  max_batch: int, root: Path | None = None) -> tuple[BuildRequest, dict]:
+                  max_batch: int, root: Path | None = None, tree: TreeTemplate | None = None
+                  ) -> tuple[BuildRequest, dict]:
     """The build of the cached engine of this checkpoint and shape (its output: the engine's place under
     `root`, default the cache dir's engines/) and its build key."""
     from trt_lookahead.model.checkpoint import weights_sha256
 
     root = cache_dir() / ENGINES if root is None else root
     request = build_request(model_dir, root / "pending", lookahead=lookahead, max_seq_len=max_seq_len,
-                            max_batch=max_batch, dtype=dtype, force=True)
+                            max_batch=max_batch, dtype=dtype, force=True, tree=tree)
     key = request.key(weights_sha256(request.model_dir))
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return BuildRequest(**{**vars(request), "output": root / f"{request.model_dir.name}-{digest}"}), key
 
 
 def cached_engine(model_dir: str | os.PathLike, *, dtype: str, lookahead: LookaheadConfig, max_seq_len: int,
-                  max_batch: int, root: Path | None = None) -> tuple[Path, str | None]:
+                  max_batch: int, root: Path | None = None, tree: TreeTemplate | None = None
+                  ) -> tuple[Path, str | None]:
     """The cached engine dir of this checkpoint and shape, built first if needed (`cache_request`).
 
     -> (path, why it was built: None when the cache already held it).
@@ -53,7 +56,7 @@ def cached_engine(model_dir: str | os.PathLike, *, dtype: str, lookahead: Lookah
 
     check_weights(model_dir)  # a broken checkpoint is one error line, before any build starts
     request, key = cache_request(model_dir, dtype=dtype, lookahead=lookahead, max_seq_len=max_seq_len,
-                                 max_batch=max_batch, root=root)
+                                 max_batch=max_batch, root=root, tree=tree)
     path = request.output
     with locked(path.with_name(f".{path.name}.lock")):  # a second process waits, then uses it
         why = _unusable(path, key)

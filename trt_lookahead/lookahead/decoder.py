@@ -38,7 +38,7 @@ from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.pool import OUTPUT, PROMPT, SHARED, WINDOW, Continuation, NgramPool, SharedPool
 from trt_lookahead.lookahead.recycle import RECYCLE_K, SuccessorMap, fill_recycled
 from trt_lookahead.lookahead.sampling import SamplingParams
-from trt_lookahead.lookahead.tree import ROOT, TreeTemplate
+from trt_lookahead.lookahead.tree import ROOT, TreeTemplate, covers
 
 CHAIN = "chain"
 NO_DRAFT = -1
@@ -171,6 +171,7 @@ class StepTables:
     ranks: tuple[int, ...]  # template.rank, read per node by the tree laying
     newest_slots: np.ndarray  # [W] the last window level: its outputs become the newest level
     window_size: int  # (N - 1) W: the window's slots come first, level-major
+    linear: bool  # the verification slots are G linear candidates (no tree, or one too small: tree.covers)
 
 
 @lru_cache(maxsize=1024)
@@ -189,6 +190,7 @@ def step_tables(config: LookaheadConfig, tree: TreeTemplate | None = None) -> St
     return StepTables(
         config, step_config, layout.rel_positions, layout.output_slots, slots, expect, ancestors, depth,
         layout.template, tuple(layout.template.rank.tolist()), layout.window_slots[-1], config.levels * config.W,
+        covers(tree, config) is None,
     )
 
 
@@ -325,7 +327,7 @@ class RequestDecoder:
         self.candidates = self._pool_candidates(G) if G and self.switches.pool else []
         drafts = self._drafts = self._drafts_buffer[: V + levels - 1]  # verification nodes, then the chain
         drafts.fill(NO_DRAFT)
-        if self.tree is None:  # linear: candidate k in nodes k(N-1) ..
+        if tab.linear:  # candidate k in nodes k(N-1) ..
             for k, (continuation, origin) in enumerate(self.candidates):
                 drafts[k * levels : (k + 1) * levels] = continuation
                 self._origins[k * levels : (k + 1) * levels] = [origin] * levels

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trt_lookahead.lookahead.config import LookaheadConfig
-from trt_lookahead.lookahead.tree import ROOT, TreeTemplate, chain_template
+from trt_lookahead.lookahead.tree import ROOT, TreeTemplate, chain_template, covers
 
 LOOKAHEAD, VERIFY, PAD = 0, 1, 2
 
@@ -39,7 +39,7 @@ LOOKAHEAD, VERIFY, PAD = 0, 1, 2
 class StepLayout:
     """The static layout of one step for `config`, optionally padded to `padded_tokens` slots.
 
-    The G(N-1) verification slots are G linear candidates, or the first G(N-1) nodes of `tree`.
+    The G(N-1) verification slots are the first G(N-1) nodes of `tree`, or G linear candidates (`covers`).
     """
 
     config: LookaheadConfig
@@ -62,10 +62,7 @@ class StepLayout:
 
         window = np.arange(levels * W).reshape(levels, W)
         cands = levels * W + np.arange(G * levels).reshape(G, levels)
-        nodes = G * levels
-        if self.tree is not None and self.tree.nodes < nodes:
-            raise ValueError(f"{cfg} verifies {nodes} slots but the tree template has only {self.tree.nodes} nodes")
-        template = chain_template(G, levels) if self.tree is None else self.tree.prefix(nodes)
+        template = covers(self.tree, cfg) or chain_template(G, levels)
 
         kinds = np.full(total, PAD, np.int8)
         kinds[:T] = LOOKAHEAD

@@ -24,6 +24,7 @@ from trt_lookahead.lookahead.config import LookaheadConfig
 ROOT = -1  # the parent of depth-1 nodes: x_t, step slot 0
 RANK_DECAY = 0.45  # prior acceptance of a rank-r child relative to rank 0 (tree_template's shaping rule)
 FIRST_ACCEPT = 0.6  # prior acceptance of a rank-0 child given its parent
+DEFAULT_TREE = "auto"  # a checkpoint's tree unless asked otherwise: at equal T it accepts more (docs/design.md 9)
 TREE_DEPTH = 6  # the depth of `auto` templates (measured: depth 6 and 8 accept the same, docs/design.md 9)
 
 
@@ -87,6 +88,13 @@ class TreeTemplate:
 
     def __str__(self) -> str:
         return ",".join(map(str, self.parents))
+
+
+def covers(tree: TreeTemplate | None, config: LookaheadConfig) -> TreeTemplate | None:
+    """The tree `config`'s verification slots are laid as: `tree`'s first G(N-1) nodes, or None (G linear
+    candidates) without a tree or where it has fewer nodes, so a runtime's tree never caps a request's config."""
+    nodes = config.G * config.levels
+    return None if tree is None or tree.nodes < nodes else tree.prefix(nodes)
 
 
 def chain_template(chains: int, levels: int) -> TreeTemplate:

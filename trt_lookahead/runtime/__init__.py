@@ -48,7 +48,7 @@ from trt_lookahead.lookahead.policy import LookaheadPolicy, Priors, StepCost
 from trt_lookahead.lookahead.pool import POOL_SCOPES, SharedPool
 from trt_lookahead.lookahead.recycle import SuccessorMap
 from trt_lookahead.lookahead.sampling import SamplingParams
-from trt_lookahead.lookahead.tree import TreeTemplate, resolve_tree
+from trt_lookahead.lookahead.tree import DEFAULT_TREE, TreeTemplate, resolve_tree
 from trt_lookahead.runtime import scheduler
 from trt_lookahead.runtime.scheduler import Prefill, RequestHandle, Scheduler, default_prefill
 
@@ -59,8 +59,7 @@ Prompt = str | Sequence[dict[str, str]] | Sequence[int] | np.ndarray
 EXACT_ON_ENGINE = ("exact=True runs a checkpoint on the torch executor; onnxruntime runs exact steps only on an "
                    "engine dir built with `trt-lookahead build --exact`: drop --backend onnxruntime, or pass such an "
                    "engine")
-TREE_ON_ENGINE = ("a checkpoint runs a draft tree on the torch executor (--backend torch); an engine dir verifies "
-                  "the tree it was built with (`trt-lookahead build --tree`): drop --tree")
+TREE_ON_ENGINE = "an engine dir verifies the tree it was built with (`trt-lookahead build --tree`): drop --tree"
 PROMPT_KINDS = "a prompt is text, a list of chat messages {'role': ..., 'content': ...}, or a list of token ids"
 
 
@@ -288,7 +287,7 @@ class LookaheadRuntime:
         exact: bool | None = None,
         pool_scope: str = "shared",
         prefill: Prefill | None = None,
-        tree: str | TreeTemplate | None = None,
+        tree: str | TreeTemplate | None = DEFAULT,
     ) -> LookaheadRuntime:
         """Load a HF Llama checkpoint dir, a known model name, or an engine dir from `trt-lookahead build`.
 
@@ -302,8 +301,9 @@ class LookaheadRuntime:
         (requests read and feed one bounded n-gram pool; README "Shared n-gram pool") or "request" (no sharing).
         prefill: how a joining request's prompt is prefilled, "separate", "chunked" or a chunk size
         (runtime/scheduler.py); default per backend, `default_prefill`. tree: the verification branch as a draft
-        tree (docs/design.md 2.7, 3.9; torch backend): None/"off" (G linear candidates), "auto" (a template sized
-        for the default config's G(N-1) slots) or a parent list; requests with a smaller G use its first nodes.
+        tree (docs/design.md 2.7, 3.9): DEFAULT (an engine dir's built tree; for a checkpoint "auto"), "auto" (a
+        template for the G(N-1) slots of `engine_cover`), a parent list, or None/"off" (G linear candidates);
+        requests with a smaller G(N-1) use its first nodes.
         """
         from trt_lookahead.model.fetch import resolve_model
 
@@ -319,7 +319,7 @@ class LookaheadRuntime:
             raise UserError(f"max_batch must be a positive integer (request slots), got {max_batch!r}")
         engine = is_engine_dir(path)
         if engine:
-            if tree not in (None, "off"):
+            if tree not in (None, "off", DEFAULT):
                 raise UserError(TREE_ON_ENGINE)
             why = None  # an engine dir runs where it was built for: nothing to explain
             rt = cls._from_engine(path, backend or "onnxruntime", dtype, max_seq_len, max_batch, max_queue, tuning_file,
@@ -327,13 +327,10 @@ class LookaheadRuntime:
         else:
             asked = None if lookahead in (DEFAULT, None) else resolve_lookahead(lookahead)
             asked = asked if isinstance(asked, LookaheadConfig) else None
-            template = resolve_tree(tree, asked or (engine_cover() if lookahead == AUTO else DEFAULT_LOOKAHEAD))
-            if template is not None and backend not in (None, "torch"):
-                raise UserError(TREE_ON_ENGINE)
-            backend, why = checkpoint_backend("torch" if template else backend, dtype, asked, exact)
-            why = "a draft tree runs on the torch executor (docs/design.md 2.7)" if template else why
+            backend, why = checkpoint_backend(backend, dtype, asked, exact)
+            template = checkpoint_tree(tree, asked, backend)
             if backend == "onnxruntime":
-                cached = cached_checkpoint_engine(path, dtype, max_seq_len, max_batch, asked)
+                cached = cached_checkpoint_engine(path, dtype, max_seq_len, max_batch, asked, template)
                 rt = cls._from_engine(cached, backend, dtype, max_seq_len, max_batch, max_queue, tuning_file, verify,
                                       model_path=path, prefill=prefill)
             else:
@@ -685,6 +682,24 @@ def engine_cover(asked: LookaheadConfig | None = None) -> LookaheadConfig:
     return LookaheadConfig(*(max(getattr(c, k) for c in configs) for k in "WNG"))
 
 
+def checkpoint_tree(spec: str | TreeTemplate | None, asked: LookaheadConfig | None, backend: str
+                    ) -> TreeTemplate | None:
+    """The draft tree a checkpoint runs with (DEFAULT: DEFAULT_TREE; docs/design.md 2.7), sized for the config
+    asked for, else for the widest `auto` may use; on onnxruntime for its cached engine (`engine_cover`)."""
+    sized = engine_cover(asked) if backend == "onnxruntime" or not (asked and asked.G) else asked
+    return resolve_tree(DEFAULT_TREE if spec == DEFAULT else spec, sized)
+
+
+def checkpoint_tuning_key(path: str | Path, dtype: str, backend: str | None = None,
+                          asked: LookaheadConfig | None = None) -> str:
+    """The tuning file's key `auto` reads for a checkpoint's default runtime on `backend` (None: its default)."""
+    from trt_lookahead.tuning.file import tuning_key
+
+    backend = checkpoint_backend(backend, dtype, asked)[0]
+    tree = checkpoint_tree(DEFAULT, asked, backend)
+    return tuning_key(path, dtype, backend, tree=None if tree is None else str(tree))
+
+
 def checkpoint_backend(
     backend: str | None, dtype: str, asked: LookaheadConfig | None = None, exact: bool | None = None
 ) -> tuple[str, str]:
@@ -712,7 +727,7 @@ def checkpoint_backend(
 
 
 def cached_checkpoint_engine(path: Path, dtype: str, max_seq_len: int | None, max_batch: int | None,
-                             asked: LookaheadConfig | None = None) -> Path:
+                             asked: LookaheadConfig | None = None, tree: TreeTemplate | None = None) -> Path:
     """The cached engine dir (engine/cache.py) a checkpoint runs on with onnxruntime, built first if needed.
 
     One shape serves a checkpoint's usual requests, so one engine is built per checkpoint and dtype: W, N, G
@@ -730,5 +745,5 @@ def cached_checkpoint_engine(path: Path, dtype: str, max_seq_len: int | None, ma
     # the executor checks this too, but only after a build that may itself not fit: refuse before building
     check_kv_memory((config.num_layers, slots, config.num_kv_heads, seq_len + cover.step_tokens, config.head_dim),
                     4, seq_len, slots)
-    engine, _ = cached_engine(path, dtype=dtype, lookahead=cover, max_seq_len=seq_len, max_batch=slots)
+    engine, _ = cached_engine(path, dtype=dtype, lookahead=cover, max_seq_len=seq_len, max_batch=slots, tree=tree)
     return engine

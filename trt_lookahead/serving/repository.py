@@ -25,7 +25,7 @@ from string import Template
 import trt_lookahead
 from trt_lookahead.errors import UserError, as_int
 from trt_lookahead.files import check_output_dir, write_text_atomic
-from trt_lookahead.lookahead.config import AUTO, DEFAULT_LOOKAHEAD, LookaheadConfig
+from trt_lookahead.lookahead.config import AUTO, DEFAULT, DEFAULT_LOOKAHEAD, LookaheadConfig
 from trt_lookahead.model.fetch import resolve_model
 from trt_lookahead.runtime import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -33,6 +33,7 @@ from trt_lookahead.runtime import (
     cached_checkpoint_engine,
     check_pool_scope,
     checkpoint_backend,
+    checkpoint_tree,
 )
 from trt_lookahead.serving.schema import INPUTS, OUTPUTS, pbtxt_list
 
@@ -105,7 +106,8 @@ def write_repository(
             lookahead = f"{served.W},{served.N},{served.G}"
         if checkpoint_backend(backend, dtype, asked)[0] == "onnxruntime":  # the cached engine, built now: the
             # instances only open it
-            cached_checkpoint_engine(model_dir, dtype, max_seq_len, max_batch, asked)
+            cached_checkpoint_engine(model_dir, dtype, max_seq_len, max_batch, asked,
+                                     checkpoint_tree(DEFAULT, asked, "onnxruntime"))
     params.update(
         backend=backend or "",
         dtype=dtype,

@@ -13,6 +13,7 @@ atomic rename; an unreadable file or one of another version is ignored (with a n
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import sys
@@ -43,8 +44,11 @@ def model_key(model_id: str | os.PathLike) -> str:
     return text
 
 
-def tuning_key(model_id: str | os.PathLike, dtype: str, backend: str, machine: str | None = None) -> str:
-    return f"model={model_key(model_id)}|dtype={dtype}|backend={backend}|machine={machine or machine_key()}"
+def tuning_key(model_id: str | os.PathLike, dtype: str, backend: str, machine: str | None = None,
+               tree: str | None = None) -> str:
+    """The entry's key; `tree` (a draft tree's parent list, TreeTemplate's str) changes what every rung accepts."""
+    key = f"model={model_key(model_id)}|dtype={dtype}|backend={backend}|machine={machine or machine_key()}"
+    return key if tree is None else f"{key}|tree={hashlib.sha256(tree.encode()).hexdigest()[:12]}"
 
 
 def _empty() -> dict[str, Any]:
@@ -91,15 +95,15 @@ def write_tuning_entry(key: str, entry: dict[str, Any], path: Path | None = None
 
 
 def lookup_tuning(model_id: str | os.PathLike, dtype: str, backend: str, machine: str | None = None,
-                  path: Path | None = None) -> dict[str, Any] | None:
-    """The entry for this model, dtype, backend and machine (this one if None), or None."""
-    return read_tuning_file(path)["entries"].get(tuning_key(model_id, dtype, backend, machine))
+                  path: Path | None = None, tree: str | None = None) -> dict[str, Any] | None:
+    """The entry for this model, dtype, backend, machine (this one if None) and draft tree, or None."""
+    return read_tuning_file(path)["entries"].get(tuning_key(model_id, dtype, backend, machine, tree))
 
 
 def tuned_step_cost(model_id: str | os.PathLike, dtype: str, backend: str, threads: int | None,
-                    path: Path | None = None) -> dict[str, float] | None:
+                    path: Path | None = None, tree: str | None = None) -> dict[str, float] | None:
     """One request's step cost by step tokens (ms) that tuning measured on this machine at `threads`, if any."""
-    entry = lookup_tuning(model_id, dtype, backend, machine_key(threads), path)
+    entry = lookup_tuning(model_id, dtype, backend, machine_key(threads), path, tree)
     if not entry or "1" not in entry.get("step_cost", {}):
         return None
     return {str(int(m)): float(ms) for m, ms in entry["step_cost"]["1"]}

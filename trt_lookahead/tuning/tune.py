@@ -74,6 +74,11 @@ def policy_from_entry(entry: dict[str, Any]) -> tuple[LookaheadConfig, Lookahead
     return config, LookaheadPolicy(StepCost.from_dict(entry["step_cost"]), Priors(entry["priors"]))
 
 
+def runtime_tuning_key(rt: LookaheadRuntime) -> str:
+    """The tuning file's key for a runtime: its model, dtype, backend, this machine and its draft tree."""
+    return tuning_key(rt.model_path, rt.dtype, rt.backend, tree=None if rt.tree is None else str(rt.tree))
+
+
 def auto_tuning(
     rt: LookaheadRuntime, *, budget_seconds: float | None = None
 ) -> tuple[LookaheadConfig, LookaheadPolicy]:
@@ -81,7 +86,7 @@ def auto_tuning(
 
     Without a tuning entry, tunes now on `rt` (on stderr: what and for how long) and stores the result.
     """
-    key = tuning_key(rt.model_path, rt.dtype, rt.backend)
+    key = runtime_tuning_key(rt)
     entry = read_tuning_file(rt.tuning_file)["entries"].get(key)
     if entry is None:
         budget = budget_seconds or float(os.environ.get("TRT_LOOKAHEAD_TUNE_BUDGET", DEFAULT_AUTO_BUDGET))
@@ -101,7 +106,7 @@ def tune_and_store(
 ) -> dict[str, Any]:
     """Tune on `rt`, write the entry to the tuning file and return it."""
     entry = tune(rt, datasets=datasets, budget_seconds=budget_seconds, progress=progress).to_entry()
-    path = _write_entry(tuning_key(rt.model_path, rt.dtype, rt.backend), entry, rt.tuning_file)
+    path = _write_entry(runtime_tuning_key(rt), entry, rt.tuning_file)
     _say(progress, f"wrote {path}")
     return entry
 
