@@ -11,11 +11,12 @@ import pytest
 from trt_lookahead.backends.onnxruntime import SessionSettings
 from trt_lookahead.backends.open import open_engine
 from trt_lookahead.cli import main
-from trt_lookahead.kernels.mask import CAUSAL, step_mask
+from trt_lookahead.kernels.mask import CAUSAL
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.executor import StepBatch
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.sampling import SamplingParams
+from trt_lookahead.lookahead.tree import TreeTemplate
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 MAX_SEQ_LEN, MAX_BATCH, T = 256, 4, 16  # T: the step tokens of the built 4,3,4
@@ -37,16 +38,18 @@ def build(out: Path, *extra: str) -> Path:
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     root = tmp_path_factory.mktemp("exact")
-    return {"exact": build(root / "exact", "--exact"), "fast": build(root / "fast")}
+    return {"exact": build(root / "exact", "--exact"), "fast": build(root / "fast"),
+            "exact-tree": build(root / "exact-tree", "--exact", "--tree", "auto")}
 
 
-def step_row(slot: int, config: tuple, cache_len: int, ids: np.ndarray) -> StepBatch:
-    """One row of `config` (padded to len(ids) tokens; CAUSAL: all causal) at `cache_len`."""
+def step_row(slot: int, config: tuple, cache_len: int, ids: np.ndarray, tree: TreeTemplate | None = None) -> StepBatch:
+    """One row of `config` (padded to len(ids) tokens, its verification slots laid as `tree`; CAUSAL: all
+    causal) at `cache_len`."""
     tokens = len(ids)
     if config == CAUSAL:
         positions, slots = np.arange(tokens), np.arange(tokens)
     else:
-        layout = StepLayout(LookaheadConfig(*config), padded_tokens=tokens)
+        layout = StepLayout(LookaheadConfig(*config), padded_tokens=tokens, tree=tree)
         positions, slots = layout.rel_positions, layout.output_slots
     return StepBatch(np.array([slot]), ids[None], (cache_len + positions)[None], np.array([config], np.int32),
                      slots[None])
@@ -77,7 +80,8 @@ def differences(engine_dir: Path, trials: int, seed: int, threads: int = 1) -> t
     """(slots compared, the differing ones): each output slot of random lookahead steps, alone and batched with
     random companions in a random row order, against 1-token greedy decoding of the same context."""
     engine = open_engine(engine_dir, threads=threads)
-    ex, ref = engine.executor(), engine.executor(max_batch=1)
+    ex, ref, tree = engine.executor(), engine.executor(max_batch=1), engine.config.tree
+    assert (tree is not None) == engine_dir.name.endswith("tree")
     rng = np.random.default_rng(seed)
     compared, differ = 0, []
     for trial in range(trials):
@@ -89,15 +93,16 @@ def differences(engine_dir: Path, trials: int, seed: int, threads: int = 1) -> t
         ex.prefill(0, prompt, SamplingParams())
         for slot in range(1, MAX_BATCH):
             ex.prefill(slot, rng.integers(0, 512, int(rng.integers(1, 200))), SamplingParams())
-        target = step_row(0, config, length, rng.integers(0, 512, T))
+        target = step_row(0, config, length, rng.integers(0, 512, T), tree)
         ex.step(target)
         alone = ex.step_logits()[0]
+        companions = range(1, int(rng.integers(2, MAX_BATCH + 1)))
         rows = [target] + [step_row(s, COMPANIONS[int(rng.integers(len(COMPANIONS)))], ex.cache_len(s),
-                                    rng.integers(0, 512, T)) for s in range(1, int(rng.integers(2, MAX_BATCH + 1)))]
+                                    rng.integers(0, 512, T), tree) for s in companions]
         order = rng.permutation(len(rows))
         ex.step(stack([rows[i] for i in order]))
         batched = ex.step_logits()[int(np.flatnonzero(order == 0)[0])]
-        mask = step_mask(T, config)
+        mask = StepLayout(LookaheadConfig(*config), padded_tokens=T, tree=tree).mask
         for k, slot in enumerate(target.output_slots[0].tolist()):
             want = greedy_logits(ref, prompt, target.input_ids[0][mask[slot]])
             for how, got in (("alone", alone[k]), ("batched", batched[k])):
@@ -107,11 +112,11 @@ def differences(engine_dir: Path, trials: int, seed: int, threads: int = 1) -> t
     return compared, differ
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_exact_engine_lookahead_slots_equal_greedy_steps_bit_for_bit(engines, threads):
+@pytest.mark.parametrize(("name", "threads"), [("exact", 1), ("exact", 2), ("exact-tree", 1)])
+def test_exact_engine_lookahead_slots_equal_greedy_steps_bit_for_bit(engines, name, threads):
     """Random prompts (many ending around 64-key blocks), configs, companions and row orders: every output slot
-    of the lookahead step, alone and batched, == the 1-token greedy step at its context."""
-    compared, differ = differences(engines["exact"], trials=16, seed=threads, threads=threads)
+    of the lookahead step, alone and batched, == the 1-token greedy step at its context; with a draft tree too."""
+    compared, differ = differences(engines[name], trials=16, seed=threads, threads=threads)
     assert compared > 150 and differ == []
 
 
@@ -157,17 +162,18 @@ def test_exact_engine_prompt_fed_as_causal_chunks_gives_its_prefills_logits(engi
 PROMPTS = ["Once upon a time", "Lily and Tom went to the park. They", "The cat sat on the", "Sam had a red ball"]
 
 
-def test_runtime_on_the_exact_engine_gives_lookahead_tokens_equal_to_greedy(engines):
-    """End to end: exact=True is taken on an engine built with --exact, and its lookahead tokens are its greedy
-    tokens, one request at a time and four at once."""
+@pytest.mark.parametrize("name", ["exact", "exact-tree"])
+def test_runtime_on_the_exact_engine_gives_lookahead_tokens_equal_to_greedy(engines, name):
+    """End to end: exact=True is taken on an engine built with --exact (and --tree auto), and its lookahead
+    tokens are its greedy tokens, one request at a time and four at once."""
     import json
     from concurrent.futures import ThreadPoolExecutor
 
     from trt_lookahead.runtime import LookaheadRuntime
 
-    assert json.loads((engines["exact"] / "config.json").read_text())["exact"] is True
-    with LookaheadRuntime.from_pretrained(engines["exact"], exact=True) as rt:
-        assert rt.exact and rt.backend == "onnxruntime"
+    assert json.loads((engines[name] / "config.json").read_text())["exact"] is True
+    with LookaheadRuntime.from_pretrained(engines[name], exact=True) as rt:
+        assert rt.exact and rt.backend == "onnxruntime" and (rt.tree is not None) == (name == "exact-tree")
         greedy = [rt.generate(p, max_new_tokens=60, lookahead="greedy").token_ids for p in PROMPTS]
         for config in ("4,3,4", "2,3,2", "1,2,0"):
             with ThreadPoolExecutor(len(PROMPTS)) as pool:

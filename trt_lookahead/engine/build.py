@@ -115,7 +115,7 @@ def build_request(
     target: str = "onnx",
     force: bool = False,
     exact: bool = False,
-    tree: str | None = None,
+    tree: str | TreeTemplate | None = None,
 ) -> BuildRequest:
     """Validate a build before any work (UserError with one clear line); `model` is a dir or a known name.
 
@@ -147,8 +147,7 @@ def build_request(
     if template is not None:
         template = template.prefix(lookahead.G * lookahead.levels)  # the engine's slots: its first G(N-1) nodes
         problems = [(attention != "plugin", "its mask is the LookaheadAttention node's (--attention plugin)"),
-                    (target != "onnx", "it runs on onnxruntime; the TensorRT plugin has no tree table yet"),
-                    (exact, "the exact decomposition has no tree yet (drop --exact)")]
+                    (target != "onnx", "it runs on onnxruntime; the TensorRT plugin has no tree table yet")]
         broken = [why for bad, why in problems if bad]
         if broken:
             raise UserError(f"--tree cannot build this engine: {'; '.join(broken)}")

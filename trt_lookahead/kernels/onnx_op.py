@@ -362,8 +362,6 @@ def decompose(model: onnx.ModelProto, exact: bool = False, max_keys: int = 0,
     first = nodes[0]
     masks = _Masks(g, first.input[0], first.input[5], first.input[6], tree_ends)
     plan = None
-    if exact and tree_ends is not None:
-        raise ValueError("the exact decomposition has no draft tree yet")
     if exact:
         attrs = {a.name: helper.get_attribute_value(a) for a in first.attribute}
         group = attrs["num_q_heads"] // attrs["num_kv_heads"]
