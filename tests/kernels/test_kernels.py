@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from trt_lookahead.backends.devices import gpu_count, tensorrt_unavailable_reason
 from trt_lookahead.kernels import mask, onnx_op, reference
@@ -327,31 +327,43 @@ def test_registering_the_plugin_imports_no_triton():
 
 # -- the ONNX node and its onnxruntime decomposition -----------------------------------------------
 
-OP_INPUTS = ["query", "key", "value", "key_cache", "value_cache", "cache_len", "step_config"]
+OP_INPUTS = ["query", "key", "value", "key_cache", "value_cache", "cache_len", "step_config", "tree_ends"]
+FED = OP_INPUTS[:7]  # the graph's inputs; tree_ends is an initializer
 
 
-def single_op_model(B, T, Hq, Hkv, D, S, dtype=TensorProto.FLOAT):
+def single_op_model(B, T, Hq, Hkv, D, S, dtype=TensorProto.FLOAT, tree=None, max_tokens=128):
+    """One LookaheadAttention node; `tree`: its template (the tree_ends initializer over max_tokens)."""
     shapes = [[B, T, Hq, D], [B, T, Hkv, D], [B, T, Hkv, D], [B, Hkv, S, D], [B, Hkv, S, D], [B], [B, 3]]
     types = [dtype] * 5 + [TensorProto.INT32] * 2
     node = onnx_op.make_node(OP_INPUTS, "out", "attention", num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
-                             scale=reference.default_scale(D))
+                             scale=reference.default_scale(D), tree=tree is not None)
+    ends = onnx_op.tree_ends_input(None if tree is None else tree.ends, max_tokens)
     graph = helper.make_graph(
         [node], "lookahead_attention",
-        [helper.make_tensor_value_info(n, t, s) for n, t, s in zip(OP_INPUTS, types, shapes, strict=True)],
+        [helper.make_tensor_value_info(n, t, s) for n, t, s in zip(FED, types, shapes, strict=True)],
         [helper.make_tensor_value_info("out", dtype, [B, T, Hq, D])],
+        initializer=[numpy_helper.from_array(ends, "tree_ends")],
     )
     return helper.make_model(graph, opset_imports=onnx_op.opset_imports(23), ir_version=10)
 
 
-def test_onnx_node_contract():
-    model = single_op_model("B", "T", 9, 3, 64, 1040)
+@pytest.mark.parametrize("tree", [None, tree_template(28, 6)], ids=["linear", "tree"])
+def test_onnx_node_contract(tree):
+    """8 inputs, the last the tree_ends initializer: a tree's subtree ends over the graph's most tokens, or a
+    linear graph's [1] dummy; the `tree` attribute says which."""
+    model = single_op_model("B", "T", 9, 3, 64, 1040, tree=tree, max_tokens=40)
     onnx.checker.check_model(model)
     (node,) = onnx_op.attention_nodes(model)
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     assert (node.op_type, node.domain) == ("LookaheadAttention", "trt_lookahead")
     assert list(node.input) == OP_INPUTS
     assert attrs == {"num_q_heads": 9, "num_kv_heads": 3, "head_dim": 64, "scale": pytest.approx(0.125),
-                     "plugin_namespace": b"trt_lookahead", "plugin_version": b"1", "aot": 1}
+                     "tree": int(tree is not None), "plugin_namespace": b"trt_lookahead", "plugin_version": b"1",
+                     "aot": 1}
+    (table,) = (numpy_helper.to_array(t) for t in model.graph.initializer if t.name == node.input[7])
+    assert table.dtype == np.int32
+    expected = [0] if tree is None else [*tree.ends, *[0] * (40 - 28)]
+    assert table.tolist() == expected
 
 
 ORT_CASES = [  # (T, rows: (step_config, cache_len))
@@ -362,18 +374,20 @@ ORT_CASES = [  # (T, rows: (step_config, cache_len))
 ]
 
 
-def decomposed_session(Hq, Hkv, D, S, exact=False):
+def decomposed_session(Hq, Hkv, D, S, exact=False, tree=None):
     import onnxruntime as ort
 
-    decomposed = onnx_op.decompose(single_op_model("B", "T", Hq, Hkv, D, S), exact=exact, max_keys=S)
+    decomposed = onnx_op.decompose(single_op_model("B", "T", Hq, Hkv, D, S, tree=tree), exact=exact, max_keys=S)
     assert not onnx_op.attention_nodes(decomposed)
+    # a tree graph reads its table; a linear one's dummy is gone (onnxruntime warns about unread initializers)
+    assert [t.name for t in decomposed.graph.initializer if t.name == "tree_ends"] == (["tree_ends"] if tree else [])
     onnx.checker.check_model(decomposed)
     return ort.InferenceSession(decomposed.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
 def op_feeds(tensors):
     q, k, v, kc, vc, p, configs = tensors
-    feeds = dict(zip(OP_INPUTS[:5], (t.numpy() for t in (q, k, v, kc, vc)), strict=True))
+    feeds = dict(zip(FED[:5], (t.numpy() for t in (q, k, v, kc, vc)), strict=True))
     return feeds | {"cache_len": p.numpy(), "step_config": np.asarray(configs, np.int32).reshape(-1, 3)}
 
 
@@ -387,6 +401,28 @@ def test_decomposition_runs_on_onnxruntime_like_the_reference(T, rows):
     expected = reference.lookahead_attention(q, k, v, kc, vc, p, np.array(configs))
     for b, row in enumerate(rows):
         assert reference.relative_error(torch.from_numpy(out[b]), expected[b]) < 1e-5, row
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tree_decomposition_runs_on_onnxruntime_like_the_reference(seed):
+    """The node's tree_ends initializer masks the decomposition: random templates, configs and cache lengths."""
+    rng = np.random.default_rng(seed)
+    Hq, Hkv, D, S = 8, 4, 8, 64
+    template = random_template(rng, int(rng.integers(4, 24)))
+    configs = random_tree_rows(rng, template.nodes, 4)
+    T = max(LookaheadConfig(*c).step_tokens for c in configs if c[0]) + int(rng.integers(0, 4))
+    lengths = [int(x) for x in rng.integers(0, S + 1, len(configs))]
+    session = decomposed_session(Hq, Hkv, D, S, tree=template)
+    q, k, v, kc, vc, p = random_case(T, Hq, Hkv, D, S, lengths, seed=seed)
+    (out,) = session.run(None, op_feeds((q, k, v, kc, vc, p, configs)))
+    expected = reference.lookahead_attention(q, k, v, kc, vc, p, np.array(configs), tree_ends=template.ends)
+    for b, row in enumerate(zip(configs, lengths, strict=True)):
+        assert reference.relative_error(torch.from_numpy(out[b]), expected[b]) < 1e-5, (template, row)
+
+
+def test_exact_decomposition_refuses_a_tree():
+    with pytest.raises(ValueError, match="no draft tree"):
+        onnx_op.decompose(single_op_model("B", "T", 8, 4, 8, 64, tree=tree_template(8, 3)), exact=True, max_keys=64)
 
 
 EXACT_CASES = [  # (T, rows): cache lengths around 64-key blocks
@@ -500,7 +536,9 @@ def test_device_tensor_views_memory_tensorrt_owns(dtype):
 
 
 @pytest.mark.gpu
-def test_tensorrt_plugin_runs_the_onnx_node():
+@pytest.mark.parametrize("tree", [None, tree_template(8, 4)], ids=["linear", "tree"])
+def test_tensorrt_plugin_runs_the_onnx_node(tree):
+    """The parser maps the node (its tree_ends initializer a constant input) to the AOT plugin."""
     reason = tensorrt_unavailable_reason()
     if reason:
         pytest.skip(f"TensorRT plugin test needs TensorRT and a GPU: {reason}")
@@ -512,7 +550,7 @@ def test_tensorrt_plugin_runs_the_onnx_node():
     tensorrt_plugin.register(trt, trtp)
     configs, lengths = zip(*GPU_ROWS, strict=True)
     B, T, Hq, Hkv, D, S = len(lengths), 16, 8, 4, 64, 128
-    model = single_op_model(B, T, Hq, Hkv, D, S)
+    model = single_op_model(B, T, Hq, Hkv, D, S, tree=tree, max_tokens=T)
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network(0)
@@ -524,10 +562,11 @@ def test_tensorrt_plugin_runs_the_onnx_node():
     tensors = [t.cuda() for t in random_case(T, Hq, Hkv, D, S, lengths)]
     tensors.append(reference.as_config_tensor(configs).cuda())
     out = torch.empty(B, T, Hq, D, device="cuda")
-    for name, t in zip([*OP_INPUTS, "out"], [*tensors, out], strict=True):
+    for name, t in zip([*FED, "out"], [*tensors, out], strict=True):
         ctx.set_tensor_address(name, t.data_ptr())
     stream = torch.cuda.Stream()
     assert ctx.execute_async_v3(stream.cuda_stream)
     stream.synchronize()
-    expected = reference.lookahead_attention(*(t.cpu() for t in tensors[:6]), np.array(configs))
+    expected = reference.lookahead_attention(*(t.cpu() for t in tensors[:6]), np.array(configs),
+                                             tree_ends=None if tree is None else tree.ends)
     assert reference.relative_error(out.cpu(), expected) < 1e-5
