@@ -442,6 +442,10 @@ def test_a_tree_engine_verifies_its_draft_tree_and_emits_the_checkpoints_tokens(
     with pytest.raises(UserError, match="--tree cannot build this engine: its mask is the LookaheadAttention"):
         build_request(STORIES, tmp_path / "native", lookahead=LookaheadConfig(7, 5, 7), attention="native",
                       tree="auto")
+    with pytest.raises(UserError, match="--tree cannot build this engine: the exact decomposition has no tree yet"):
+        build_request(STORIES, tmp_path / "exact", lookahead=LookaheadConfig(4, 3, 4), exact=True, tree="auto")
+    assert build_request(STORIES, tmp_path / "trt", lookahead=LookaheadConfig(4, 3, 4), target="tensorrt",
+                         tree="auto").tree == tree_template(8, TREE_DEPTH)
 
 
 def test_bench_runs_on_an_engine_dir(engines, tmp_path, capsys):
