@@ -72,14 +72,17 @@ SMALL_GQA = dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, hea
 CACHED_TOKENS = 512  # cache_len of every timed step
 CACHE_ROOM = 1024  # max_seq_len of the timed buffers: S = CACHE_ROOM + T rows
 EXACT_CONFIGS = ("4,3,4", "2,2,1", "7,5,7")
-# (dtype, Hq, Hkv, D, step_config, T, S, cache_len): 1B and 7B heads, float32 D=128 (over 48 KB with
-# BLOCK_N 32), a causal chunk whose T is not a multiple of BLOCK_M
+# (dtype, Hq, Hkv, D, step_config, T, S, cache_len, tree): 1B and 7B heads, float32 D=128 (over 48 KB with
+# BLOCK_N 32), a causal chunk whose T is not a multiple of BLOCK_M; tree: the draft tree's nodes
+# (tree_template(nodes, TREE_DEPTH), its ends table read by the kernel), 0 for G linear candidates
 AOT_CASES = (
-    ("float32", 32, 8, 64, "4,3,4", 16, 1040, 700),
-    ("float32", 32, 32, 128, "15,5,15", 120, 1144, 333),
-    ("bfloat16", 32, 32, 128, "4,3,4", 16, 1040, 1023),
-    ("bfloat16", 32, 8, 64, "7,5,7", 56, 1080, 1000),
-    ("float16", 32, 32, 128, "0,0,0", 37, 1040, 0),
+    ("float32", 32, 8, 64, "4,3,4", 16, 1040, 700, 0),
+    ("float32", 32, 32, 128, "15,5,15", 120, 1144, 333, 0),
+    ("bfloat16", 32, 32, 128, "4,3,4", 16, 1040, 1023, 0),
+    ("bfloat16", 32, 8, 64, "7,5,7", 56, 1080, 1000, 28),
+    ("bfloat16", 32, 8, 64, "7,5,7", 56, 1080, 1000, 0),
+    ("float16", 32, 32, 128, "0,0,0", 37, 1040, 0, 0),
+    ("float32", 32, 8, 64, "15,5,15", 120, 1144, 77, 60),
 )
 AOT_TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}
 
@@ -622,7 +625,8 @@ def section_aot(args: argparse.Namespace, emit: Emit) -> str:
     import torch
     import triton
 
-    from trt_lookahead.kernels import reference, tensorrt_plugin
+    from trt_lookahead.kernels import mask, reference, tensorrt_plugin
+    from trt_lookahead.lookahead.tree import TREE_DEPTH, tree_template
 
     cases: list[dict[str, Any]] = []
     failures = []
@@ -630,13 +634,14 @@ def section_aot(args: argparse.Namespace, emit: Emit) -> str:
           "cases": cases})
     torch.cuda.init()
     stream = torch.cuda.current_stream().cuda_stream
-    for dtype, Hq, Hkv, D, config, T, S, p in AOT_CASES[:3] if args.quick else AOT_CASES:
+    for dtype, Hq, Hkv, D, config, T, S, p, nodes in AOT_CASES[:4] if args.quick else AOT_CASES:
         case: dict[str, Any] = {"dtype": dtype, "heads": f"{Hq}/{Hkv}", "head_dim": D, "step_config": config,
-                                "T": T, "S": S, "cache_len": p}
+                                "T": T, "S": S, "cache_len": p, "tree_nodes": nodes}
         cases.append(case)
         try:
             scale = reference.default_scale(D)
-            kernel = tensorrt_plugin.compile_aot_kernel(dtype, Hq, Hkv, D, scale)
+            template = tree_template(nodes, TREE_DEPTH) if nodes else None
+            kernel = tensorrt_plugin.compile_aot_kernel(dtype, Hq, Hkv, D, scale, tree=template is not None)
             grid, scalars = tensorrt_plugin.launch_dims(1, T, S, Hq, triton.cdiv)  # one row
             entry = ptx_entry(kernel.ptx)
             signature = tensorrt_plugin.kernel_signature(dtype)
@@ -648,8 +653,11 @@ def section_aot(args: argparse.Namespace, emit: Emit) -> str:
             g = torch.Generator().manual_seed(0)
             q, k, v = (torch.randn(1, T, h, D, generator=g).to(getattr(torch, dtype)) for h in (Hq, Hkv, Hkv))
             kc, vc = (torch.randn(1, Hkv, S, D, generator=g).to(getattr(torch, dtype)) for _ in range(2))
+            # tree_ends as the ONNX node carries it: the template's table, or a linear engine's 1-element dummy
+            ends = torch.zeros(1, dtype=torch.int32) if template is None else (
+                torch.from_numpy(mask.tree_ends(template.ends, T)).to(torch.int32))
             inputs = [t.cuda() for t in (q, k, v, kc, vc, torch.tensor([p], dtype=torch.int32),
-                                         reference.as_config_tensor(config_tuple(config)))]
+                                         reference.as_config_tensor(config_tuple(config)), ends)]
             out = torch.full_like(inputs[0], float("nan"))
             # TensorRT's order: input pointers (op order), the int32 extras (shape expressions), output pointers
             arguments = [("ptr", t.data_ptr()) for t in inputs] + [("i32", s) for s in scalars]
@@ -657,7 +665,8 @@ def section_aot(args: argparse.Namespace, emit: Emit) -> str:
             case["launch"] = launch_as_tensorrt(kernel.ptx, kernel.name, grid, kernel.threads, kernel.shared_mem,
                                                 arguments, stream, len(entry["params"]) - len(signature))
             expected = reference.lookahead_attention(*(t.double() for t in (q, k, v, kc, vc)), torch.tensor([p]),
-                                                    [config_tuple(config)])
+                                                    [config_tuple(config)],
+                                                    tree_ends=None if template is None else template.ends)
             case["relative_error"] = reference.relative_error(out.cpu(), expected)
             case["ok"] = case["relative_error"] <= AOT_TOLERANCE[dtype]
             if not case["ok"]:
@@ -684,7 +693,8 @@ def over_limit_probe(stream: int) -> dict[str, Any]:
     kernel = tensorrt_plugin.compile_kernel("float32", 32, 32, 128, reference.default_scale(128), block_n=32)
     grid, scalars = tensorrt_plugin.launch_dims(1, 16, 64, 32, triton.cdiv)
     buffers = [torch.zeros(32 * 64 * 128, device="cuda") for _ in range(6)]  # room for every operand
-    step = [torch.zeros(1, dtype=torch.int32, device="cuda"), reference.as_config_tensor((4, 3, 4)).cuda()]
+    step = [torch.zeros(1, dtype=torch.int32, device="cuda"), reference.as_config_tensor((4, 3, 4)).cuda(),
+            torch.zeros(1, dtype=torch.int32, device="cuda")]  # cache_len, step_config, tree_ends (a dummy)
     arguments = [("ptr", b.data_ptr()) for b in [*buffers[:5], *step]]
     arguments += [("i32", s) for s in scalars] + [("ptr", buffers[5].data_ptr())]
     hidden = len(ptx_entry(kernel.ptx)["params"]) - len(arguments)

@@ -392,19 +392,37 @@ def test_smollm2_engine_rows_match_the_model_and_their_solo_runs(tmp_path):
 
 
 def test_a_tree_engine_verifies_its_draft_tree_and_emits_the_checkpoints_tokens(tmp_path):
-    """build --tree auto: config.json carries the template, the graph masks it (the build's smoke check compares
-    it with the torch model row by row), and the runtime on the engine dir emits greedy's tokens while accepting
-    recycled drafts. TensorRT, whose plugin has no tree table, refuses the engine; a template of the wrong size
-    in config.json and a tree on a graph without the LookaheadAttention node are refused."""
+    """build --tree auto --target tensorrt: config.json carries the template, every LookaheadAttention node its
+    subtree ends (tree = 1, an initializer over the graph's 64 tokens, which the plugin and the decomposition
+    read), the build's smoke check compares the graph with the torch model row by row, the plan is left to a
+    TensorRT host, and the runtime on the engine dir emits greedy's tokens while accepting recycled drafts.
+    A template of the wrong size in config.json and a tree on a graph without the LookaheadAttention node are
+    refused."""
     from collections import Counter
+
+    import onnx
+    from onnx import numpy_helper
 
     from trt_lookahead.engine.build import build_request
     from trt_lookahead.engine.format import load_engine_config
+    from trt_lookahead.kernels import mask, onnx_op
     from trt_lookahead.lookahead.tree import TREE_DEPTH, tree_template
     from trt_lookahead.runtime import LookaheadRuntime
 
-    path = build(tmp_path / "tree", "--lookahead_config", "7,5,7", "--tree", "auto")
-    assert load_engine_config(path).tree == tree_template(28, TREE_DEPTH)
+    path = build(tmp_path / "tree", "--lookahead_config", "7,5,7", "--tree", "auto", "--target", "tensorrt")
+    template = tree_template(28, TREE_DEPTH)
+    assert load_engine_config(path).tree == template
+    graph = onnx.load(str(path / "model.onnx"), load_external_data=False)
+    nodes = onnx_op.attention_nodes(graph)
+    assert len(nodes) == load_engine_config(path).num_layers and len({n.input[7] for n in nodes}) == 1
+    assert all(a.i == 1 for n in nodes for a in n.attribute if a.name == "tree")
+    (table,) = (numpy_helper.to_array(t) for t in graph.graph.initializer if t.name == nodes[0].input[7])
+    assert np.array_equal(table, mask.tree_ends(template.ends, 64).astype(np.int32))
+    tensorrt = json.loads((path / "config.json").read_text())["targets"]["tensorrt"]
+    if tensorrt_unavailable_reason():  # everything but the plan, and the command that builds it
+        assert not tensorrt["built"] and tensorrt["command"] == f"python -m trt_lookahead.engine.tensorrt_plan {path}"
+        with pytest.raises(UserError, match="the tensorrt backend cannot run here"):  # not for its tree
+            open_engine(path, backend="tensorrt")
     sources: Counter = Counter()
     with (LookaheadRuntime.from_pretrained(path) as engine,
           LookaheadRuntime.from_pretrained(STORIES, backend="torch", max_seq_len=MAX_SEQ_LEN) as reference):
@@ -417,8 +435,6 @@ def test_a_tree_engine_verifies_its_draft_tree_and_emits_the_checkpoints_tokens(
         with pytest.raises(UserError, match="verifies the tree it was built with"):
             LookaheadRuntime.from_pretrained(path, tree="auto")
     assert sources["recycled"] > 0
-    with pytest.raises(UserError, match="the TensorRT plugin cannot mask"):
-        open_engine(path, backend="tensorrt")
     raw = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**raw, "tree": [-1, 0]}))
     with pytest.raises(UserError, match="tree does not have the G\\(N-1\\) nodes of 7/5/7"):
@@ -426,6 +442,8 @@ def test_a_tree_engine_verifies_its_draft_tree_and_emits_the_checkpoints_tokens(
     with pytest.raises(UserError, match="--tree cannot build this engine: its mask is the LookaheadAttention"):
         build_request(STORIES, tmp_path / "native", lookahead=LookaheadConfig(7, 5, 7), attention="native",
                       tree="auto")
+    assert build_request(STORIES, tmp_path / "trt", lookahead=LookaheadConfig(4, 3, 4), target="tensorrt",
+                         tree="auto").tree == tree_template(8, TREE_DEPTH)
 
 
 def test_bench_runs_on_an_engine_dir(engines, tmp_path, capsys):

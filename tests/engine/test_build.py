@@ -7,10 +7,11 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 import torch
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from trt_lookahead.backends.devices import tensorrt_unavailable_reason
 from trt_lookahead.cli import main
@@ -86,8 +87,10 @@ def test_the_graph_has_batch_tokens_rows_and_cache_dims_and_one_plugin_node_per_
     assert len(nodes) == LAYERS
     attrs = {a.name: helper.get_attribute_value(a) for a in nodes[0].attribute}
     assert attrs["num_q_heads"] == 8 and attrs["num_kv_heads"] == 4 and attrs["head_dim"] == 8
-    assert attrs["plugin_namespace"] == b"trt_lookahead" and attrs["aot"] == 1
-    assert list(nodes[0].input[3:]) == ["key_cache_0", "value_cache_0", "cache_len", "step_config"]
+    assert attrs["plugin_namespace"] == b"trt_lookahead" and attrs["aot"] == 1 and attrs["tree"] == 0
+    assert list(nodes[0].input[3:]) == ["key_cache_0", "value_cache_0", "cache_len", "step_config", "tree_ends"]
+    (dummy,) = [numpy_helper.to_array(t) for t in model.graph.initializer if t.name == "tree_ends"]  # linear: unread
+    assert dummy.dtype == np.int32 and dummy.tolist() == [0]
     assert {(o.domain, o.version) for o in model.opset_import} == {("", 23), ("trt_lookahead", 1)}
 
 
@@ -205,14 +208,15 @@ def test_interrupted_build_leaves_no_half_written_dir(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("version", [format.FORMAT_VERSION - 1, 0])  # the engines before batching, and older
+@pytest.mark.parametrize("version", [format.FORMAT_VERSION - 1, 0])  # the engines before tree_ends, and older
 def test_engine_from_another_format_version_is_refused(engine, tmp_path, capsys, version):
     copy = tmp_path / "old"
     shutil.copytree(engine, copy)
     config = json.loads((copy / "config.json").read_text())
     config[format.FORMAT_KEY] = version
     (copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UserError, match=f"format version {version} but this trt-lookahead reads version 4"):
+    reads = f"format version {version} but this trt-lookahead reads version {format.FORMAT_VERSION}"
+    with pytest.raises(UserError, match=reads):
         format.load_engine_config(copy)
     code = main(["generate", "--engine", str(copy), "--prompt", "Once", "--max-new-tokens", "4"])
     err = capsys.readouterr().err.strip().splitlines()

@@ -12,12 +12,13 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from trt_lookahead.backends.devices import gpu_count, tensorrt_unavailable_reason
 from trt_lookahead.kernels import mask, onnx_op, reference
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.layout import StepLayout
+from trt_lookahead.lookahead.tree import TreeTemplate, chain_template, tree_template
 from trt_lookahead.model.llama import sdpa_attention
 
 MASK_CONFIGS = [(w, n, g) for w in (1, 2, 3, 5) for n in (2, 3, 4, 6) for g in (0, 1, 2, 5)]
@@ -150,24 +151,129 @@ def test_in_kernel_masks_equal_step_layout():
     assert np.array_equal(out.numpy() > 0, layout_masks(PROBE_CONFIGS, T))
 
 
+# -- the Triton kernel with a draft tree (tree_ends table from a device tensor) ------------------------
+
+
+def random_template(rng: np.random.Generator, nodes: int) -> TreeTemplate:
+    """A random tree in preorder (each node's parent x_t or a node on the open path), or tree_template's shape."""
+    if rng.integers(2):
+        return tree_template(nodes, int(rng.integers(1, 6)))
+    parents: list[int] = []
+    path: list[int] = []
+    for i in range(nodes):
+        path = path[: int(rng.integers(0, len(path) + 1))]  # how much of the open path stays above node i
+        parents.append(path[-1] if path else -1)
+        path.append(i)
+    return TreeTemplate(tuple(parents))
+
+
+def random_tree_rows(rng: np.random.Generator, nodes: int, rows: int) -> list[tuple[int, int, int]]:
+    """Random (W, N, G) with G(N-1) <= nodes (G = 0 included), and one CAUSAL row."""
+    configs: list[tuple[int, int, int]] = [mask.CAUSAL]
+    while len(configs) < rows:
+        W, N = int(rng.integers(1, 5)), int(rng.integers(2, 6))
+        configs.append((W, N, int(rng.integers(0, nodes // (N - 1) + 1))))
+    rng.shuffle(configs)
+    return configs
+
+
+def tree_table(template: TreeTemplate, T: int, device: str) -> torch.Tensor:
+    return torch.from_numpy(mask.tree_ends(template.ends, T)).to(torch.int32).to(device)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_triton_kernel_with_a_tree_matches_reference(seed, dtype, tolerance):
+    """Random templates, rows of random configs (a causal one among them) and cache lengths, GQA and MHA."""
+    from trt_lookahead.kernels import triton_kernel
+
+    rng = np.random.default_rng(seed)
+    device = _kernel_device()
+    template = random_template(rng, int(rng.integers(4, 16)))
+    configs = random_tree_rows(rng, template.nodes, 3)
+    T = max(LookaheadConfig(*c).step_tokens for c in configs if c[0]) + int(rng.integers(0, 4))
+    Hq, Hkv = [(4, 2), (6, 2), (4, 4)][seed]
+    D, S = int(rng.choice([8, 16])), 40
+    lengths = [int(x) for x in rng.integers(0, S + 1, len(configs))]
+    q, k, v, kc, vc, p = random_case(T, Hq, Hkv, D, S, lengths, dtype, seed=seed)
+    expected = reference.lookahead_attention(*(t.double() for t in (q, k, v, kc, vc)), p, configs,
+                                             tree_ends=template.ends)
+    args = [t.to(device) for t in (q, k, v, kc, vc, p, reference.as_config_tensor(configs))]
+    out = triton_kernel.lookahead_attention(*args, tree_ends=tree_table(template, T, device)).cpu()
+    assert out.dtype == dtype
+    for b, row in enumerate(zip(configs, lengths, strict=True)):
+        assert reference.relative_error(out[b], expected[b]) <= tolerance, (template, row)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_in_kernel_tree_masks_equal_step_layout(seed):
+    """q = 0 and V = identity (as test_in_kernel_masks_equal_step_layout): row b's output shows its mask, which
+    must be StepLayout's with the tree template, for random templates and configs padded to one T."""
+    from trt_lookahead.kernels import triton_kernel
+
+    rng = np.random.default_rng(100 + seed)
+    device = _kernel_device()
+    template = random_template(rng, int(rng.integers(6, 20)))
+    configs = random_tree_rows(rng, template.nodes, 5)
+    T = max(LookaheadConfig(*c).step_tokens for c in configs if c[0]) + 2
+    B = len(configs)
+    q = torch.zeros(B, T, 1, T)
+    v = torch.eye(T)[None, :, None, :].repeat(B, 1, 1, 1)
+    cache = torch.zeros(B, 1, 4, T)
+    args = [t.to(device) for t in (q, torch.zeros(B, T, 1, T), v, cache, cache, torch.zeros(B, dtype=torch.int32),
+                                   reference.as_config_tensor(configs))]
+    out = triton_kernel.lookahead_attention(*args, tree_ends=tree_table(template, T, device)).cpu()[:, :, 0, :]
+    expected = np.stack([StepLayout(LookaheadConfig(*c), padded_tokens=T, tree=template).mask if c[0]
+                         else np.tril(np.ones((T, T), bool)) for c in configs])
+    assert np.array_equal(out.numpy() > 0, expected), (template, configs)
+
+
+@pytest.mark.parametrize("cfg", [(4, 3, 4), (2, 4, 3), (3, 2, 5)])
+def test_triton_kernel_with_the_chain_template_is_the_linear_kernel(cfg):
+    """chain_template(G, N-1) is the linear branch: the tree kernel gives the linear kernel's bits."""
+    from trt_lookahead.kernels import triton_kernel
+
+    _, N, G = cfg
+    T, Hq, Hkv, D, S = LookaheadConfig(*cfg).step_tokens + 1, 4, 2, 16, 40
+    device = _kernel_device()
+    configs = [cfg, mask.CAUSAL, (1, 2, 0)]
+    args = [t.to(device) for t in (*random_case(T, Hq, Hkv, D, S, [33, 5, 0]), reference.as_config_tensor(configs))]
+    linear = triton_kernel.lookahead_attention(*args).cpu()
+    tree = triton_kernel.lookahead_attention(*args, tree_ends=tree_table(chain_template(G, N - 1), T, device)).cpu()
+    assert torch.equal(tree, linear)
+
+
+def test_triton_kernel_refuses_a_tree_table_shorter_than_the_step():
+    from trt_lookahead.kernels import triton_kernel
+
+    T, Hq, Hkv, D, S, rows = KERNEL_CASES[0]
+    configs, lengths = zip(*rows, strict=True)
+    args = [*random_case(T, Hq, Hkv, D, S, lengths), reference.as_config_tensor(configs)]
+    with pytest.raises(ValueError, match=r"tree_ends must be int32 \[>= 16\]"):
+        triton_kernel.lookahead_attention(*args, tree_ends=tree_table(tree_template(12, 3), T - 1, "cpu"))
+
+
 AOT_PROBE = """
 import json, re
 from triton.backends.compiler import GPUTarget
 from trt_lookahead.errors import UserError
 from trt_lookahead.kernels.tensorrt_plugin import compile_aot_kernel, kernel_signature
 report = {}
-for dtype, head_dim in (("float32", 64), ("float32", 128), ("bfloat16", 128), ("float32", 256)):
+for dtype, head_dim, tree in (("float32", 64, False), ("float32", 128, False), ("bfloat16", 128, False),
+                              ("float32", 256, False), ("float32", 64, True), ("bfloat16", 128, True)):
+    name = f"{dtype} {head_dim}" + (" tree" if tree else "")
     try:
-        kernel = compile_aot_kernel(dtype, 9, 3, head_dim, 0.125, target=GPUTarget("cuda", 90, 32))
+        kernel = compile_aot_kernel(dtype, 9, 3, head_dim, 0.125, tree=tree, target=GPUTarget("cuda", 90, 32))
     except UserError as exc:
-        report[f"{dtype} {head_dim}"] = {"refused": str(exc)}
+        report[name] = {"refused": str(exc)}
         continue
     entry = re.search(r"\\.visible \\.entry (\\w+)\\(([^)]*)\\)", kernel.ptx)
-    report[f"{dtype} {head_dim}"] = {
+    report[name] = {
         "entry": entry.group(1), "name": kernel.name, "ptx": re.search(r"\\.version (\\S+)", kernel.ptx).group(1),
         "params": re.findall(r"\\.param \\.(\\w+)", entry.group(2)),
         "signature": list(kernel_signature(dtype).values()),
         "shared": kernel.shared_mem, "block_n": kernel.block_n, "threads": kernel.threads,
+        "reads_tree_ends": "[lookahead_attention_kernel_param_7]" in kernel.ptx,  # ld.param of the 8th pointer
     }
 print(json.dumps(report))
 """
@@ -175,9 +281,10 @@ print(json.dumps(report))
 
 @pytest.mark.slow  # compiles in a fresh interpreter (seconds)
 def test_aot_kernel_is_what_tensorrt_can_launch():
-    """PTX ISA 8.7 (not the 9.4 of Triton 3.9's default), explicit parameters (7 inputs, int32 T, int32 S,
+    """PTX ISA 8.7 (not the 9.4 of Triton 3.9's default), explicit parameters (8 inputs, int32 T, int32 S,
     output) then Triton's two hidden scratch pointers, and at most 48 KiB of shared memory: float32 with
     head_dim 128 needs 75,776 bytes at BLOCK_N 32, so it gets BLOCK_N 16; head_dim 256 in float32 cannot fit.
+    The draft-tree kernel (HAS_TREE, reading tree_ends) has the same parameters and needs no scratch either.
 
     Compiled for sm_90 without a GPU, in a subprocess (on CPU this session runs Triton's interpreter).
     """
@@ -194,10 +301,15 @@ def test_aot_kernel_is_what_tensorrt_can_launch():
     for case, kernel in report.items():
         assert kernel["entry"] == kernel["name"] == "lookahead_attention_kernel", case
         assert kernel["ptx"] == "8.7", case
-        assert kernel["params"] == ["u64"] * 7 + ["u32", "u32"] + ["u64"] + ["u64", "u64"], case
-        assert kernel["signature"][7:9] == ["i32", "i32"], case
+        assert kernel["params"] == ["u64"] * 8 + ["u32", "u32"] + ["u64"] + ["u64", "u64"], case
+        assert kernel["signature"][5:10] == ["*i32", "*i32", "*i32", "i32", "i32"], case
         assert kernel["shared"] <= 48 * 1024 and kernel["threads"] == 128, case
     assert [report[c]["block_n"] for c in ("float32 64", "float32 128", "bfloat16 128")] == [32, 16, 32]
+    assert [report[c]["block_n"] for c in ("float32 64 tree", "bfloat16 128 tree")] == [32, 32]
+    # only the tree kernel reads its table; the linear one never touches the dummy
+    assert {case: kernel["reads_tree_ends"] for case, kernel in report.items()} == {
+        "float32 64": False, "float32 128": False, "bfloat16 128": False, "float32 64 tree": True,
+        "bfloat16 128 tree": True}
 
 
 @pytest.mark.slow  # a fresh interpreter imports torch (seconds)
@@ -215,31 +327,43 @@ def test_registering_the_plugin_imports_no_triton():
 
 # -- the ONNX node and its onnxruntime decomposition -----------------------------------------------
 
-OP_INPUTS = ["query", "key", "value", "key_cache", "value_cache", "cache_len", "step_config"]
+OP_INPUTS = ["query", "key", "value", "key_cache", "value_cache", "cache_len", "step_config", "tree_ends"]
+FED = OP_INPUTS[:7]  # the graph's inputs; tree_ends is an initializer
 
 
-def single_op_model(B, T, Hq, Hkv, D, S, dtype=TensorProto.FLOAT):
+def single_op_model(B, T, Hq, Hkv, D, S, dtype=TensorProto.FLOAT, tree=None, max_tokens=128):
+    """One LookaheadAttention node; `tree`: its template (the tree_ends initializer over max_tokens)."""
     shapes = [[B, T, Hq, D], [B, T, Hkv, D], [B, T, Hkv, D], [B, Hkv, S, D], [B, Hkv, S, D], [B], [B, 3]]
     types = [dtype] * 5 + [TensorProto.INT32] * 2
     node = onnx_op.make_node(OP_INPUTS, "out", "attention", num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
-                             scale=reference.default_scale(D))
+                             scale=reference.default_scale(D), tree=tree is not None)
+    ends = onnx_op.tree_ends_input(None if tree is None else tree.ends, max_tokens)
     graph = helper.make_graph(
         [node], "lookahead_attention",
-        [helper.make_tensor_value_info(n, t, s) for n, t, s in zip(OP_INPUTS, types, shapes, strict=True)],
+        [helper.make_tensor_value_info(n, t, s) for n, t, s in zip(FED, types, shapes, strict=True)],
         [helper.make_tensor_value_info("out", dtype, [B, T, Hq, D])],
+        initializer=[numpy_helper.from_array(ends, "tree_ends")],
     )
     return helper.make_model(graph, opset_imports=onnx_op.opset_imports(23), ir_version=10)
 
 
-def test_onnx_node_contract():
-    model = single_op_model("B", "T", 9, 3, 64, 1040)
+@pytest.mark.parametrize("tree", [None, tree_template(28, 6)], ids=["linear", "tree"])
+def test_onnx_node_contract(tree):
+    """8 inputs, the last the tree_ends initializer: a tree's subtree ends over the graph's most tokens, or a
+    linear graph's [1] dummy; the `tree` attribute says which."""
+    model = single_op_model("B", "T", 9, 3, 64, 1040, tree=tree, max_tokens=40)
     onnx.checker.check_model(model)
     (node,) = onnx_op.attention_nodes(model)
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     assert (node.op_type, node.domain) == ("LookaheadAttention", "trt_lookahead")
     assert list(node.input) == OP_INPUTS
     assert attrs == {"num_q_heads": 9, "num_kv_heads": 3, "head_dim": 64, "scale": pytest.approx(0.125),
-                     "plugin_namespace": b"trt_lookahead", "plugin_version": b"1", "aot": 1}
+                     "tree": int(tree is not None), "plugin_namespace": b"trt_lookahead", "plugin_version": b"1",
+                     "aot": 1}
+    (table,) = (numpy_helper.to_array(t) for t in model.graph.initializer if t.name == node.input[7])
+    assert table.dtype == np.int32
+    expected = [0] if tree is None else [*tree.ends, *[0] * (40 - 28)]
+    assert table.tolist() == expected
 
 
 ORT_CASES = [  # (T, rows: (step_config, cache_len))
@@ -250,18 +374,20 @@ ORT_CASES = [  # (T, rows: (step_config, cache_len))
 ]
 
 
-def decomposed_session(Hq, Hkv, D, S, exact=False):
+def decomposed_session(Hq, Hkv, D, S, exact=False, tree=None):
     import onnxruntime as ort
 
-    decomposed = onnx_op.decompose(single_op_model("B", "T", Hq, Hkv, D, S), exact=exact, max_keys=S)
+    decomposed = onnx_op.decompose(single_op_model("B", "T", Hq, Hkv, D, S, tree=tree), exact=exact, max_keys=S)
     assert not onnx_op.attention_nodes(decomposed)
+    # a tree graph reads its table; a linear one's dummy is gone (onnxruntime warns about unread initializers)
+    assert [t.name for t in decomposed.graph.initializer if t.name == "tree_ends"] == (["tree_ends"] if tree else [])
     onnx.checker.check_model(decomposed)
     return ort.InferenceSession(decomposed.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
 def op_feeds(tensors):
     q, k, v, kc, vc, p, configs = tensors
-    feeds = dict(zip(OP_INPUTS[:5], (t.numpy() for t in (q, k, v, kc, vc)), strict=True))
+    feeds = dict(zip(FED[:5], (t.numpy() for t in (q, k, v, kc, vc)), strict=True))
     return feeds | {"cache_len": p.numpy(), "step_config": np.asarray(configs, np.int32).reshape(-1, 3)}
 
 
@@ -275,6 +401,23 @@ def test_decomposition_runs_on_onnxruntime_like_the_reference(T, rows):
     expected = reference.lookahead_attention(q, k, v, kc, vc, p, np.array(configs))
     for b, row in enumerate(rows):
         assert reference.relative_error(torch.from_numpy(out[b]), expected[b]) < 1e-5, row
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tree_decomposition_runs_on_onnxruntime_like_the_reference(seed):
+    """The node's tree_ends initializer masks the decomposition: random templates, configs and cache lengths."""
+    rng = np.random.default_rng(seed)
+    Hq, Hkv, D, S = 8, 4, 8, 64
+    template = random_template(rng, int(rng.integers(4, 24)))
+    configs = random_tree_rows(rng, template.nodes, 4)
+    T = max(LookaheadConfig(*c).step_tokens for c in configs if c[0]) + int(rng.integers(0, 4))
+    lengths = [int(x) for x in rng.integers(0, S + 1, len(configs))]
+    session = decomposed_session(Hq, Hkv, D, S, tree=template)
+    q, k, v, kc, vc, p = random_case(T, Hq, Hkv, D, S, lengths, seed=seed)
+    (out,) = session.run(None, op_feeds((q, k, v, kc, vc, p, configs)))
+    expected = reference.lookahead_attention(q, k, v, kc, vc, p, np.array(configs), tree_ends=template.ends)
+    for b, row in enumerate(zip(configs, lengths, strict=True)):
+        assert reference.relative_error(torch.from_numpy(out[b]), expected[b]) < 1e-5, (template, row)
 
 
 EXACT_CASES = [  # (T, rows): cache lengths around 64-key blocks
@@ -297,20 +440,21 @@ def test_exact_decomposition_is_attention_like_the_reference(T, rows):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_exact_decomposition_gives_each_slot_the_bits_of_a_1_token_step_at_its_context(seed):
+@pytest.mark.parametrize("tree", [None, tree_template(8, 3)], ids=["linear", "tree"])
+def test_exact_decomposition_gives_each_slot_the_bits_of_a_1_token_step_at_its_context(seed, tree):
     """Every slot of every row of a mixed batch == the op run for that token alone (T = 1, greedy), its chain's
-    step keys stored in the cache at their positions: what plain decoding computes."""
+    step keys stored in the cache at their positions: what plain decoding computes; with a draft tree too."""
     rng = np.random.default_rng(seed)
     Hq, Hkv, D = [(8, 4, 8), (9, 3, 64)][seed % 2]
     T, S = 16, 400
     configs = [(4, 3, 4), (2, 2, 1), (0, 0, 0), (1, 2, 0), (2, 3, 2)]
     rng.shuffle(configs)
     lengths = [int(rng.choice([0, 1, 62, 63, 64, 65, 127, 128, int(rng.integers(1, 300))])) for _ in configs]
-    exact = decomposed_session(Hq, Hkv, D, S, exact=True)
+    exact = decomposed_session(Hq, Hkv, D, S, exact=True, tree=tree)
     q, k, v, kc, vc, p = random_case(T, Hq, Hkv, D, S, lengths, seed=seed)
     (out,) = exact.run(None, op_feeds((q, k, v, kc, vc, p, configs)))
     for b, (config, P) in enumerate(zip(configs, lengths, strict=True)):
-        visible = mask.step_mask(T, config)
+        visible = mask.step_mask(T, config, None if tree is None else tree.ends)
         for i in range(T):
             chain = np.flatnonzero(visible[i])  # slot order is position order along a chain; itself last
             caches = [c[b : b + 1].clone() for c in (kc, vc)]
@@ -388,7 +532,9 @@ def test_device_tensor_views_memory_tensorrt_owns(dtype):
 
 
 @pytest.mark.gpu
-def test_tensorrt_plugin_runs_the_onnx_node():
+@pytest.mark.parametrize("tree", [None, tree_template(8, 4)], ids=["linear", "tree"])
+def test_tensorrt_plugin_runs_the_onnx_node(tree):
+    """The parser maps the node (its tree_ends initializer a constant input) to the AOT plugin."""
     reason = tensorrt_unavailable_reason()
     if reason:
         pytest.skip(f"TensorRT plugin test needs TensorRT and a GPU: {reason}")
@@ -400,7 +546,7 @@ def test_tensorrt_plugin_runs_the_onnx_node():
     tensorrt_plugin.register(trt, trtp)
     configs, lengths = zip(*GPU_ROWS, strict=True)
     B, T, Hq, Hkv, D, S = len(lengths), 16, 8, 4, 64, 128
-    model = single_op_model(B, T, Hq, Hkv, D, S)
+    model = single_op_model(B, T, Hq, Hkv, D, S, tree=tree, max_tokens=T)
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network(0)
@@ -412,10 +558,11 @@ def test_tensorrt_plugin_runs_the_onnx_node():
     tensors = [t.cuda() for t in random_case(T, Hq, Hkv, D, S, lengths)]
     tensors.append(reference.as_config_tensor(configs).cuda())
     out = torch.empty(B, T, Hq, D, device="cuda")
-    for name, t in zip([*OP_INPUTS, "out"], [*tensors, out], strict=True):
+    for name, t in zip([*FED, "out"], [*tensors, out], strict=True):
         ctx.set_tensor_address(name, t.data_ptr())
     stream = torch.cuda.Stream()
     assert ctx.execute_async_v3(stream.cuda_stream)
     stream.synchronize()
-    expected = reference.lookahead_attention(*(t.cpu() for t in tensors[:6]), np.array(configs))
+    expected = reference.lookahead_attention(*(t.cpu() for t in tensors[:6]), np.array(configs),
+                                             tree_ends=None if tree is None else tree.ends)
     assert reference.relative_error(out.cpu(), expected) < 1e-5

@@ -33,7 +33,6 @@ import numpy as np
 from trt_lookahead.backends.graphs import Logits, OpenedEngine, SlotExecutor
 from trt_lookahead.engine.format import INPUTS, OUTPUTS, EngineConfig, cache_names
 from trt_lookahead.errors import UserError
-from trt_lookahead.kernels.mask import tree_ends
 from trt_lookahead.lookahead.executor import check_kv_memory
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -128,11 +127,8 @@ class OnnxRuntimeEngine(OpenedEngine):
             for value in (*proto.graph.input, *proto.graph.output)
         })
         try:
-            tree, config = self.config.tree, self.config
-            # the table covers every row the graph runs: steps of T tokens and prefill chunks of max_input_len
-            rows = max(config.step_tokens, config.max_input_len)
-            proto = onnx_op.decompose(proto, exact=config.exact, max_keys=config.cache_rows,
-                                      tree_ends=None if tree is None else tree_ends(tree.ends, rows))
+            # a tree engine's nodes carry its subtree ends (an initializer over the graph's most tokens)
+            proto = onnx_op.decompose(proto, exact=self.config.exact, max_keys=self.config.cache_rows)
         except ValueError as exc:
             raise UserError(f"engine {self.config.path}: {exc}; rebuild it without --exact") from exc
         options = self.settings.options()

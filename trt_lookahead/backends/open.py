@@ -57,9 +57,6 @@ def open_engine(path: str | os.PathLike, backend: str = "onnxruntime", dtype: st
     config.check_request(lookahead=lookahead, dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch,
                          model_sha256=model_sha, exact=exact)
     if backend == "tensorrt":
-        if config.tree is not None:
-            raise UserError(f"engine {path} verifies a draft tree, which the TensorRT plugin cannot mask yet: run it "
-                            "on --backend onnxruntime, or build one without --tree")
         from trt_lookahead.backends.tensorrt import TensorRTEngine
 
         return TensorRTEngine(config, max_seq_len=max_seq_len, max_batch=max_batch)

@@ -146,11 +146,9 @@ def build_request(
     template = resolve_tree(tree, lookahead)
     if template is not None:
         template = template.prefix(lookahead.G * lookahead.levels)  # the engine's slots: its first G(N-1) nodes
-        problems = [(attention != "plugin", "its mask is the LookaheadAttention node's (--attention plugin)"),
-                    (target != "onnx", "it runs on onnxruntime; the TensorRT plugin has no tree table yet")]
-        broken = [why for bad, why in problems if bad]
-        if broken:
-            raise UserError(f"--tree cannot build this engine: {'; '.join(broken)}")
+        if attention != "plugin":
+            raise UserError("--tree cannot build this engine: its mask is the LookaheadAttention node's "
+                            "(--attention plugin)")
     return BuildRequest(model_dir, output, lookahead, max_seq_len, max_input_len, max_batch, dtype, attention, target,
                         force, exact, template)
 
@@ -281,7 +279,7 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
     _progress(2, steps, f"exporting the network (attention={request.attention}): batch 1..{request.max_batch}, "
               f"1..{tokens} tokens per row ({lookahead}: T={T})")
     layout = StepLayout(lookahead)
-    save_graph(export_graph(model, request.attention, rows, tokens), out / GRAPH_FILE)
+    save_graph(export_graph(model, request.attention, rows, tokens, request.tree), out / GRAPH_FILE)
 
     _progress(3, steps, "copying the tokenizer and checking the graph with onnx.checker")
     tokenizer_files = [name for name in TOKENIZER_FILES if (request.model_dir / name).is_file()]

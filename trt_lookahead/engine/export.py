@@ -19,10 +19,11 @@ import contextlib
 import io
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from trt_lookahead.engine.format import INPUTS, OUTPUTS, WEIGHTS_FILE, cache_names
 from trt_lookahead.kernels import mask, onnx_op, reference
+from trt_lookahead.lookahead.tree import TreeTemplate
 
 OPSET = 23
 _INLINE_BYTES = 1024  # initializers smaller than this stay inside the graph file
@@ -34,19 +35,21 @@ def plugin_contract() -> dict[str, Any]:
             "plugin_namespace": reference.OP_DOMAIN, "plugin_version": onnx_op.PLUGIN_VERSION, "aot": 1}
 
 
-def _graph_module(model, attention: str):
+def _graph_module(model, attention: str, tree: TreeTemplate | None = None, max_tokens: int = 1):
     """The export wrapper: one forward of the shared `Llama` over B*T flattened tokens, attention per row.
 
     It drives the model through its public forward and attention seam: the model writes each layer's
     step K/V into a [B*T]-row scratch cache (cache_len 0), so the seam hands the attention function the
     step's own K/V, and the function pairs them, row by row, with that layer's real cache (graph inputs).
+    `tree`: the verification slots' draft tree, its ends table (over max_tokens) the nodes' tree_ends input.
     """
     import torch
 
     cfg = model.cfg
     layers, heads, kv_heads, head_dim = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     scale = reference.default_scale(head_dim)
-    attrs = onnx_op.node_attributes(heads, kv_heads, head_dim, scale)
+    attrs = onnx_op.node_attributes(heads, kv_heads, head_dim, scale, tree=tree is not None)
+    tree_ends = None if tree is None else tree.ends
 
     def native_mask(tokens, cache_rows, cache_len, step_config):
         """[B, 1, T, S+T] bool: row b sees its cache rows < cache_len[b] and its step rows by its config."""
@@ -60,6 +63,8 @@ def _graph_module(model, attention: str):
         def __init__(self) -> None:
             super().__init__()
             self.model = model
+            # the nodes' tree_ends input (a linear graph's is a dummy): a buffer, so one initializer
+            self.register_buffer("tree_ends", torch.from_numpy(onnx_op.tree_ends_input(tree_ends, max_tokens)))
 
         def forward(self, input_ids, positions, cache_len, step_config, output_slots, caches):
             batch, tokens = input_ids.shape
@@ -87,11 +92,12 @@ def _graph_module(model, attention: str):
                 elif torch.onnx.is_in_onnx_export():
                     y = torch.onnx.ops.symbolic(
                         f"{reference.OP_DOMAIN}::{reference.OP_NAME}",
-                        [q, k_new, v_new, kc, vc, cache_len, step_config], attrs,
+                        [q, k_new, v_new, kc, vc, cache_len, step_config, cast(torch.Tensor, self.tree_ends)], attrs,
                         dtype=q.dtype, shape=q.shape, version=reference.OP_VERSION,
                     )
                 else:
-                    y = reference.lookahead_attention(q, k_new, v_new, kc, vc, cache_len, step_config, scale=scale)
+                    y = reference.lookahead_attention(q, k_new, v_new, kc, vc, cache_len, step_config, scale=scale,
+                                                      tree_ends=tree_ends)
                 return y.reshape(batch * tokens, heads, head_dim)
 
             zero = torch.zeros((), dtype=torch.long)
@@ -119,8 +125,11 @@ def example_inputs(model, batch: int, tokens: int, cache_rows: int) -> tuple:
             torch.arange(tokens, dtype=torch.int32).repeat(batch, 1), cache)
 
 
-def export_graph(model, attention: str, cache_rows: int, max_tokens: int):
+def export_graph(model, attention: str, cache_rows: int, max_tokens: int, tree: TreeTemplate | None = None):
     """Export the network with a dynamic batch, token count 1..max_tokens and cache length. -> onnx.ModelProto.
+
+    `tree`: the verification slots' draft tree (--attention plugin only): its subtree ends over max_tokens
+    are the LookaheadAttention nodes' tree_ends initializer, and the nodes say tree = 1.
 
     Dimension names: `batch` (every row-indexed input and output), `tokens` (input_ids, positions, the
     present K/V), `rows` (output_slots and the outputs read from them) and `cache_rows` (the caches' S, at
@@ -128,7 +137,7 @@ def export_graph(model, attention: str, cache_rows: int, max_tokens: int):
     """
     import torch
 
-    module = _graph_module(model, attention)
+    module = _graph_module(model, attention, tree, max_tokens)
     args = example_inputs(model, 2, min(8, max(2, max_tokens)), cache_rows)
     names = [*INPUTS, *cache_names(model.cfg.num_layers)]
     batch = torch.export.Dim("batch", min=1)

@@ -49,8 +49,8 @@ from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.tree import TreeTemplate
 
 FORMAT_KEY = "trt_lookahead_engine"
-FORMAT_VERSION = 4  # 2: tokens_per_step was renamed step_tokens; 3: config_sha256; 4: one graph with a batch
-# dimension (model.onnx) replaced step.onnx + prefill.onnx
+FORMAT_VERSION = 5  # 2: tokens_per_step was renamed step_tokens; 3: config_sha256; 4: one graph with a batch
+# dimension (model.onnx) replaced step.onnx + prefill.onnx; 5: LookaheadAttention takes tree_ends and `tree`
 CONFIG_FILE = "config.json"
 CONFIG_DIGEST = "config_sha256"  # config.json's key for the sha256 of its other fields
 VERIFIED_FILE = "verified.json"  # in the cache dir: files whose sha256 matched, by path, size, mtime, ctime

@@ -6,7 +6,8 @@ CAUSAL = (0, 0, 0) meaning a causal prefill chunk (j <= i). It uses only +, -, *
 kernel (in registers) and the ONNX decomposition (`onnx_op.Sym` values) all evaluate this same code.
 For (W, N, G) it equals `StepLayout(LookaheadConfig(W, N, G), padded_tokens=T).mask`. With a tree template
 (lookahead/tree.py) the verification slots see their ancestors through one table of subtree ends
-(`tree_step_visible`; equal to `StepLayout(config, padded_tokens=T, tree=template).mask`).
+(`tree_step_visible`; equal to `StepLayout(config, padded_tokens=T, tree=template).mask`), read through
+`read`, which the Triton kernel replaces by a load from its device tensor.
 """
 
 from __future__ import annotations
@@ -57,7 +58,12 @@ def branch_visible(i, j, window, ngram, verify, end_j):  # (no annotations, as `
 def tree_end(j, window, ngram, ends):  # (no annotations, as `visible`)
     """end_j of a tree template: nwin + ends[j - nwin] for verification slots (ends: [T] table, rest unused)."""
     nwin = (ngram - 1) * window
-    return nwin + ends[(j - nwin) * (j >= nwin)]
+    return nwin + read(ends, (j - nwin) * (j >= nwin))
+
+
+def read(table, index):  # (no annotations, as `visible`)
+    """table[index] for an index array in [0, T): the closed form's one memory read (the Triton kernel's loads)."""
+    return table[index]
 
 
 def step_visible(i, j, window, ngram, verify):  # (no annotations, as `visible`)

@@ -5,18 +5,23 @@ Node contract (what TensorRT's ONNX parser maps to the plugin, see tensorrt_plug
     op_type  "LookaheadAttention"         domain "trt_lookahead" (opset_import trt_lookahead 1)
     inputs   query [B, T, Hq, D], key [B, T, Hkv, D], value [B, T, Hkv, D],
              key_cache [B, Hkv, S, D], value_cache [B, Hkv, S, D],   (float32 | float16 | bfloat16)
-             cache_len [B] int32, step_config [B, 3] int32 = (W, N, G) per row, W = 0: causal
+             cache_len [B] int32, step_config [B, 3] int32 = (W, N, G) per row, W = 0: causal,
+             tree_ends [E] int32: with tree = 1 the draft tree's subtree ends padded to the graph's most
+             tokens (`mask.tree_ends`, E >= every T the graph runs), else a [1] dummy never read; a
+             graph initializer either way
     output   [B, T, Hq, D], the dtype of query
-    attrs    num_q_heads, num_kv_heads, head_dim (INT), scale (FLOAT),
-             plugin_namespace = "trt_lookahead", plugin_version = "1" (STRING), aot = 1 (INT)
+    attrs    num_q_heads, num_kv_heads, head_dim (INT), scale (FLOAT), tree (INT: 1 = tree_ends is a draft
+             tree's table, 0 = G linear candidates), plugin_namespace = "trt_lookahead",
+             plugin_version = "1" (STRING), aot = 1 (INT)
 
 The parser looks a creator up by op_type, plugin_version and plugin_namespace, forwards the
-attributes the plugin declares (num_q_heads, num_kv_heads, head_dim, scale) and picks the AOT
+attributes the plugin declares (num_q_heads, num_kv_heads, head_dim, scale, tree) and picks the AOT
 implementation because of aot = 1; the node's domain does not matter to it.
 
 onnxruntime has no kernel for the node, so `decompose` rewrites each one into standard ops. Built once
 per graph: each row's step mask, the closed form `mask.step_visible` of its (W, N, G) evaluated by ONNX
-ops ([B, T, T]), and each row's prefix mask (cache column c < cache_len[b]). Per layer the caches are
+ops ([B, T, T]; `mask.tree_step_visible` over the node's tree_ends with tree = 1), and each row's
+prefix mask (cache column c < cache_len[b]). Per layer the caches are
 sliced to the batch's longest prefix, max(cache_len) rows (never the whole cache, and never copied
 beyond that), so a shorter row's extra columns are masked; grouped query heads share their KV head
 without repeating K/V. See docs/design.md section 6.4.
@@ -41,20 +46,21 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from trt_lookahead.kernels.mask import step_visible, tree_step_visible
+from trt_lookahead.kernels.mask import step_visible, tree_ends, tree_step_visible
 from trt_lookahead.kernels.reference import KEY_BLOCK, OP_DOMAIN, OP_NAME, OP_VERSION
 
 PLUGIN_VERSION = "1"
 EXACT_MAX_TOKENS = KEY_BLOCK  # tokens per row of an exact graph: its step keys span two key blocks
 
 
-def node_attributes(num_q_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> dict:
+def node_attributes(num_q_heads: int, num_kv_heads: int, head_dim: int, scale: float, tree: bool = False) -> dict:
     """Attributes of a LookaheadAttention node (what the plugin receives, plus the parser's routing)."""
     return {
         "num_q_heads": int(num_q_heads),
         "num_kv_heads": int(num_kv_heads),
         "head_dim": int(head_dim),
         "scale": float(scale),
+        "tree": int(bool(tree)),
         "plugin_namespace": OP_DOMAIN,
         "plugin_version": PLUGIN_VERSION,
         "aot": 1,
@@ -68,6 +74,16 @@ def make_node(inputs: list[str], output: str, name: str, **attributes) -> onnx.N
 
 def attention_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     return [n for n in model.graph.node if n.op_type == OP_NAME and n.domain == OP_DOMAIN]
+
+
+def tree_ends_input(ends: np.ndarray | None, tokens: int) -> np.ndarray:
+    """The tree_ends input of a graph running up to `tokens` tokens per row: int32 [tokens] of a template's
+    subtree ends (TreeTemplate.ends), or the [1] dummy of G linear candidates (ends None)."""
+    return np.zeros(1, np.int32) if ends is None else tree_ends(ends, tokens).astype(np.int32)
+
+
+def _attributes(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
 class _Graph:
@@ -150,8 +166,8 @@ class _Masks:
     """The per-graph values every layer's decomposition shares: the rows' step and prefix masks as additive
     biases, T and the longest prefix. Built once, ahead of the first layer; tiled per query-head group."""
 
-    def __init__(self, g: _Graph, query: str, cache_len: str, step_config: str,
-                 tree_ends: np.ndarray | None = None) -> None:
+    def __init__(self, g: _Graph, node: onnx.NodeProto) -> None:
+        query, cache_len, step_config, ends = (node.input[k] for k in (0, 5, 6, 7))
         self.g = g
         self.tokens = g.op("Shape", query, start=1, end=2)  # [1] int64
         idx = g.op("Range", g.const(0), g.op("Squeeze", self.tokens), g.const(1))
@@ -160,10 +176,11 @@ class _Masks:
         cfg = g.op("Cast", step_config, to=TensorProto.INT64)
         window, ngram, verify = (Sym(g, g.op("Unsqueeze", g.op("Gather", cfg, g.const(k), axis=1), g.const([1, 2])))
                                  for k in range(3))  # [B, 1, 1] each
-        if tree_ends is None:
-            step = step_visible(rows, cols, window, ngram, verify)  # [B, T, T]
-        else:  # the draft tree's subtree ends, a constant table read per key slot (docs/design.md 2.7)
-            step = tree_step_visible(rows, cols, window, ngram, verify, Sym(g, g.const(tree_ends)))
+        if _attributes(node)["tree"]:  # the draft tree's subtree ends, a table read per key slot (docs/design.md 2.7)
+            table = Sym(g, g.op("Cast", ends, to=TensorProto.INT64))
+            step = tree_step_visible(rows, cols, window, ngram, verify, table)  # [B, T, T]
+        else:
+            step = step_visible(rows, cols, window, ngram, verify)
         self.visible = step.name
         self.step_bias = _bias(g, step.name, [1])  # [B, 1, T, T]
         self.length = length = g.op("Cast", cache_len, to=TensorProto.INT64)  # [B]
@@ -194,7 +211,7 @@ class _Heads:
 
 
 def _heads(g: _Graph, node: onnx.NodeProto) -> _Heads:
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attrs = _attributes(node)
     hq, hkv, d, scale = attrs["num_q_heads"], attrs["num_kv_heads"], attrs["head_dim"], attrs["scale"]
     group = hq // hkv
     q, k, v = node.input[:3]
@@ -343,12 +360,9 @@ def _decompose_exact_node(g: _Graph, node: onnx.NodeProto, masks: _Masks, plan: 
     _write_output(g, node, h, out)
 
 
-def decompose(model: onnx.ModelProto, exact: bool = False, max_keys: int = 0,
-              tree_ends: np.ndarray | None = None) -> onnx.ModelProto:
-    """A copy of `model` whose LookaheadAttention nodes are standard ops (for onnxruntime).
-
-    tree_ends: the verification slots are a draft tree with these subtree ends (mask.tree_ends: [T] int64,
-    at least the graph's T long); None: G linear candidates.
+def decompose(model: onnx.ModelProto, exact: bool = False, max_keys: int = 0) -> onnx.ModelProto:
+    """A copy of `model` whose LookaheadAttention nodes are standard ops (for onnxruntime); a node with
+    tree = 1 masks by its tree_ends table, and a linear graph's unread dummy table is dropped.
 
     exact: the row-invariant form (module docstring), for rows of at most EXACT_MAX_TOKENS tokens over
     caches of at most `max_keys` keys; float32, and query heads sharing a KV head (ValueError otherwise).
@@ -360,10 +374,10 @@ def decompose(model: onnx.ModelProto, exact: bool = False, max_keys: int = 0,
     out.CopyFrom(model)
     g = _Graph("lookahead_attention")
     first = nodes[0]
-    masks = _Masks(g, first.input[0], first.input[5], first.input[6], tree_ends)
+    masks = _Masks(g, first)
     plan = None
     if exact:
-        attrs = {a.name: helper.get_attribute_value(a) for a in first.attribute}
+        attrs = _attributes(first)
         group = attrs["num_q_heads"] // attrs["num_kv_heads"]
         if group < 2:  # a 1-row product (T = 1) would round another way
             raise ValueError("the exact decomposition needs grouped-query attention (query heads > KV heads)")
@@ -371,9 +385,10 @@ def decompose(model: onnx.ModelProto, exact: bool = False, max_keys: int = 0,
     rewritten: list[onnx.NodeProto] = []
     for node in out.graph.node:
         if node.op_type == OP_NAME and node.domain == OP_DOMAIN:
-            if node.input[5:7] != first.input[5:7] or (plan and node.attribute != first.attribute):
-                raise ValueError("LookaheadAttention nodes of one graph must share cache_len, step_config "
-                                 "(and, exact, their heads)")
+            if (node.input[5:8] != first.input[5:8] or _attributes(node)["tree"] != _attributes(first)["tree"]
+                    or (plan and node.attribute != first.attribute)):
+                raise ValueError("LookaheadAttention nodes of one graph must share cache_len, step_config, "
+                                 "tree_ends and tree (and, exact, their heads)")
             if plan is None:
                 _decompose_node(g, node, masks)
             else:
@@ -385,6 +400,10 @@ def decompose(model: onnx.ModelProto, exact: bool = False, max_keys: int = 0,
     del out.graph.node[:]
     out.graph.node.extend(rewritten)
     out.graph.initializer.extend(g.initializers)
+    read = {name for node in out.graph.node for name in node.input}
+    unread = [t for t in out.graph.initializer if t.name == first.input[7] and t.name not in read]
+    for table in unread:  # onnxruntime warns about an initializer no node reads
+        out.graph.initializer.remove(table)
     keep = [o for o in out.opset_import if o.domain != OP_DOMAIN]
     del out.opset_import[:]
     out.opset_import.extend(keep)

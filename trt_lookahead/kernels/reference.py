@@ -9,8 +9,9 @@ inputs   query [B, T, Hq, D], key [B, T, Hkv, D], value [B, T, Hkv, D]   (RoPE a
          key_cache [B, Hkv, S, D], value_cache [B, Hkv, S, D]           (row b: rows 0..cache_len[b]-1 valid)
          cache_len [B] int32                                             device tensor: each row's cached prefix
          step_config [B, 3] int32 = (W, N, G) per row                    device tensor; W = 0 means causal
+         tree_ends [E >= T] int32 (the node's; here `tree_ends=`)       a draft tree's subtree ends, tree = 1
 output   [B, T, Hq, D]
-attrs    num_q_heads, num_kv_heads, head_dim, scale
+attrs    num_q_heads, num_kv_heads, head_dim, scale, tree
 
 Rows never see each other: row b is exactly the single-sequence op on its own cache, so a row's result
 does not depend on what shares its batch. The step mask is never a tensor: it is the closed form

@@ -4,8 +4,8 @@
 the ONNX parser; written against 11.x):
 
     @trtp.register   output = query.like()   [B, T, Hq, D], same dtype
-    @trtp.autotune   FP32 | FP16 | BF16 for query/key/value/caches/output, INT32 for cache_len and
-                     step_config, LINEAR formats
+    @trtp.autotune   FP32 | FP16 | BF16 for query/key/value/caches/output, INT32 for cache_len,
+                     step_config and tree_ends, LINEAR formats
     @trtp.aot_impl   the Triton kernel of triton_kernel.py compiled to PTX (`compile_aot_kernel`), launched
                      by TensorRT itself with `launch_dims`: grid (ceil(T / BLOCK_M), Hq, B), int32 extras
                      (T, S) from shape expressions (query [B, T, Hq, D], key_cache [B, Hkv, S, D]);
@@ -19,12 +19,16 @@ What the AOT route hands TensorRT, and why (docs/design.md section 6.7):
   PTX 9.4, newer than the CUDA 13.3 that TensorRT 11.1 is built with). 8.7 is what the ptxas of Triton
   3.5 (pinned by TensorRT's QDP sample) and 3.6 assembles for sm_90, loads on every CUDA 13 driver, and
   covers sm_90a, sm_100a and sm_120a.
-- The entry has 12 parameters: TensorRT's 10 (7 inputs, T, S, the output) plus Triton's hidden
+- The entry has 13 parameters: TensorRT's 11 (8 inputs, T, S, the output) plus Triton's hidden
   global_scratch and profile_scratch pointers, which TensorRT does not know about. The kernel must never
   read them: a compile that needs either scratch is refused.
 - At most AOT_SHARED_MEM_LIMIT bytes of dynamic shared memory: no source says TensorRT's launcher opts
   in to more, so BLOCK_N shrinks until the kernel fits (float32 with head_dim 128 needs 75,776 bytes at
   BLOCK_N 32, 42,048 at 16), or the build fails naming the need.
+- The draft tree (docs/design.md 2.7): the 8th input, tree_ends, is an int32 table the kernel reads when the
+  `tree` attribute is 1 (the template's subtree ends over the graph's most tokens, an initializer); with
+  tree = 0 it is a 1-element dummy that is never read, and the kernel is compiled with HAS_TREE off, so a
+  linear engine runs the linear kernel. One registration (fixed inputs) serves both.
 scripts/gpu_check.py launches exactly this (cuModuleLoadData + cuLaunchKernel) on a GPU.
 
 The ONNX parser maps a node to this plugin when its op_type is `LookaheadAttention` and it carries
@@ -69,13 +73,15 @@ def kernel_signature(dtype: str) -> dict[str, str]:
     input pointers (op order), the int32 extras (T, S), then the output pointer."""
     ty = _TRITON_TYPES[dtype]
     sig = {name: f"*{ty}" for name in ("q_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr")}
-    sig.update({"cache_len_ptr": "*i32", "step_config_ptr": "*i32", "T": "i32", "S": "i32", "out_ptr": f"*{ty}"})
+    sig.update({"cache_len_ptr": "*i32", "step_config_ptr": "*i32", "tree_ends_ptr": "*i32", "T": "i32", "S": "i32",
+                "out_ptr": f"*{ty}"})
     return sig
 
 
 def compile_kernel(dtype: str, num_q_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
-                   block_n: int, target=None) -> AotKernel:
-    """Triton -> PTX (ISA PTX_VERSION) for one op instance (`target` None: this GPU; a GPUTarget needs none).
+                   block_n: int, tree: bool = False, target=None) -> AotKernel:
+    """Triton -> PTX (ISA PTX_VERSION) for one op instance (`target` None: this GPU; a GPUTarget needs none);
+    `tree`: the kernel reads tree_ends (HAS_TREE).
 
     Refuses a kernel that needs Triton scratch memory: TensorRT passes no pointer for it.
     """
@@ -83,7 +89,8 @@ def compile_kernel(dtype: str, num_q_heads: int, num_kv_heads: int, head_dim: in
 
     from trt_lookahead.kernels import triton_kernel
 
-    consts = {**triton_kernel.constexprs(num_q_heads, num_kv_heads, head_dim, scale), "BLOCK_N": block_n}
+    consts = {**triton_kernel.constexprs(num_q_heads, num_kv_heads, head_dim, scale, has_tree=tree),
+              "BLOCK_N": block_n}
     signature = {**kernel_signature(dtype), **{name: "constexpr" for name in consts}}
     source = triton.compiler.ASTSource(fn=triton_kernel.lookahead_attention_kernel, signature=signature,
                                        constexprs=consts)
@@ -101,11 +108,12 @@ def compile_kernel(dtype: str, num_q_heads: int, num_kv_heads: int, head_dim: in
 
 
 def compile_aot_kernel(dtype: str, num_q_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                       target=None) -> AotKernel:
+                       tree: bool = False, target=None) -> AotKernel:
     """The kernel at the largest BLOCK_N of AOT_BLOCK_N whose shared memory fits AOT_SHARED_MEM_LIMIT."""
     needs = {}
     for block_n in AOT_BLOCK_N:
-        kernel = compile_kernel(dtype, num_q_heads, num_kv_heads, head_dim, scale, block_n=block_n, target=target)
+        kernel = compile_kernel(dtype, num_q_heads, num_kv_heads, head_dim, scale, block_n=block_n, tree=tree,
+                                target=target)
         if kernel.shared_mem <= AOT_SHARED_MEM_LIMIT:
             return kernel
         needs[block_n] = kernel.shared_mem
@@ -152,10 +160,12 @@ def register(trt, trtp) -> None:
         value_cache: trtp.TensorDesc,
         cache_len: trtp.TensorDesc,
         step_config: trtp.TensorDesc,
+        tree_ends: trtp.TensorDesc,
         num_q_heads: int,
         num_kv_heads: int,
         head_dim: int,
         scale: float,
+        tree: int,
     ) -> trtp.TensorDesc:
         return query.like()
 
@@ -168,10 +178,11 @@ def register(trt, trtp) -> None:
         value_cache: trtp.TensorDesc,
         cache_len: trtp.TensorDesc,
         step_config: trtp.TensorDesc,
+        tree_ends: trtp.TensorDesc,
         outputs: Tuple[trtp.TensorDesc],  # noqa: UP006
     ) -> List[trtp.AutoTuneCombination]:  # noqa: UP006
         f = "FP32|FP16|BF16"
-        return [trtp.AutoTuneCombination(f"{f}, {f}, {f}, {f}, {f}, INT32, INT32, {f}", "LINEAR")]
+        return [trtp.AutoTuneCombination(f"{f}, {f}, {f}, {f}, {f}, INT32, INT32, INT32, {f}", "LINEAR")]
 
     @trtp.aot_impl(PLUGIN_ID)
     def _aot_impl(
@@ -182,14 +193,17 @@ def register(trt, trtp) -> None:
         value_cache: trtp.TensorDesc,
         cache_len: trtp.TensorDesc,
         step_config: trtp.TensorDesc,
+        tree_ends: trtp.TensorDesc,
         num_q_heads: int,
         num_kv_heads: int,
         head_dim: int,
         scale: float,
+        tree: int,
         outputs: Tuple[trtp.TensorDesc],  # noqa: UP006
         tactic: int,
     ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:  # noqa: UP006, UP007
-        kernel = compile_aot_kernel(dtype_names[query.dtype], num_q_heads, num_kv_heads, head_dim, scale)
+        kernel = compile_aot_kernel(dtype_names[query.dtype], num_q_heads, num_kv_heads, head_dim, scale,
+                                    tree=bool(tree))
         batch, tokens = query.shape_expr[0], query.shape_expr[1]  # query [B, T, Hq, D]
         rows = key_cache.shape_expr[2]  # key_cache [B, Hkv, S, D]
         grid, extras = launch_dims(batch, tokens, rows, num_q_heads, trtp.cdiv)
@@ -209,10 +223,12 @@ def register(trt, trtp) -> None:
         value_cache: trtp.Tensor,
         cache_len: trtp.Tensor,
         step_config: trtp.Tensor,
+        tree_ends: trtp.Tensor,
         num_q_heads: int,
         num_kv_heads: int,
         head_dim: int,
         scale: float,
+        tree: int,
         outputs: Tuple[trtp.Tensor],  # noqa: UP006
         stream: int,
     ) -> None:
@@ -221,11 +237,12 @@ def register(trt, trtp) -> None:
         from trt_lookahead.kernels import triton_kernel
 
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-            query_t, key_t, value_t, key_cache_t, value_cache_t, cache_len_t, step_config_t, out = (
+            query_t, key_t, value_t, key_cache_t, value_cache_t, cache_len_t, step_config_t, tree_ends_t, out = (
                 device_tensor(t.data_ptr, t.shape, t.strides, dtype_names[t.dtype])
-                for t in (query, key, value, key_cache, value_cache, cache_len, step_config, outputs[0])
+                for t in (query, key, value, key_cache, value_cache, cache_len, step_config, tree_ends, outputs[0])
             )
             triton_kernel.lookahead_attention(query_t, key_t, value_t, key_cache_t, value_cache_t, cache_len_t,
-                                              step_config_t, scale=scale, out=out)
+                                              step_config_t, scale=scale, out=out,
+                                              tree_ends=tree_ends_t if tree else None)
 
     _registered.append(PLUGIN_ID)

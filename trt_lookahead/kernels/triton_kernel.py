@@ -6,16 +6,22 @@ registers by the same `mask.step_visible` function as the reference, from row b'
 step_config[b] (W = 0: causal). cache_len and step_config are loaded from device tensors, so one captured
 graph replays for every step, every mix of rows and every config padded to T; a row's work depends only
 on its own length and config, never on the other rows. Grouped-query heads read KV head h // (HQ // HKV).
+With HAS_TREE the verification slots are a draft tree (docs/design.md 2.7): the mask is
+`mask.tree_step_visible`, reading the template's subtree ends from the int32 table tree_ends [>= T]
+(`mask.tree_ends(template.ends, T)`, shared by every row); without it that pointer is never read (any
+int32 pointer will do) and the kernel compiles to the linear one.
 
 Launch contract (also the AOT plugin's): grid (ceil(T / BLOCK_M), Hq, B); pointer arguments in op-input
-order, then the int32 scalars T and S, then the output pointer; everything else is constexpr. The kernel
-uses no scratch memory (the AOT route cannot provide any). Runs on CPU under TRITON_INTERPRET=1.
+order (q, k, v, k_cache, v_cache, cache_len, step_config, tree_ends), then the int32 scalars T and S,
+then the output pointer; everything else is constexpr. The kernel uses no scratch memory (the AOT route
+cannot provide any). Runs on CPU under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
 
 import os
 import types
+from typing import Any
 
 import triton
 import triton.language as tl
@@ -27,12 +33,26 @@ BLOCK_N = 32
 NUM_WARPS = 4
 _LOG2E = 1.4426950408889634
 
-# mask.py's functions compiled as Triton helpers: the same code objects, given this module's globals so
-# that `step_visible` finds the jitted `visible` (and `visible` its helpers) beside it.
-chain_end = triton.jit(types.FunctionType(mask.chain_end.__code__, globals(), "chain_end"))
-branch_visible = triton.jit(types.FunctionType(mask.branch_visible.__code__, globals(), "branch_visible"))
-visible = triton.jit(types.FunctionType(mask.visible.__code__, globals(), "visible"))
-step_visible = triton.jit(types.FunctionType(mask.step_visible.__code__, globals(), "step_visible"))
+
+
+def _helper(fn: Any) -> triton.JITFunction:  # Any: mypy's Callable has no __code__
+    """mask.py's `fn` compiled as a Triton helper: the same code object, given this module's globals so that
+    it finds the jitted helpers it calls (`step_visible` finds `visible`, `tree_end` finds `read`) beside it."""
+    return triton.jit(types.FunctionType(fn.__code__, globals(), fn.__name__))
+
+
+@triton.jit
+def read(table, index):
+    """mask.read from device memory: `table` points at the tree_ends table (the caller keeps index < T)."""
+    return tl.load(table + index)
+
+
+chain_end = _helper(mask.chain_end)
+branch_visible = _helper(mask.branch_visible)
+visible = _helper(mask.visible)
+step_visible = _helper(mask.step_visible)
+tree_end = _helper(mask.tree_end)
+tree_step_visible = _helper(mask.tree_step_visible)
 
 
 @triton.jit
@@ -61,6 +81,7 @@ def lookahead_attention_kernel(
     vc_ptr,
     cache_len_ptr,
     step_config_ptr,
+    tree_ends_ptr,  # [>= T] int32 subtree ends of the draft tree; read only with HAS_TREE
     T,
     S,
     out_ptr,
@@ -72,6 +93,7 @@ def lookahead_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # interpreter only, see `interpreter_upcast`
+    HAS_TREE: tl.constexpr,  # the verification slots are a draft tree (tree_ends); else G linear candidates
 ):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
@@ -128,7 +150,13 @@ def lookahead_attention_kernel(
         kv_mask = col_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + offs_n[:, None] * (HKV * D) + kv_head * D + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + offs_n[:, None] * (HKV * D) + kv_head * D + offs_d[None, :], mask=kv_mask, other=0.0)
-        seen = step_visible(offs_m[:, None], offs_n[None, :], window, ngram, verify) & col_ok[None, :]
+        if HAS_TREE:
+            # keys past T (masked by col_ok) are clamped so that the table, T entries long, is read in bounds
+            keys = tl.minimum(offs_n, T - 1)
+            seen = tree_step_visible(offs_m[:, None], keys[None, :], window, ngram, verify, tree_ends_ptr)
+        else:
+            seen = step_visible(offs_m[:, None], offs_n[None, :], window, ngram, verify)
+        seen = seen & col_ok[None, :]
         m_i, l_i, acc = _attend_block(q, k, v, seen, m_i, l_i, acc, QK_SCALE, UPCAST_DOT)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -144,7 +172,8 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def constexprs(num_q_heads: int, num_kv_heads: int, head_dim: int, scale: float, upcast_dot: bool = False) -> dict:
+def constexprs(num_q_heads: int, num_kv_heads: int, head_dim: int, scale: float, upcast_dot: bool = False,
+               has_tree: bool = False) -> dict:
     """The kernel's constexpr arguments for one op instance (shared by launch() and the AOT plugin)."""
     if num_q_heads % num_kv_heads:
         raise ValueError(f"query heads {num_q_heads} are not a multiple of KV heads {num_kv_heads}")
@@ -157,6 +186,7 @@ def constexprs(num_q_heads: int, num_kv_heads: int, head_dim: int, scale: float,
         "BLOCK_M": BLOCK_M,
         "BLOCK_N": BLOCK_N,
         "UPCAST_DOT": bool(upcast_dot),
+        "HAS_TREE": bool(has_tree),
     }
 
 
@@ -173,26 +203,35 @@ def grid(batch: int, tokens: int, num_q_heads: int) -> tuple[int, int, int]:
     return (triton.cdiv(tokens, BLOCK_M), num_q_heads, batch)
 
 
-def lookahead_attention(query, key, value, key_cache, value_cache, cache_len, step_config, *, scale=None, out=None):
+def lookahead_attention(query, key, value, key_cache, value_cache, cache_len, step_config, *, scale=None, out=None,
+                        tree_ends=None):
     """Launch the kernel on torch tensors (CUDA tensors, or CPU ones under TRITON_INTERPRET=1).
 
     Same signature and semantics as reference.lookahead_attention; every tensor must be contiguous.
+    `tree_ends`: int32 [>= T], the draft tree's subtree ends padded to the step (`mask.tree_ends(ends, T)` of
+    the reference's TreeTemplate.ends); None: G linear candidates.
     """
     import torch
 
     B, T, Hq, D = query.shape
     Hkv = key.shape[2]
     S = key_cache.shape[2]
-    for name, t in (("query", query), ("key", key), ("value", value), ("key_cache", key_cache),
-                    ("value_cache", value_cache), ("cache_len", cache_len), ("step_config", step_config)):
-        if not t.is_contiguous():
+    tensors = {"query": query, "key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache,
+               "cache_len": cache_len, "step_config": step_config, "tree_ends": tree_ends}
+    for name, t in tensors.items():
+        if t is not None and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
+    if tree_ends is not None and (tree_ends.dtype != torch.int32 or tree_ends.dim() != 1 or len(tree_ends) < T):
+        raise ValueError(f"tree_ends must be int32 [>= {T}] (mask.tree_ends), got {tree_ends.dtype} "
+                         f"{list(tree_ends.shape)}")
     if out is None:
         out = torch.empty_like(query)
     scale = reference.default_scale(D) if scale is None else scale
     lookahead_attention_kernel[grid(B, T, Hq)](
-        query, key, value, key_cache, value_cache, cache_len, step_config, T, S, out,
-        **constexprs(Hq, Hkv, D, scale, upcast_dot=interpreter_upcast(query.dtype)),
+        query, key, value, key_cache, value_cache, cache_len, step_config,
+        cache_len if tree_ends is None else tree_ends,  # a linear kernel never reads it: any int32 pointer
+        T, S, out,
+        **constexprs(Hq, Hkv, D, scale, upcast_dot=interpreter_upcast(query.dtype), has_tree=tree_ends is not None),
         num_warps=NUM_WARPS,
     )
     return out
