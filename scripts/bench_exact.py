@@ -75,7 +75,7 @@ def engine(name: str, max_seq_len: int, exact: bool, threads: int):
 
     out = ROOT / "engines" / f"bench-{name}-{max_seq_len}{'-exact' if exact else ''}"
     build(build_request(checkpoint(name), out, lookahead=LookaheadConfig(7, 5, 7), max_seq_len=max_seq_len,
-                        max_batch=8, exact=exact, force=True))
+                        max_batch=8, exact=exact, force=True, tree=None))  # the linear engines measured
     return open_engine(out, threads=threads)
 
 

@@ -38,7 +38,7 @@ def build(out: Path, *extra: str) -> Path:
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     root = tmp_path_factory.mktemp("exact")
-    return {"exact": build(root / "exact", "--exact"), "fast": build(root / "fast"),
+    return {"exact": build(root / "exact", "--exact", "--tree", "off"), "fast": build(root / "fast", "--tree", "off"),
             "exact-tree": build(root / "exact-tree", "--exact", "--tree", "auto")}
 
 

@@ -35,6 +35,8 @@ pytestmark = pytest.mark.export  # every test here builds or reads engine dirs
 def build(out: Path, *extra, model=STORIES, max_seq_len=MAX_SEQ_LEN, max_input_len=64) -> Path:
     argv = ["build", "--model", str(model), "--output", str(out), "--lookahead_config", "4,3,4", "--max_seq_len",
             str(max_seq_len), "--max_input_len", str(max_input_len), "--max-batch", str(MAX_BATCH), *extra]
+    if "--tree" not in extra:  # linear candidates unless a test asks for a tree (build's default is `auto`)
+        argv += ["--tree", "off"]
     assert main(argv) == 0
     return out
 

@@ -19,6 +19,7 @@ from trt_lookahead.engine import build, format
 from trt_lookahead.errors import UserError
 from trt_lookahead.files import sha256_file
 from trt_lookahead.kernels import onnx_op
+from trt_lookahead.lookahead.tree import TREE_DEPTH, tree_template
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 LAYERS = 5
@@ -87,10 +88,22 @@ def test_the_graph_has_batch_tokens_rows_and_cache_dims_and_one_plugin_node_per_
     assert len(nodes) == LAYERS
     attrs = {a.name: helper.get_attribute_value(a) for a in nodes[0].attribute}
     assert attrs["num_q_heads"] == 8 and attrs["num_kv_heads"] == 4 and attrs["head_dim"] == 8
-    assert attrs["plugin_namespace"] == b"trt_lookahead" and attrs["aot"] == 1 and attrs["tree"] == 0
+    # build's default: the `auto` tree of 4/3/4's 8 verification slots, its ends over the graph's 64 tokens
+    assert attrs["plugin_namespace"] == b"trt_lookahead" and attrs["aot"] == 1 and attrs["tree"] == 1
     assert list(nodes[0].input[3:]) == ["key_cache_0", "value_cache_0", "cache_len", "step_config", "tree_ends"]
-    (dummy,) = [numpy_helper.to_array(t) for t in model.graph.initializer if t.name == "tree_ends"]  # linear: unread
-    assert dummy.dtype == np.int32 and dummy.tolist() == [0]
+    template = tree_template(8, TREE_DEPTH)
+    assert json.loads((engine / "config.json").read_text())["tree"] == list(template.parents)
+    (table,) = [numpy_helper.to_array(t) for t in model.graph.initializer if t.name == "tree_ends"]
+    assert table.dtype == np.int32 and table.tolist() == [*template.ends.tolist(), *[0] * (64 - 8)]
+
+
+def test_a_linear_build_carries_an_unread_dummy_table(tmp_path):
+    assert main(build_args(tmp_path / "linear", "--tree", "off")) == 0
+    model = onnx.load(str(tmp_path / "linear" / "model.onnx"), load_external_data=False)
+    attrs = {a.name: helper.get_attribute_value(a) for a in onnx_op.attention_nodes(model)[0].attribute}
+    (dummy,) = [numpy_helper.to_array(t) for t in model.graph.initializer if t.name == "tree_ends"]
+    assert attrs["tree"] == 0 and dummy.dtype == np.int32 and dummy.tolist() == [0]
+    assert json.loads((tmp_path / "linear" / "config.json").read_text())["tree"] is None
     assert {(o.domain, o.version) for o in model.opset_import} == {("", 23), ("trt_lookahead", 1)}
 
 

@@ -35,10 +35,10 @@ def random_case(T, Hq, Hkv, D, S, lengths, dtype=torch.float32, seed=0):
     return q, k, v, kc, vc, torch.tensor(lengths, dtype=torch.int32)
 
 
-def layout_masks(configs, T):
+def layout_masks(configs, T, tree=None):
     """[B, T, T] masks of StepLayout (causal for (0, 0, 0)): what the closed form must reproduce per row."""
-    return np.stack([StepLayout(LookaheadConfig(*c), padded_tokens=T).mask if c[0] else np.tril(np.ones((T, T), bool))
-                     for c in configs])
+    return np.stack([StepLayout(LookaheadConfig(*c), padded_tokens=T, tree=tree).mask if c[0]
+                     else np.tril(np.ones((T, T), bool)) for c in configs])
 
 
 # -- the closed-form mask -----------------------------------------------------------------------
@@ -139,16 +139,22 @@ def test_in_kernel_masks_equal_step_layout():
     b's mask. One launch holds every config (padded to the largest T plus 2 pad slots) and a causal row."""
     from trt_lookahead.kernels import triton_kernel
 
-    device = _kernel_device()
     T = max(LookaheadConfig(*c).step_tokens for c in PROBE_CONFIGS if c[0]) + 2
-    B = len(PROBE_CONFIGS)
+    assert np.array_equal(kernel_masks(triton_kernel, PROBE_CONFIGS, T), layout_masks(PROBE_CONFIGS, T))
+
+
+def kernel_masks(triton_kernel, configs, T: int, template: TreeTemplate | None = None) -> np.ndarray:
+    """[B, T, T] the kernel's masks: with q = 0 every visible key weighs the same and V = identity, so output
+    row i of batch row b is row i of b's mask."""
+    device = _kernel_device()
+    B = len(configs)
     q = torch.zeros(B, T, 1, T)
     v = torch.eye(T)[None, :, None, :].repeat(B, 1, 1, 1)
     cache = torch.zeros(B, 1, 4, T)
     args = [t.to(device) for t in (q, torch.zeros(B, T, 1, T), v, cache, cache, torch.zeros(B, dtype=torch.int32),
-                                   reference.as_config_tensor(PROBE_CONFIGS))]
-    out = triton_kernel.lookahead_attention(*args).cpu()[:, :, 0, :]
-    assert np.array_equal(out.numpy() > 0, layout_masks(PROBE_CONFIGS, T))
+                                   reference.as_config_tensor(configs))]
+    ends = None if template is None else tree_table(template, T, device)
+    return triton_kernel.lookahead_attention(*args, tree_ends=ends).cpu()[:, :, 0, :].numpy() > 0
 
 
 # -- the Triton kernel with a draft tree (tree_ends table from a device tensor) ------------------------
@@ -212,20 +218,11 @@ def test_in_kernel_tree_masks_equal_step_layout(seed):
     from trt_lookahead.kernels import triton_kernel
 
     rng = np.random.default_rng(100 + seed)
-    device = _kernel_device()
     template = random_template(rng, int(rng.integers(6, 20)))
     configs = random_tree_rows(rng, template.nodes, 5)
     T = max(LookaheadConfig(*c).step_tokens for c in configs if c[0]) + 2
-    B = len(configs)
-    q = torch.zeros(B, T, 1, T)
-    v = torch.eye(T)[None, :, None, :].repeat(B, 1, 1, 1)
-    cache = torch.zeros(B, 1, 4, T)
-    args = [t.to(device) for t in (q, torch.zeros(B, T, 1, T), v, cache, cache, torch.zeros(B, dtype=torch.int32),
-                                   reference.as_config_tensor(configs))]
-    out = triton_kernel.lookahead_attention(*args, tree_ends=tree_table(template, T, device)).cpu()[:, :, 0, :]
-    expected = np.stack([StepLayout(LookaheadConfig(*c), padded_tokens=T, tree=template).mask if c[0]
-                         else np.tril(np.ones((T, T), bool)) for c in configs])
-    assert np.array_equal(out.numpy() > 0, expected), (template, configs)
+    assert np.array_equal(kernel_masks(triton_kernel, configs, T, template), layout_masks(configs, T, template)), (
+        template, configs)
 
 
 @pytest.mark.parametrize("cfg", [(4, 3, 4), (2, 4, 3), (3, 2, 5)])

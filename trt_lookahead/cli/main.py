@@ -55,8 +55,8 @@ def _add_pool_scope_argument(p: argparse.ArgumentParser, default: str = POOL_SCO
 
 
 def _add_tree_argument(p: argparse.ArgumentParser, build: bool = False) -> None:
-    default = "off (linear candidates)" if build else "auto for a checkpoint, an engine dir's built tree"
-    p.add_argument("--tree", default=None if build else RUNTIME_DEFAULT,
+    default = "auto where the config has candidates" if build else "auto; an engine dir's built tree"
+    p.add_argument("--tree", default=RUNTIME_DEFAULT,
                    help=f"the verification branch as a draft tree fed by the pool, suffix matches and recycled top-k: "
                         f"auto (sized for the lookahead config), off (G linear candidates), a comma list of parents "
                         f"in preorder (--tree=-1,0,0,-1) or a file holding one (default: {default})")

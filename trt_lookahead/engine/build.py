@@ -52,9 +52,9 @@ from trt_lookahead.engine.format import (
 )
 from trt_lookahead.errors import UserError, as_int
 from trt_lookahead.files import check_output_dir, remove_stale_work_dirs, replace_dir, work_dir
-from trt_lookahead.lookahead.config import DEFAULT_LOOKAHEAD, LookaheadConfig
+from trt_lookahead.lookahead.config import DEFAULT, DEFAULT_LOOKAHEAD, LookaheadConfig
 from trt_lookahead.lookahead.layout import StepLayout
-from trt_lookahead.lookahead.tree import TreeTemplate, resolve_tree
+from trt_lookahead.lookahead.tree import DEFAULT_TREE, TreeTemplate, resolve_tree
 
 if TYPE_CHECKING:
     from trt_lookahead.model.llama import Llama, ModelConfig
@@ -115,7 +115,7 @@ def build_request(
     target: str = "onnx",
     force: bool = False,
     exact: bool = False,
-    tree: str | TreeTemplate | None = None,
+    tree: str | TreeTemplate | None = DEFAULT,
 ) -> BuildRequest:
     """Validate a build before any work (UserError with one clear line); `model` is a dir or a known name.
 
@@ -143,7 +143,9 @@ def build_request(
         raise UserError(f"max_batch {max_batch} is impossible; an engine runs at least one row per step")
     if exact:
         _check_exact(model_dir, lookahead, dtype, attention, target)
-    template = resolve_tree(tree, lookahead)
+    # the default: the `auto` tree wherever the engine can verify one (docs/design.md 2.7)
+    carries = lookahead.G and attention == "plugin"
+    template = resolve_tree((DEFAULT_TREE if carries else None) if tree == DEFAULT else tree, lookahead)
     if template is not None:
         template = template.prefix(lookahead.G * lookahead.levels)  # the engine's slots: its first G(N-1) nodes
         if attention != "plugin":
