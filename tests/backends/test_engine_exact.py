@@ -11,6 +11,7 @@ import pytest
 from trt_lookahead.backends.onnxruntime import SessionSettings
 from trt_lookahead.backends.open import open_engine
 from trt_lookahead.cli import main
+from trt_lookahead.engine.format import load_engine_config
 from trt_lookahead.kernels.mask import CAUSAL
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.executor import StepBatch
@@ -81,7 +82,6 @@ def differences(engine_dir: Path, trials: int, seed: int, threads: int = 1) -> t
     random companions in a random row order, against 1-token greedy decoding of the same context."""
     engine = open_engine(engine_dir, threads=threads)
     ex, ref, tree = engine.executor(), engine.executor(max_batch=1), engine.config.tree
-    assert (tree is not None) == engine_dir.name.endswith("tree")
     rng = np.random.default_rng(seed)
     compared, differ = 0, []
     for trial in range(trials):
@@ -116,6 +116,7 @@ def differences(engine_dir: Path, trials: int, seed: int, threads: int = 1) -> t
 def test_exact_engine_lookahead_slots_equal_greedy_steps_bit_for_bit(engines, name, threads):
     """Random prompts (many ending around 64-key blocks), configs, companions and row orders: every output slot
     of the lookahead step, alone and batched, == the 1-token greedy step at its context; with a draft tree too."""
+    assert (load_engine_config(engines[name]).tree is not None) == (name == "exact-tree")
     compared, differ = differences(engines[name], trials=16, seed=threads, threads=threads)
     assert compared > 150 and differ == []
 
@@ -214,13 +215,15 @@ def test_build_exact_refuses_what_it_cannot_build(tmp_path, capsys, extra, words
 
 @pytest.mark.slow
 def test_smollm2_exact_engine_slots_equal_greedy_steps_and_the_fast_engine_differs(tmp_path):
-    """The same check on SmolLM2-135M (30 layers, 3 query heads per KV head, head_dim 64), 2 threads."""
+    """The same check on SmolLM2-135M (30 layers, 3 query heads per KV head, head_dim 64), 2 threads; both
+    engines carry build's default `auto` tree."""
     from trt_lookahead.model.fetch import resolve_model
 
     model = str(resolve_model("smollm2-135m-instruct"))
     common = ["--model", model, "--lookahead_config", "4,3,4", "--max_seq_len", "384", "--max-batch", str(MAX_BATCH)]
     assert main(["build", *common, "--output", str(tmp_path / "exact"), "--exact"]) == 0
     assert main(["build", *common, "--output", str(tmp_path / "fast")]) == 0
+    assert load_engine_config(tmp_path / "exact").tree is not None
     compared, differ = differences(tmp_path / "exact", trials=4, seed=7, threads=2)
     assert compared > 40 and differ == []
     compared, differ = differences(tmp_path / "fast", trials=2, seed=7, threads=2)

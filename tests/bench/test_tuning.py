@@ -127,7 +127,7 @@ def test_auto_tunes_when_the_file_has_no_entry_and_then_reads_it(tuning, capsys)
                                           tuning_file=tuning) as rt:
         config, _ = tune.auto_tuning(rt, budget_seconds=4)  # what the first `auto` request calls
         assert f"tuning now, about 4 s, result cached in {tuning}" in capsys.readouterr().err
-        stored = tuning_file.lookup_tuning(str(STORIES), "float32", "onnxruntime", path=tuning)
+        stored = tuning_file.read_tuning_file(tuning)["entries"].get(checkpoint_tuning_key(STORIES, "float32"))
         assert stored is not None and stored["version"] == tuning_file.TUNING_VERSION and stored["machine"]["cpu"]
         assert "1" in stored["step_cost"] and stored["priors"] and stored["verified"]["prompts"] >= 1
         assert config == tune.policy_from_entry(stored)[0]
@@ -144,4 +144,4 @@ def test_tune_cli_writes_the_tuning_file(tuning, capsys):
     assert code == 0
     stored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert stored["dataset"] == "humaneval" and stored["dtype"] == "float32"
-    assert tuning_file.lookup_tuning(str(STORIES), "float32", "onnxruntime", path=tuning) == stored
+    assert tuning_file.read_tuning_file(tuning)["entries"].get(checkpoint_tuning_key(STORIES, "float32")) == stored
