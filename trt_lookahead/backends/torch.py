@@ -55,8 +55,8 @@ from trt_lookahead.lookahead.tree import TreeTemplate, covers
 from trt_lookahead.model.llama import Llama, attend, row_invariant_layout
 
 DEFAULT_STEP_TOKENS = 128  # the largest row a runtime's torch executor takes (15/5/15 is 120)
-# dtypes whose exact step costs within 10% of the fast one at batch 1, T <= 16 on the CPU (README, "Exact by
-# construction", scripts/bench_exact.py): float32's SDPA is cheaper than BlockedAttention's calls at T = 1
+# dtypes where the exact step is on by default on the CPU: bfloat16, whose fast step disagrees with greedy on most
+# prompts, for 0.9-1.15x the fast step's cost at batch 1, T <= 16 (README, "Exact by construction")
 EXACT_BY_DEFAULT = (torch.bfloat16,)
 
 
