@@ -687,7 +687,13 @@ def checkpoint_tree(spec: str | TreeTemplate | None, asked: LookaheadConfig | No
     """The draft tree a checkpoint runs with (DEFAULT: DEFAULT_TREE; docs/design.md 2.7), sized for the config
     asked for, else for the widest `auto` may use; on onnxruntime for its cached engine (`engine_cover`)."""
     sized = engine_cover(asked) if backend == "onnxruntime" or not (asked and asked.G) else asked
-    return resolve_tree(DEFAULT_TREE if spec == DEFAULT else spec, sized)
+    try:
+        return resolve_tree(DEFAULT_TREE if spec == DEFAULT else spec, sized)
+    except UserError as exc:
+        if backend != "onnxruntime":
+            raise
+        raise UserError(f"{exc} ({sized} is the checkpoint's cached engine; on --backend torch a tree only needs "
+                        "the slots of the config asked for)") from None
 
 
 def checkpoint_tuning_key(path: str | Path, dtype: str, backend: str | None = None,
