@@ -625,7 +625,7 @@ def section_aot(args: argparse.Namespace, emit: Emit) -> str:
     import torch
     import triton
 
-    from trt_lookahead.kernels import mask, reference, tensorrt_plugin
+    from trt_lookahead.kernels import onnx_op, reference, tensorrt_plugin
     from trt_lookahead.lookahead.tree import TREE_DEPTH, tree_template
 
     cases: list[dict[str, Any]] = []
@@ -654,8 +654,7 @@ def section_aot(args: argparse.Namespace, emit: Emit) -> str:
             q, k, v = (torch.randn(1, T, h, D, generator=g).to(getattr(torch, dtype)) for h in (Hq, Hkv, Hkv))
             kc, vc = (torch.randn(1, Hkv, S, D, generator=g).to(getattr(torch, dtype)) for _ in range(2))
             # tree_ends as the ONNX node carries it: the template's table, or a linear engine's 1-element dummy
-            ends = torch.zeros(1, dtype=torch.int32) if template is None else (
-                torch.from_numpy(mask.tree_ends(template.ends, T)).to(torch.int32))
+            ends = torch.from_numpy(onnx_op.tree_ends_input(None if template is None else template.ends, T))
             inputs = [t.cuda() for t in (q, k, v, kc, vc, torch.tensor([p], dtype=torch.int32),
                                          reference.as_config_tensor(config_tuple(config)), ends)]
             out = torch.full_like(inputs[0], float("nan"))

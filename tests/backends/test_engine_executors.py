@@ -448,6 +448,17 @@ def test_a_tree_engine_verifies_its_draft_tree_and_emits_the_checkpoints_tokens(
                          tree="auto").tree == tree_template(8, TREE_DEPTH)
 
 
+def test_tune_measures_only_the_configs_an_engine_runs(engines):
+    """tune's ladders keep the configs within the engine's 4/3/4 (it once asked an 8/3/8 engine for 1/4/1)."""
+    from trt_lookahead.runtime import LookaheadRuntime
+    from trt_lookahead.tuning import tune
+
+    with LookaheadRuntime.from_pretrained(engines["plugin"]) as rt:
+        fits = {str(c): tune._runs_on(rt, c) for c in (LookaheadConfig(4, 3, 4), LookaheadConfig(1, 3, 1),
+                                                       LookaheadConfig(1, 4, 1), LookaheadConfig(8, 3, 8))}
+    assert fits == {"4/3/4": True, "1/3/1": True, "1/4/1": False, "8/3/8": False}
+
+
 def test_bench_runs_on_an_engine_dir(engines, tmp_path, capsys):
     """`bench --engine`: greedy and lookahead rows on the engine's executor, exact, and the memory limit from the
     engine's weights file (it once read the engine dir as a checkpoint and failed)."""

@@ -184,7 +184,7 @@ def random_tree_rows(rng: np.random.Generator, nodes: int, rows: int) -> list[tu
 
 
 def tree_table(template: TreeTemplate, T: int, device: str) -> torch.Tensor:
-    return torch.from_numpy(mask.tree_ends(template.ends, T)).to(torch.int32).to(device)
+    return torch.from_numpy(onnx_op.tree_ends_input(template.ends, T)).to(device)
 
 
 @pytest.mark.parametrize("seed", range(3))

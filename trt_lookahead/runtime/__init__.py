@@ -702,8 +702,7 @@ def checkpoint_tuning_key(path: str | Path, dtype: str, backend: str | None = No
     from trt_lookahead.tuning.file import tuning_key
 
     backend = checkpoint_backend(backend, dtype, asked)[0]
-    tree = checkpoint_tree(DEFAULT, asked, backend)
-    return tuning_key(path, dtype, backend, tree=None if tree is None else str(tree))
+    return tuning_key(path, dtype, backend, tree=checkpoint_tree(DEFAULT, asked, backend))
 
 
 def checkpoint_backend(

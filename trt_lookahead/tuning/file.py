@@ -23,6 +23,7 @@ from typing import Any
 
 from trt_lookahead.bench.machine import machine_key
 from trt_lookahead.files import cache_dir, write_text_atomic
+from trt_lookahead.lookahead.tree import TreeTemplate
 from trt_lookahead.model.fetch import KNOWN_MODELS, model_dir
 
 TUNING_FILE = "tuning.json"
@@ -45,10 +46,11 @@ def model_key(model_id: str | os.PathLike) -> str:
 
 
 def tuning_key(model_id: str | os.PathLike, dtype: str, backend: str, machine: str | None = None,
-               tree: str | None = None) -> str:
-    """The entry's key; `tree` (a draft tree's parent list, TreeTemplate's str) changes what every rung accepts."""
+               tree: TreeTemplate | str | None = None) -> str:
+    """The entry's key; `tree` (a draft tree, or its parent list as TreeTemplate's str writes it) changes what
+    every rung accepts."""
     key = f"model={model_key(model_id)}|dtype={dtype}|backend={backend}|machine={machine or machine_key()}"
-    return key if tree is None else f"{key}|tree={hashlib.sha256(tree.encode()).hexdigest()[:12]}"
+    return key if tree is None else f"{key}|tree={hashlib.sha256(str(tree).encode()).hexdigest()[:12]}"
 
 
 def _empty() -> dict[str, Any]:
@@ -95,13 +97,13 @@ def write_tuning_entry(key: str, entry: dict[str, Any], path: Path | None = None
 
 
 def lookup_tuning(model_id: str | os.PathLike, dtype: str, backend: str, machine: str | None = None,
-                  path: Path | None = None, tree: str | None = None) -> dict[str, Any] | None:
+                  path: Path | None = None, tree: TreeTemplate | str | None = None) -> dict[str, Any] | None:
     """The entry for this model, dtype, backend, machine (this one if None) and draft tree, or None."""
     return read_tuning_file(path)["entries"].get(tuning_key(model_id, dtype, backend, machine, tree))
 
 
 def tuned_step_cost(model_id: str | os.PathLike, dtype: str, backend: str, threads: int | None,
-                    path: Path | None = None, tree: str | None = None) -> dict[str, float] | None:
+                    path: Path | None = None, tree: TreeTemplate | str | None = None) -> dict[str, float] | None:
     """One request's step cost by step tokens (ms) that tuning measured on this machine at `threads`, if any."""
     entry = lookup_tuning(model_id, dtype, backend, machine_key(threads), path, tree)
     if not entry or "1" not in entry.get("step_cost", {}):

@@ -76,7 +76,7 @@ def policy_from_entry(entry: dict[str, Any]) -> tuple[LookaheadConfig, Lookahead
 
 def runtime_tuning_key(rt: LookaheadRuntime) -> str:
     """The tuning file's key for a runtime: its model, dtype, backend, this machine and its draft tree."""
-    return tuning_key(rt.model_path, rt.dtype, rt.backend, tree=None if rt.tree is None else str(rt.tree))
+    return tuning_key(rt.model_path, rt.dtype, rt.backend, tree=rt.tree)
 
 
 def auto_tuning(
@@ -260,13 +260,10 @@ def _decode_ms_per_token(outs: Sequence[GenerationOutput]) -> float:
 
 def _runs_on(rt: LookaheadRuntime, config: LookaheadConfig) -> bool:
     """Whether `config` fits the runtime's executor (its step tokens, and an engine dir's W, N and G)."""
-    if config.step_tokens > rt.executor.step_tokens:
+    try:
+        rt.request_config(config)
+    except ValueError:  # UserError is one
         return False
-    if rt.max_lookahead is not None:
-        try:
-            config.check_fits(rt.max_lookahead)
-        except ValueError:
-            return False
     return True
 
 
