@@ -11,9 +11,10 @@ are imported lazily by the code paths that need them). Each section runs in its 
 time limit, so a crash, a hang or an exception is recorded in that section and the next one runs; the JSON
 is rewritten after every section, so a run cut short still leaves its evidence.
 
-    tests      `pytest -m gpu` on the test files holding gpu tests, outcome per test (JUnit XML)
+    tests      the kernel tests (tests/kernels/test_kernels.py: the Triton kernel compiled for this GPU, linear
+               and tree masks), then `pytest -m gpu` on the other test files holding gpu tests; outcome per test
     exactness  lookahead == greedy on GPU (stories260K, a random-weight GQA Llama), float32 (tokens must be
-               equal) and bfloat16 (match rate), eager and CUDA graph
+               equal) and bfloat16 (match rate), eager and CUDA graph, linear candidates and the draft tree
     latency    forward time against T for random-weight Llama 1B / 7B shapes in bfloat16, eager and CUDA
                graph, SDPA (the torch executor's attention) and the LookaheadAttention Triton kernel
     aot        the TensorRT plugin's AOT kernel as TensorRT launches it: compiled to PTX for this GPU with
@@ -49,17 +50,19 @@ ROOT = Path(__file__).resolve().parent.parent
 STORIES = ROOT / "tests" / "fixtures" / "stories260K"
 README = ROOT / "README.md"
 SCHEMA = 1
-REPORT, JUNIT, LATENCY_PNG, PROJECTION_PNG, TABLE = (
-    "gpu_check.json", "pytest_gpu.xml", "latency.png", "projection.png", "readme_table.md")
+REPORT, JUNIT, KERNEL_JUNIT, LATENCY_PNG, PROJECTION_PNG, TABLE = (
+    "gpu_check.json", "pytest_gpu.xml", "pytest_kernels.xml", "latency.png", "projection.png", "readme_table.md")
+KERNEL_TESTS = "tests/kernels/test_kernels.py"  # run whole: its Triton tests run compiled wherever a GPU is
 SECTIONS = ("tests", "exactness", "latency", "aot", "batching")
 STATUSES = ("ok", "failed", "error", "timeout", "skipped", "not available")
 TOP_KEYS = ("schema", "command", "quick", "started", "finished", "machine", *SECTIONS, "projection", "files")
-SECTION_SHARE = {"tests": 0.2, "exactness": 0.15, "latency": 0.4, "aot": 0.15, "batching": 0.1}  # of the budget
+SECTION_SHARE = {"tests": 0.25, "exactness": 0.2, "latency": 0.3, "aot": 0.15, "batching": 0.1}  # of the budget
 
 # one step layout per measured T = (W + G)(N - 1): 1, 4, 16, 28, 56, 120, 256
 STEP_CONFIGS = ("1,2,0", "1,3,1", "4,3,4", "7,3,7", "7,5,7", "15,5,15", "16,9,16")
 QUICK_STEP_CONFIGS = ("1,2,0", "4,3,4", "7,5,7", "15,5,15")
 BATCHES = (1, 8)
+ATTENTIONS = ("sdpa", "triton", "triton_tree")  # StepInputs' step methods: what each latency row times
 # the public configs of Llama-3.2-1B and Llama-2-7B; the weights are random, drawn on the GPU
 SHAPES = {
     "llama-1b": dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
@@ -71,7 +74,9 @@ SMALL_GQA = dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, hea
                  vocab_size=2048, max_position_embeddings=2048)
 CACHED_TOKENS = 512  # cache_len of every timed step
 CACHE_ROOM = 1024  # max_seq_len of the timed buffers: S = CACHE_ROOM + T rows
-EXACT_CONFIGS = ("4,3,4", "2,2,1", "7,5,7")
+# (config, tree): "auto" verifies tree_template(G(N-1)) (the padded step masks it per row), None linear candidates
+EXACT_CONFIGS = (("4,3,4", None), ("2,2,1", None), ("7,5,7", None), ("7,5,7", "auto"))
+QUICK_EXACT_CONFIGS = (("4,3,4", None), ("7,5,7", "auto"))
 # (dtype, Hq, Hkv, D, step_config, T, S, cache_len, tree): 1B and 7B heads, float32 D=128 (over 48 KB with
 # BLOCK_N 32), a causal chunk whose T is not a multiple of BLOCK_M; tree: the draft tree's nodes
 # (tree_template(nodes, TREE_DEPTH), its ends table read by the kernel), 0 for G linear candidates
@@ -277,7 +282,7 @@ def summarize(report: dict[str, Any], out: Path) -> dict[str, Any]:
     except Exception as exc:
         report["projection"] = {"error": f"{type(exc).__name__}: {exc}"}
     report["finished"] = report.get("finished") or _utc()
-    files = [REPORT, *([JUNIT] if (out / JUNIT).is_file() else [])]
+    files = [REPORT, *(name for name in (KERNEL_JUNIT, JUNIT) if (out / name).is_file())]
     for name, plot in ((LATENCY_PNG, plot_latency), (PROJECTION_PNG, plot_projection)):
         try:
             if plot(report, out / name):
@@ -295,22 +300,29 @@ def summarize(report: dict[str, Any], out: Path) -> dict[str, Any]:
 
 
 def gpu_test_files() -> list[str]:
-    """Test files that hold a gpu-marked test (collecting the others would need the serving extras)."""
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
-                  if "mark.gpu" in p.read_text(encoding="utf-8"))
+    """Test files other than KERNEL_TESTS that hold a gpu-marked test (collecting the rest would need the
+    serving extras)."""
+    return sorted(path for p in (ROOT / "tests").rglob("test_*.py")
+                  if "mark.gpu" in p.read_text(encoding="utf-8") and (path := str(p.relative_to(ROOT))) != KERNEL_TESTS)
 
 
 def section_tests(args: argparse.Namespace, emit: Emit) -> str:
-    junit = args.out / JUNIT
-    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-               "--continue-on-collection-errors", f"--junitxml={junit}", *gpu_test_files()]
-    emit({"command": " ".join(command[1:])})
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    outcomes = junit_outcomes(junit) if junit.is_file() else []
-    counts = {k: sum(o["outcome"] == k for o in outcomes) for k in ("passed", "failed", "error", "skipped")}
-    emit({"exit_code": done.returncode, "counts": counts, "tests": outcomes, "output_tail": done.stdout[-3000:]})
-    if counts["failed"] or counts["error"] or not outcomes or done.returncode != 0:
-        emit({"error": f"pytest exited {done.returncode}: {counts}"})
+    runs: list[dict[str, Any]] = []
+    outcomes: list[dict[str, str]] = []
+    counts = dict.fromkeys(("passed", "failed", "error", "skipped"), 0)
+    for junit, selection in ((KERNEL_JUNIT, [KERNEL_TESTS]), (JUNIT, ["-m", "gpu", *gpu_test_files()])):
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                   "--continue-on-collection-errors", f"--junitxml={args.out / junit}", *selection]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        found = junit_outcomes(args.out / junit) if (args.out / junit).is_file() else []
+        outcomes += found
+        for outcome in found:
+            counts[outcome["outcome"]] += 1
+        runs.append({"command": " ".join(command[1:]), "exit_code": done.returncode, "tests": len(found),
+                     "output_tail": done.stdout[-3000:]})
+        emit({"runs": runs, "counts": counts, "tests": outcomes})  # a later run's timeout keeps this one
+    if counts["failed"] or counts["error"] or any(not r["tests"] or r["exit_code"] != 0 for r in runs):
+        emit({"error": f"pytest exited {[r['exit_code'] for r in runs]}: {counts}"})
         return "failed"
     return "ok"
 
@@ -358,25 +370,32 @@ def gpu_llama(shape: dict[str, Any]):
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Llama(ModelConfig(**shape), dtype=torch.bfloat16)
-    return model.eval().requires_grad_(False)
+    # .to: rope_inv_freq is computed on the CPU (as transformers does) whatever the device context
+    return model.to("cuda").eval().requires_grad_(False)
 
 
 # -- section: exactness ---------------------------------------------------------------------------------
 
 
-def decode_all(model, config: str, mode: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Each prompt's tokens under `config` on the model's device; `mode` graph replays the step as a CUDA graph."""
+def decode_all(model, config: str, mode: str, prompts: list[list[int]], new_tokens: int,
+               tree: str | None = None) -> tuple[list[list[int]], int]:
+    """Each prompt's tokens under `config` (and `tree`, resolve_tree's spec) on the model's device, and the
+    steps they took; `mode` graph replays the step as a CUDA graph."""
     from trt_lookahead.backends.torch import BatchedTorchExecutor
     from trt_lookahead.lookahead.config import LookaheadConfig
     from trt_lookahead.lookahead.decoder import LookaheadDecoder
     from trt_lookahead.lookahead.layout import StepLayout
+    from trt_lookahead.lookahead.tree import resolve_tree
 
-    layout = StepLayout(LookaheadConfig.parse(config))
+    lookahead = LookaheadConfig.parse(config)
+    template = resolve_tree(tree, lookahead)
+    layout = StepLayout(lookahead, tree=template)
     on_gpu = model.device.type == "cuda"
     executor = BatchedTorchExecutor(model, 1, 256, layout.step_tokens, model.device, padded=on_gpu,
-                                    cuda_graph=on_gpu and mode == "graph")
-    decoder = LookaheadDecoder(executor, layout)
-    return [decoder.generate(prompt, new_tokens).token_ids for prompt in prompts]
+                                    cuda_graph=on_gpu and mode == "graph", tree=template)
+    decoder = LookaheadDecoder(executor, layout, tree=template)
+    results = [decoder.generate(prompt, new_tokens) for prompt in prompts]
+    return [r.token_ids for r in results], sum(r.stats.steps for r in results)
 
 
 def compare(tokens: list[list[int]], reference: list[list[int]]) -> dict[str, Any]:
@@ -400,7 +419,7 @@ def section_exactness(args: argparse.Namespace, emit: Emit) -> str:
     from trt_lookahead.model.checkpoint import load_llama
 
     n_prompts, new_tokens = (3, 32) if args.quick else (6, 64)
-    configs = EXACT_CONFIGS[:1] if args.quick else EXACT_CONFIGS
+    configs = QUICK_EXACT_CONFIGS if args.quick else EXACT_CONFIGS
     makers = {"stories260K": lambda dtype: load_llama(STORIES, dtype=dtype)[0],
               "random-gqa": lambda dtype: random_llama(SMALL_GQA, dtype, "cpu")}
     cases: list[dict[str, Any]] = []
@@ -413,19 +432,20 @@ def section_exactness(args: argparse.Namespace, emit: Emit) -> str:
             prompts = [rng.integers(3, model.cfg.vocab_size, 12).tolist() for _ in range(n_prompts)]
             references = {}
             if dtype == "float32":  # greedy on the CPU is the reference of greedy on the GPU
-                references["cpu greedy"] = decode_all(model, "1,2,0", "eager", prompts, new_tokens)
+                references["cpu greedy"] = decode_all(model, "1,2,0", "eager", prompts, new_tokens)[0]
             model = model.to("cuda")
             for mode in ("eager", "graph"):
-                greedy = decode_all(model, "1,2,0", mode, prompts, new_tokens)
-                rows = [("1,2,0", against, ref, greedy) for against, ref in references.items()]
-                rows += [(config, f"{mode} greedy", greedy, None) for config in configs]
-                for config, against, reference, tokens in rows:
-                    tokens = tokens if tokens is not None else decode_all(model, config, mode, prompts, new_tokens)
-                    case = {"model": name, "dtype": dtype, "mode": mode, "config": config, "against": against,
-                            **compare(tokens, reference)}
+                greedy, greedy_steps = decode_all(model, "1,2,0", mode, prompts, new_tokens)
+                rows = [("1,2,0", None, against, ref, (greedy, greedy_steps)) for against, ref in references.items()]
+                rows += [(config, tree, f"{mode} greedy", greedy, None) for config, tree in configs]
+                for config, tree, against, reference, done in rows:
+                    tokens, steps = done or decode_all(model, config, mode, prompts, new_tokens, tree)
+                    case = {"model": name, "dtype": dtype, "mode": mode, "config": config, "tree": tree,
+                            "against": against, "steps": steps, **compare(tokens, reference)}
                     cases.append(case)
                     if dtype == "float32" and case["identical"] != case["prompts"]:
-                        failures.append(f"{name} {mode} {config} vs {against} ({case['identical']}/{case['prompts']})")
+                        failures.append(f"{name} {mode} {config} tree={tree} vs {against} "
+                                        f"({case['identical']}/{case['prompts']})")
                     emit({"cases": cases})
                 references[f"{mode} greedy"] = greedy
             del model
@@ -445,9 +465,10 @@ class StepInputs:
     def __init__(self, model, config: str) -> None:
         import torch
 
-        from trt_lookahead.kernels import reference
+        from trt_lookahead.kernels import onnx_op, reference
         from trt_lookahead.lookahead.config import LookaheadConfig
         from trt_lookahead.lookahead.layout import StepLayout
+        from trt_lookahead.lookahead.tree import TREE_DEPTH, tree_template
 
         layout = StepLayout(LookaheadConfig.parse(config))
         self.model, self.T, dev = model, layout.step_tokens, model.device
@@ -464,6 +485,11 @@ class StepInputs:
         self.kernel_cache_len = torch.tensor([CACHED_TOKENS], dtype=torch.int32, device=dev)
         self.step_config = reference.as_config_tensor(config_tuple(config)).to(dev)
         self.zero = torch.zeros((), dtype=torch.int64, device=dev)
+        # the `auto` draft tree of this config's verification slots, as the kernel reads it (None: G = 0)
+        nodes = layout.config.G * layout.config.levels
+        self.tree_ends = None if not nodes else torch.from_numpy(
+            onnx_op.tree_ends_input(tree_template(nodes, TREE_DEPTH).ends, self.T)).to(dev)
+        self._tree: torch.Tensor | None = None
         self._layer = 0
 
     def sdpa(self):
@@ -476,6 +502,15 @@ class StepInputs:
     def triton(self):
         """The same step with LookaheadAttention's Triton kernel: the model writes the step K/V into a
         T-row scratch cache (cache_len 0), the kernel pairs them with the layer's real cache (as engines do)."""
+        self._tree = None
+        return self.model(self.ids, self.positions, self.scratch_k, self.scratch_v, self.zero, self.mask,
+                          attention=self._kernel_attention)
+
+    def triton_tree(self):
+        """The Triton step with the verification slots masked as the `auto` draft tree (None without slots)."""
+        if self.tree_ends is None:
+            return None
+        self._tree = self.tree_ends
         return self.model(self.ids, self.positions, self.scratch_k, self.scratch_v, self.zero, self.mask,
                           attention=self._kernel_attention)
 
@@ -486,7 +521,7 @@ class StepInputs:
         self._layer = (layer + 1) % len(self.k_heads)  # layers call in order, once per forward
         return triton_kernel.lookahead_attention(q.contiguous()[None], k_step[None], v_step[None],  # one row
                                                  self.k_heads[layer][None], self.v_heads[layer][None],
-                                                 self.kernel_cache_len, self.step_config)[0]
+                                                 self.kernel_cache_len, self.step_config, tree_ends=self._tree)[0]
 
 
 def config_tuple(config: str) -> tuple[int, ...]:
@@ -551,7 +586,9 @@ def section_latency(args: argparse.Namespace, emit: Emit) -> str:
             emit({f"kernel_vs_sdpa_{shape}": kernel_agreement(model)})
             for config in configs:
                 step = StepInputs(model, config)
-                for attention in ("sdpa", "triton"):
+                for attention in ATTENTIONS:
+                    if attention == "triton_tree" and step.tree_ends is None:
+                        continue  # no verification slots to lay a tree on
                     for mode in ("eager", "graph"):
                         try:
                             timing = time_call(getattr(step, attention), mode, reps)
@@ -866,7 +903,7 @@ def plot_latency(report: dict[str, Any], path: Path) -> bool:
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
-        for attention in ("sdpa", "triton"):
+        for attention in ATTENTIONS:
             for mode, style in (("eager", "--"), ("graph", "-")):
                 line = sorted((r["T"], r["median_ms"]) for r in rows
                               if (r["model"], r["attention"], r["mode"]) == (model, attention, mode))
@@ -921,11 +958,12 @@ def readme_table(report: dict[str, Any]) -> str:
     keys = sorted({(r["model"], r["T"]) for r in rows}, key=lambda k: (k[0], k[1]))
     if keys:
         lines += ["Forward ms (median) of random-weight bf16 shapes, cache_len 512:", "",
-                  "| shape | T | SDPA eager | SDPA graph | Triton eager | Triton graph | graph t(T)/t(1) |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+                  "| shape | T | SDPA eager | SDPA graph | Triton eager | Triton graph | Triton tree graph "
+                  "| graph t(T)/t(1) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
         ms = {(r["model"], r["T"], r["attention"], r["mode"]): r["median_ms"] for r in rows}
         for model, T in keys:
             cells = [ms.get((model, T, a, m_)) for a in ("sdpa", "triton") for m_ in ("eager", "graph")]
+            cells.append(ms.get((model, T, "triton_tree", "graph")))
             best = min((ms.get((model, T, a, "graph")) or float("inf")) / (ms.get((model, 1, a, "graph")) or 1)
                        for a in ("sdpa", "triton"))
             lines.append(f"| {model} | {T} | " + " | ".join("-" if c is None else f"{c:.3f}" for c in cells)

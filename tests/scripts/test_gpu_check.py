@@ -126,7 +126,7 @@ def test_summarize_writes_plots_table_and_a_valid_report(gpu_check, tmp_path):
     gpu_check.check_report(final)
     assert final["files"] == ["gpu_check.json", "latency.png", "projection.png", "readme_table.md"]
     table = (tmp_path / "out" / "readme_table.md").read_text()
-    assert "| a | 16 | - | - | - | 12.500 | 1.25 |" in table and "Test GPU" in table
+    assert "| a | 16 | - | - | - | 12.500 | - | 1.25 |" in table and "Test GPU" in table
     assert any(r["config"] == "4/3/4" and r["model"] == "a" for r in final["projection"]["rows"])
 
 
