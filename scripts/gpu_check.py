@@ -11,10 +11,12 @@ are imported lazily by the code paths that need them). Each section runs in its 
 time limit, so a crash, a hang or an exception is recorded in that section and the next one runs; the JSON
 is rewritten after every section, so a run cut short still leaves its evidence.
 
-    tests      the kernel tests (tests/kernels/test_kernels.py: the Triton kernel compiled for this GPU, linear
-               and tree masks), then `pytest -m gpu` on the other test files holding gpu tests; outcome per test
+    tests      the kernel and exact-step tests (KERNEL_TESTS: the Triton kernels compiled for this GPU, linear
+               and tree masks, the row-invariant kernels and the exact padded step's bits), then `pytest -m gpu`
+               on the other test files holding gpu tests; outcome per test
     exactness  lookahead == greedy on GPU (stories260K, a random-weight GQA Llama), float32 (tokens must be
-               equal) and bfloat16 (match rate), eager and CUDA graph, linear candidates and the draft tree
+               equal) and bfloat16 (match rate; equal with exact=True), eager, CUDA graph and exact (CUDA graph,
+               exact=True), linear candidates and the draft tree
     latency    forward time against T for random-weight Llama 1B / 7B shapes in bfloat16, eager and CUDA
                graph, SDPA (the torch executor's attention) and the LookaheadAttention Triton kernel
     aot        the TensorRT plugin's AOT kernel as TensorRT launches it: compiled to PTX for this GPU with
@@ -52,7 +54,8 @@ README = ROOT / "README.md"
 SCHEMA = 1
 REPORT, JUNIT, KERNEL_JUNIT, LATENCY_PNG, PROJECTION_PNG, TABLE = (
     "gpu_check.json", "pytest_gpu.xml", "pytest_kernels.xml", "latency.png", "projection.png", "readme_table.md")
-KERNEL_TESTS = "tests/kernels/test_kernels.py"  # run whole: its Triton tests run compiled wherever a GPU is
+# run whole: their Triton kernels (and the exact padded step) run compiled wherever a GPU is
+KERNEL_TESTS = ("tests/kernels/test_kernels.py", "tests/kernels/test_invariant.py", "tests/model/test_exact.py")
 SECTIONS = ("tests", "exactness", "latency", "aot", "batching")
 STATUSES = ("ok", "failed", "error", "timeout", "skipped", "not available")
 TOP_KEYS = ("schema", "command", "quick", "started", "finished", "machine", *SECTIONS, "projection", "files")
@@ -62,6 +65,7 @@ SECTION_SHARE = {"tests": 0.25, "exactness": 0.2, "latency": 0.3, "aot": 0.15, "
 STEP_CONFIGS = ("1,2,0", "1,3,1", "4,3,4", "7,3,7", "7,5,7", "15,5,15", "16,9,16")
 QUICK_STEP_CONFIGS = ("1,2,0", "4,3,4", "7,5,7", "15,5,15")
 BATCHES = (1, 8)
+BATCH_CONFIGS = ("1,2,0", "1,3,1", "4,3,4", "7,5,7", "15,5,15")  # T = 1, 4, 16, 56, 120
 ATTENTIONS = ("sdpa", "triton", "triton_tree")  # StepInputs' step methods: what each latency row times
 # the public configs of Llama-3.2-1B and Llama-2-7B; the weights are random, drawn on the GPU
 SHAPES = {
@@ -77,6 +81,7 @@ CACHE_ROOM = 1024  # max_seq_len of the timed buffers: S = CACHE_ROOM + T rows
 # (config, tree): "auto" verifies tree_template(G(N-1)) (the padded step masks it per row), None linear candidates
 EXACT_CONFIGS = (("4,3,4", None), ("2,2,1", None), ("7,5,7", None), ("7,5,7", "auto"))
 QUICK_EXACT_CONFIGS = (("4,3,4", None), ("7,5,7", "auto"))
+MODES = ("eager", "graph", "exact")  # the executor's step: eager, CUDA graph, CUDA graph with exact=True
 # (dtype, Hq, Hkv, D, step_config, T, S, cache_len, tree): 1B and 7B heads, float32 D=128 (over 48 KB with
 # BLOCK_N 32), a causal chunk whose T is not a multiple of BLOCK_M; tree: the draft tree's nodes
 # (tree_template(nodes, TREE_DEPTH), its ends table read by the kernel), 0 for G linear candidates
@@ -300,17 +305,17 @@ def summarize(report: dict[str, Any], out: Path) -> dict[str, Any]:
 
 
 def gpu_test_files() -> list[str]:
-    """Test files other than KERNEL_TESTS that hold a gpu-marked test (collecting the rest would need the
+    """Test files outside KERNEL_TESTS that hold a gpu-marked test (collecting the rest would need the
     serving extras)."""
-    return sorted(path for p in (ROOT / "tests").rglob("test_*.py")
-                  if "mark.gpu" in p.read_text(encoding="utf-8") and (path := str(p.relative_to(ROOT))) != KERNEL_TESTS)
+    files = (p for p in (ROOT / "tests").rglob("test_*.py") if "mark.gpu" in p.read_text(encoding="utf-8"))
+    return sorted(path for p in files if (path := str(p.relative_to(ROOT))) not in KERNEL_TESTS)
 
 
 def section_tests(args: argparse.Namespace, emit: Emit) -> str:
     runs: list[dict[str, Any]] = []
     outcomes: list[dict[str, str]] = []
     counts = dict.fromkeys(("passed", "failed", "error", "skipped"), 0)
-    for junit, selection in ((KERNEL_JUNIT, [KERNEL_TESTS]), (JUNIT, ["-m", "gpu", *gpu_test_files()])):
+    for junit, selection in ((KERNEL_JUNIT, list(KERNEL_TESTS)), (JUNIT, ["-m", "gpu", *gpu_test_files()])):
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                    "--continue-on-collection-errors", f"--junitxml={args.out / junit}", *selection]
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
@@ -380,7 +385,7 @@ def gpu_llama(shape: dict[str, Any]):
 def decode_all(model, config: str, mode: str, prompts: list[list[int]], new_tokens: int,
                tree: str | None = None) -> tuple[list[list[int]], int]:
     """Each prompt's tokens under `config` (and `tree`, resolve_tree's spec) on the model's device, and the
-    steps they took; `mode` graph replays the step as a CUDA graph."""
+    steps they took; `mode` graph replays the step as a CUDA graph, exact too with exact=True (MODES)."""
     from trt_lookahead.backends.torch import BatchedTorchExecutor
     from trt_lookahead.lookahead.config import LookaheadConfig
     from trt_lookahead.lookahead.decoder import LookaheadDecoder
@@ -392,7 +397,7 @@ def decode_all(model, config: str, mode: str, prompts: list[list[int]], new_toke
     layout = StepLayout(lookahead, tree=template)
     on_gpu = model.device.type == "cuda"
     executor = BatchedTorchExecutor(model, 1, 256, layout.step_tokens, model.device, padded=on_gpu,
-                                    cuda_graph=on_gpu and mode == "graph", tree=template)
+                                    cuda_graph=on_gpu and mode != "eager", tree=template, exact=mode == "exact")
     decoder = LookaheadDecoder(executor, layout, tree=template)
     results = [decoder.generate(prompt, new_tokens) for prompt in prompts]
     return [r.token_ids for r in results], sum(r.stats.steps for r in results)
@@ -434,23 +439,24 @@ def section_exactness(args: argparse.Namespace, emit: Emit) -> str:
             if dtype == "float32":  # greedy on the CPU is the reference of greedy on the GPU
                 references["cpu greedy"] = decode_all(model, "1,2,0", "eager", prompts, new_tokens)[0]
             model = model.to("cuda")
-            for mode in ("eager", "graph"):
+            for mode in MODES:
                 greedy, greedy_steps = decode_all(model, "1,2,0", mode, prompts, new_tokens)
-                rows = [("1,2,0", None, against, ref, (greedy, greedy_steps)) for against, ref in references.items()]
+                rows = [("1,2,0", None, against, ref, (greedy, greedy_steps)) for against, ref in references.items()
+                        if mode != "exact"]  # the exact step is exact against its own greedy steps
                 rows += [(config, tree, f"{mode} greedy", greedy, None) for config, tree in configs]
                 for config, tree, against, reference, done in rows:
                     tokens, steps = done or decode_all(model, config, mode, prompts, new_tokens, tree)
                     case = {"model": name, "dtype": dtype, "mode": mode, "config": config, "tree": tree,
                             "against": against, "steps": steps, **compare(tokens, reference)}
                     cases.append(case)
-                    if dtype == "float32" and case["identical"] != case["prompts"]:
+                    if (dtype == "float32" or mode == "exact") and case["identical"] != case["prompts"]:
                         failures.append(f"{name} {mode} {config} tree={tree} vs {against} "
                                         f"({case['identical']}/{case['prompts']})")
                     emit({"cases": cases})
                 references[f"{mode} greedy"] = greedy
             del model
     if failures:
-        emit({"error": "float32 tokens differ: " + "; ".join(failures)})
+        emit({"error": "float32 or exact tokens differ: " + "; ".join(failures)})
         return "failed"
     return "ok"
 
@@ -791,7 +797,7 @@ def section_batching(args: argparse.Namespace, emit: Emit) -> str:
     same = sum(together[s] == alone[s] for s in range(B))
     emit({"greedy_batch8_vs_alone": {"identical": same, "requests": B}})
     torch.cuda.empty_cache()
-    emit({"step_ms": batched_step_times(step_batch, QUICK_STEP_CONFIGS if args.quick else STEP_CONFIGS[:5])})
+    emit({"step_ms": batched_step_times(step_batch, QUICK_STEP_CONFIGS if args.quick else BATCH_CONFIGS)})
     if same != B:
         emit({"error": f"{B - same} of {B} requests decode differently in a batch of {B} than alone"})
         return "failed"
@@ -799,7 +805,8 @@ def section_batching(args: argparse.Namespace, emit: Emit) -> str:
 
 
 def batched_step_times(step_batch, configs: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Wall ms (median of 10) of one batched executor step, llama-1b shape, per B in BATCHES and T."""
+    """Wall ms (median of 10) of one batched executor step, llama-1b shape, per B in BATCHES and T, the fast
+    step and the exact one (exact=True: kernels/invariant.py), each replayed as a CUDA graph."""
     import numpy as np
 
     from trt_lookahead.backends.torch import BatchedTorchExecutor
@@ -812,8 +819,9 @@ def batched_step_times(step_batch, configs: tuple[str, ...]) -> list[dict[str, A
     for config in configs:
         layout = StepLayout(LookaheadConfig.parse(config))
         T = layout.step_tokens
-        for B in BATCHES:
-            ex = BatchedTorchExecutor(model, max_seq_len=CACHE_ROOM, max_batch=B, step_tokens=T, device="cuda")
+        for B, exact in ((B, exact) for B in BATCHES for exact in (False, True)):
+            ex = BatchedTorchExecutor(model, max_seq_len=CACHE_ROOM, max_batch=B, step_tokens=T, device="cuda",
+                                      exact=exact)
             for slot in range(B):
                 ex.prefill(slot, np.arange(3, 3 + CACHED_TOKENS), SamplingParams())
             batch = step_batch(slots=np.arange(B), input_ids=np.full((B, T), 5),
@@ -825,7 +833,7 @@ def batched_step_times(step_batch, configs: tuple[str, ...]) -> list[dict[str, A
                 start = time.perf_counter()
                 ex.step(batch)
                 times.append((time.perf_counter() - start) * 1e3)
-            rows.append({"T": T, "B": B, "tokens": B * T, "median_ms": round(sorted(times[3:])[5], 4)})
+            rows.append({"T": T, "B": B, "exact": exact, "tokens": B * T, "median_ms": round(sorted(times[3:])[5], 4)})
             del ex
     return rows
 

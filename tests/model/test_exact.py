@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from trt_lookahead.backends.devices import gpu_count
 from trt_lookahead.backends.torch import BatchedTorchExecutor
 from trt_lookahead.kernels.reference import KEY_BLOCK
 from trt_lookahead.lookahead.config import LookaheadConfig
@@ -28,22 +29,25 @@ from trt_lookahead.model.llama import Llama, ModelConfig, apply_rope
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 CONFIGS = [LookaheadConfig(4, 3, 4), LookaheadConfig(2, 4, 3), LookaheadConfig(5, 2, 3), LookaheadConfig(3, 3, 0)]
 STEP_TOKENS = 16
+DTYPE_SEEDS = [(torch.float32, 0), (torch.bfloat16, 1), (torch.float32, 1), (torch.bfloat16, 0)]
+TINY_GQA = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
 GREEDY_STEP = LookaheadConfig.greedy()
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # 1 thread for speed; 2 threads pass too (measured)
 
 
-def random_gqa_llama(dtype: torch.dtype) -> Llama:
-    """A Llama with random weights: 8 query heads over 2 KV heads, untied head, norms away from 1."""
-    cfg = ModelConfig(hidden_size=128, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16,
-                      intermediate_size=256, vocab_size=300, max_position_embeddings=1024)
+def random_gqa_llama(dtype: torch.dtype, layout: str = "auto", **shape: int) -> Llama:
+    """A Llama with random weights: 8 query heads over 2 KV heads (or `shape`), untied head, norms away from 1."""
+    dims = dict(hidden_size=128, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16, intermediate_size=256,
+                vocab_size=300, max_position_embeddings=1024)
+    cfg = ModelConfig(**(dims | shape))
     torch.manual_seed(0)
     model = Llama(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
-    return model.to(dtype).eval().requires_grad_(False).set_weight_layout("auto")
+    return model.to(dtype).eval().requires_grad_(False).set_weight_layout(layout)
 
 
 @pytest.fixture(scope="module", params=["stories260K", "random-gqa"])
@@ -82,8 +86,35 @@ def chain(layout: StepLayout, slot: int) -> np.ndarray:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("seed", range(3))
 def test_a_slots_logits_are_bit_identical_alone_batched_and_in_plain_decoding(models, dtype, seed):
-    model = models[dtype]
-    vocab = model.cfg.vocab_size
+    assert_slot_bits(BatchedTorchExecutor(models[dtype], 4, 300, STEP_TOKENS, exact=True), seed)
+
+
+PADDED_CASES = [  # (model, dtype, seed): interpreted, a tiny-gqa case takes ~3 min (slow); the rest need a GPU
+    *(pytest.param("tiny-gqa", dtype, seed, marks=pytest.mark.slow) for dtype, seed in DTYPE_SEEDS[:2]),
+    *((name, dtype, seed) for name in ("random-gqa", "stories260K") for dtype, seed in DTYPE_SEEDS),
+]
+
+
+@pytest.mark.parametrize("name,dtype,seed", PADDED_CASES)
+def test_the_padded_exact_step_gives_a_slot_the_same_bits_too(name, dtype, seed):
+    """The padded (CUDA) step's exact path, kernels/invariant.py: compiled on a GPU; interpreted without one,
+    where a program per query and head runs ~1 ms a key block, so only on a one-layer model of two heads."""
+    device = "cuda" if gpu_count() else "cpu"
+    if device == "cpu" and name != "tiny-gqa":
+        pytest.skip("interpreted Triton: the one-layer model only (the others run where a GPU is, gpu_check)")
+    if name == "stories260K":
+        model = load_llama(STORIES, dtype=dtype)[0]
+    else:
+        model = random_gqa_llama(dtype, "out_in", **(TINY_GQA if name == "tiny-gqa" else {}))
+    ex = BatchedTorchExecutor(model.to(device), 4, 300, STEP_TOKENS, device, padded=True, cuda_graph=False,
+                              exact=True)
+    assert_slot_bits(ex, seed)
+
+
+def assert_slot_bits(ex: BatchedTorchExecutor, seed: int) -> None:
+    """A random lookahead step's slots: the same bits batched with random companions as alone, and as the
+    1-token steps of plain decoding feeding each slot's context."""
+    vocab = ex.vocab_size
     rng = np.random.default_rng(seed)
     config = CONFIGS[seed % len(CONFIGS)]
     layout = StepLayout(config)
@@ -91,7 +122,6 @@ def test_a_slots_logits_are_bit_identical_alone_batched_and_in_plain_decoding(mo
     # prompts ending just before, on and after a key-block boundary, so branches cross one
     P = int(rng.choice([KEY_BLOCK - 3, KEY_BLOCK, 2 * KEY_BLOCK + 1, int(rng.integers(5, 200))]))
     prompt = rng.integers(3, vocab, P)
-    ex = BatchedTorchExecutor(model, 4, 300, STEP_TOKENS, exact=True)
     greedy = SamplingParams()
     ex.prefill(0, prompt, greedy)
     ids = rng.integers(3, vocab, T)

@@ -22,6 +22,8 @@ slot), allocated once; nothing is allocated per request. Two step paths, one con
     (kernels/mask.py); the active slots are kept in physical slots 0 .. n-1 (a release moves the last one
     into the hole), so bucket Bb attends over the cache view of the first Bb slots; each (bucket, any
     row sampled) pair is captured once as a CUDA graph and replayed. It also runs eagerly on the CPU.
+    With `exact` (asked for; off by default) the projections, norms and attention are the row-invariant
+    Triton kernels of kernels/invariant.py (on CUDA; on the CPU only under TRITON_INTERPRET=1, for tests).
 
 Token choice: argmax, or the seeded Gumbel-max draw with each slot's temperature, top-k, top-p and seed
 (kernels/sampling_torch.py `select_rows_torch`), keyed by the position of the output slot (docs/design.md
@@ -32,6 +34,7 @@ executor, which scripts/bench_executor.py and scripts/gpu_check.py still time.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -52,7 +55,7 @@ from trt_lookahead.lookahead.executor import (
 )
 from trt_lookahead.lookahead.sampling import MASK32, SamplingParams
 from trt_lookahead.lookahead.tree import TreeTemplate, covers
-from trt_lookahead.model.llama import Llama, attend, row_invariant_layout
+from trt_lookahead.model.llama import MODULE_OPS, Llama, Ops, attend, row_invariant_layout
 
 DEFAULT_STEP_TOKENS = 128  # the largest row a runtime's torch executor takes (15/5/15 is 120)
 # dtypes where the exact step is on by default on the CPU: bfloat16, whose fast step disagrees with greedy on most
@@ -81,13 +84,19 @@ class RowAttention:
 
 
 class PaddedAttention:
-    """Attention of a padded step: row b's T queries over its slot's S cache rows under mask[b] [T, S]."""
+    """Attention of a padded step: row b's T queries over its slot's S cache rows under mask[b] [T, S] (SDPA),
+    or, given `key_rows` (kernels/invariant.py `key_rows`), the row-invariant kernel over keys in position order."""
 
-    def __init__(self, mask: Tensor, rows_per_slot: int) -> None:
+    def __init__(self, mask: Tensor, rows_per_slot: int, key_rows: Tensor | None = None) -> None:
         self.mask = mask[:, None]  # [Bb, 1, T, S]: one mask for every head
         self.S = rows_per_slot
+        self.key_rows = key_rows
 
     def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, step_mask: Tensor) -> Tensor:
+        if self.key_rows is not None:
+            from trt_lookahead.kernels import invariant
+
+            return invariant.padded_attention(q, k_cache, v_cache, self.key_rows)
         B, S = self.mask.shape[0], self.S
         qb = q.view(B, -1, *q.shape[1:]).transpose(1, 2)  # [Bb, Hq, T, D]
         kb = k_cache[: B * S].view(B, S, *k_cache.shape[1:]).transpose(1, 2)  # [Bb, Hkv, S, D]
@@ -127,6 +136,7 @@ class BatchedTorchExecutor:
         if self.cuda_graph and not (is_cuda and self.padded):
             raise ValueError("cuda_graph needs device='cuda' and the padded step")
         self.exact = self._exact(model, exact)
+        self._ops = _exact_ops() if self.exact and self.padded else MODULE_OPS  # the packed path: its layout
         self.model = model
         self.vocab_size = model.cfg.vocab_size
         self.max_batch, self.max_seq_len, self.step_tokens = int(max_batch), int(max_seq_len), int(step_tokens)
@@ -168,6 +178,11 @@ class BatchedTorchExecutor:
 
     def _exact(self, model: Llama, exact: bool | None) -> bool:
         """Whether steps run row-invariant: asked for, or by default where it is cheap and the projections are."""
+        if self.padded:  # the Triton kernels of kernels/invariant.py; their cost on a GPU decides any default
+            reason = invariant_kernels_reason(self.device)
+            if exact and reason:
+                raise ValueError(f"exact=True on the padded step {reason}; use exact=False")
+            return bool(exact)
         try:
             layout = None if self.padded else row_invariant_layout(model.device, model.dtype)
         except ValueError:
@@ -231,10 +246,13 @@ class BatchedTorchExecutor:
 
     @torch.inference_mode()
     def step_logits(self, batch: StepBatch) -> Tensor:
-        """[B, K, vocab] the logits `step` chooses from at each row's output slots (packed step); KV as `step`."""
-        if self.padded:
-            raise ValueError("step_logits runs the packed step; this executor runs the padded one (padded=True)")
+        """[B, K, vocab] the logits `step` chooses from at each row's output slots; KV as `step`."""
         real = self._check_step(batch)
+        if self.padded:
+            phys, bucket = self._stage_padded(batch)
+            self._step_real[batch.slots] = real
+            logits = self._padded_logits(bucket).view(bucket, self.step_tokens, -1)
+            return logits[torch.from_numpy(phys).to(self.device), : batch.output_slots.shape[1]]
         logits, distinct = self._packed_logits(batch, real)
         self._step_real[batch.slots] = real
         entry = np.cumsum(distinct.reshape(-1)) - 1  # each (row, k) -> its distinct output slot's logits row
@@ -394,20 +412,8 @@ class BatchedTorchExecutor:
 
     def _step_padded(self, batch: StepBatch) -> np.ndarray:
         B, T = batch.input_ids.shape
-        TT, K = self.step_tokens, batch.output_slots.shape[1]
-        phys = self._physical[np.asarray(batch.slots, np.int64)]
-        bucket = next(b for b in self.buckets if b >= self._active)
-        h = self._h_in.numpy()
-        idle = self._cache_len[self._logical[:bucket]]  # rows not in this step: causal pads at cache_len
-        h[:bucket] = 0
-        h[:bucket, TT : 2 * TT] = idle[:, None]
-        h[:bucket, 3 * TT] = idle
-        h[phys, :T] = batch.input_ids
-        h[phys, TT : TT + T] = batch.positions
-        h[phys, 2 * TT : 3 * TT] = batch.output_slots[:, -1:]
-        h[phys, 2 * TT : 2 * TT + K] = batch.output_slots
-        h[phys, 3 * TT + 1 :] = batch.step_config
-        self._d_in[:bucket].copy_(self._h_in[:bucket], non_blocking=True)
+        K = batch.output_slots.shape[1]
+        phys, bucket = self._stage_padded(batch)
         sampled = bool(self._sampled[:bucket].any())
         k = 0 if batch.top_ids is None else batch.top_ids.shape[2]
         if self.cuda_graph:
@@ -423,11 +429,44 @@ class BatchedTorchExecutor:
             batch.top_ids[rows, batch.output_slots] = top.cpu().numpy()[phys, :K]
         return result
 
+    def _stage_padded(self, batch: StepBatch) -> tuple[np.ndarray, int]:
+        """Copy `batch` into the device inputs of its bucket's physical slots -> (each row's physical slot, bucket)."""
+        T, K = batch.input_ids.shape[1], batch.output_slots.shape[1]
+        TT = self.step_tokens
+        phys = self._physical[np.asarray(batch.slots, np.int64)]
+        bucket = next(b for b in self.buckets if b >= self._active)
+        h = self._h_in.numpy()
+        idle = self._cache_len[self._logical[:bucket]]  # rows not in this step: causal pads at cache_len
+        h[:bucket] = 0
+        h[:bucket, TT : 2 * TT] = idle[:, None]
+        h[:bucket, 3 * TT] = idle
+        h[phys, :T] = batch.input_ids
+        h[phys, TT : TT + T] = batch.positions
+        h[phys, 2 * TT : 3 * TT] = batch.output_slots[:, -1:]
+        h[phys, 2 * TT : 2 * TT + K] = batch.output_slots
+        h[phys, 3 * TT + 1 :] = batch.step_config
+        self._d_in[:bucket].copy_(self._h_in[:bucket], non_blocking=True)
+        return phys, bucket
+
     def _run_padded(self, bucket: int, sampled: bool, k: int) -> tuple[Tensor, Tensor]:
         """The fixed-shape step of physical slots 0 .. bucket-1 (no host synchronisation: capturable).
 
         -> tokens [bucket, T] at each output slot entry, and their top-k next ids [bucket, T, k].
         """
+        T, dev = self.step_tokens, self.device
+        logits = self._padded_logits(bucket)
+        positions, outputs = self._d_in[:bucket, T : 2 * T], self._d_in[:bucket, 2 * T : 3 * T]
+        top = torch.topk(logits, k, dim=-1).indices.view(bucket, T, k)
+        if not sampled:
+            return torch.argmax(logits, dim=-1).view(bucket, T), top
+        each = torch.arange(bucket, device=dev).repeat_interleave(T)  # the physical slot of each output row
+        return select_rows_torch(
+            logits, positions.gather(1, outputs).reshape(-1), self._temperature[each], self._top_k[each],
+            self._top_p[each], self._seed[each], self._salts,
+        ).view(bucket, T), top
+
+    def _padded_logits(self, bucket: int) -> Tensor:
+        """[bucket * T, vocab]: the logits at each physical slot's T output slot entries (capturable)."""
         T, S, dev = self.step_tokens, self.rows_per_slot, self.device
         d = self._d_in[:bucket]
         ids, positions, outputs = d[:, :T], d[:, T : 2 * T], d[:, 2 * T : 3 * T]
@@ -443,6 +482,11 @@ class BatchedTorchExecutor:
         own = own & (rel >= 0) & (rel < T)
         mask = (rel < 0) | own  # [Bb, T, S]: the cached prefix, then the row's step mask
         rows = (torch.arange(bucket, device=dev)[:, None] * S + cache_len[:, None]) + i[None, :]
+        key_rows = None
+        if self.exact:
+            from trt_lookahead.kernels import invariant
+
+            key_rows = invariant.key_rows(mask, cache_len, positions)
         logits = self.model(
             ids.reshape(-1),
             positions.reshape(-1),
@@ -451,17 +495,11 @@ class BatchedTorchExecutor:
             None,
             None,
             (torch.arange(bucket, device=dev)[:, None] * T + outputs).reshape(-1),
-            attention=PaddedAttention(mask, S),
+            attention=PaddedAttention(mask, S, key_rows),
             cache_rows=rows.reshape(-1),
+            ops=self._ops,
         )
-        top = torch.topk(logits, k, dim=-1).indices.view(bucket, T, k)
-        if not sampled:
-            return torch.argmax(logits, dim=-1).view(bucket, T), top
-        each = torch.arange(bucket, device=dev).repeat_interleave(T)  # the physical slot of each output row
-        return select_rows_torch(
-            logits, positions.gather(1, outputs).reshape(-1), self._temperature[each], self._top_k[each],
-            self._top_p[each], self._seed[each], self._salts,
-        ).view(bucket, T), top
+        return logits
 
     def _graph(self, bucket: int, sampled: bool, k: int) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]:
         """The CUDA graph of `_run_padded` for (bucket, sampled, k), captured on first use."""
@@ -478,6 +516,23 @@ class BatchedTorchExecutor:
                 outputs = self._run_padded(bucket, sampled, k)
             entry = self._graphs[(bucket, sampled, k)] = (graph, outputs)
         return entry
+
+
+def invariant_kernels_reason(device: torch.device) -> str | None:
+    """Why kernels/invariant.py's Triton kernels cannot run on `device`, or None."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"runs Triton kernels, on CUDA (or on the CPU under TRITON_INTERPRET=1), not on {device.type}"
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return f"runs Triton kernels, and `import triton` fails: {exc}"
+    return None
+
+
+def _exact_ops() -> Ops:
+    from trt_lookahead.kernels import invariant
+
+    return Ops(linear=invariant.linear, rms_norm=invariant.rms_norm)
 
 
 def layout_config(mask: np.ndarray) -> tuple[int, int, int]:

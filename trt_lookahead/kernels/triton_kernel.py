@@ -31,7 +31,7 @@ from trt_lookahead.kernels import mask, reference
 BLOCK_M = 16
 BLOCK_N = 32
 NUM_WARPS = 4
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
 
 
 
@@ -182,7 +182,7 @@ def constexprs(num_q_heads: int, num_kv_heads: int, head_dim: int, scale: float,
         "HKV": num_kv_heads,
         "D": head_dim,
         "BLOCK_D": block_d(head_dim),
-        "QK_SCALE": float(scale) * _LOG2E,
+        "QK_SCALE": float(scale) * LOG2E,
         "BLOCK_M": BLOCK_M,
         "BLOCK_N": BLOCK_N,
         "UPCAST_DOT": bool(upcast_dot),

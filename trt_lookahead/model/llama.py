@@ -9,7 +9,8 @@ cache and the step description as arguments:
                    step_mask,                 # [T, T] bool, step_mask[i, j]: step token i sees step token j
                    output_slots=None,         # LongTensor [k] of step slots that need logits (None: all)
                    attention=None,            # per-call override of `model.attention`
-                   cache_rows=None)           # LongTensor [T]: the cache row of each token (None: p + i)
+                   cache_rows=None,           # LongTensor [T]: the cache row of each token (None: p + i)
+                   ops=None)                  # Ops: per-call projections and norms (None: the modules')
              -> [k or T, vocab]
 
 The step's K/V are written into cache rows p .. p+T-1 (or `cache_rows`: a batched executor packs many
@@ -24,6 +25,10 @@ default `sdpa_attention` slices keys to p+T rows (needs p on the host: CPU, eage
 tensor (no host sync, fixed shapes: for CUDA-graph capture and export). Replace it with a custom op
 (e.g. a LookaheadAttention plugin node for ONNX/TensorRT) by passing `attention=` to the
 constructor, assigning `model.attention`, or passing `attention=` to one forward call.
+
+Ops seam: `ops=Ops(linear, rms_norm)` replaces every projection (`linear(x, weight [out, in], bias)`, the
+lm_head included) and every RMSNorm (`rms_norm(x, weight, eps)`) of one call; the CUDA exact step passes
+row-invariant kernels there (kernels/invariant.py) as it passes its attention.
 
 Weights: q/k/v are fused into `wqkv` and gate/up into `w13` (gpt-fast style; `checkpoint.to_state_dict`
 maps HF names). Projections are `Linear`s with a switchable layout (`Llama.set_weight_layout`):
@@ -45,6 +50,25 @@ from torch import Tensor, nn
 from trt_lookahead.errors import UserError
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+LinearFn = Callable[[Tensor, Tensor, Tensor | None], Tensor]  # (x [.., in], weight [out, in], bias) -> [.., out]
+NormFn = Callable[[Tensor, Tensor, float], Tensor]  # (x [.., H], weight [H], eps) -> [.., H]
+
+
+@dataclass(frozen=True)
+class Ops:
+    """The projections and norms of one forward (the seam beside `attention`); None: the modules' own."""
+
+    linear: LinearFn | None = None
+    rms_norm: NormFn | None = None
+
+    def project(self, module: Linear, x: Tensor) -> Tensor:
+        return module(x) if self.linear is None else self.linear(x, module.dense_weight(), module.bias)
+
+    def norm(self, module: RMSNorm, x: Tensor) -> Tensor:
+        return module(x) if self.rms_norm is None else self.rms_norm(x, module.weight, module.eps)
+
+
+MODULE_OPS = Ops()
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -314,16 +338,17 @@ class Attention(nn.Module):
         self.wqkv = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias, dtype=dtype)
         self.wo = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.attention_bias, dtype=dtype)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, rows, cache_len, step_mask, attention: AttentionFn) -> Tensor:
+    def forward(self, x, cos, sin, k_cache, v_cache, rows, cache_len, step_mask, attention: AttentionFn,
+                ops: Ops = MODULE_OPS) -> Tensor:
         cfg = self.cfg
         T = x.shape[0]
         Hq, Hkv = cfg.num_heads, cfg.num_kv_heads
-        qkv = self.wqkv(x).view(T, Hq + 2 * Hkv, cfg.head_dim)
+        qkv = ops.project(self.wqkv, x).view(T, Hq + 2 * Hkv, cfg.head_dim)
         qk = apply_rope(qkv[:, : Hq + Hkv], cos, sin)  # q and k heads rotated together
         k_cache.index_copy_(0, rows, qk[:, Hq:])
         v_cache.index_copy_(0, rows, qkv[:, Hq + Hkv :])
         o = attention(qk[:, :Hq], k_cache, v_cache, cache_len, step_mask)
-        return self.wo(o.reshape(T, cfg.q_size))
+        return ops.project(self.wo, o.reshape(T, cfg.q_size))
 
 
 class FeedForward(nn.Module):
@@ -335,9 +360,9 @@ class FeedForward(nn.Module):
         self.w13 = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype)
         self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).split(self.ffn, dim=-1)
-        return self.w2(F.silu(gate) * up)
+    def forward(self, x: Tensor, ops: Ops = MODULE_OPS) -> Tensor:
+        gate, up = ops.project(self.w13, x).split(self.ffn, dim=-1)
+        return ops.project(self.w2, F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -348,11 +373,12 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.feed_forward = FeedForward(cfg, dtype)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, rows, cache_len, step_mask, attention) -> Tensor:
+    def forward(self, x, cos, sin, k_cache, v_cache, rows, cache_len, step_mask, attention,
+                ops: Ops = MODULE_OPS) -> Tensor:
         h = x + self.attention(
-            self.attention_norm(x), cos, sin, k_cache, v_cache, rows, cache_len, step_mask, attention
+            ops.norm(self.attention_norm, x), cos, sin, k_cache, v_cache, rows, cache_len, step_mask, attention, ops
         )
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + self.feed_forward(ops.norm(self.ffn_norm, h), ops)
 
 
 def auto_weight_layout(device: torch.device | str, dtype: torch.dtype) -> str:
@@ -473,6 +499,7 @@ class Llama(nn.Module):
         output_slots: Tensor | None = None,
         attention: AttentionFn | None = None,
         cache_rows: Tensor | None = None,
+        ops: Ops = MODULE_OPS,
     ) -> Tensor:
         attention = attention or self.attention
         T = input_ids.shape[0]
@@ -480,7 +507,7 @@ class Llama(nn.Module):
         cos, sin = self.rope(positions)
         rows = torch.arange(T, device=input_ids.device) + cache_len if cache_rows is None else cache_rows
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_cache[i], v_cache[i], rows, cache_len, step_mask, attention)
+            x = layer(x, cos, sin, k_cache[i], v_cache[i], rows, cache_len, step_mask, attention, ops)
         if output_slots is not None:
             x = x.index_select(0, output_slots)
-        return self.output(self.norm(x))
+        return ops.project(self.output, ops.norm(self.norm, x))

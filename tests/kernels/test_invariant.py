@@ -1,0 +1,93 @@
+"""kernels/invariant.py: each op gives a row the same bits whatever else the call holds, and computes what
+the model's op computes. Compiled on a GPU; interpreted (TRITON_INTERPRET=1, tests/conftest.py) without one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trt_lookahead.backends.devices import gpu_count
+from trt_lookahead.kernels import invariant, reference
+from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.layout import StepLayout
+from trt_lookahead.model.llama import RMSNorm
+
+DTYPES = pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)],
+                                 ids=["float32", "bfloat16"])
+DEVICE = "cuda" if gpu_count() else "cpu"
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
+
+
+@DTYPES
+def test_linear_gives_a_row_the_same_bits_for_every_m(dtype, tolerance):
+    x, w, b = randn(130, 200, dtype=dtype), randn(72, 200, dtype=dtype, seed=1), randn(72, dtype=dtype, seed=2)
+    expected = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    full = invariant.linear(x, w, b)
+    assert full.dtype == dtype and reference.relative_error(full.cpu(), expected.cpu()) <= tolerance
+    for M in (1, 2, 3, 17, 33, 64):
+        part = invariant.linear(x[:M], w, b)
+        for r in {0, M // 2, M - 1}:
+            alone = invariant.linear(x[r : r + 1], w, b)[0]
+            assert torch.equal(part[r], alone) and torch.equal(full[r], alone), (M, r)
+
+
+@DTYPES
+def test_rms_norm_gives_a_row_the_same_bits_in_any_call_and_matches_the_module(dtype, tolerance):
+    norm = RMSNorm(200, 1e-5, dtype).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(randn(200, dtype=dtype, seed=3).abs() + 0.5)
+    x = randn(40, 200, dtype=dtype)
+    full = invariant.rms_norm(x, norm.weight, norm.eps)
+    assert reference.relative_error(full.cpu(), norm(x).cpu()) <= tolerance
+    for r in (0, 7, 39):
+        assert torch.equal(invariant.rms_norm(x[r : r + 1], norm.weight, norm.eps)[0], full[r])
+
+
+def padded_step(configs: list[tuple[LookaheadConfig, int]], T: int, S: int):
+    """mask [B, T, S] over each slot's rows and positions [B, T] of a padded step of (config, cache_len) rows."""
+    mask = np.zeros((len(configs), T, S), bool)
+    positions = np.zeros((len(configs), T), np.int64)
+    for b, (config, cache_len) in enumerate(configs):
+        layout = StepLayout(config, padded_tokens=T)
+        mask[b, :, :cache_len] = True
+        mask[b, :, cache_len : cache_len + T] = layout.mask
+        positions[b] = cache_len + layout.rel_positions
+    return torch.from_numpy(mask).to(DEVICE), torch.from_numpy(positions).to(DEVICE)
+
+
+def test_key_rows_lays_each_querys_keys_at_their_positions():
+    configs = [(LookaheadConfig(4, 3, 4), 37), (LookaheadConfig(2, 4, 1), 0)]
+    T, S = 16, 60
+    mask, positions = padded_step(configs, T, S)
+    cache_len = torch.tensor([c for _, c in configs], device=DEVICE)
+    table = invariant.key_rows(mask, cache_len, positions).cpu().numpy()
+    m, pos = mask.cpu().numpy(), positions.cpu().numpy()
+    for b, (_, p) in enumerate(configs):
+        for t in range(T):
+            want = np.full(S, -1)
+            want[:p] = np.arange(p)
+            for j in np.flatnonzero(m[b, t, p : p + T]):
+                want[pos[b, j]] = p + j
+            assert np.array_equal(table[b, t], want), (b, t)
+
+
+@DTYPES
+def test_padded_attention_is_attention_over_the_keys_each_query_sees(dtype, tolerance):
+    configs = [(LookaheadConfig(4, 3, 4), 45), (LookaheadConfig(7, 2, 1), 3), (LookaheadConfig(1, 2, 0), 70)]
+    T, S, Hq, Hkv, D = 16, 90, 4, 2, 16
+    mask, positions = padded_step(configs, T, S)
+    cache_len = torch.tensor([c for _, c in configs], device=DEVICE)
+    q = randn(len(configs) * T, Hq, D, dtype=dtype)
+    k, v = randn(len(configs) * S, Hkv, D, dtype=dtype, seed=1), randn(len(configs) * S, Hkv, D, dtype=dtype, seed=2)
+    out = invariant.padded_attention(q, k, v, invariant.key_rows(mask, cache_len, positions)).cpu()
+    qb = q.double().cpu().view(len(configs), T, Hq, D).transpose(1, 2)
+    kb, vb = (t.double().cpu().view(len(configs), S, Hkv, D).transpose(1, 2).repeat_interleave(Hq // Hkv, 1)
+              for t in (k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask.cpu()[:, None])
+    assert reference.relative_error(out, want.transpose(1, 2).reshape(out.shape)) <= tolerance
