@@ -6,10 +6,11 @@ kernels"): every reduction runs in one fixed order per row.
 - `linear`: one tile config for every M (BLOCK_M x BLOCK_N outputs, BLOCK_K steps over the input dim, no
   split-K), so an output element is the same chain of tile products whatever M is.
 - `rms_norm`: one program per row, the whole row in one block.
-- `padded_attention`: one program per (query, KV head, slot), for the query heads that share the KV head;
-  keys read in position order (a lookahead branch's keys sit in other step rows than their positions':
-  `key_rows` maps them), in blocks at fixed positions ([b*KEY_BLOCK_N, (b+1)*KEY_BLOCK_N) whatever T or the
-  cache length); a block the query sees nothing of is skipped, and an unseen key adds exactly zero.
+- `padded_attention`: one program per (query, query head, slot); keys read in position order (a lookahead
+  branch's keys sit in other step rows than their positions': `key_rows` maps them), in blocks at fixed
+  positions ([b*KEY_BLOCK_N, (b+1)*KEY_BLOCK_N) whatever T or the cache length); a block the query sees
+  nothing of is skipped, and an unseen key adds exactly zero. (One program per KV head serving its grouped
+  query heads measured slower on an H200: its 3D temporaries cost more than the shared key loads save.)
 Launched on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (the tests without a GPU).
 """
 
@@ -102,37 +103,35 @@ def rms_norm(x: Any, weight: Any, eps: float) -> Any:
 @triton.jit(do_not_specialize=["T", "S"])
 def _padded_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, out_ptr, T, S,
                              HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                             BLOCK_G: tl.constexpr, QK_SCALE: tl.constexpr, BLOCK_N: tl.constexpr):
-    t, kv_head, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    GROUP: tl.constexpr = HQ // HKV  # the query heads that read this KV head: one key load serves them all
-    offs_g = tl.arange(0, BLOCK_G)
+                             QK_SCALE: tl.constexpr, BLOCK_N: tl.constexpr):
+    t, head, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kv_head = head // (HQ // HKV)
     offs_d = tl.arange(0, BLOCK_D)
-    gd_ok = (offs_g < GROUP)[:, None] & (offs_d < D)[None, :]
-    q_rows = (b * T + t) * (HQ * D) + (kv_head * GROUP + offs_g)[:, None] * D + offs_d[None, :]
-    q = tl.load(q_ptr + q_rows, mask=gd_ok, other=0.0).to(tl.float32)  # [BLOCK_G, BLOCK_D]
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    d_ok = offs_d < D
+    q_row = (b * T + t) * (HQ * D) + head * D + offs_d
+    q = tl.load(q_ptr + q_row, mask=d_ok, other=0.0).to(tl.float32)  # [BLOCK_D]
+    m_i = tl.full([1], float("-inf"), tl.float32)
+    l_i = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
     for start in range(0, S, BLOCK_N):  # key positions [start, start + BLOCK_N): the same blocks in every step
         offs_n = start + tl.arange(0, BLOCK_N)
         rows = tl.load(rows_ptr + (b * T + t) * S + offs_n, mask=offs_n < S, other=-1)  # [BLOCK_N], -1: unseen
-        if tl.max(rows, 0) >= 0:  # a block this query sees nothing of would add exact zeros: skip it
+        if tl.max(rows, 0) >= 0:  # a block this row sees nothing of would add exact zeros: skip it
             seen = rows >= 0
             kv = (b * S + tl.maximum(rows, 0))[:, None] * (HKV * D) + kv_head * D + offs_d[None, :]
-            kv_ok = seen[:, None] & (offs_d < D)[None, :]
+            kv_ok = seen[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + kv, mask=kv_ok, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
             v = tl.load(v_ptr + kv, mask=kv_ok, other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], 2) * QK_SCALE  # [BLOCK_G, BLOCK_N], base 2
-            s = tl.where(seen[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            s = tl.where(seen, tl.sum(k * q[None, :], 1) * QK_SCALE, float("-inf"))  # [BLOCK_N], base 2
+            m_new = tl.maximum(m_i, tl.max(s, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
+            p = tl.exp2(s - m_safe)
             alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
+            l_i = l_i * alpha + tl.sum(p, 0)
+            acc = acc * alpha + tl.sum(p[:, None] * v, 0)
             m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + q_rows, out.to(out_ptr.dtype.element_ty), mask=gd_ok)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)
+    tl.store(out_ptr + q_row, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def padded_attention(q: Any, k_cache: Any, v_cache: Any, key_rows: Any, scale: float | None = None) -> Any:
@@ -149,10 +148,10 @@ def padded_attention(q: Any, k_cache: Any, v_cache: Any, key_rows: Any, scale: f
     q = q.contiguous()
     out = torch.empty_like(q)
     scale = D**-0.5 if scale is None else scale
-    _padded_attention_kernel[(T, Hkv, B)](
+    _padded_attention_kernel[(T, Hq, B)](
         q, k_cache, v_cache, key_rows.contiguous(), out, T, S,
-        HQ=Hq, HKV=Hkv, D=D, BLOCK_D=block_d(D), BLOCK_G=triton.next_power_of_2(Hq // Hkv),
-        QK_SCALE=float(scale) * LOG2E, BLOCK_N=KEY_BLOCK_N, num_warps=NUM_WARPS,
+        HQ=Hq, HKV=Hkv, D=D, BLOCK_D=block_d(D), QK_SCALE=float(scale) * LOG2E, BLOCK_N=KEY_BLOCK_N,
+        num_warps=NUM_WARPS,
     )
     return out
 
