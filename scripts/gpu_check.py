@@ -11,7 +11,7 @@ are imported lazily by the code paths that need them). Each section runs in its 
 time limit, so a crash, a hang or an exception is recorded in that section and the next one runs; the JSON
 is rewritten after every section, so a run cut short still leaves its evidence.
 
-    tests      the kernel and exact-step tests (KERNEL_TESTS: the Triton kernels compiled for this GPU, linear
+    tests      the kernel and exact-step tests (COMPILED_TEST_FILES: the Triton kernels compiled for this GPU, linear
                and tree masks, the row-invariant kernels and the exact padded step's bits), then `pytest -m gpu`
                on the other test files holding gpu tests; outcome per test
     exactness  lookahead == greedy on GPU (stories260K, a random-weight GQA Llama), float32 (tokens must be
@@ -55,7 +55,7 @@ SCHEMA = 1
 REPORT, JUNIT, KERNEL_JUNIT, LATENCY_PNG, PROJECTION_PNG, TABLE = (
     "gpu_check.json", "pytest_gpu.xml", "pytest_kernels.xml", "latency.png", "projection.png", "readme_table.md")
 # run whole: their Triton kernels (and the exact padded step) run compiled wherever a GPU is
-KERNEL_TESTS = ("tests/kernels/test_kernels.py", "tests/kernels/test_invariant.py", "tests/model/test_exact.py")
+COMPILED_TEST_FILES = ("tests/kernels/test_kernels.py", "tests/kernels/test_invariant.py", "tests/model/test_exact.py")
 SECTIONS = ("tests", "exactness", "latency", "aot", "batching")
 STATUSES = ("ok", "failed", "error", "timeout", "skipped", "not available")
 TOP_KEYS = ("schema", "command", "quick", "started", "finished", "machine", *SECTIONS, "projection", "files")
@@ -305,17 +305,17 @@ def summarize(report: dict[str, Any], out: Path) -> dict[str, Any]:
 
 
 def gpu_test_files() -> list[str]:
-    """Test files outside KERNEL_TESTS that hold a gpu-marked test (collecting the rest would need the
+    """Test files outside COMPILED_TEST_FILES that hold a gpu-marked test (collecting the rest would need the
     serving extras)."""
     files = (p for p in (ROOT / "tests").rglob("test_*.py") if "mark.gpu" in p.read_text(encoding="utf-8"))
-    return sorted(path for p in files if (path := str(p.relative_to(ROOT))) not in KERNEL_TESTS)
+    return sorted(path for p in files if (path := str(p.relative_to(ROOT))) not in COMPILED_TEST_FILES)
 
 
 def section_tests(args: argparse.Namespace, emit: Emit) -> str:
     runs: list[dict[str, Any]] = []
     outcomes: list[dict[str, str]] = []
     counts = dict.fromkeys(("passed", "failed", "error", "skipped"), 0)
-    for junit, selection in ((KERNEL_JUNIT, list(KERNEL_TESTS)), (JUNIT, ["-m", "gpu", *gpu_test_files()])):
+    for junit, selection in ((KERNEL_JUNIT, list(COMPILED_TEST_FILES)), (JUNIT, ["-m", "gpu", *gpu_test_files()])):
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                    "--continue-on-collection-errors", f"--junitxml={args.out / junit}", *selection]
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
@@ -508,15 +508,14 @@ class StepInputs:
     def triton(self):
         """The same step with LookaheadAttention's Triton kernel: the model writes the step K/V into a
         T-row scratch cache (cache_len 0), the kernel pairs them with the layer's real cache (as engines do)."""
-        self._tree = None
-        return self.model(self.ids, self.positions, self.scratch_k, self.scratch_v, self.zero, self.mask,
-                          attention=self._kernel_attention)
+        return self._triton_step(None)
 
     def triton_tree(self):
-        """The Triton step with the verification slots masked as the `auto` draft tree (None without slots)."""
-        if self.tree_ends is None:
-            return None
-        self._tree = self.tree_ends
+        """The Triton step with the verification slots masked as the `auto` draft tree (configs with G >= 1)."""
+        return self._triton_step(self.tree_ends)
+
+    def _triton_step(self, tree_ends):
+        self._tree = tree_ends  # what _kernel_attention passes the kernel in every layer of this forward
         return self.model(self.ids, self.positions, self.scratch_k, self.scratch_v, self.zero, self.mask,
                           attention=self._kernel_attention)
 

@@ -55,7 +55,7 @@ from trt_lookahead.lookahead.executor import (
 )
 from trt_lookahead.lookahead.sampling import MASK32, SamplingParams
 from trt_lookahead.lookahead.tree import TreeTemplate, covers
-from trt_lookahead.model.llama import MODULE_OPS, Llama, Ops, attend, row_invariant_layout
+from trt_lookahead.model.llama import MODULE_OPS, AttentionFn, Llama, Ops, attend, row_invariant_layout
 
 DEFAULT_STEP_TOKENS = 128  # the largest row a runtime's torch executor takes (15/5/15 is 120)
 # dtypes where the exact step is on by default on the CPU: bfloat16, whose fast step disagrees with greedy on most
@@ -84,19 +84,13 @@ class RowAttention:
 
 
 class PaddedAttention:
-    """Attention of a padded step: row b's T queries over its slot's S cache rows under mask[b] [T, S] (SDPA),
-    or, given `key_rows` (kernels/invariant.py `key_rows`), the row-invariant kernel over keys in position order."""
+    """Attention of a padded step: row b's T queries over its slot's S cache rows under mask[b] [T, S]."""
 
-    def __init__(self, mask: Tensor, rows_per_slot: int, key_rows: Tensor | None = None) -> None:
+    def __init__(self, mask: Tensor, rows_per_slot: int) -> None:
         self.mask = mask[:, None]  # [Bb, 1, T, S]: one mask for every head
         self.S = rows_per_slot
-        self.key_rows = key_rows
 
     def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, step_mask: Tensor) -> Tensor:
-        if self.key_rows is not None:
-            from trt_lookahead.kernels import invariant
-
-            return invariant.padded_attention(q, k_cache, v_cache, self.key_rows)
         B, S = self.mask.shape[0], self.S
         qb = q.view(B, -1, *q.shape[1:]).transpose(1, 2)  # [Bb, Hq, T, D]
         kb = k_cache[: B * S].view(B, S, *k_cache.shape[1:]).transpose(1, 2)  # [Bb, Hkv, S, D]
@@ -184,7 +178,7 @@ class BatchedTorchExecutor:
                 raise ValueError(f"exact=True on the padded step {reason}; use exact=False")
             return bool(exact)
         try:
-            layout = None if self.padded else row_invariant_layout(model.device, model.dtype)
+            layout = row_invariant_layout(model.device, model.dtype)
         except ValueError:
             layout = None
         if exact is None:
@@ -250,13 +244,14 @@ class BatchedTorchExecutor:
         real = self._check_step(batch)
         if self.padded:
             phys, bucket = self._stage_padded(batch)
-            self._step_real[batch.slots] = real
             logits = self._padded_logits(bucket).view(bucket, self.step_tokens, -1)
-            return logits[torch.from_numpy(phys).to(self.device), : batch.output_slots.shape[1]]
-        logits, distinct = self._packed_logits(batch, real)
+            chosen = logits[torch.from_numpy(phys).to(self.device), : batch.output_slots.shape[1]]
+        else:
+            logits, distinct = self._packed_logits(batch, real)
+            entry = np.cumsum(distinct.reshape(-1)) - 1  # each (row, k) -> its distinct output slot's logits row
+            chosen = logits[torch.from_numpy(entry).to(self.device)].view(*distinct.shape, -1)
         self._step_real[batch.slots] = real
-        entry = np.cumsum(distinct.reshape(-1)) - 1  # each (row, k) -> its distinct output slot's logits row
-        return logits[torch.from_numpy(entry).to(self.device)].view(*distinct.shape, -1)
+        return chosen
 
     def _check_step(self, batch: StepBatch) -> np.ndarray:
         """The real tokens per row, after every check of `batch` against the executor's state."""
@@ -482,11 +477,9 @@ class BatchedTorchExecutor:
         own = own & (rel >= 0) & (rel < T)
         mask = (rel < 0) | own  # [Bb, T, S]: the cached prefix, then the row's step mask
         rows = (torch.arange(bucket, device=dev)[:, None] * S + cache_len[:, None]) + i[None, :]
-        key_rows = None
+        attention: AttentionFn = PaddedAttention(mask, S)
         if self.exact:
-            from trt_lookahead.kernels import invariant
-
-            key_rows = invariant.key_rows(mask, cache_len, positions)
+            attention = _invariant_attention(mask, cache_len, positions)
         logits = self.model(
             ids.reshape(-1),
             positions.reshape(-1),
@@ -495,7 +488,7 @@ class BatchedTorchExecutor:
             None,
             None,
             (torch.arange(bucket, device=dev)[:, None] * T + outputs).reshape(-1),
-            attention=PaddedAttention(mask, S, key_rows),
+            attention=attention,
             cache_rows=rows.reshape(-1),
             ops=self._ops,
         )
@@ -527,6 +520,18 @@ def invariant_kernels_reason(device: torch.device) -> str | None:
     except ImportError as exc:
         return f"runs Triton kernels, and `import triton` fails: {exc}"
     return None
+
+
+def _invariant_attention(mask: Tensor, cache_len: Tensor, positions: Tensor) -> AttentionFn:
+    """The exact padded step's attention: kernels/invariant.py over each query's keys in position order."""
+    from trt_lookahead.kernels import invariant
+
+    key_rows = invariant.key_rows(mask, cache_len, positions)  # [Bb, T, S], once per step for every layer
+
+    def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, step_mask: Tensor) -> Tensor:
+        return invariant.padded_attention(q, k_cache, v_cache, key_rows)
+
+    return attention
 
 
 def _exact_ops() -> Ops:
