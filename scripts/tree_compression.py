@@ -22,9 +22,10 @@ from trt_lookahead.backends.torch import BatchedTorchExecutor
 from trt_lookahead.bench.datasets import PromptRow, encode_row, load_dataset
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.decoder import LookaheadDecoder, Switches
-from trt_lookahead.lookahead.tree import TREE_DEPTH, chain_template, tree_template
+from trt_lookahead.lookahead.tree import TREE_DEPTH, Acceptance, TreeTemplate, chain_template, tree_template
 from trt_lookahead.model.checkpoint import load_llama
 from trt_lookahead.model.fetch import resolve_model
+from trt_lookahead.tuning.tune import TUNE_ROW_OFFSET
 
 # a set that is not MT-Bench, HumanEval or GSM8K: rewriting, extraction and editing tasks that quote their input
 ASSEMBLED = [
@@ -45,13 +46,15 @@ ASSEMBLED = [
     "Write the numbers from one to twenty in words, separated by commas.",
 ]
 CONFIGS = {28: LookaheadConfig(4, 5, 3), 56: LookaheadConfig(7, 5, 7), 120: LookaheadConfig(15, 5, 15)}
-VARIANTS = {  # name -> (tree?, switches)
-    "linear (today)": (False, Switches()),
-    "tree: pool": (True, Switches(suffix=False, recycle=False)),
-    "tree: suffix": (True, Switches(pool=False, recycle=False)),
-    "tree: recycled": (True, Switches(pool=False, suffix=False)),
-    "tree: pool+suffix": (True, Switches(recycle=False)),
-    "tree: pool+suffix+recycled": (True, Switches()),
+VARIANTS = {  # name -> (tree: None (linear), "prior" or "fitted", switches)
+    "linear (today)": (None, Switches()),
+    "tree: pool": ("prior", Switches(suffix=False, recycle=False)),
+    "tree: suffix": ("prior", Switches(pool=False, recycle=False)),
+    "tree: recycled": ("prior", Switches(pool=False, suffix=False)),
+    "tree: pool+suffix": ("prior", Switches(recycle=False)),
+    "tree: pool+suffix+recycled": ("prior", Switches()),
+    # shaped by the acceptance per depth and rank the prior tree measured on other rows (--fit-offset)
+    "fitted tree: pool+suffix+recycled": ("fitted", Switches()),
 }
 
 
@@ -65,6 +68,19 @@ def prompt_sets(tokenizer: object, names: list[str], start: int, stop: int) -> d
     return sets
 
 
+def fitted_tree(model: object, cfg: LookaheadConfig, prior: TreeTemplate, sets: dict[str, list[list[int]]],
+                tokens: int) -> TreeTemplate:
+    """What `tune` would write for `cfg`: the prior tree's acceptance on `sets`, all sources on, fitted."""
+    executor = BatchedTorchExecutor(model, 1, 2048, cfg.step_tokens, tree=prior)
+    accepted, offered = Counter(), Counter()
+    for ids in (ids for prompts in sets.values() for ids in prompts):
+        stats = LookaheadDecoder(executor, cfg, tree=prior).generate(ids, tokens).stats
+        accepted.update(stats.tree_accepted)
+        offered.update(stats.tree_offered)
+    counts = {cell: (accepted[cell], n) for cell, n in offered.items()}
+    return tree_template(prior.nodes, prior.max_depth, Acceptance.fit(counts))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=8)
@@ -75,6 +91,8 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--steps", default="28,56,120", help="T values")
     ap.add_argument("--sets", default="mt_bench,humaneval,gsm8k,assembled")
+    ap.add_argument("--fit-offset", type=int, default=TUNE_ROW_OFFSET,
+                    help="the fitted tree is fitted on --prompts rows from here (tune's rows), not the rows measured")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = resolve_model("smollm2-135m-instruct")
@@ -83,6 +101,8 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     sets = prompt_sets(tokenizer, args.sets.split(","), 0, args.prompts)
+    fit_sets = prompt_sets(tokenizer, [n for n in args.sets.split(",") if n != "assembled"], args.fit_offset,
+                           args.fit_offset + args.prompts)
     print(f"SmolLM2-135M-Instruct float32, CPU, torch threads {args.threads}, {args.prompts} prompts x "
           f"{args.tokens} tokens per set, tree depth {args.depth}; load at start {os.getloadavg()}\n")
     print("| T | config | variant | " + " | ".join(sets) + " | all | host ms/step | accept >= depth 1..8 | "
@@ -90,11 +110,14 @@ def main() -> None:
     print("|---|---|---|" + "---:|" * (len(sets) + 2) + "---|---|---|")
     for T in (int(t) for t in args.steps.split(",")):
         cfg = CONFIGS[T]
-        tree = tree_template(cfg.G * cfg.levels, args.depth, args.decay)
+        trees = {"prior": tree_template(cfg.G * cfg.levels, args.depth, Acceptance.prior(args.decay)), None: None}
+        if "fitted" in {VARIANTS[v][0] for v in args.variants.split(",")}:
+            trees["fitted"] = fitted_tree(model, cfg, trees["prior"], fit_sets, args.tokens)
+            print(f"<!-- T={T} fitted tree: {trees['fitted']} -->", flush=True)
         linear: dict[tuple[str, int], list[int]] = {}
         for variant in args.variants.split(","):
-            use_tree, switches = VARIANTS[variant]
-            t = tree if use_tree else None
+            kind, switches = VARIANTS[variant]
+            t = trees[kind]
             executor = BatchedTorchExecutor(model, 1, 2048, T, tree=t)
             per_set, host, depths, sources, nodes = [], [], Counter(), Counter(), Counter()
             generated = steps = decode_steps = 0
@@ -114,7 +137,7 @@ def main() -> None:
                 per_set.append(g / s)
                 generated, steps = generated + g, steps + s
             accept = " ".join(f"{depths[d] / decode_steps:.2f}" for d in range(1, 9))
-            template = tree if use_tree else chain_template(cfg.G, cfg.levels)
+            template = t or chain_template(cfg.G, cfg.levels)
             by_rank: Counter = Counter()
             for v, n in nodes.items():
                 if v < template.nodes:  # chain nodes have no rank in the template

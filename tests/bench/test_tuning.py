@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from trt_lookahead.cli import main
+from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import AUTO, LookaheadConfig
 from trt_lookahead.lookahead.policy import LookaheadPolicy, Priors, StepCost
-from trt_lookahead.lookahead.tree import TREE_DEPTH, tree_template
+from trt_lookahead.lookahead.tree import TREE_DEPTH, TreeTemplate, tree_template
 from trt_lookahead.runtime import LookaheadRuntime, checkpoint_tuning_key
 from trt_lookahead.tuning import file as tuning_file
 from trt_lookahead.tuning import tune
@@ -113,8 +114,13 @@ def test_step_cost_is_measured_for_every_row_count_and_config(stories):
 def test_priors_are_measured_compression(stories):
     named = [("a", stories.encode("Once upon a time")), ("b", stories.encode("The cat sat on the mat. The cat"))]
     configs = [LookaheadConfig(1, 3, 1), LookaheadConfig(4, 3, 4)]
-    compression, per_set = tune.measure_priors(stories, named, configs, 40)
+    compression, per_set, acceptance = tune.measure_priors(stories, named, configs, 40)
     assert set(compression) == {"1/3/1", "4/3/4"} and all(1.0 <= v <= 3.0 for v in compression.values())
+    # the runtime's tree, whose 2- and 8-node prefixes have one node under x_t (n0): n0's rank-0 child is offered
+    # exactly when n0 was accepted, and no rank-1 node under x_t is ever offered
+    cells = tune.acceptance_cells(acceptance)
+    assert str(stories.tree).startswith("-1,0,1,2,3,4,3,2,") and all(0 <= a <= n for a, n in cells.values())
+    assert cells[1, 0][1] > cells[1, 0][0] == cells[2, 0][1] > 0 and (1, 1) not in cells
     assert set(per_set["4/3/4"]) == {"a", "b"}
     outs = [stories.generate(p, 40, lookahead="4,3,4", pool_scope="request") for _, p in named]
     measured = sum(o.generated_tokens for o in outs) / sum(o.steps for o in outs)
@@ -137,11 +143,32 @@ def test_auto_tunes_when_the_file_has_no_entry_and_then_reads_it(tuning, capsys)
         assert "tuning now" not in capsys.readouterr().err
 
 
+def test_a_tuned_tree_by_hand():
+    # rank 0 accepted 90% at depths 1 and 2, rank 1 almost never: rank-0 path first, then x_t's second child (0.04)
+    # before n0's (0.88 x 0.036); nothing deeper than the measured depth 2
+    acceptance = {"1/0": [90, 100], "1/1": [1, 100], "2/0": [90, 90], "2/1": [0, 90]}
+    assert tune.tuned_tree(acceptance, LookaheadConfig(1, 4, 1)).parents == (-1, 0, -1)
+    assert tune.tuned_tree(acceptance, LookaheadConfig(2, 3, 2)).max_depth == 2
+    with pytest.raises(UserError, match="not --tree off"):
+        tune.tuned_tree({}, LookaheadConfig(1, 4, 1))
+
+
 @pytest.mark.slow  # tunes for its 4 s budget
-def test_tune_cli_writes_the_tuning_file(tuning, capsys):
+def test_tune_cli_writes_the_tuning_file_and_a_tree_that_decodes_exactly(tuning, capsys, tmp_path):
+    tree = tmp_path / "tree.txt"
     code = main(["tune", "--model", str(STORIES), "--dataset", "humaneval", "--budget-seconds", "4", "--json",
-                 "--tuning-file", str(tuning)])
+                 "--tuning-file", str(tuning), "--tree-out", str(tree), "--tree-for", "4,3,4"])
     assert code == 0
-    stored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out, err = capsys.readouterr()
+    stored = json.loads(out.strip().splitlines()[-1])
     assert stored["dataset"] == "humaneval" and stored["dtype"] == "float32"
     assert tuning_file.read_tuning_file(tuning)["entries"].get(checkpoint_tuning_key(STORIES, "float32")) == stored
+    assert "draft tree: accepted / offered nodes by depth" in tune.format_report(stored)
+    template = TreeTemplate.parse(tree.read_text())
+    assert template.nodes == 8 and f"build with --tree {tree}" in err
+    prompt = "Once upon a time there was a"
+    with LookaheadRuntime.from_pretrained(STORIES, backend="torch", lookahead="4,3,4", max_seq_len=256,
+                                          tree=str(tree)) as rt:
+        assert rt.tree == template
+        ids = rt.encode(prompt)
+        assert rt.generate(ids, 48).token_ids == rt.generate(ids, 48, lookahead="greedy").token_ids

@@ -126,6 +126,16 @@ def test_tune_budget_must_be_finite_and_positive(capsys, budget):
     assert "--budget-seconds must be a finite number of seconds > 0" in line
 
 
+@pytest.mark.parametrize(("extra", "words"), [
+    (["--tree-out", "no/such/dir/tree.txt"], "give a file path in an existing directory"),
+    (["--tree-out", ".", "--tree-for", "4,3,4"], "give a file path in an existing directory"),
+    (["--tree-out", "tree.txt", "--tree-for", "4,3,0"], "has no verification slots to shape a tree for: give G >= 1"),
+])
+def test_tune_checks_where_its_tree_goes_before_tuning(capsys, extra, words):
+    line = one_error_line(capsys, ["tune", "--model", str(STORIES), *extra])
+    assert words in line
+
+
 def test_triton_serve_checks_its_ports_before_starting(capsys, tmp_path):
     # issue 10: --http-port -1 waited 600 s; a port in use made the readiness probe reach the other server
     (tmp_path / "repo" / "m").mkdir(parents=True)

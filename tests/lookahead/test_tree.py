@@ -21,7 +21,7 @@ from trt_lookahead.lookahead.oracles import (
 )
 from trt_lookahead.lookahead.recycle import SuccessorMap
 from trt_lookahead.lookahead.sampling import SamplingParams
-from trt_lookahead.lookahead.tree import TreeTemplate, chain_template, covers, tree_template
+from trt_lookahead.lookahead.tree import Acceptance, TreeTemplate, chain_template, covers, tree_template
 
 
 @st.composite
@@ -75,6 +75,40 @@ def test_tree_template_best_first_by_hand():
     assert tree_template(3, 1).parents == (-1, -1, -1)
     # 0.6 (A), 0.36 (A's child), 0.27 (B), then 0.216 (A's grandchild) beats 0.162 (B's child, A's 2nd child)
     assert tree_template(4, 4).parents == (-1, 0, 1, -1)
+
+
+def test_a_fitted_acceptance_shapes_the_tree_by_hand():
+    # a thin cell stays near its guess: (1 accepted of 1 + 8 x 0.6) / (1 + 8)
+    assert Acceptance.fit({(1, 0): (1, 1)}).first.tolist() == pytest.approx([5.8 / 9])
+    # rank 0 accepted 90%, every other rank almost never: the tree is one deep chain (the prior's is bushy)
+    chain = {(d, r): (90 if r == 0 else 0, 100) for d in range(1, 7) for r in range(3)}
+    assert tree_template(6, 6, Acceptance.fit(chain)).parents == (-1, 0, 1, 2, 3, 4)
+    assert tree_template(6, 6).parents != (-1, 0, 1, 2, 3, 4)
+    # depth 1 flat over 4 ranks, depth 2 never accepted: 4 siblings under x_t first, then the deeper nodes
+    flat = {(1, r): (2000, 10000) for r in range(4)} | {(2, r): (0, 50000) for r in range(4)}
+    fitted = Acceptance.fit(flat)  # so many offered that the guesses weigh nothing: rank r+1 as likely as rank r
+    assert fitted.decay[0, :3].tolist() == pytest.approx([1.0, 1.0, 1.0], rel=1e-2)
+    assert tree_template(5, 2, fitted).parents == (-1, -1, -1, -1, -1)
+    # a rank measured above the one before it is capped by it: acceptance never grows with rank
+    assert Acceptance.fit({(1, 0): (10, 100), (1, 1): (50, 100)}).decay[0, 0] == 1.0
+
+
+def test_the_decoder_counts_acceptance_by_depth_and_rank_by_hand():
+    # x_t -> n0 -> {n1, n2}; x_t -> n3 -> n4. The model confirms n0, then n0's rank-1 child n2
+    tree = TreeTemplate((-1, 0, 0, -1, 3))
+    cfg = LookaheadConfig(2, 2, 5)  # 5 verification slots, no column-0 chain (N = 2)
+    d = RequestDecoder(cfg, [1, 2, 3], 8, (), 0, Switches(pool=False, suffix=False, recycle=False), tree)
+    d.setup(7)
+    tab = step_tables(cfg, tree)
+    T = len(tab.rel_positions)
+    d.prepare(cfg, np.zeros(T, np.int64), np.zeros(T, np.int64), tab.step_config.copy(), tab.output_slots.copy())
+    d._drafts[:] = [10, 11, 12, 13, 14]
+    out = np.full(T, 99, np.int64)
+    out[0], out[tab.node_slots[0]] = 10, 12  # after x_t the model says n0's token, after n0 n2's
+    assert d.accept(out)[:2] == [10, 12]
+    assert d.stats.tree_accepted == {(1, 0): 1, (2, 1): 1}
+    # offered: x_t's children (n0, n3) and n0's (n1, n2); n3 was refused, so n4 was not offered
+    assert d.stats.tree_offered == {(1, 0): 1, (1, 1): 1, (2, 0): 1, (2, 1): 1}
 
 
 @given(st.integers(0, 80), st.integers(1, 9))

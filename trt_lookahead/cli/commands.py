@@ -209,9 +209,12 @@ def bench_concurrency(args: argparse.Namespace) -> int:
 
 
 def tune(args: argparse.Namespace) -> int:
+    from trt_lookahead.files import write_text_atomic
     from trt_lookahead.tuning.file import tuning_path
-    from trt_lookahead.tuning.tune import format_report
+    from trt_lookahead.tuning.tune import format_report, tuned_tree
 
+    tree_for = LookaheadConfig.parse(args.tree_for) if args.tree_for else DEFAULT_LOOKAHEAD
+    tree_out = check_tree_out(args.tree_out, tree_for) if args.tree_out else None
     entry = tune_model(args.model or DEFAULT_MODEL, backend=args.backend, dtype=args.dtype, datasets=args.dataset,
                        budget_seconds=args.budget_seconds, max_seq_len=args.max_seq_len, threads=args.threads,
                        tuning_file=args.tuning_file, exact=args.exact, tree=args.tree)
@@ -220,7 +223,23 @@ def tune(args: argparse.Namespace) -> int:
     else:
         print(format_report(entry))
         print(f"tuning file: {args.tuning_file or tuning_path()}")
+    if tree_out is not None:
+        template = tuned_tree(entry["acceptance"], tree_for)
+        write_text_atomic(tree_out, f"{template}\n")
+        print(f"wrote a {template.nodes}-node, depth-{template.max_depth} tree for {tree_for} to {tree_out}: "
+              f"build with --tree {tree_out}", file=sys.stderr)
     return 0
+
+
+def check_tree_out(path: str, tree_for: LookaheadConfig) -> Path:
+    """--tree-out and --tree-for, checked before tuning (which takes minutes): a file in an existing directory, a
+    config with verification slots."""
+    out = Path(path)
+    if out.is_dir() or not out.parent.is_dir():
+        raise UserError(f"--tree-out {path}: give a file path in an existing directory, e.g. tree.txt")
+    if not tree_for.G:
+        raise UserError(f"--tree-for {tree_for} has no verification slots to shape a tree for: give G >= 1")
+    return out
 
 
 def tune_model(

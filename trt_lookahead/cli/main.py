@@ -146,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
                    default=commands.DEFAULT_BUDGET)
     p.add_argument("--json", action="store_true")
     _add_tree_argument(p)
+    p.add_argument("--tree-out", "--tree_out", dest="tree_out", default=None,
+                   help="also write a draft tree shaped by the acceptance measured per depth and rank to this file, "
+                        "for `build --tree FILE`")
+    p.add_argument("--tree-for", "--tree_for", dest="tree_for", default=None,
+                   help=f"W,N,G the --tree-out tree is for: its G(N-1) nodes (default {DEFAULT_LOOKAHEAD})")
 
     p = sub.add_parser("build", help="compile a checkpoint into an engine dir at fixed W,N,G")
     p.add_argument("--model", required=True)

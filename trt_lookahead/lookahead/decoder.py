@@ -62,6 +62,10 @@ class DecodeStats:
     depths: Counter = field(default_factory=Counter)  # accepted drafts by depth (1 = the token after x_t)
     nodes: Counter = field(default_factory=Counter)  # accepted drafts by verification node (template's, then chain's)
     configs: Counter = field(default_factory=Counter)  # decode steps per step config label (greedy or W/N/G)
+    # tree steps only, by the template node's (depth, rank): verified on the accepted path / offered (its parent
+    # was on that path), so accepted / offered = P(accepted | parent accepted), what Acceptance.fit reads
+    tree_accepted: Counter = field(default_factory=Counter)
+    tree_offered: Counter = field(default_factory=Counter)
 
     @property
     def decode_steps(self) -> int:
@@ -99,7 +103,13 @@ class DecodeStats:
             "depths": {str(k): v for k, v in sorted(self.depths.items())},
             "nodes": {str(k): v for k, v in sorted(self.nodes.items())},
             "configs": dict(sorted(self.configs.items())),
+            "tree_acceptance": acceptance_counts(self.tree_accepted, self.tree_offered),
         }
+
+
+def acceptance_counts(accepted: Counter, offered: Counter) -> dict[str, list[int]]:
+    """{"depth/rank": [accepted, offered]} of a tree's nodes, the JSON form `tune` stores (Acceptance.fit)."""
+    return {f"{d}/{r}": [accepted[d, r], n] for (d, r), n in sorted(offered.items())}
 
 
 @dataclass
@@ -133,7 +143,7 @@ def verify_nodes(layout: StepLayout) -> tuple[np.ndarray, np.ndarray]:
     return slots, np.concatenate([np.asarray(template.parents, np.int64), chain_parents])
 
 
-def verify(drafts: np.ndarray, out: np.ndarray, tables: StepTables) -> tuple[int, int]:
+def verify(drafts: Sequence[int], out: Sequence[int], tables: StepTables) -> tuple[int, int]:
     """(best node, accepted drafts k): the deepest node whose path from x_t matches the model, first on ties.
 
     drafts [M] (-1 = no draft, never matches), out [T] the step's next tokens. Node v matches when
@@ -146,13 +156,18 @@ def verify(drafts: np.ndarray, out: np.ndarray, tables: StepTables) -> tuple[int
         drafts     = [cat, sat, cat]                        V0 from the pool, the chain's B1[0] = cat
         out        = [cat, ., sat, the, sat, on]            out[i]: the model's token after slot i
         match      = [T, T, T]   depth [1, 2, 1]  ->  best 1, k 2, emitted [cat, sat] + [out[5]] = [.., on]
+
+    A plain loop over lists (accept passes them): it runs right after the model step, when numpy's code is
+    out of the CPU's caches and each numpy call costs ~10 us (docs/design.md 9).
     """
-    if not len(drafts):  # a greedy step: nothing to verify
-        return 0, 0
-    match = drafts == out[tables.expect_slots]
-    reach = np.where((tables.ancestors & ~match).any(axis=1), 0, tables.depth)
-    best = int(np.argmax(reach))
-    return best, int(reach[best])
+    best = k = 0
+    reach = [0] * len(drafts)  # accepted drafts on the path to each node, 0 if it or an ancestor fails
+    for v, (parent, expect) in enumerate(zip(tables.parents, tables.expect, strict=False)):
+        if drafts[v] == out[expect] and (parent == ROOT or reach[parent]):
+            depth = reach[v] = reach[parent] + 1 if parent != ROOT else 1
+            if depth > k:
+                best, k = v, depth
+    return best, k
 
 
 @dataclass(frozen=True)
@@ -165,13 +180,25 @@ class StepTables:
     output_slots: np.ndarray  # [K] increasing: the slots whose outputs accept/update read
     node_slots: np.ndarray  # [M] the verifiable nodes' slots (`verify_nodes`)
     expect_slots: np.ndarray  # [M] the slot whose output checks each node: its parent's, x_t's = 0
-    ancestors: np.ndarray  # [M, M] bool: row v marks node v and its ancestors
     depth: np.ndarray  # [M] 1-based depth below x_t
     template: TreeTemplate  # the verification branch's G(N-1) nodes (G chains when linear)
     ranks: tuple[int, ...]  # template.rank, read per node by the tree laying
     newest_slots: np.ndarray  # [W] the last window level: its outputs become the newest level
     window_size: int  # (N - 1) W: the window's slots come first, level-major
     linear: bool  # the verification slots are G linear candidates (no tree, or one too small: tree.covers)
+    cells: tuple[tuple[int, int], ...]  # [V] (depth, rank) of each tree node; () when linear
+    child_cells: tuple[tuple[tuple[int, int], ...], ...]  # [1 + V] the cells of x_t's, then node v's, children
+    parents: tuple[int, ...]  # [M] node_slots' parents (ROOT = x_t), read by `verify` as plain ints
+    expect: tuple[int, ...]  # [M] expect_slots as plain ints
+    slots: tuple[int, ...]  # [M] node_slots as plain ints
+
+    def path_to(self, node: int) -> list[int]:
+        """The nodes from x_t's child down to `node`, in order."""
+        path = []
+        while node != ROOT:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
 
 
 @lru_cache(maxsize=1024)
@@ -179,18 +206,21 @@ def step_tables(config: LookaheadConfig, tree: TreeTemplate | None = None) -> St
     layout = StepLayout(config, tree=tree)
     step_config = np.array((config.W, config.N, config.G), np.int32)
     slots, parents = verify_nodes(layout)
-    ancestors = np.eye(len(slots), dtype=bool)
+    expect = np.where(parents == ROOT, 0, slots[np.maximum(parents, 0)])
+    depth = np.ones(len(slots), np.int64)
     for v, p in enumerate(parents.tolist()):
         if p != ROOT:
-            ancestors[v] |= ancestors[p]
-    expect = np.where(parents == ROOT, 0, slots[np.maximum(parents, 0)])
-    depth = ancestors.sum(axis=1).astype(np.int64)
-    for value in (step_config, slots, expect, ancestors, depth):
+            depth[v] += depth[p]
+    for value in (step_config, slots, expect, depth):
         value.flags.writeable = False
+    template, linear = layout.template, covers(tree, config) is None
+    cells = () if linear else tuple(zip(template.depth.tolist(), template.rank.tolist(), strict=True))
     return StepTables(
-        config, step_config, layout.rel_positions, layout.output_slots, slots, expect, ancestors, depth,
-        layout.template, tuple(layout.template.rank.tolist()), layout.window_slots[-1], config.levels * config.W,
-        covers(tree, config) is None,
+        config, step_config, layout.rel_positions, layout.output_slots, slots, expect, depth,
+        template, tuple(template.rank.tolist()), layout.window_slots[-1], config.levels * config.W, linear, cells,
+        tuple(tuple(cell for cell, q in zip(cells, template.parents, strict=False) if q == p)
+              for p in range(ROOT, len(cells))),
+        tuple(parents.tolist()), tuple(expect.tolist()), tuple(slots.tolist()),
     )
 
 
@@ -363,9 +393,10 @@ class RequestDecoder:
         """Verify against the step's outputs and return the tokens emitted (cut at a stop token or the length)."""
         tab = self._tables
         assert tab is not None, "accept() needs a prepared step"
-        best, k = verify(self._drafts, out, tab)
-        path = np.flatnonzero(tab.ancestors[best]) if k else tab.node_slots[:0]  # root to best, in node order
-        self.block = [*self._drafts[path].tolist(), int(out[tab.node_slots[best] if k else 0])]
+        drafts, got = self._drafts.tolist(), out.tolist()
+        best, k = verify(drafts, got, tab)
+        path = tab.path_to(best) if k else []
+        self.block = [*(drafts[v] for v in path), got[tab.slots[best] if k else 0]]
         emitted: list[int] = []
         for token in self.block:
             emitted.append(token)
@@ -378,16 +409,22 @@ class RequestDecoder:
         stats.generated_tokens = len(self.tokens)
         stats.accepted_histogram[len(emitted)] += 1
         stats.configs[tab.config.label] += 1
-        for depth, node in enumerate(path[: len(emitted)].tolist(), start=1):
+        for depth, node in enumerate(path[: len(emitted)], start=1):
             stats.sources[self._origins[node]] += 1
             stats.depths[depth] += 1
             stats.nodes[node] += 1
+        if tab.cells:  # the whole verified path: acceptance, not what the stop token let out
+            stats.tree_offered.update(tab.child_cells[0])
+            for node in path:
+                if node < len(tab.cells):  # not the column-0 chain
+                    stats.tree_accepted[tab.cells[node]] += 1
+                    stats.tree_offered.update(tab.child_cells[node + 1])
         self.finished = (
             len(emitted) < len(self.block)
             or emitted[-1] in self.stop_tokens
             or len(self.tokens) == self.max_new_tokens
         )
-        self.commit_slots = np.concatenate([(0,), tab.node_slots[path]])  # x_t, then the accepted drafts' slots
+        self.commit_slots = np.array([0, *(tab.slots[v] for v in path)], np.int64)  # x_t, then the accepted drafts
         return emitted
 
     @property

@@ -6,13 +6,15 @@ and node i sees node j iff j <= i < ends[j]. Node i sits at relative position de
 Siblings are ranked (rank 0 first); the draft laying puts the best-scored branch at rank 0.
 
     chain_template(G, levels)      today's G linear candidates: G chains of `levels` nodes
-    tree_template(nodes, depth)    every tree size from one rule: best-first by a rank-decaying prior
+    tree_template(nodes, depth)    every tree size from one rule: best-first by acceptance per depth and rank
+    Acceptance.prior() / .fit()    that rule's rates: a rank-decaying prior, or fitted to what `tune` measured
     resolve_tree(spec, config)     what a runtime's `tree` option names: None (linear), auto or parents
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +27,7 @@ ROOT = -1  # the parent of depth-1 nodes: x_t, step slot 0
 RANK_DECAY = 0.45  # prior acceptance of a rank-r child relative to rank 0 (tree_template's shaping rule)
 FIRST_ACCEPT = 0.6  # prior acceptance of a rank-0 child given its parent
 DEFAULT_TREE = "auto"  # a checkpoint's tree unless asked otherwise: at equal T it accepts more (docs/design.md 9)
+FIT_PSEUDO = 8.0  # offered nodes of weight the fit gives each cell's guess (Acceptance.fit)
 TREE_DEPTH = 6  # the depth of `auto` templates (measured: depth 6 and 8 accept the same, docs/design.md 9)
 
 
@@ -102,23 +105,66 @@ def chain_template(chains: int, levels: int) -> TreeTemplate:
     return TreeTemplate(tuple(ROOT if m == 0 else k * levels + m - 1 for k in range(chains) for m in range(levels)))
 
 
-def tree_template(nodes: int, depth: int, decay: float = RANK_DECAY) -> TreeTemplate:
-    """The `nodes` most likely nodes up to `depth` under a prior where a rank-r child is accepted with
-    probability FIRST_ACCEPT * decay**r given its parent (Medusa/Token Recycling style), in preorder."""
+@dataclass(frozen=True)
+class Acceptance:
+    """P(a node is accepted | its parent is), by depth and sibling rank: the shaping rule of tree_template.
+
+    Rank 0 at depth d: first[d-1]; rank r+1 is rank r times decay[d-1, r]. Past the tables' last depth or
+    rank, the last one applies. `prior()` is the rank-decaying prior; `fit()` reads `tune`'s measurements.
+    """
+
+    first: np.ndarray  # [D] rank-0 acceptance per depth
+    decay: np.ndarray  # [D, R] acceptance of rank r+1 relative to rank r, each <= 1
+
+    @classmethod
+    def prior(cls, decay: float = RANK_DECAY) -> Acceptance:
+        """FIRST_ACCEPT * decay**r at every depth (Medusa/Token Recycling style)."""
+        return cls(np.array([FIRST_ACCEPT]), np.array([[decay]]))
+
+    @classmethod
+    def fit(cls, counts: Mapping[tuple[int, int], tuple[int, int]], pseudo: float = FIT_PSEUDO) -> Acceptance:
+        """From (accepted, offered) per measured (depth, rank): each rate is shrunk toward its guess from the cell
+        before it (rank r-1 times RANK_DECAY; rank 0 from the depth above; FIRST_ACCEPT first) by `pseudo`
+        offered nodes, so a thin cell stays near the guess, then made non-increasing in rank."""
+        if not counts:
+            raise ValueError("no measured tree acceptance to fit a template to")
+        # one rank past the measured ones: unmeasured, it is its guess, so later ranks decay by RANK_DECAY
+        depths, ranks = max(d for d, _ in counts), max(r for _, r in counts) + 2
+        rate = np.zeros((depths, ranks))
+        for d in range(depths):
+            for r in range(ranks):
+                guess = rate[d, r - 1] * RANK_DECAY if r else rate[d - 1, 0] if d else FIRST_ACCEPT
+                accepted, offered = counts.get((d + 1, r), (0, 0))
+                rate[d, r] = min((accepted + pseudo * guess) / (offered + pseudo), rate[d, r - 1] if r else 1.0)
+        return cls(rate[:, 0], rate[:, 1:] / rate[:, :-1])
+
+    def rank0(self, depth: int) -> float:
+        return float(self.first[min(depth, len(self.first)) - 1])
+
+    def step(self, depth: int, rank: int) -> float:
+        """Acceptance of rank+1 relative to rank at `depth`."""
+        row = self.decay[min(depth, len(self.decay)) - 1]
+        return float(row[min(rank, len(row) - 1)])
+
+
+def tree_template(nodes: int, depth: int, accept: Acceptance | None = None) -> TreeTemplate:
+    """The `nodes` most likely nodes up to `depth` under `accept` (the prior by default): a node's probability
+    is the product of its path's acceptances, chosen best-first, laid out in preorder with rank 0 first."""
     if nodes < 0 or depth < 1:
         raise ValueError(f"a tree template needs nodes >= 0 and depth >= 1, got nodes={nodes} depth={depth}")
+    accept = accept or Acceptance.prior()
     # best-first: heap of (-probability, tie order, parent id, rank, depth); ids in order of choice
-    heap = [(-FIRST_ACCEPT, 0, ROOT, 0, 1)]
+    heap = [(-accept.rank0(1), 0, ROOT, 0, 1)]
     chosen: list[tuple[int, int]] = []  # (parent id, rank) per chosen id
     order = 1
     while heap and len(chosen) < nodes:
         neg, _, parent, rank, d = heapq.heappop(heap)
         me = len(chosen)
         chosen.append((parent, rank))
-        heapq.heappush(heap, (neg * decay, order, parent, rank + 1, d))  # the next sibling
+        heapq.heappush(heap, (neg * accept.step(d, rank), order, parent, rank + 1, d))  # the next sibling
         order += 1
         if d < depth:
-            heapq.heappush(heap, (neg * FIRST_ACCEPT, order, me, 0, d + 1))  # the first child
+            heapq.heappush(heap, (neg * accept.rank0(d + 1), order, me, 0, d + 1))  # the first child
             order += 1
     kids: dict[int, list[int]] = {}
     for me, (parent, _) in enumerate(chosen):  # chosen in rank order per parent

@@ -14,6 +14,9 @@ caller built, for its model, dtype and backend on this machine (docs/design.md s
   4. verification: `auto` against greedy one request at a time, interleaved per prompt; if `auto` is not
      faster, `auto` is greedy here (it never runs slower on purpose).
 
+The priors' runs also count the draft tree's acceptance by depth and rank; `tuned_tree` shapes a template for
+any T budget from them (`tune --tree-out FILE`, then `build --tree FILE`).
+
 `tune(rt)` measures on a runtime; `auto_tuning(rt)` is what the runtime calls the first time a request asks
 for `auto`: the stored entry for this model, dtype, backend and machine (tuning/file.py), tuning now if
 there is none (saying so on stderr) and storing it (in the runtime's tuning file: the cache's by default).
@@ -26,14 +29,17 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from trt_lookahead.bench.machine import load_average, machine_info, machine_key, utc_now
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import AUTO, GREEDY, LookaheadConfig
+from trt_lookahead.lookahead.decoder import acceptance_counts
 from trt_lookahead.lookahead.policy import LookaheadPolicy, Priors, StepCost, ladder
+from trt_lookahead.lookahead.tree import Acceptance, TreeTemplate, tree_template
 from trt_lookahead.tuning.file import TUNING_VERSION, model_key, read_tuning_file, tuning_key, tuning_path
 from trt_lookahead.tuning.file import write_tuning_entry as _write_entry
 
@@ -125,6 +131,7 @@ class TuneReport:
     priors: dict[str, float] = field(default_factory=dict)  # "W/N/G" -> compression
     set_compression: dict[str, dict[str, float]] = field(default_factory=dict)  # "W/N/G" -> set -> compression
     predicted: dict[str, float] = field(default_factory=dict)  # N -> one request's predicted tokens per second
+    acceptance: dict[str, list[int]] = field(default_factory=dict)  # "depth/rank" -> [accepted, offered] tree nodes
     verified: dict[str, Any] = field(default_factory=dict)  # auto vs greedy, one request at a time
     config: str = GREEDY  # the largest config `auto` may use ("greedy": auto is greedy here)
     reason: str = ""
@@ -214,14 +221,20 @@ def tuning_prompts(
 def measure_priors(
     rt: LookaheadRuntime, named: Sequence[tuple[str, Sequence[int]]], configs: Sequence[LookaheadConfig],
     max_new_tokens: int, *, deadline: float | None = None, clock: Callable[[], float] = time.perf_counter,
-) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
-    """Compression (generated tokens / steps) of each config on the prompts, overall and per set; cheapest first."""
+) -> tuple[dict[str, float], dict[str, dict[str, float]], dict[str, list[int]]]:
+    """Compression (generated tokens / steps) of each config on the prompts, overall and per set, cheapest first;
+    and the draft tree's acceptance by depth and rank over all of them (`acceptance_counts`)."""
     compression: dict[str, float] = {}
     per_set: dict[str, dict[str, float]] = {}
+    accepted: Counter = Counter()
+    offered: Counter = Counter()
     for config in sorted(configs, key=lambda c: c.step_tokens):
         if deadline is not None and clock() > deadline and compression:
             break
         results = run_together(rt, [p for _, p in named], max_new_tokens, config)
+        for r in results:
+            accepted.update(r.stats.tree_accepted)
+            offered.update(r.stats.tree_offered)
         generated, steps = sum(r.stats.generated_tokens for r in results), sum(r.stats.steps for r in results)
         compression[str(config)] = round(generated / steps, 4)
         sets: dict[str, list[int]] = {}
@@ -229,7 +242,21 @@ def measure_priors(
             counts = sets.setdefault(name, [0, 0])
             counts[0], counts[1] = counts[0] + r.stats.generated_tokens, counts[1] + r.stats.steps
         per_set[str(config)] = {name: round(g / n, 4) for name, (g, n) in sets.items()}
-    return compression, per_set
+    return compression, per_set, acceptance_counts(accepted, offered)
+
+
+def acceptance_cells(acceptance: Mapping[str, Sequence[int]]) -> dict[tuple[int, int], tuple[int, int]]:
+    """{"depth/rank": [accepted, offered]} (JSON) -> {(depth, rank): (accepted, offered)}."""
+    return {(int(d), int(r)): (int(a), int(n)) for key, (a, n) in acceptance.items() for d, r in [key.split("/")]}
+
+
+def tuned_tree(acceptance: Mapping[str, Sequence[int]], config: LookaheadConfig) -> TreeTemplate:
+    """The G(N-1)-node template for `config` shaped by measured acceptance (a tuning entry's "acceptance"), as deep
+    as the measured tree was."""
+    counts = acceptance_cells(acceptance)
+    if not counts:
+        raise UserError("tuning measured no draft-tree acceptance: tune with a tree (the default), not --tree off")
+    return tree_template(config.G * config.levels, max(d for d, _ in counts), Acceptance.fit(counts))
 
 
 def single_request_speed(policy: LookaheadPolicy, config: LookaheadConfig) -> float:
@@ -305,7 +332,7 @@ def tune(
 
     rungs = sorted({rung for n in NGRAMS for rung in ladder(LookaheadConfig(TOP, n, TOP))[1:] if _runs_on(rt, rung)},
                    key=lambda c: (c.step_tokens, c.N))
-    report.priors, report.set_compression = measure_priors(
+    report.priors, report.set_compression, report.acceptance = measure_priors(
         rt, named, rungs, max_new_tokens, deadline=start + 0.8 * budget_seconds, clock=clock
     )
     _say(progress, "compression: " + ", ".join(f"{c} {v:.2f}" for c, v in report.priors.items()))
@@ -362,6 +389,14 @@ def format_report(entry: dict[str, Any]) -> str:
     for config, value in entry["priors"].items():
         sets = ", ".join(f"{k} {v:.2f}" for k, v in entry["set_compression"].get(config, {}).items())
         lines.append(f"| {config} | {LookaheadConfig.parse(config).step_tokens} | {value:.2f} | {sets} |")
+    cells = acceptance_cells(entry.get("acceptance") or {})
+    if cells:
+        ranks = range(max(r for _, r in cells) + 1)
+        lines += ["draft tree: accepted / offered nodes by depth (rows) and rank among siblings (columns)",
+                  "| depth | " + " | ".join(f"rank {r}" for r in ranks) + " |", "|---:|" + "---:|" * len(ranks)]
+        for d in sorted({d for d, _ in cells}):
+            row = (cells.get((d, r), (0, 0)) for r in ranks)
+            lines.append(f"| {d} | " + " | ".join(f"{a / n:.2f} of {n}" if n else "" for a, n in row) + " |")
     v = entry["verified"]
     lines.append(f"verified: auto {v.get('speedup', 0):.2f}x greedy on {v.get('prompts', 0)} prompts, "
                  f"steps per config {v.get('auto_steps', {})}")
