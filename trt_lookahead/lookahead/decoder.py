@@ -162,7 +162,7 @@ def verify(drafts: Sequence[int], out: Sequence[int], tables: StepTables) -> tup
     """
     best = k = 0
     reach = [0] * len(drafts)  # accepted drafts on the path to each node, 0 if it or an ancestor fails
-    for v, (parent, expect) in enumerate(zip(tables.parents, tables.expect, strict=False)):
+    for v, (parent, expect) in enumerate(zip(tables.parents, tables.expect, strict=True)):
         if drafts[v] == out[expect] and (parent == ROOT or reach[parent]):
             depth = reach[v] = reach[parent] + 1 if parent != ROOT else 1
             if depth > k:
@@ -191,6 +191,7 @@ class StepTables:
     parents: tuple[int, ...]  # [M] node_slots' parents (ROOT = x_t), read by `verify` as plain ints
     expect: tuple[int, ...]  # [M] expect_slots as plain ints
     slots: tuple[int, ...]  # [M] node_slots as plain ints
+    label: str  # config.label
 
     def path_to(self, node: int) -> list[int]:
         """The nodes from x_t's child down to `node`, in order."""
@@ -220,7 +221,7 @@ def step_tables(config: LookaheadConfig, tree: TreeTemplate | None = None) -> St
         template, tuple(template.rank.tolist()), layout.window_slots[-1], config.levels * config.W, linear, cells,
         tuple(tuple(cell for cell, q in zip(cells, template.parents, strict=False) if q == p)
               for p in range(ROOT, len(cells))),
-        tuple(parents.tolist()), tuple(expect.tolist()), tuple(slots.tolist()),
+        tuple(parents.tolist()), tuple(expect.tolist()), tuple(slots.tolist()), config.label,
     )
 
 
@@ -408,7 +409,7 @@ class RequestDecoder:
         stats.steps += 1
         stats.generated_tokens = len(self.tokens)
         stats.accepted_histogram[len(emitted)] += 1
-        stats.configs[tab.config.label] += 1
+        stats.configs[tab.label] += 1
         for depth, node in enumerate(path[: len(emitted)], start=1):
             stats.sources[self._origins[node]] += 1
             stats.depths[depth] += 1
