@@ -112,6 +112,31 @@ class BlockedAttention:
         self.tree = 1 << (blocks - 1).bit_length()  # the blocks are added pairwise over this power of two
         self.branch_rows: torch.Tensor | None = None
         self._plan_branches(mask, P, G, padded, work)
+        self._plan_views(t, G, D, padded, width, work)
+
+    def _plan_views(self, t: int, G: int, D: int, padded: int, width: int, work: torch.dtype) -> None:
+        """Every view a call reads or writes, and its score and output buffers: made once per step, not per layer
+        (on the CPU each view and allocation costs about a microsecond, and a call makes forty of them)."""
+        Hkv, blocks, BK, n = self.k.shape[0], self.blocks, KEY_BLOCK, self.keys
+        self.q_in = self.q[:, :, : self.rows].view(Hkv, blocks, t, G, D)
+        self.k_in, self.v_in = self.k[:, :n], self.v[:, :n, :D]
+        self.q3, self.v3 = self.q.view(Hkv * blocks, padded, D), self.v.view(Hkv * blocks, BK, width)
+        self.keys3 = self.k.view(Hkv * blocks, BK, D).transpose(1, 2)  # [Hkv * blocks, D, BK]
+        self.s3 = torch.empty(Hkv * blocks, padded, BK, dtype=work, device=self.device)  # scores, then p
+        self.s4 = self.s3.view(Hkv, blocks, padded, BK)
+        self.o3 = torch.empty(Hkv * blocks, padded, width, dtype=work, device=self.device)
+        o = self.o4 = self.o3.view(Hkv, blocks, padded, width)
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (into, added): pairwise over `tree` blocks
+        half = self.tree // 2
+        while half:
+            self.pairs.append((o[:, : o.shape[1] - half], o[:, half:]))
+            o, half = o[:, :half], half // 2
+        if self.branch_rows is not None:  # the branch rows' own blocks, then the blocks past them
+            tail = self.branch_shape[1]
+            self.p2 = self.s3.view(Hkv, -1)
+            self.o_own, self.o_past = self.o4[:, self.first : self.first + tail], self.o4[:, self.first + tail :]
+        total = o[:, 0, : self.rows].view(Hkv, t, G, width)
+        self.numerator, self.denominator = total[..., :D], total[..., D : D + 1]
 
     def _plan_branches(self, mask: np.ndarray, P: int, G: int, padded: int, work: torch.dtype) -> None:
         """Index the own blocks of rows whose step keys sit away from their positions' rows."""
@@ -144,32 +169,27 @@ class BlockedAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [t, Hq, D], k/v [>= cache_len + t, Hkv, D] (any strides; rows past cache_len + t unread) -> [t, Hq, D]."""
         T, Hq, D = self.shape
-        Hkv, blocks, padded, BK, n = self.k.shape[0], self.blocks, self.q.shape[2], KEY_BLOCK, self.keys
+        Hkv, BK, n = self.k.shape[0], KEY_BLOCK, self.keys
         G, width = Hq // Hkv, self.v.shape[-1]
-        self.q[:, :, : self.rows].view(Hkv, blocks, T, G, D).copy_(q.view(T, Hkv, 1, G, D).permute(1, 2, 0, 3, 4))
-        self.k[:, :n] = k[:n].transpose(0, 1)
-        self.v[:, :n, :D] = v[:n].transpose(0, 1)
-        keys = self.k.view(Hkv * blocks, BK, D).transpose(1, 2)  # [Hkv * blocks, D, BK]
-        s = torch.baddbmm(self.bias, self.q.view(Hkv * blocks, padded, D), keys, alpha=self.scale)
-        s = s.view(Hkv, blocks, padded, BK)
-        p = s.sub_(s.amax(3, keepdim=True).amax(1, keepdim=True)).exp_()  # [Hkv, blocks, padded, BK]
-        o = torch.bmm(p.view(Hkv * blocks, padded, BK), self.v.view(Hkv * blocks, BK, width))
-        o = o.view(Hkv, blocks, padded, width)
+        self.q_in.copy_(q.view(T, Hkv, 1, G, D).permute(1, 2, 0, 3, 4))
+        self.k_in.copy_(k[:n].transpose(0, 1))
+        self.v_in.copy_(v[:n].transpose(0, 1))
+        torch.baddbmm(self.bias, self.q3, self.keys3, alpha=self.scale, out=self.s3)
+        s = self.s4
+        s.sub_(s.amax(3, keepdim=True).amax(1, keepdim=True)).exp_()  # p [Hkv, blocks, padded, BK]
+        torch.bmm(self.s3, self.v3, out=self.o3)
         if self.branch_rows is not None:
             nb, tail, G4 = self.branch_shape
-            pb = p.view(Hkv, -1).index_select(1, self.p_index).mul_(self.p_valid)  # [Hkv, nb * tail * G4 * BK]
+            pb = self.p2.index_select(1, self.p_index).mul_(self.p_valid)  # [Hkv, nb * tail * G4 * BK]
             vb = self.v.index_select(1, self.v_index)  # [Hkv, nb * tail * BK, width]
             ob = torch.bmm(pb.view(-1, G4, BK), vb.view(-1, BK, width)).view(Hkv, nb, tail, G4, width)
             ob = ob[:, :, :, :G].transpose(1, 2).reshape(Hkv, tail, nb * G, width)
-            o[:, self.first : self.first + tail].index_copy_(2, self.branch_rows, ob)
-            o[:, self.first + tail :].index_fill_(2, self.branch_rows, 0.0)
-        half = self.tree // 2
-        while half:  # pairwise over `tree` blocks, the missing ones zeros: blocks past a row's keys add nothing
-            o[:, : o.shape[1] - half] += o[:, half:]
-            o, half = o[:, :half], half // 2
-        o = o[:, 0, : self.rows].view(Hkv, T, G, width)
-        out = torch.empty(T, Hkv, G, D, dtype=o.dtype, device=o.device)
-        torch.div(o[..., :D], o[..., D : D + 1], out=out.permute(1, 0, 2, 3))
+            self.o_own.index_copy_(2, self.branch_rows, ob)
+            self.o_past.index_fill_(2, self.branch_rows, 0.0)
+        for into, added in self.pairs:  # the missing blocks are zeros: blocks past a row's keys add nothing
+            into += added
+        out = torch.empty(T, Hkv, G, D, dtype=self.o3.dtype, device=self.device)  # fresh: kept past the call
+        torch.div(self.numerator, self.denominator, out=out.permute(1, 0, 2, 3))
         return out.view(T, Hq, D).to(self.dtype)
 
     def seam(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *_: object) -> torch.Tensor:
