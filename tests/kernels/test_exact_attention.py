@@ -78,3 +78,19 @@ def test_a_tree_nodes_output_is_its_path_alone(nodes, depth, W, N):
         keys, values = torch.cat([k[:P], k[P + chain]]), torch.cat([v[:P], v[P + chain]])
         alone = BlockedAttention(np.tril(np.ones((n, n), bool)), P, Hq, Hkv, D, torch.float32)(q[chain], keys, values)
         assert torch.equal(step[i], alone[-1]), i
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_planned_step_serves_every_layer_alike(dtype):
+    """One plan, called once per layer, reuses its buffers: a call's output is its own (a later call leaves it
+    as it was) and has the bits a fresh plan gives, whatever the call before it held."""
+    rng = np.random.default_rng(3)
+    layout = StepLayout(LookaheadConfig(4, 3, 4))  # lookahead branches: the own-block path runs too
+    T, P, Hq, Hkv, D = layout.step_tokens, 2 * KEY_BLOCK + 7, 9, 3, 64
+    layers = [tuple(torch.from_numpy(rng.standard_normal(s)).to(dtype) for s in ((T, Hq, D), (P + T, Hkv, D),
+                                                                                  (P + T, Hkv, D))) for _ in range(3)]
+    plan = BlockedAttention(layout.mask, P, Hq, Hkv, D, dtype)
+    outs = [plan(*layer) for layer in layers]
+    for out, layer in zip(outs, layers, strict=True):
+        assert torch.equal(out, BlockedAttention(layout.mask, P, Hq, Hkv, D, dtype)(*layer))
+    assert not torch.equal(outs[0], outs[1])
