@@ -21,11 +21,11 @@ import torch
 from trt_lookahead.backends.torch import BatchedTorchExecutor
 from trt_lookahead.bench.datasets import PromptRow, encode_row, load_dataset
 from trt_lookahead.lookahead.config import LookaheadConfig
-from trt_lookahead.lookahead.decoder import LookaheadDecoder, Switches
+from trt_lookahead.lookahead.decoder import LookaheadDecoder, Switches, acceptance_counts
 from trt_lookahead.lookahead.tree import TREE_DEPTH, Acceptance, TreeTemplate, chain_template, tree_template
 from trt_lookahead.model.checkpoint import load_llama
 from trt_lookahead.model.fetch import resolve_model
-from trt_lookahead.tuning.tune import TUNE_ROW_OFFSET
+from trt_lookahead.tuning.tune import TUNE_ROW_OFFSET, tuned_tree
 
 # a set that is not MT-Bench, HumanEval or GSM8K: rewriting, extraction and editing tasks that quote their input
 ASSEMBLED = [
@@ -70,15 +70,14 @@ def prompt_sets(tokenizer: object, names: list[str], start: int, stop: int) -> d
 
 def fitted_tree(model: object, cfg: LookaheadConfig, prior: TreeTemplate, sets: dict[str, list[list[int]]],
                 tokens: int) -> TreeTemplate:
-    """What `tune` would write for `cfg`: the prior tree's acceptance on `sets`, all sources on, fitted."""
+    """What `tune --tree-out` writes for `cfg`: the prior tree's acceptance on `sets`, all sources on, fitted."""
     executor = BatchedTorchExecutor(model, 1, 2048, cfg.step_tokens, tree=prior)
     accepted, offered = Counter(), Counter()
     for ids in (ids for prompts in sets.values() for ids in prompts):
         stats = LookaheadDecoder(executor, cfg, tree=prior).generate(ids, tokens).stats
         accepted.update(stats.tree_accepted)
         offered.update(stats.tree_offered)
-    counts = {cell: (accepted[cell], n) for cell, n in offered.items()}
-    return tree_template(prior.nodes, prior.max_depth, Acceptance.fit(counts))
+    return tuned_tree(acceptance_counts(accepted, offered), cfg)
 
 
 def main() -> None:

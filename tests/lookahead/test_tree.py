@@ -152,8 +152,8 @@ def test_linear_layout_is_the_chain_template():
 def test_verify_a_tree_by_hand():
     # W=1 N=3 G=2: window slots 0 (x_t), 1 (B1[0]); tree nodes at slots 2..5 with parents (-1, 0, 0, -1)
     tab = step_tables(LookaheadConfig(1, 3, 2), TreeTemplate((-1, 0, 0, -1)))
-    assert tab.node_slots.tolist() == [2, 3, 4, 5, 1]  # the tree's nodes, then the chain's B1[0]
-    assert tab.expect_slots.tolist() == [0, 2, 2, 0, 0]
+    assert list(tab.node_slots) == [2, 3, 4, 5, 1]  # the tree's nodes, then the chain's B1[0]
+    assert list(tab.expect_slots) == [0, 2, 2, 0, 0]
     a, b, c, d, e = 10, 11, 12, 13, 14
     drafts = np.array([a, b, c, d, a])
     # model: after x_t -> a, after node 0 (a) -> c, after node 2 (a c) -> e

@@ -21,6 +21,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
+from trt_lookahead.kernels.reference import default_scale
 from trt_lookahead.kernels.triton_kernel import LOG2E, block_d, interpreter_upcast
 
 LINEAR_BLOCKS = (32, 64, 64)  # (BLOCK_M, BLOCK_N, BLOCK_K): the one tile config of every projection
@@ -147,7 +148,7 @@ def padded_attention(q: Any, k_cache: Any, v_cache: Any, key_rows: Any, scale: f
         raise ValueError(f"query heads {Hq} are not a multiple of KV heads {Hkv}")
     q = q.contiguous()
     out = torch.empty_like(q)
-    scale = D**-0.5 if scale is None else scale
+    scale = default_scale(D) if scale is None else scale
     _padded_attention_kernel[(T, Hq, B)](
         q, k_cache, v_cache, key_rows.contiguous(), out, T, S,
         HQ=Hq, HKV=Hkv, D=D, BLOCK_D=block_d(D), QK_SCALE=float(scale) * LOG2E, BLOCK_N=KEY_BLOCK_N,

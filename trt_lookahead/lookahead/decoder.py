@@ -162,7 +162,7 @@ def verify(drafts: Sequence[int], out: Sequence[int], tables: StepTables) -> tup
     """
     best = k = 0
     reach = [0] * len(drafts)  # accepted drafts on the path to each node, 0 if it or an ancestor fails
-    for v, (parent, expect) in enumerate(zip(tables.parents, tables.expect, strict=True)):
+    for v, (parent, expect) in enumerate(zip(tables.parents, tables.expect_slots, strict=True)):
         if drafts[v] == out[expect] and (parent == ROOT or reach[parent]):
             depth = reach[v] = reach[parent] + 1 if parent != ROOT else 1
             if depth > k:
@@ -178,8 +178,10 @@ class StepTables:
     step_config: np.ndarray  # [3] int32 (W, N, G)
     rel_positions: np.ndarray  # [T] offsets from x_t's position
     output_slots: np.ndarray  # [K] increasing: the slots whose outputs accept/update read
-    node_slots: np.ndarray  # [M] the verifiable nodes' slots (`verify_nodes`)
-    expect_slots: np.ndarray  # [M] the slot whose output checks each node: its parent's, x_t's = 0
+    # plain ints, read per node by `verify` and `accept` (numpy is slow right after the step)
+    node_slots: tuple[int, ...]  # [M] the verifiable nodes' slots (`verify_nodes`)
+    expect_slots: tuple[int, ...]  # [M] the slot whose output checks each node: its parent's, x_t's = 0
+    parents: tuple[int, ...]  # [M] each node's parent (ROOT = x_t)
     depth: np.ndarray  # [M] 1-based depth below x_t
     template: TreeTemplate  # the verification branch's G(N-1) nodes (G chains when linear)
     ranks: tuple[int, ...]  # template.rank, read per node by the tree laying
@@ -188,9 +190,6 @@ class StepTables:
     linear: bool  # the verification slots are G linear candidates (no tree, or one too small: tree.covers)
     cells: tuple[tuple[int, int], ...]  # [V] (depth, rank) of each tree node; () when linear
     child_cells: tuple[tuple[tuple[int, int], ...], ...]  # [1 + V] the cells of x_t's, then node v's, children
-    parents: tuple[int, ...]  # [M] node_slots' parents (ROOT = x_t), read by `verify` as plain ints
-    expect: tuple[int, ...]  # [M] expect_slots as plain ints
-    slots: tuple[int, ...]  # [M] node_slots as plain ints
     label: str  # config.label
 
     def path_to(self, node: int) -> list[int]:
@@ -212,16 +211,17 @@ def step_tables(config: LookaheadConfig, tree: TreeTemplate | None = None) -> St
     for v, p in enumerate(parents.tolist()):
         if p != ROOT:
             depth[v] += depth[p]
-    for value in (step_config, slots, expect, depth):
+    for value in (step_config, depth):
         value.flags.writeable = False
     template, linear = layout.template, covers(tree, config) is None
     cells = () if linear else tuple(zip(template.depth.tolist(), template.rank.tolist(), strict=True))
     return StepTables(
-        config, step_config, layout.rel_positions, layout.output_slots, slots, expect, depth,
+        config, step_config, layout.rel_positions, layout.output_slots, tuple(slots.tolist()), tuple(expect.tolist()),
+        tuple(parents.tolist()), depth,
         template, tuple(template.rank.tolist()), layout.window_slots[-1], config.levels * config.W, linear, cells,
         tuple(tuple(cell for cell, q in zip(cells, template.parents, strict=False) if q == p)
               for p in range(ROOT, len(cells))),
-        tuple(parents.tolist()), tuple(expect.tolist()), tuple(slots.tolist()), config.label,
+        config.label,
     )
 
 
@@ -397,7 +397,7 @@ class RequestDecoder:
         drafts, got = self._drafts.tolist(), out.tolist()
         best, k = verify(drafts, got, tab)
         path = tab.path_to(best) if k else []
-        self.block = [*(drafts[v] for v in path), got[tab.slots[best] if k else 0]]
+        self.block = [*(drafts[v] for v in path), got[tab.node_slots[best] if k else 0]]
         emitted: list[int] = []
         for token in self.block:
             emitted.append(token)
@@ -425,7 +425,7 @@ class RequestDecoder:
             or emitted[-1] in self.stop_tokens
             or len(self.tokens) == self.max_new_tokens
         )
-        self.commit_slots = np.array([0, *(tab.slots[v] for v in path)], np.int64)  # x_t, then the accepted drafts
+        self.commit_slots = np.array([0, *(tab.node_slots[v] for v in path)], np.int64)  # x_t, then the accepted drafts
         return emitted
 
     @property
