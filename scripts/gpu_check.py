@@ -494,7 +494,7 @@ class StepInputs:
         # the `auto` draft tree of this config's verification slots, as the kernel reads it (None: G = 0)
         nodes = layout.config.G * layout.config.levels
         self.tree_ends = None if not nodes else torch.from_numpy(
-            onnx_op.tree_ends_input(tree_template(nodes, TREE_DEPTH).ends, self.T)).to(dev)
+            onnx_op.tree_ends_input(tree_template(nodes, TREE_DEPTH).table, self.T)).to(dev)
         self._tree: torch.Tensor | None = None
         self._layer = 0
 
@@ -696,7 +696,7 @@ def section_aot(args: argparse.Namespace, emit: Emit) -> str:
             q, k, v = (torch.randn(1, T, h, D, generator=g).to(getattr(torch, dtype)) for h in (Hq, Hkv, Hkv))
             kc, vc = (torch.randn(1, Hkv, S, D, generator=g).to(getattr(torch, dtype)) for _ in range(2))
             # tree_ends as the ONNX node carries it: the template's table, or a linear engine's 1-element dummy
-            ends = torch.from_numpy(onnx_op.tree_ends_input(None if template is None else template.ends, T))
+            ends = torch.from_numpy(onnx_op.tree_ends_input(None if template is None else template.table, T))
             inputs = [t.cuda() for t in (q, k, v, kc, vc, torch.tensor([p], dtype=torch.int32),
                                          reference.as_config_tensor(config_tuple(config)), ends)]
             out = torch.full_like(inputs[0], float("nan"))
@@ -707,7 +707,7 @@ def section_aot(args: argparse.Namespace, emit: Emit) -> str:
                                                 arguments, stream, len(entry["params"]) - len(signature))
             expected = reference.lookahead_attention(*(t.double() for t in (q, k, v, kc, vc)), torch.tensor([p]),
                                                     [config_tuple(config)],
-                                                    tree_ends=None if template is None else template.ends)
+                                                    tree_ends=None if template is None else template.table)
             case["relative_error"] = reference.relative_error(out.cpu(), expected)
             case["ok"] = case["relative_error"] <= AOT_TOLERANCE[dtype]
             if not case["ok"]:

@@ -419,7 +419,7 @@ def test_a_tree_engine_verifies_its_draft_tree_and_emits_the_checkpoints_tokens(
     assert len(nodes) == load_engine_config(path).num_layers and len({n.input[7] for n in nodes}) == 1
     assert all(a.i == 1 for n in nodes for a in n.attribute if a.name == "tree")
     (table,) = (numpy_helper.to_array(t) for t in graph.graph.initializer if t.name == nodes[0].input[7])
-    assert np.array_equal(table, mask.tree_ends(template.ends, 64).astype(np.int32))
+    assert np.array_equal(table, mask.tree_ends(template.table, 64).astype(np.int32))
     tensorrt = json.loads((path / "config.json").read_text())["targets"]["tensorrt"]
     if tensorrt_unavailable_reason():  # everything but the plan, and the command that builds it
         assert not tensorrt["built"] and tensorrt["command"] == f"python -m trt_lookahead.engine.tensorrt_plan {path}"

@@ -116,11 +116,13 @@ def test_priors_are_measured_compression(stories):
     configs = [LookaheadConfig(1, 3, 1), LookaheadConfig(4, 3, 4)]
     compression, per_set, acceptance = tune.measure_priors(stories, named, configs, 40)
     assert set(compression) == {"1/3/1", "4/3/4"} and all(1.0 <= v <= 3.0 for v in compression.values())
-    # the runtime's tree, whose 2- and 8-node prefixes have one node under x_t (n0): n0's rank-0 child is offered
-    # exactly when n0 was accepted, and no rank-1 node under x_t is ever offered
+    # the runtime's tree, best-first under the prior: A 0.6, A's child 0.36, B 0.27, A's grandchild 0.216, A's
+    # 2nd child and B's child 0.162 (A's first on the tie), A's great-grandchild 0.13, C 0.12. Its 2-node prefix
+    # (1/3/1) has one node under x_t, its 8-node one (4/3/4) three: A and B have a rank-0 child there, C none
     cells = tune.acceptance_cells(acceptance)
-    assert str(stories.tree).startswith("-1,0,1,2,3,4,3,2,") and all(0 <= a <= n for a, n in cells.values())
-    assert cells[1, 0][1] > cells[1, 0][0] == cells[2, 0][1] > 0 and (1, 1) not in cells
+    assert str(stories.tree).startswith("-1,0,-1,1,0,2,3,-1,") and all(0 <= a <= n for a, n in cells.values())
+    assert cells[1, 0][1] > cells[1, 1][1] == cells[1, 2][1] > 0 and (1, 3) not in cells
+    assert cells[2, 0][1] == cells[1, 0][0] + cells[1, 1][0] > 0  # offered: the rank-0 child of an accepted A or B
     assert set(per_set["4/3/4"]) == {"a", "b"}
     outs = [stories.generate(p, 40, lookahead="4,3,4", pool_scope="request") for _, p in named]
     measured = sum(o.generated_tokens for o in outs) / sum(o.steps for o in outs)

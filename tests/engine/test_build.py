@@ -94,7 +94,7 @@ def test_the_graph_has_batch_tokens_rows_and_cache_dims_and_one_plugin_node_per_
     template = tree_template(8, TREE_DEPTH)
     assert json.loads((engine / "config.json").read_text())["tree"] == list(template.parents)
     (table,) = [numpy_helper.to_array(t) for t in model.graph.initializer if t.name == "tree_ends"]
-    assert table.dtype == np.int32 and table.tolist() == [*template.ends.tolist(), *[0] * (64 - 8)]
+    assert table.dtype == np.int32 and table.tolist() == [*template.table.tolist(), *[0] * 2 * (64 - 8)]
 
 
 def test_a_linear_build_carries_an_unread_dummy_table(tmp_path):
@@ -221,7 +221,7 @@ def test_interrupted_build_leaves_no_half_written_dir(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("version", [format.FORMAT_VERSION - 1, 0])  # the engines before tree_ends, and older
+@pytest.mark.parametrize("version", [format.FORMAT_VERSION - 1, 0])  # tree_ends of subtree ends only, and older
 def test_engine_from_another_format_version_is_refused(engine, tmp_path, capsys, version):
     copy = tmp_path / "old"
     shutil.copytree(engine, copy)

@@ -66,7 +66,7 @@ def test_a_tree_nodes_output_is_its_path_alone(nodes, depth, W, N):
     """With a tree template's verification slots (kernels/mask.py tree_ends), each node == its path alone."""
     rng = np.random.default_rng(nodes)
     G = nodes // (N - 1)
-    mask = step_mask((W + G) * (N - 1), (W, N, G), tree_template(nodes, depth).ends)
+    mask = step_mask((W + G) * (N - 1), (W, N, G), tree_template(nodes, depth).table)
     T, P, Hq, Hkv, D = len(mask), int(rng.integers(50, 150)), 6, 2, 16
     q, k, v = (torch.from_numpy(rng.standard_normal(s)).float() for s in ((T, Hq, D), (P + T, Hkv, D), (P + T, Hkv, D)))
     step = BlockedAttention(mask, P, Hq, Hkv, D, torch.float32)(q, k, v)

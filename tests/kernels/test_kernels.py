@@ -161,16 +161,10 @@ def kernel_masks(triton_kernel, configs, T: int, template: TreeTemplate | None =
 
 
 def random_template(rng: np.random.Generator, nodes: int) -> TreeTemplate:
-    """A random tree in preorder (each node's parent x_t or a node on the open path), or tree_template's shape."""
+    """A random tree (each node's parent x_t or any earlier node: preorder or not), or tree_template's shape."""
     if rng.integers(2):
         return tree_template(nodes, int(rng.integers(1, 6)))
-    parents: list[int] = []
-    path: list[int] = []
-    for i in range(nodes):
-        path = path[: int(rng.integers(0, len(path) + 1))]  # how much of the open path stays above node i
-        parents.append(path[-1] if path else -1)
-        path.append(i)
-    return TreeTemplate(tuple(parents))
+    return TreeTemplate(tuple(int(rng.integers(-1, i)) for i in range(nodes)))
 
 
 def random_tree_rows(rng: np.random.Generator, nodes: int, rows: int) -> list[tuple[int, int, int]]:
@@ -184,7 +178,7 @@ def random_tree_rows(rng: np.random.Generator, nodes: int, rows: int) -> list[tu
 
 
 def tree_table(template: TreeTemplate, T: int, device: str) -> torch.Tensor:
-    return torch.from_numpy(onnx_op.tree_ends_input(template.ends, T)).to(device)
+    return torch.from_numpy(onnx_op.tree_ends_input(template.table, T)).to(device)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -203,7 +197,7 @@ def test_triton_kernel_with_a_tree_matches_reference(seed, dtype, tolerance):
     lengths = [int(x) for x in rng.integers(0, S + 1, len(configs))]
     q, k, v, kc, vc, p = random_case(T, Hq, Hkv, D, S, lengths, dtype, seed=seed)
     expected = reference.lookahead_attention(*(t.double() for t in (q, k, v, kc, vc)), p, configs,
-                                             tree_ends=template.ends)
+                                             tree_ends=template.table)
     args = [t.to(device) for t in (q, k, v, kc, vc, p, reference.as_config_tensor(configs))]
     out = triton_kernel.lookahead_attention(*args, tree_ends=tree_table(template, T, device)).cpu()
     assert out.dtype == dtype
@@ -246,7 +240,7 @@ def test_triton_kernel_refuses_a_tree_table_shorter_than_the_step():
     T, Hq, Hkv, D, S, rows = KERNEL_CASES[0]
     configs, lengths = zip(*rows, strict=True)
     args = [*random_case(T, Hq, Hkv, D, S, lengths), reference.as_config_tensor(configs)]
-    with pytest.raises(ValueError, match=r"tree_ends must be int32 \[>= 16\]"):
+    with pytest.raises(ValueError, match=r"tree_ends must be int32 \[>= 32\]"):
         triton_kernel.lookahead_attention(*args, tree_ends=tree_table(tree_template(12, 3), T - 1, "cpu"))
 
 
@@ -334,7 +328,7 @@ def single_op_model(B, T, Hq, Hkv, D, S, dtype=TensorProto.FLOAT, tree=None, max
     types = [dtype] * 5 + [TensorProto.INT32] * 2
     node = onnx_op.make_node(OP_INPUTS, "out", "attention", num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
                              scale=reference.default_scale(D), tree=tree is not None)
-    ends = onnx_op.tree_ends_input(None if tree is None else tree.ends, max_tokens)
+    ends = onnx_op.tree_ends_input(None if tree is None else tree.table, max_tokens)
     graph = helper.make_graph(
         [node], "lookahead_attention",
         [helper.make_tensor_value_info(n, t, s) for n, t, s in zip(FED, types, shapes, strict=True)],
@@ -359,7 +353,7 @@ def test_onnx_node_contract(tree):
                      "aot": 1}
     (table,) = (numpy_helper.to_array(t) for t in model.graph.initializer if t.name == node.input[7])
     assert table.dtype == np.int32
-    expected = [0] if tree is None else [*tree.ends, *[0] * (40 - 28)]
+    expected = [0] if tree is None else [*tree.table, *[0] * 2 * (40 - 28)]
     assert table.tolist() == expected
 
 
@@ -412,7 +406,7 @@ def test_tree_decomposition_runs_on_onnxruntime_like_the_reference(seed):
     session = decomposed_session(Hq, Hkv, D, S, tree=template)
     q, k, v, kc, vc, p = random_case(T, Hq, Hkv, D, S, lengths, seed=seed)
     (out,) = session.run(None, op_feeds((q, k, v, kc, vc, p, configs)))
-    expected = reference.lookahead_attention(q, k, v, kc, vc, p, np.array(configs), tree_ends=template.ends)
+    expected = reference.lookahead_attention(q, k, v, kc, vc, p, np.array(configs), tree_ends=template.table)
     for b, row in enumerate(zip(configs, lengths, strict=True)):
         assert reference.relative_error(torch.from_numpy(out[b]), expected[b]) < 1e-5, (template, row)
 
@@ -451,7 +445,7 @@ def test_exact_decomposition_gives_each_slot_the_bits_of_a_1_token_step_at_its_c
     q, k, v, kc, vc, p = random_case(T, Hq, Hkv, D, S, lengths, seed=seed)
     (out,) = exact.run(None, op_feeds((q, k, v, kc, vc, p, configs)))
     for b, (config, P) in enumerate(zip(configs, lengths, strict=True)):
-        visible = mask.step_mask(T, config, None if tree is None else tree.ends)
+        visible = mask.step_mask(T, config, None if tree is None else tree.table)
         for i in range(T):
             chain = np.flatnonzero(visible[i])  # slot order is position order along a chain; itself last
             caches = [c[b : b + 1].clone() for c in (kc, vc)]
@@ -561,5 +555,5 @@ def test_tensorrt_plugin_runs_the_onnx_node(tree):
     assert ctx.execute_async_v3(stream.cuda_stream)
     stream.synchronize()
     expected = reference.lookahead_attention(*(t.cpu() for t in tensors[:6]), np.array(configs),
-                                             tree_ends=None if tree is None else tree.ends)
+                                             tree_ends=None if tree is None else tree.table)
     assert reference.relative_error(out.cpu(), expected) < 1e-5

@@ -26,15 +26,9 @@ from trt_lookahead.lookahead.tree import Acceptance, TreeTemplate, chain_templat
 
 @st.composite
 def templates(draw, min_nodes=0, max_nodes=24):
-    """A random tree in preorder: each node's parent is x_t or a node on the open path."""
-    parents: list[int] = []
-    path: list[int] = []
-    for i in range(draw(st.integers(min_nodes, max_nodes))):
-        keep = draw(st.integers(0, len(path)))  # how much of the open path stays above node i
-        path = path[:keep]
-        parents.append(path[-1] if path else -1)
-        path.append(i)
-    return TreeTemplate(tuple(parents))
+    """A random tree, each node's parent x_t or any earlier node (preorder or not)."""
+    nodes = draw(st.integers(min_nodes, max_nodes))
+    return TreeTemplate(tuple(draw(st.integers(-1, i - 1)) for i in range(nodes)))
 
 
 def walked_ancestors(parents) -> np.ndarray:
@@ -57,14 +51,22 @@ def test_template_tables_by_hand():
     #    1   2
     t = TreeTemplate((-1, 0, 0, -1))
     assert t.depth.tolist() == [1, 2, 2, 1]
+    assert t.pre.tolist() == [0, 1, 2, 3]  # listed in preorder
     assert t.ends.tolist() == [3, 2, 3, 4]
     assert t.rank.tolist() == [0, 0, 1, 1]
+    assert t.table.tolist() == [0, 3, 1, 2, 2, 3, 3, 4]
     assert TreeTemplate.parse(str(t)) == t
     assert t.prefix(2).parents == (-1, 0)
+    # the same shape as x_t -> 0 -> 1 -> 3, x_t -> 2, listed best-first (not in preorder): preorder 0, 1, 3, 2
+    u = TreeTemplate((-1, 0, -1, 1))
+    assert u.depth.tolist() == [1, 2, 1, 3] and u.rank.tolist() == [0, 0, 1, 0]
+    assert u.pre.tolist() == [0, 1, 3, 2] and u.ends.tolist() == [3, 3, 4, 3]
+    assert u.ancestors().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [1, 1, 0, 1]]
+    assert u.prefix(3).parents == (-1, 0, -1) and u.prefix(3).ends.tolist() == [2, 2, 3]
 
 
-@pytest.mark.parametrize("parents", [(0,), (-1, 1), (-1, -1, 0), (-1, 0, -1, 1)])
-def test_templates_not_in_preorder_are_refused(parents):
+@pytest.mark.parametrize("parents", [(0,), (-1, 1), (-1, 0, 3), (-2,), (-1, True)])
+def test_templates_whose_parents_are_not_earlier_nodes_are_refused(parents):
     with pytest.raises(ValueError, match="tree node"):
         TreeTemplate(parents)
 
@@ -73,8 +75,16 @@ def test_tree_template_best_first_by_hand():
     # prior: rank-0 child 0.6 x parent, rank r sibling 0.45^r of rank 0: 0.6 (A), 0.36 (A's child), 0.27 (B) ...
     assert tree_template(3, 2).parents == (-1, 0, -1)
     assert tree_template(3, 1).parents == (-1, -1, -1)
-    # 0.6 (A), 0.36 (A's child), 0.27 (B), then 0.216 (A's grandchild) beats 0.162 (B's child, A's 2nd child)
-    assert tree_template(4, 4).parents == (-1, 0, 1, -1)
+    # 0.6 (A), 0.36 (A's child), 0.27 (B), then 0.216 (A's grandchild) beats 0.162 (B's child, A's 2nd child);
+    # listed best-first, so the grandchild comes after B
+    assert tree_template(4, 4).parents == (-1, 0, -1, 1)
+
+
+@given(st.integers(0, 60), st.integers(1, 8))
+def test_every_prefix_of_a_template_is_the_best_tree_of_its_size(nodes, depth):
+    """A step with fewer slots lays the first nodes: the tree tree_template would build for that size."""
+    t = tree_template(60, depth)
+    assert t.prefix(min(nodes, t.nodes)) == tree_template(nodes, depth)
 
 
 def test_a_fitted_acceptance_shapes_the_tree_by_hand():
@@ -134,7 +144,7 @@ def test_tree_layout_mask_three_ways(tree, W, N, pad):
         expected[nwin + v, 0] = True
         expected[nwin + v, nwin + np.flatnonzero(anc[v])] = True
     assert (lay.mask == expected).all()
-    assert (step_mask(T, (W, N, G), tree.ends) == expected).all()  # the closed form with one table
+    assert (step_mask(T, (W, N, G), tree.table) == expected).all()  # the closed form with one table
     order = lay.dfs_order()
     assert (mask_from_positions(lay.rel_positions[order]) == expected[np.ix_(order, order)]).all()
     assert lay.rel_positions[nwin : nwin + tree.nodes].tolist() == anc.sum(axis=1).tolist()

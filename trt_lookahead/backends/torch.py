@@ -166,8 +166,8 @@ class BatchedTorchExecutor:
             self._d_in = torch.zeros(B, 3 * T + 4, dtype=torch.int64, device=dev)
             self._h_in = torch.zeros(B, 3 * T + 4, dtype=torch.int64, pin_memory=is_cuda)
             self._graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
-            # the tree template's subtree ends as a [T] device table (the closed form reads it per key slot)
-            self._ends = torch.from_numpy(tree_ends(np.zeros(0) if tree is None else tree.ends, T)).to(dev)
+            # the tree template's table as a [2T] device tensor (the closed form reads it per query and key slot)
+            self._ends = torch.from_numpy(tree_ends(np.zeros(0) if tree is None else tree.table, T)).to(dev)
             self.buckets = sorted({min(1 << i, B) for i in range(B.bit_length() + 1)})
 
     def _exact(self, model: Llama, exact: bool | None) -> bool:
@@ -391,8 +391,8 @@ class BatchedTorchExecutor:
         step = self._row_masks.get(key)
         if step is None:
             tree = covers(self.tree, LookaheadConfig(W, N, G)) if W else None  # W = 0: a causal chunk
-            ends = None if tree is None else tree.ends
-            step = self._row_masks[key] = torch.from_numpy(step_mask(tokens, (W, N, G), ends)).to(self.device)
+            table = None if tree is None else tree.table
+            step = self._row_masks[key] = torch.from_numpy(step_mask(tokens, (W, N, G), table)).to(self.device)
         cfg = self.model.cfg
         if self.exact:
             return BlockedAttention(step, cache_len, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.model.dtype,

@@ -58,8 +58,8 @@ def _add_tree_argument(p: argparse.ArgumentParser, build: bool = False) -> None:
     default = "auto where the config has candidates" if build else "auto; an engine dir's built tree"
     p.add_argument("--tree", default=RUNTIME_DEFAULT,
                    help=f"the verification branch as a draft tree fed by the pool, suffix matches and recycled top-k: "
-                        f"auto (sized for the lookahead config), off (G linear candidates), a comma list of parents "
-                        f"in preorder (--tree=-1,0,0,-1) or a file holding one (default: {default})")
+                        f"auto (sized for the lookahead config), off (G linear candidates), a comma list of parents, "
+                        f"each before its children (--tree=-1,0,0,-1), or a file holding one (default: {default})")
 
 
 def _add_model_arguments(p: argparse.ArgumentParser, engine: bool = True) -> None:

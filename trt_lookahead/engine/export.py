@@ -41,7 +41,7 @@ def _graph_module(model, attention: str, tree: TreeTemplate | None = None, max_t
     It drives the model through its public forward and attention seam: the model writes each layer's
     step K/V into a [B*T]-row scratch cache (cache_len 0), so the seam hands the attention function the
     step's own K/V, and the function pairs them, row by row, with that layer's real cache (graph inputs).
-    `tree`: the verification slots' draft tree, its ends table (over max_tokens) the nodes' tree_ends input.
+    `tree`: the verification slots' draft tree, its table (over max_tokens) the nodes' tree_ends input.
     """
     import torch
 
@@ -49,7 +49,7 @@ def _graph_module(model, attention: str, tree: TreeTemplate | None = None, max_t
     layers, heads, kv_heads, head_dim = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     scale = reference.default_scale(head_dim)
     attrs = onnx_op.node_attributes(heads, kv_heads, head_dim, scale, tree=tree is not None)
-    tree_ends = None if tree is None else tree.ends
+    tree_ends = None if tree is None else tree.table
 
     def native_mask(tokens, cache_rows, cache_len, step_config):
         """[B, 1, T, S+T] bool: row b sees its cache rows < cache_len[b] and its step rows by its config."""
@@ -128,8 +128,9 @@ def example_inputs(model, batch: int, tokens: int, cache_rows: int) -> tuple:
 def export_graph(model, attention: str, cache_rows: int, max_tokens: int, tree: TreeTemplate | None = None):
     """Export the network with a dynamic batch, token count 1..max_tokens and cache length. -> onnx.ModelProto.
 
-    `tree`: the verification slots' draft tree (--attention plugin only): its subtree ends over max_tokens
-    are the LookaheadAttention nodes' tree_ends initializer, and the nodes say tree = 1.
+    `tree`: the verification slots' draft tree (--attention plugin only): its table over max_tokens (each
+    node's preorder index and subtree end) is the LookaheadAttention nodes' tree_ends initializer, and the
+    nodes say tree = 1.
 
     Dimension names: `batch` (every row-indexed input and output), `tokens` (input_ids, positions, the
     present K/V), `rows` (output_slots and the outputs read from them) and `cache_rows` (the caches' S, at

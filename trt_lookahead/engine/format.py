@@ -49,8 +49,9 @@ from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.tree import TreeTemplate
 
 FORMAT_KEY = "trt_lookahead_engine"
-FORMAT_VERSION = 5  # 2: tokens_per_step was renamed step_tokens; 3: config_sha256; 4: one graph with a batch
-# dimension (model.onnx) replaced step.onnx + prefill.onnx; 5: LookaheadAttention takes tree_ends and `tree`
+FORMAT_VERSION = 6  # 2: tokens_per_step was renamed step_tokens; 3: config_sha256; 4: one graph with a batch
+# dimension (model.onnx) replaced step.onnx + prefill.onnx; 5: LookaheadAttention takes tree_ends and `tree`;
+# 6: tree_ends holds each node's (preorder index, subtree end), so `tree` may list its nodes best-first
 CONFIG_FILE = "config.json"
 CONFIG_DIGEST = "config_sha256"  # config.json's key for the sha256 of its other fields
 VERIFIED_FILE = "verified.json"  # in the cache dir: files whose sha256 matched, by path, size, mtime, ctime
@@ -217,7 +218,7 @@ def _field(raw: dict[str, Any], *keys: str) -> Any:
 
 
 def _tree(raw: dict[str, Any]) -> TreeTemplate | None:
-    """The optional draft tree: a list of parents in preorder (absent or null: none)."""
+    """The optional draft tree: a list of parents, each before its children (absent or null: none)."""
     parents = raw.get("tree")
     if parents is None:
         return None

@@ -5,9 +5,9 @@ CAUSAL = (0, 0, 0) meaning a causal prefill chunk (j <= i). It uses only +, -, *
 &, |, ~ on booleans, so numpy (`step_mask`), torch (the export's native-attention mask), the Triton
 kernel (in registers) and the ONNX decomposition (`onnx_op.Sym` values) all evaluate this same code.
 For (W, N, G) it equals `StepLayout(LookaheadConfig(W, N, G), padded_tokens=T).mask`. With a tree template
-(lookahead/tree.py) the verification slots see their ancestors through one table of subtree ends
-(`tree_step_visible`; equal to `StepLayout(config, padded_tokens=T, tree=template).mask`), read through
-`read`, which the Triton kernel replaces by a load from its device tensor.
+(lookahead/tree.py) the verification slots see their ancestors through one table, each node's preorder
+index and subtree end (`tree_step_visible`; equal to `StepLayout(config, padded_tokens=T, tree=template).mask`),
+read through `read`, which the Triton kernel replaces by a load from its device tensor.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def visible(i, j, window, ngram, verify):  # no annotations: the Triton compiler
     Level-major slots: B_l[c] at l*W + c (l < N-1), then candidate k's m-th token at
     (N-1)*W + k*(N-1) + m; slots from (W+G)(N-1) on are pads that see only themselves.
     """
-    return branch_visible(i, j, window, ngram, verify, chain_end(j, window, ngram))
+    return branch_visible(i, j, window, ngram, verify, i, j, chain_end(j, window, ngram))
 
 
 def chain_end(j, window, ngram):  # (no annotations, as `visible`)
@@ -35,10 +35,11 @@ def chain_end(j, window, ngram):  # (no annotations, as `visible`)
     return nwin + ((j - nwin) // levels + 1) * levels
 
 
-def branch_visible(i, j, window, ngram, verify, end_j):  # (no annotations, as `visible`)
-    """Slot i sees slot j, the verification slots being a preorder tree whose node j's subtree ends at end_j.
+def branch_visible(i, j, window, ngram, verify, pre_i, pre_j, end_j):  # (no annotations, as `visible`)
+    """Slot i sees slot j, the verification slots being a tree: slot s holds the node of preorder index pre_s,
+    and node j's subtree ends (in preorder) at end_j (chains: pre_s = s).
 
-    A verification slot sees x_t (slot 0) and its ancestors: the slots j <= i with i < end_j. A // or %
+    A verification slot sees x_t (slot 0) and its ancestors: the slots j with pre_j <= pre_i < end_j. A // or %
     result is only used where its left operand is >= 0 (C-style and floor division agree there).
     """
     levels = ngram - 1
@@ -49,20 +50,21 @@ def branch_visible(i, j, window, ngram, verify, end_j):  # (no annotations, as `
     lj = j // window
     cj = j % window
     win_vis = (j < nwin) & (((lj == 0) & (cj <= ci)) | ((lj >= 1) & (cj == ci) & (lj <= li)))
-    tree_vis = (j == 0) | ((j >= nwin) & (j <= i) & (i < end_j))
+    tree_vis = (j == 0) | ((j >= nwin) & (pre_j <= pre_i) & (pre_i < end_j))
     in_window = i < nwin
     is_pad = i >= real
     return (in_window & win_vis) | (~in_window & ~is_pad & tree_vis) | (is_pad & (j == i))
 
 
-def tree_end(j, window, ngram, ends):  # (no annotations, as `visible`)
-    """end_j of a tree template: nwin + ends[j - nwin] for verification slots (ends: [T] table, rest unused)."""
+def tree_node(j, window, ngram, table, field):  # (no annotations, as `visible`)
+    """Slot j's node's preorder index (field 0) or subtree end (field 1), counted from the first verification
+    slot nwin: nwin + table[2 (j - nwin) + field] (table: [2T], TreeTemplate.table padded; window slots unused)."""
     nwin = (ngram - 1) * window
-    return nwin + read(ends, (j - nwin) * (j >= nwin))
+    return nwin + read(table, 2 * ((j - nwin) * (j >= nwin)) + field)
 
 
 def read(table, index):  # (no annotations, as `visible`)
-    """table[index] for an index array in [0, T): the closed form's one memory read (the Triton kernel's loads)."""
+    """table[index] for an index array in [0, 2T): the closed form's one memory read (the Triton kernel's loads)."""
     return table[index]
 
 
@@ -73,36 +75,38 @@ def step_visible(i, j, window, ngram, verify):  # (no annotations, as `visible`)
     return (causal & (j <= i)) | (~causal & lookahead)
 
 
-def tree_step_visible(i, j, window, ngram, verify, ends):  # (no annotations, as `visible`)
-    """`step_visible` with the verification slots laid out as a tree template (`ends` [T]: its subtree ends)."""
+def tree_step_visible(i, j, window, ngram, verify, table):  # (no annotations, as `visible`)
+    """`step_visible` with the verification slots laid out as a tree template (`table` [2T]: `tree_ends`)."""
     causal = window == 0
     w, n = window + causal, ngram + 2 * causal  # W, N made valid where causal
-    lookahead = branch_visible(i, j, w, n, verify, tree_end(j, w, n, ends))
+    pre_i, pre_j = tree_node(i, w, n, table, 0), tree_node(j, w, n, table, 0)
+    lookahead = branch_visible(i, j, w, n, verify, pre_i, pre_j, tree_node(j, w, n, table, 1))
     return (causal & (j <= i)) | (~causal & lookahead)
 
 
-def tree_ends(ends: np.ndarray, tokens: int) -> np.ndarray:
-    """[tokens] int64: a template's subtree ends padded to a step's slots (the table `tree_end` reads)."""
-    table = np.zeros(tokens, np.int64)
-    table[: min(len(ends), tokens)] = np.asarray(ends, np.int64)[:tokens]
-    return table
+def tree_ends(table: np.ndarray, tokens: int) -> np.ndarray:
+    """[2 tokens] int64: a template's table (TreeTemplate.table: each node's preorder index and subtree end)
+    padded to a step's slots with zeros (a pad node is nobody's ancestor), the table `tree_node` reads."""
+    padded = np.zeros(2 * tokens, np.int64)
+    padded[: min(len(table), 2 * tokens)] = np.asarray(table, np.int64)[: 2 * tokens]
+    return padded
 
 
-def step_mask(tokens: int, step_config: Any = CAUSAL, ends: np.ndarray | None = None) -> np.ndarray:
+def step_mask(tokens: int, step_config: Any = CAUSAL, tree: np.ndarray | None = None) -> np.ndarray:
     """[tokens, tokens] bool: what the kernel computes in registers, as an array.
 
-    `ends`: a tree template's subtree ends (TreeTemplate.ends); None = G linear candidates.
+    `tree`: a tree template's table (TreeTemplate.table); None = G linear candidates.
     """
     window, ngram, verify = np.asarray(step_config, np.int64).reshape(3)
     if window != 0 and (window < 1 or ngram < 2 or verify < 0 or (window + verify) * (ngram - 1) > tokens):
         raise ValueError(f"step_config {window}/{ngram}/{verify} does not describe a step of {tokens} slots")
     i = np.arange(tokens)[:, None]
     j = np.arange(tokens)[None, :]
-    if ends is None:
+    if tree is None:
         return np.asarray(step_visible(i, j, window, ngram, verify), bool)
-    if window != 0 and len(ends) < verify * (ngram - 1):
+    if window != 0 and len(tree) < 2 * verify * (ngram - 1):
         raise ValueError(
-            f"a {len(ends)}-node tree template cannot fill the {verify * (ngram - 1)} verification slots of "
+            f"a {len(tree) // 2}-node tree template cannot fill the {verify * (ngram - 1)} verification slots of "
             f"{window}/{ngram}/{verify}"
         )
-    return np.asarray(tree_step_visible(i, j, window, ngram, verify, tree_ends(ends, tokens)), bool)
+    return np.asarray(tree_step_visible(i, j, window, ngram, verify, tree_ends(tree, tokens)), bool)

@@ -6,9 +6,9 @@ Node contract (what TensorRT's ONNX parser maps to the plugin, see tensorrt_plug
     inputs   query [B, T, Hq, D], key [B, T, Hkv, D], value [B, T, Hkv, D],
              key_cache [B, Hkv, S, D], value_cache [B, Hkv, S, D],   (float32 | float16 | bfloat16)
              cache_len [B] int32, step_config [B, 3] int32 = (W, N, G) per row, W = 0: causal,
-             tree_ends [E] int32: with tree = 1 the draft tree's subtree ends padded to the graph's most
-             tokens (`mask.tree_ends`, E >= every T the graph runs), else a [1] dummy never read; a
-             graph initializer either way
+             tree_ends [2E] int32: with tree = 1 the draft tree's table, each node's (preorder index, subtree
+             end), padded to the graph's most tokens (`mask.tree_ends`, E >= every T the graph runs), else a
+             [1] dummy never read; a graph initializer either way
     output   [B, T, Hq, D], the dtype of query
     attrs    num_q_heads, num_kv_heads, head_dim (INT), scale (FLOAT), tree (INT: 1 = tree_ends is a draft
              tree's table, 0 = G linear candidates), plugin_namespace = "trt_lookahead",
@@ -76,10 +76,10 @@ def attention_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     return [n for n in model.graph.node if n.op_type == OP_NAME and n.domain == OP_DOMAIN]
 
 
-def tree_ends_input(ends: np.ndarray | None, tokens: int) -> np.ndarray:
-    """The tree_ends input of a graph running up to `tokens` tokens per row: int32 [tokens] of a template's
-    subtree ends (TreeTemplate.ends), or the [1] dummy of G linear candidates (ends None)."""
-    return np.zeros(1, np.int32) if ends is None else tree_ends(ends, tokens).astype(np.int32)
+def tree_ends_input(table: np.ndarray | None, tokens: int) -> np.ndarray:
+    """The tree_ends input of a graph running up to `tokens` tokens per row: int32 [2 tokens] of a template's
+    table (TreeTemplate.table), or the [1] dummy of G linear candidates (table None)."""
+    return np.zeros(1, np.int32) if table is None else tree_ends(table, tokens).astype(np.int32)
 
 
 def _attributes(node: onnx.NodeProto) -> dict:
@@ -176,7 +176,7 @@ class _Masks:
         cfg = g.op("Cast", step_config, to=TensorProto.INT64)
         window, ngram, verify = (Sym(g, g.op("Unsqueeze", g.op("Gather", cfg, g.const(k), axis=1), g.const([1, 2])))
                                  for k in range(3))  # [B, 1, 1] each
-        if _attributes(node)["tree"]:  # the draft tree's subtree ends, a table read per key slot (docs/design.md 2.7)
+        if _attributes(node)["tree"]:  # the draft tree's table, read per query and key slot (docs/design.md 2.7)
             table = Sym(g, g.op("Cast", ends, to=TensorProto.INT64))
             step = tree_step_visible(rows, cols, window, ngram, verify, table)  # [B, T, T]
         else:

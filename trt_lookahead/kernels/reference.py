@@ -9,7 +9,7 @@ inputs   query [B, T, Hq, D], key [B, T, Hkv, D], value [B, T, Hkv, D]   (RoPE a
          key_cache [B, Hkv, S, D], value_cache [B, Hkv, S, D]           (row b: rows 0..cache_len[b]-1 valid)
          cache_len [B] int32                                             device tensor: each row's cached prefix
          step_config [B, 3] int32 = (W, N, G) per row                    device tensor; W = 0 means causal
-         tree_ends [E >= T] int32 (the node's; here `tree_ends=`)       a draft tree's subtree ends, tree = 1
+         tree_ends [2E >= 2T] int32 (the node's; here `tree_ends=`)     a draft tree's table, tree = 1
 output   [B, T, Hq, D]
 attrs    num_q_heads, num_kv_heads, head_dim, scale, tree
 
@@ -213,7 +213,8 @@ def lookahead_attention(
     """Reference semantics, row by row, computed in float32 (float64 for float64 inputs); query's dtype.
 
     `masks` [B, T, T] overrides the closed-form step masks (tests pass StepLayout's to check the closed form).
-    `tree_ends`: the verification slots form this tree template (TreeTemplate.ends) instead of G chains.
+    `tree_ends`: the verification slots form the tree template of this table (TreeTemplate.table) instead of G
+    chains.
     """
     B, T, Hq, D = query.shape
     Hkv = key.shape[2]

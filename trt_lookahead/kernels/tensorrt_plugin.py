@@ -26,7 +26,8 @@ What the AOT route hands TensorRT, and why (docs/design.md section 6.7):
   in to more, so BLOCK_N shrinks until the kernel fits (float32 with head_dim 128 needs 75,776 bytes at
   BLOCK_N 32, 42,048 at 16), or the build fails naming the need.
 - The draft tree (docs/design.md 2.7): the 8th input, tree_ends, is an int32 table the kernel reads when the
-  `tree` attribute is 1 (the template's subtree ends over the graph's most tokens, an initializer); with
+  `tree` attribute is 1 (each node's preorder index and subtree end over the graph's most tokens, an
+  initializer); with
   tree = 0 it is a 1-element dummy that is never read, and the kernel is compiled with HAS_TREE off, so a
   linear engine runs the linear kernel. One registration (fixed inputs) serves both.
 scripts/gpu_check.py launches exactly this (cuModuleLoadData + cuLaunchKernel) on a GPU.

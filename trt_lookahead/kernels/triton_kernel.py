@@ -7,8 +7,8 @@ step_config[b] (W = 0: causal). cache_len and step_config are loaded from device
 graph replays for every step, every mix of rows and every config padded to T; a row's work depends only
 on its own length and config, never on the other rows. Grouped-query heads read KV head h // (HQ // HKV).
 With HAS_TREE the verification slots are a draft tree (docs/design.md 2.7): the mask is
-`mask.tree_step_visible`, reading the template's subtree ends from the int32 table tree_ends [>= T]
-(`mask.tree_ends(template.ends, T)`, shared by every row); without it that pointer is never read (any
+`mask.tree_step_visible`, reading each node's preorder index and subtree end from the int32 table
+tree_ends [>= 2T] (`mask.tree_ends(template.table, T)`, shared by every row); without it that pointer is never read (any
 int32 pointer will do) and the kernel compiles to the linear one.
 
 Launch contract (also the AOT plugin's): grid (ceil(T / BLOCK_M), Hq, B); pointer arguments in op-input
@@ -37,7 +37,7 @@ LOG2E = 1.4426950408889634
 
 def _helper(fn: Any) -> triton.JITFunction:  # Any: mypy's Callable has no __code__
     """mask.py's `fn` compiled as a Triton helper: the same code object, given this module's globals so that
-    it finds the jitted helpers it calls (`step_visible` finds `visible`, `tree_end` finds `read`) beside it."""
+    it finds the jitted helpers it calls (`step_visible` finds `visible`, `tree_node` finds `read`) beside it."""
     return triton.jit(types.FunctionType(fn.__code__, globals(), fn.__name__))
 
 
@@ -51,7 +51,7 @@ chain_end = _helper(mask.chain_end)
 branch_visible = _helper(mask.branch_visible)
 visible = _helper(mask.visible)
 step_visible = _helper(mask.step_visible)
-tree_end = _helper(mask.tree_end)
+tree_node = _helper(mask.tree_node)
 tree_step_visible = _helper(mask.tree_step_visible)
 
 
@@ -81,7 +81,7 @@ def lookahead_attention_kernel(
     vc_ptr,
     cache_len_ptr,
     step_config_ptr,
-    tree_ends_ptr,  # [>= T] int32 subtree ends of the draft tree; read only with HAS_TREE
+    tree_ends_ptr,  # [>= 2T] int32 (preorder index, subtree end) per draft tree node; read only with HAS_TREE
     T,
     S,
     out_ptr,
@@ -151,9 +151,9 @@ def lookahead_attention_kernel(
         k = tl.load(k_ptr + offs_n[:, None] * (HKV * D) + kv_head * D + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + offs_n[:, None] * (HKV * D) + kv_head * D + offs_d[None, :], mask=kv_mask, other=0.0)
         if HAS_TREE:
-            # keys past T (masked by col_ok) are clamped so that the table, T entries long, is read in bounds
-            keys = tl.minimum(offs_n, T - 1)
-            seen = tree_step_visible(offs_m[:, None], keys[None, :], window, ngram, verify, tree_ends_ptr)
+            # rows and keys past T (masked by row_ok, col_ok) are clamped so that the table, 2T long, is read in bounds
+            keys, rows = tl.minimum(offs_n, T - 1), tl.minimum(offs_m, T - 1)
+            seen = tree_step_visible(rows[:, None], keys[None, :], window, ngram, verify, tree_ends_ptr)
         else:
             seen = step_visible(offs_m[:, None], offs_n[None, :], window, ngram, verify)
         seen = seen & col_ok[None, :]
@@ -208,8 +208,8 @@ def lookahead_attention(query, key, value, key_cache, value_cache, cache_len, st
     """Launch the kernel on torch tensors (CUDA tensors, or CPU ones under TRITON_INTERPRET=1).
 
     Same signature and semantics as reference.lookahead_attention; every tensor must be contiguous.
-    `tree_ends`: int32 [>= T], the draft tree's subtree ends padded to the step (`mask.tree_ends(ends, T)` of
-    the reference's TreeTemplate.ends); None: G linear candidates.
+    `tree_ends`: int32 [>= 2T], the draft tree's table padded to the step (`mask.tree_ends(table, T)` of the
+    reference's TreeTemplate.table); None: G linear candidates.
     """
     import torch
 
@@ -221,8 +221,8 @@ def lookahead_attention(query, key, value, key_cache, value_cache, cache_len, st
     for name, t in tensors.items():
         if t is not None and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-    if tree_ends is not None and (tree_ends.dtype != torch.int32 or tree_ends.dim() != 1 or len(tree_ends) < T):
-        raise ValueError(f"tree_ends must be int32 [>= {T}] (mask.tree_ends), got {tree_ends.dtype} "
+    if tree_ends is not None and (tree_ends.dtype != torch.int32 or tree_ends.dim() != 1 or len(tree_ends) < 2 * T):
+        raise ValueError(f"tree_ends must be int32 [>= {2 * T}] (mask.tree_ends), got {tree_ends.dtype} "
                          f"{list(tree_ends.shape)}")
     if out is None:
         out = torch.empty_like(query)

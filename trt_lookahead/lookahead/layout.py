@@ -132,9 +132,10 @@ class StepLayout:
 
     def dfs_order(self) -> np.ndarray:
         """Slot order in which the layout is a depth-first tree walk: column by column, then candidates (or the
-        tree's nodes, already in preorder)."""
+        tree's nodes in preorder)."""
         unpadded = self.config.step_tokens
-        return np.concatenate([self.window_slots.T.ravel(), self.candidate_slots.ravel()])[:unpadded]
+        nodes = self.candidate_slots.ravel()[np.argsort(self.template.pre, kind="stable")]
+        return np.concatenate([self.window_slots.T.ravel(), nodes])[:unpadded]
 
 
 def pack_mask(mask: np.ndarray) -> np.ndarray:

@@ -42,7 +42,7 @@ class SuccessorMap:
 
 def fill_recycled(parents: Sequence[int], drafts: np.ndarray, origins: list[str], successors: SuccessorMap,
                   x: int) -> None:
-    """Fill the empty (-1) nodes of drafts[:V] (V = len(parents), preorder) with recycled successors, in place.
+    """Fill the empty (-1) nodes of drafts[:V] (V = len(parents), parents first) with recycled successors, in place.
 
     A node takes its parent token's (x for a depth-1 node) most likely successor that no earlier sibling
     holds; a node whose parent is empty stays empty.

@@ -1,9 +1,11 @@
 """TreeTemplate: the static shape of the verification branch, a token tree rooted at x_t (docs/design.md 2.7).
 
-A template is a parent array over V nodes in preorder (a node's subtree is the run of nodes after it), so
-any prefix of it is again a tree and the mask needs one table: node j's subtree ends before `ends[j]`,
-and node i sees node j iff j <= i < ends[j]. Node i sits at relative position depth[i] (1 .. depth).
-Siblings are ranked (rank 0 first); the draft laying puts the best-scored branch at rank 0.
+A template is a parent array over V nodes, each parent listed before its children, so any prefix of it is
+again a tree: a step with fewer slots lays the first nodes. `tree_template` lists its nodes best-first, so
+every prefix is the best tree of its size. The mask needs one table: node j's preorder index pre[j] and the
+preorder end ends[j] of its subtree, and node i sees node j iff pre[j] <= pre[i] < ends[j] (j is i or an
+ancestor). Node i sits at relative position depth[i] (1 .. depth). Siblings are ranked in order of listing
+(rank 0 first); the draft laying puts the best-scored branch at rank 0.
 
     chain_template(G, levels)      today's G linear candidates: G chains of `levels` nodes
     tree_template(nodes, depth)    every tree size from one rule: best-first by acceptance per depth and rank
@@ -33,32 +35,34 @@ TREE_DEPTH = 6  # the depth of `auto` templates (measured: depth 6 and 8 accept 
 
 @dataclass(frozen=True)
 class TreeTemplate:
-    """V nodes in preorder: parents[i] in [-1, i) and every subtree contiguous; validated on construction."""
+    """V nodes, each parent before its children: parents[i] in [-1, i); validated on construction."""
 
     parents: tuple[int, ...]
     depth: np.ndarray = field(init=False, repr=False, compare=False)  # [V] int64 relative position, 1-based
-    ends: np.ndarray = field(init=False, repr=False, compare=False)  # [V] int64 exclusive end of node i's subtree
+    pre: np.ndarray = field(init=False, repr=False, compare=False)  # [V] int64 preorder index (children in order)
+    ends: np.ndarray = field(init=False, repr=False, compare=False)  # [V] int64 preorder end of node i's subtree
     rank: np.ndarray = field(init=False, repr=False, compare=False)  # [V] int64 rank among its siblings
 
     def __post_init__(self) -> None:
         V = len(self.parents)
-        depth, ends, rank = np.zeros(V, np.int64), np.arange(1, V + 1), np.zeros(V, np.int64)
-        children: dict[int, int] = {}
-        stack: list[int] = []  # the open path: the current node's ancestors
+        depth, rank, size = np.zeros(V, np.int64), np.zeros(V, np.int64), np.ones(V, np.int64)
+        children: dict[int, list[int]] = {}
         for i, p in enumerate(self.parents):
             if isinstance(p, bool) or not isinstance(p, int | np.integer) or not ROOT <= p < i:
                 raise ValueError(f"tree node {i} has parent {p!r}: parents must be -1 (x_t) or an earlier node")
-            while stack and stack[-1] != p:
-                stack.pop()
-            if p != ROOT and not stack:
-                raise ValueError(f"tree node {i}: its parent {p} is not on the open path, so nodes are not in preorder")
-            for a in stack:
-                ends[a] = i + 1
-            depth[i] = len(stack) + 1
-            rank[i] = children.get(p, 0)
-            children[p] = rank[i] + 1
-            stack.append(i)
-        for name, value in (("depth", depth), ("ends", ends), ("rank", rank)):
+            depth[i] = 1 if p == ROOT else depth[p] + 1
+            siblings = children.setdefault(int(p), [])
+            rank[i] = len(siblings)
+            siblings.append(i)
+        for i in range(V - 1, -1, -1):  # children come after their parent: sizes bottom-up
+            if self.parents[i] != ROOT:
+                size[self.parents[i]] += size[i]
+        pre, start = np.zeros(V, np.int64), {ROOT: 0}  # start: the preorder index of a node's next child
+        for i, p in enumerate(self.parents):
+            pre[i] = start[p]
+            start[p] += size[i]
+            start[i] = pre[i] + 1
+        for name, value in (("depth", depth), ("pre", pre), ("ends", pre + size), ("rank", rank)):
             value.flags.writeable = False
             object.__setattr__(self, name, value)
 
@@ -71,15 +75,21 @@ class TreeTemplate:
         return int(self.depth.max(initial=0))
 
     def prefix(self, nodes: int) -> TreeTemplate:
-        """The first `nodes` nodes: a tree again (preorder), used by a step with fewer verification slots."""
+        """The first `nodes` nodes: a tree again (parents come first), used by a step with fewer verification slots."""
         if not 0 <= nodes <= self.nodes:
             raise ValueError(f"a {self.nodes}-node tree template has no {nodes}-node prefix")
         return TreeTemplate(self.parents[:nodes])
 
     def ancestors(self) -> np.ndarray:
         """[V, V] bool: row i marks node i and its ancestors."""
-        i = np.arange(self.nodes)
-        return (i[None, :] <= i[:, None]) & (i[:, None] < self.ends[None, :])
+        pre = self.pre
+        return (pre[None, :] <= pre[:, None]) & (pre[:, None] < self.ends[None, :])
+
+    @property
+    def table(self) -> np.ndarray:
+        """[2V] int64: (pre[v], ends[v]) for each node v in turn, the one table the mask's closed form reads
+        (kernels/mask.py `tree_ends`)."""
+        return np.stack([self.pre, self.ends], axis=1).reshape(-1)
 
     @classmethod
     def parse(cls, text: str) -> TreeTemplate:
@@ -149,33 +159,24 @@ class Acceptance:
 
 def tree_template(nodes: int, depth: int, accept: Acceptance | None = None) -> TreeTemplate:
     """The `nodes` most likely nodes up to `depth` under `accept` (the prior by default): a node's probability
-    is the product of its path's acceptances, chosen best-first, laid out in preorder with rank 0 first."""
+    is the product of its path's acceptances. Listed best-first, so the first k nodes are the k most likely:
+    a step with fewer slots lays the best tree of its own size (docs/design.md 2.7)."""
     if nodes < 0 or depth < 1:
         raise ValueError(f"a tree template needs nodes >= 0 and depth >= 1, got nodes={nodes} depth={depth}")
     accept = accept or Acceptance.prior()
     # best-first: heap of (-probability, tie order, parent id, rank, depth); ids in order of choice
     heap = [(-accept.rank0(1), 0, ROOT, 0, 1)]
-    chosen: list[tuple[int, int]] = []  # (parent id, rank) per chosen id
+    parents: list[int] = []
     order = 1
-    while heap and len(chosen) < nodes:
+    while heap and len(parents) < nodes:
         neg, _, parent, rank, d = heapq.heappop(heap)
-        me = len(chosen)
-        chosen.append((parent, rank))
+        me = len(parents)
+        parents.append(parent)
         heapq.heappush(heap, (neg * accept.step(d, rank), order, parent, rank + 1, d))  # the next sibling
         order += 1
         if d < depth:
             heapq.heappush(heap, (neg * accept.rank0(d + 1), order, me, 0, d + 1))  # the first child
             order += 1
-    kids: dict[int, list[int]] = {}
-    for me, (parent, _) in enumerate(chosen):  # chosen in rank order per parent
-        kids.setdefault(parent, []).append(me)
-    parents: list[int] = []
-    stack = [(c, ROOT) for c in reversed(kids.get(ROOT, []))]
-    while stack:  # preorder, rank 0 first
-        me, parent_pos = stack.pop()
-        pos = len(parents)
-        parents.append(parent_pos)
-        stack.extend((c, pos) for c in reversed(kids.get(me, [])))
     return TreeTemplate(tuple(parents))
 
 
