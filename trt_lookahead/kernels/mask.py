@@ -64,7 +64,7 @@ def tree_node(j, window, ngram, table, field):  # (no annotations, as `visible`)
 
 
 def read(table, index):  # (no annotations, as `visible`)
-    """table[index] for an index array in [0, 2T): the closed form's one memory read (the Triton kernel's loads)."""
+    """table[index] for an index array in [0, 2T): the closed form's only memory access (the Triton kernel loads)."""
     return table[index]
 
 
