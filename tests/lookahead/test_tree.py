@@ -253,3 +253,23 @@ def test_suffix_drafts_are_accepted_deeper_than_n_on_repetitive_text():
     assert max(results["tree"].depths) > cfg.levels
     assert results["tree"].sources[SUFFIX] > 0
     assert results["tree"].steps < results["linear"].steps
+
+
+def test_a_draft_tree_supplies_every_row_where_recycled_successors_or_a_suffix_match_can_fill_it():
+    """The policy feeds no more rows than draft_supply: with a tree, recycled successors and suffix matches fill
+    rows the pool cannot (an empty pool for x_t must not turn the tree off)."""
+    cfg, tree = LookaheadConfig(2, 3, 4), tree_template(8, 4)
+
+    def supply(prompt, x, tree=tree, switches=None, successors=None):
+        d = RequestDecoder(cfg, prompt, 8, (), 0, switches or Switches(), tree, successors=successors)
+        d.setup(x)
+        return d.draft_supply()
+
+    known = SuccessorMap()
+    known.record(np.array([9]), np.array([[4, 5]]))
+    assert supply([1, 2, 3], 9) == 0  # x_t = 9: no pool candidate, no earlier 9, no successors recorded
+    assert supply([1, 2, 3], 9, successors=known) == 4  # recycled successors of 9 fill the tree
+    assert supply([1, 2, 3], 9, switches=Switches(recycle=False), successors=known) == 0
+    assert supply([9, 4, 5, 1], 9, switches=Switches(recycle=False)) == 4  # the suffix 9 matched: 9 -> 4 5 1
+    assert supply([9, 4, 5, 1], 9, tree=None) == 1  # linear candidates: the pool's one, (4, 5)
+    assert supply([9, 4, 5, 1], 9, tree=tree_template(7, 4)) == 1  # a tree too small for 2/3/4 runs linear

@@ -326,8 +326,20 @@ class RequestDecoder:
         return config == GREEDY_STEP or (config.N == cfg.N and config.W <= cfg.W and config.G <= cfg.G)
 
     def draft_supply(self) -> int:
-        """Pool candidates x_t has now: candidate rows beyond them would be fed empty."""
-        return len(self._pool_candidates(self.config.G)) if self.config.G and self.switches.pool else 0
+        """Verification rows (of G) a step could fill now; the policy feeds no more (lookahead/policy.py).
+
+        Every row where a draft tree has recycled successors of x_t or a suffix match to lay: those fill the
+        tree's nodes wherever the pool has too few candidates (on SmolLM2 it has none for x_t at half the
+        steps, docs/design.md 9). Otherwise x_t's pool candidates, as the G linear candidates take them.
+        """
+        G = self.config.G
+        if not G:
+            return 0
+        tree = self.tree is not None and self.tree.nodes >= G * self.config.levels  # covers(tree, config)
+        if tree and ((self.successors is not None and self.successors.get(self.x))
+                     or (self.suffix is not None and self.suffix.continuations(1, 1))):
+            return G
+        return len(self._pool_candidates(G)) if self.switches.pool else 0
 
     def _pool_candidates(self, limit: int) -> list[tuple[Continuation, str]]:
         """x_t's own pool candidates, then the shared pool's (other than those) up to `limit`, newest first each."""

@@ -6,16 +6,17 @@
     policy.observe(state, configs[0], emitted=2)                               # after the step
 
 A request's ladder runs from GREEDY_STEP up to its own config: (min(W, 2^i), N, min(G, 2^i)) for
-i = 0, 1, ...; a rung's candidate rows are capped by the pool's candidates for x_t (`supplies`), since
-empty rows would cost tokens and never match. Expected tokens of a rung: e = 1 + the config's prior extra
-tokens per step (tune's measured compression - 1) x the request's own acceptance ratio, at most N. The
-ratio is an EMA of observed / prior extra tokens; it starts at 1 and drifts back towards 1 while the
-request runs greedy, so a request whose drafts kept failing is probed again later. The step's predicted
-speed is sum(e) / c(M, B) for M real tokens in B rows (c measured by tune). Each request's ladder is
-reduced to its upper concave hull; all requests' upgrades are taken in order of extra tokens per extra
-step token while the predicted speed grows. All-greedy is always a candidate, so the prediction never
-falls below batched greedy. Explicit configs run every step as asked. The policy changes how fast a
-request decodes, never its tokens (docs/design.md section 4).
+i = 0, 1, ...; a rung's candidate rows are capped by the rows the request can fill (`supplies`,
+RequestDecoder.draft_supply: x_t's pool candidates, or every row of a draft tree that recycled successors
+or a suffix match fill), since empty rows would cost tokens and never match. Expected tokens of a rung:
+e = 1 + the config's prior extra tokens per step (tune's measured compression - 1) x the request's own
+acceptance ratio, at most N. The ratio is an EMA of observed / prior extra tokens; it starts at 1 and
+drifts back towards 1 while the request runs greedy, so a request whose drafts kept failing is probed again
+later. The step's predicted speed is sum(e) / c(M, B) for M real tokens in B rows (c measured by tune).
+Each request's ladder is reduced to its upper concave hull; all requests' upgrades are taken in order of
+extra tokens per extra step token while the predicted speed grows. All-greedy is always a candidate, so the
+prediction never falls below batched greedy. Explicit configs run every step as asked. The policy changes
+how fast a request decodes, never its tokens (docs/design.md section 4).
 """
 
 from __future__ import annotations
