@@ -280,6 +280,7 @@ class RequestDecoder:
         # token -> top-k successors (the runtime's, shared by its requests, or this request's own)
         recycle = tree is not None and switches.recycle
         self.successors = (SuccessorMap() if successors is None else successors) if recycle else None
+        self._tree_rows = covers(tree, config) is not None  # its G(N-1) slots are the tree's (draft_supply)
         self._ids = np.zeros(0, np.int64)  # this step's row of input ids (a view into the stepper's buffer)
         self.candidates: list[tuple[Continuation, str]] = []
         self.sequence: list[int] = []
@@ -335,8 +336,7 @@ class RequestDecoder:
         G = self.config.G
         if not G:
             return 0
-        tree = self.tree is not None and self.tree.nodes >= G * self.config.levels  # covers(tree, config)
-        if tree and ((self.successors is not None and self.successors.get(self.x))
+        if self._tree_rows and ((self.successors is not None and self.successors.get(self.x))
                      or (self.suffix is not None and self.suffix.continuations(1, 1))):
             return G
         return len(self._pool_candidates(G)) if self.switches.pool else 0
