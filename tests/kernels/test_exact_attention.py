@@ -94,3 +94,11 @@ def test_a_planned_step_serves_every_layer_alike(dtype):
     for out, layer in zip(outs, layers, strict=True):
         assert torch.equal(out, BlockedAttention(layout.mask, P, Hq, Hkv, D, dtype)(*layer))
     assert not torch.equal(outs[0], outs[1])
+
+
+def test_a_mask_that_is_not_a_tree_is_refused():
+    mask = np.eye(4, dtype=bool)
+    mask[2, 0] = True  # slot 2 sees slot 0 (its parent), at position 1
+    mask[3, [1, 2]] = True  # slot 3 sees slots 1 (position 0) and 2 (position 1), but not slot 2's parent 0
+    with pytest.raises(ValueError, match="not a tree"):
+        BlockedAttention(mask, 10, 4, 2, 8, torch.float32)

@@ -28,7 +28,9 @@ on how many other rows the call holds, where the row sits, or how many keys othe
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -58,6 +60,95 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+@dataclass(frozen=True)
+class Chains:
+    """The own blocks of a step's branch queries, in the step's terms: one product per leaf and own block."""
+
+    key: np.ndarray  # [L, Mc, tail * BK] the K/V row whose probability each product row reads at each position
+    layout: np.ndarray  # [L, tail * BK] the K/V row at each position of a leaf's layout (0 where none: p is 0)
+    row: np.ndarray  # [L, Mc] the p / o row of each product row (a pad reads a real row's; its result is dropped)
+    real: np.ndarray  # [L, Mc] bool: product rows that are a query's head, not pads
+    first: int  # the own blocks are first .. first + tail - 1
+    past: np.ndarray  # the blocks past the own ones, where the branch queries' results are zeroed
+    branch_rows: np.ndarray  # [n * G] the p / o rows of the branch queries
+
+
+@dataclass(frozen=True)
+class ChainShape:
+    """What of a step's own blocks its mask alone decides (`chain_shape`): the products' rows and leaf chains."""
+
+    depth: np.ndarray  # [L, Mc] the position - cache_len of each product row's query
+    row: np.ndarray  # [L, Mc] the p / o row of each product row (a pad reads a real row's; its result is dropped)
+    real: np.ndarray  # [L, Mc] bool: product rows that are a query's head, not pads
+    blind: np.ndarray  # [L, Mc] a step slot the row's query does not see: its probability there is 0
+    leaf: np.ndarray  # [k]: leaf leaf[k]'s chain holds step slot slot[k], at depth slot_depth[k]
+    slot: np.ndarray  # [k]
+    slot_depth: np.ndarray  # [k]
+    reach: int  # the deepest branch query's depth
+    branch_rows: np.ndarray  # [n * G] the p / o rows of the branch queries
+
+
+@functools.lru_cache(maxsize=256)
+def chain_shape(packed: bytes, t: int, G: int) -> ChainShape | None:
+    """The own-block products of the step mask np.frombuffer(packed, bool).reshape(t, t), G query heads per KV head
+    (p row i * G + g). None: every query's step keys sit at their positions' rows (a causal step).
+
+    A query whose visible step keys are not at their positions' rows (a branch past its first token) sees its
+    chain (one key per position, ancestors and itself), a prefix of the chain of a leaf (a step token no other
+    sees). The leaf's keys laid at their positions serve every query on that chain, a query's probabilities
+    past its own position being exact zeros. Example, 4/3/4: the window's level-2 token of column c sees x_t,
+    level 1's token c and itself; level 1's token c rides on its layout.
+    """
+    mask = np.frombuffer(packed, bool).reshape(t, t)
+    rel = mask.sum(1) - 1  # [t] a step token's position - cache_len: it sees one key per position of its chain
+    branch = np.flatnonzero((mask & (rel != np.arange(t))[None, :]).any(1))  # such queries
+    if len(branch) == 0:
+        return None
+    i, j = np.nonzero(mask[branch])
+    if len(np.unique(i * t + rel[j])) != len(i):
+        raise ValueError("a step mask row sees two step tokens at one position; it is not a chain of positions")
+    leaves = branch[~(mask & ~np.eye(t, dtype=bool))[:, branch].any(0)]  # [L] branch queries no other sees
+    on_leaf = mask[leaves][:, branch]  # [L, n] leaf l's chain holds branch query q
+    leaf_of = on_leaf.argmax(0)  # [n] the first leaf whose chain holds each branch query
+    prefix = mask[leaves[leaf_of]] & (rel[None, :] <= rel[branch, None])  # [n, t] that chain cut at the query
+    if not on_leaf.any(0).all() or (prefix != mask[branch]).any():
+        raise ValueError("a step mask row's keys are not a prefix of a leaf's chain; the step is not a tree")
+    members = [branch[leaf_of == leaf] for leaf in range(len(leaves))]  # the queries riding on each layout
+    Mc = _round_up(max(len(m) for m in members) * G, ROW_MULTIPLE)
+    query = np.full((len(leaves), Mc), branch[0])  # [L, Mc] the step token of each product row
+    real = np.zeros((len(leaves), Mc), bool)
+    for leaf, rows in enumerate(members):
+        query[leaf, : len(rows) * G], real[leaf, : len(rows) * G] = np.repeat(rows, G), True
+    blind = (~mask).argmax(1)[query]
+    if mask[query, blind].any():
+        raise ValueError("a branch query sees every step key")  # cannot happen: it skips a slot of its chain
+    on, slot = np.nonzero(mask[leaves])
+    return ChainShape(
+        depth=rel[query], row=query * G + np.arange(Mc) % G, real=real, blind=blind, leaf=on, slot=slot,
+        slot_depth=rel[slot], reach=int(rel[branch].max()),
+        branch_rows=(branch[:, None] * G + np.arange(G)).reshape(-1),
+    )
+
+
+def plan_chains(mask: np.ndarray, P: int, G: int) -> Chains | None:
+    """The own blocks (`chain_shape`) of a step of mask [t, t] over P cached keys, in K/V rows and blocks."""
+    shape = chain_shape(np.ascontiguousarray(mask, bool).tobytes(), len(mask), G)
+    if shape is None:
+        return None
+    BK, L = KEY_BLOCK, len(shape.row)
+    first = P // BK  # blocks before it hold cached keys only, at their positions' rows
+    tail = (P + shape.reach) // BK + 1 - first  # blocks up to the last branch position
+    x = first * BK + np.arange(tail * BK)  # [tail * BK] the positions of the own blocks
+    layout = np.tile(np.where(x < P, x, -1), (L, 1))  # [L, tail * BK] the K/V row at each position
+    layout[shape.leaf, P + shape.slot_depth - first * BK] = P + shape.slot
+    seen = (layout[:, None] >= 0) & (x - P <= shape.depth[:, :, None])  # [L, Mc, tail * BK] (cached: x < P)
+    return Chains(
+        key=np.where(seen, layout[:, None], P + shape.blind[:, :, None]), layout=np.maximum(layout, 0),
+        row=shape.row, real=shape.real, first=first, past=np.arange(first + tail, -(-(P + len(mask)) // BK)),
+        branch_rows=shape.branch_rows,
+    )
+
+
 class BlockedAttention:
     """Row-invariant attention of a step's t tokens over cache_len cached keys and the step's own keys.
 
@@ -68,9 +159,11 @@ class BlockedAttention:
     each block's scores [rows, D] x [D, KEY_BLOCK] and values [rows, KEY_BLOCK] x [KEY_BLOCK, width] one
     fixed-shape product (rows a multiple of ROW_MULTIPLE), masked keys exact zeros, the maximum exact in
     any order, and the blocks added pairwise over a power-of-two count. A row whose step keys are not
-    stored at their positions' rows (a lookahead branch past its first token) gets its own copy of the
-    blocks from cache_len's on, its keys put in position order. A ones column appended to V makes each
-    block's softmax denominator in the same product. Computes in float32 (float64 for float64 inputs).
+    stored at their positions' rows (a lookahead branch past its first token) gets its blocks from
+    cache_len's on again, its chain's keys at their positions: one layout per leaf chain serves every row
+    on it (`chain_shape`; the mask must be a tree, as every closed-form one is). A ones column appended
+    to V makes each block's softmax denominator in the same product. Computes in float32 (float64 for
+    float64 inputs).
     """
 
     def __init__(
@@ -110,8 +203,7 @@ class BlockedAttention:
         self.v = torch.zeros(Hkv, blocks * BK, width, dtype=work, device=device)
         self.v[..., D] = 1.0
         self.tree = 1 << (blocks - 1).bit_length()  # the blocks are added pairwise over this power of two
-        self.branch_rows: torch.Tensor | None = None
-        self._plan_branches(mask, P, G, padded, work)
+        self.chains = plan_chains(mask, P, G)
         self._plan_views(t, G, D, padded, width, work)
 
     def _plan_views(self, t: int, G: int, D: int, padded: int, width: int, work: torch.dtype) -> None:
@@ -123,48 +215,41 @@ class BlockedAttention:
         self.q3, self.v3 = self.q.view(Hkv * blocks, padded, D), self.v.view(Hkv * blocks, BK, width)
         self.keys3 = self.k.view(Hkv * blocks, BK, D).transpose(1, 2)  # [Hkv * blocks, D, BK]
         self.s3 = torch.empty(Hkv * blocks, padded, BK, dtype=work, device=self.device)  # scores, then p
-        self.s4 = self.s3.view(Hkv, blocks, padded, BK)
-        self.o3 = torch.empty(Hkv * blocks, padded, width, dtype=work, device=self.device)
+        self.s4, self.p2 = self.s3.view(Hkv, blocks, padded, BK), self.s3.view(Hkv, -1)  # p: all of a head's rows
+        o_rows = Hkv * blocks * padded
+        self.o_rows = torch.empty(o_rows + self._plan_chain_indices(padded), width, dtype=work, device=self.device)
+        self.o3 = self.o_rows[:o_rows].view(Hkv * blocks, padded, width)  # then the scratch rows of chain pads
         o = self.o4 = self.o3.view(Hkv, blocks, padded, width)
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (into, added): pairwise over `tree` blocks
         half = self.tree // 2
         while half:
             self.pairs.append((o[:, : o.shape[1] - half], o[:, half:]))
             o, half = o[:, :half], half // 2
-        if self.branch_rows is not None:  # the branch rows' own blocks, then the blocks past them
-            tail = self.branch_shape[1]
-            self.p2 = self.s3.view(Hkv, -1)
-            self.o_own, self.o_past = self.o4[:, self.first : self.first + tail], self.o4[:, self.first + tail :]
         total = o[:, 0, : self.rows].view(Hkv, t, G, width)
         self.numerator, self.denominator = total[..., :D], total[..., D : D + 1]
 
-    def _plan_branches(self, mask: np.ndarray, P: int, G: int, padded: int, work: torch.dtype) -> None:
-        """Index the own blocks of rows whose step keys sit away from their positions' rows."""
-        t, BK = len(mask), KEY_BLOCK
-        rel = mask.sum(1) - 1  # [t] a step token's position - cache_len: it sees one key per position of its chain
-        branch = np.flatnonzero((mask & (rel != np.arange(t))[None, :]).any(1))  # such queries
-        if len(branch) == 0:
-            return
-        i, j = np.nonzero(mask[branch])
-        if len(np.unique(i * t + rel[j])) != len(i):
-            raise ValueError("a step mask row sees two step tokens at one position; it is not a chain of positions")
-        self.first = first = P // BK  # blocks before it hold cached keys only, at their positions' rows
-        tail = (P + int(rel[branch].max())) // BK + 1 - first  # blocks up to the last branch position
-        x = first * BK + np.arange(tail * BK)  # the positions of the own blocks
-        key_row = np.tile(np.where(x < P, x, -1), (len(branch), 1))  # [n, tail * BK] the row holding each position
-        key_row[i, P + rel[j] - first * BK] = P + j
-        G4 = _round_up(G, ROW_MULTIPLE)
-        r = branch[:, None, None, None] * G + np.arange(G4)[None, None, :, None]  # [n, 1, G4, 1] rows of p
-        k = key_row.reshape(len(branch), tail, 1, BK)
-        valid = (k >= 0) & (np.arange(G4)[None, None, :, None] < G)  # [n, tail, G4, BK]
-        k = np.maximum(k, 0)
-        flat = np.where(valid, (k // BK) * padded * BK + r * BK + k % BK, 0)  # into one head's p [blocks, padded, BK]
-        dev = self.device
-        self.p_index = torch.from_numpy(flat.reshape(-1)).to(dev)
-        self.p_valid = torch.from_numpy(valid.reshape(-1)).to(work).to(dev)
-        self.v_index = torch.from_numpy(k.reshape(-1)).to(dev)  # key rows (a missing position reads row 0, times 0)
-        self.branch_rows = torch.from_numpy((branch[:, None] * G + np.arange(G)).reshape(-1)).to(dev)  # [n * G]
-        self.branch_shape = (len(branch), tail, G4)
+    def _plan_chain_indices(self, padded: int) -> int:
+        """Flat indices of the chains' products (one per leaf, own block and KV head) -> the scratch rows they need."""
+        c = self.chains
+        if c is None:
+            return 0
+        Hkv, blocks, BK = self.k.shape[0], self.blocks, KEY_BLOCK
+        L, Mc, n = c.key.shape
+        key = c.key.reshape(L, Mc, n // BK, BK).transpose(2, 0, 1, 3)  # [tail, L, Mc, BK]
+        own = (np.arange(Hkv)[:, None] * blocks + c.first + np.arange(n // BK)) * padded  # [Hkv, tail] first o rows
+        o = own[:, :, None, None] + c.row  # [Hkv, tail, L, Mc] the o row (flat) of each product row
+        pads = np.broadcast_to(~c.real, o.shape)
+        o[pads] = Hkv * blocks * padded + np.arange(pads.sum())  # one scratch row each
+        past = ((np.arange(Hkv)[:, None, None] * blocks + c.past[:, None]) * padded + c.branch_rows).reshape(-1)
+
+        def index(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a).reshape(-1)).to(self.device)
+
+        self.p_index = index((key // BK * padded + c.row[:, :, None]) * BK + key % BK)  # into one head's p
+        self.v_index = index(c.layout.reshape(L, n // BK, BK).transpose(1, 0, 2))  # [tail, L, BK] V rows
+        self.o_index, self.past_index = index(o), index(past) if len(past) else None
+        self.chain_rows = Mc
+        return int(pads.sum())
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [t, Hq, D], k/v [>= cache_len + t, Hkv, D] (any strides; rows past cache_len + t unread) -> [t, Hq, D]."""
@@ -178,14 +263,12 @@ class BlockedAttention:
         s = self.s4
         s.sub_(s.amax(3, keepdim=True).amax(1, keepdim=True)).exp_()  # p [Hkv, blocks, padded, BK]
         torch.bmm(self.s3, self.v3, out=self.o3)
-        if self.branch_rows is not None:
-            nb, tail, G4 = self.branch_shape
-            pb = self.p2.index_select(1, self.p_index).mul_(self.p_valid)  # [Hkv, nb * tail * G4 * BK]
-            vb = self.v.index_select(1, self.v_index)  # [Hkv, nb * tail * BK, width]
-            ob = torch.bmm(pb.view(-1, G4, BK), vb.view(-1, BK, width)).view(Hkv, nb, tail, G4, width)
-            ob = ob[:, :, :, :G].transpose(1, 2).reshape(Hkv, tail, nb * G, width)
-            self.o_own.index_copy_(2, self.branch_rows, ob)
-            self.o_past.index_fill_(2, self.branch_rows, 0.0)
+        if self.chains is not None:  # the branch queries' own blocks: each chain's keys at their positions
+            pc = self.p2.index_select(1, self.p_index).view(-1, self.chain_rows, BK)  # [Hkv * tail * L, Mc, BK]
+            vc = self.v.index_select(1, self.v_index).view(-1, BK, width)  # [Hkv * tail * L, BK, width]
+            self.o_rows.index_copy_(0, self.o_index, torch.bmm(pc, vc).view(-1, width))
+            if self.past_index is not None:
+                self.o_rows.index_fill_(0, self.past_index, 0.0)
         for into, added in self.pairs:  # the missing blocks are zeros: blocks past a row's keys add nothing
             into += added
         out = torch.empty(T, Hkv, G, D, dtype=self.o3.dtype, device=self.device)  # fresh: kept past the call
