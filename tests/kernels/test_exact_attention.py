@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from trt_lookahead.kernels.mask import step_mask
-from trt_lookahead.kernels.reference import KEY_BLOCK, BlockedAttention, relative_error
+from trt_lookahead.kernels.reference import (
+    KEY_BLOCK,
+    BlockedAttention,
+    chain_shape,
+    pack_mask,
+    plan_chains,
+    relative_error,
+)
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.tree import tree_template
@@ -102,3 +109,24 @@ def test_a_mask_that_is_not_a_tree_is_refused():
     mask[3, [1, 2]] = True  # slot 3 sees slots 1 (position 0) and 2 (position 1), but not slot 2's parent 0
     with pytest.raises(ValueError, match="not a tree"):
         BlockedAttention(mask, 10, 4, 2, 8, torch.float32)
+
+
+def test_branch_slots_share_their_leaf_chains_layout():
+    """2/3/1, by hand (lookahead/layout.py): slots x_t B0[1] | B1[0] B1[1] | c0[0] c0[1] at r = 0 1 | 1 2 | 1 2.
+    B1[0] sees x_t; B1[1] sees x_t, B0[1]; c0[1] sees x_t, c0[0]. Branch slots (a key away from its position's
+    row): 2, 3, 4, 5; leaves (seen by no other): 2, 3, 5; c0[0] (slot 4) rides on c0[1]'s layout."""
+    mask = StepLayout(LookaheadConfig(2, 3, 1)).mask
+    shape = chain_shape(pack_mask(mask), 6, 1)
+    assert shape is not None
+    assert [list(r[real]) for r, real in zip(shape.row, shape.real, strict=True)] == [[2], [3], [4, 5]]
+    assert shape.real.shape == (3, 4)  # one query head per KV head: 2 rows, padded to ROW_MULTIPLE
+    P = KEY_BLOCK - 1  # x_t at position 63: the chains cross into block 1
+    chains = plan_chains(mask, P, 1)
+    assert chains is not None and chains.first == 0 and chains.layout.shape == (3, 2 * KEY_BLOCK)
+    x = slice(P, P + 3)  # positions P, P + 1, P + 2 hold these K/V rows (the step's slot j is row P + j)
+    assert list(chains.layout[0, x]) == [P, P + 2, 0]  # B1[0]: x_t, itself; nothing at P + 2
+    assert list(chains.layout[1, x]) == [P, P + 1, P + 3]  # B1[1]: x_t, B0[1], itself
+    assert list(chains.layout[2, x]) == [P, P + 4, P + 5]  # c0[1]: x_t, c0[0], itself
+    assert list(chains.key[2, 0, x]) == [P, P + 4, P + 1]  # c0[0] at P + 2 reads a key it does not see (B0[1])
+    assert list(chains.key[2, 1, x]) == [P, P + 4, P + 5]
+    assert (chains.key[:, :, :P] == np.arange(P)).all()  # the cached keys, at their own rows

@@ -88,10 +88,10 @@ class ChainShape:
     branch_rows: np.ndarray  # [n * G] the p / o rows of the branch queries
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=64)
 def chain_shape(packed: bytes, t: int, G: int) -> ChainShape | None:
-    """The own-block products of the step mask np.frombuffer(packed, bool).reshape(t, t), G query heads per KV head
-    (p row i * G + g). None: every query's step keys sit at their positions' rows (a causal step).
+    """The own-block products of the step mask [t, t] packed by `pack_mask`, G query heads per KV head (p row
+    i * G + g). None: every query's step keys sit at their positions' rows (a causal step).
 
     A query whose visible step keys are not at their positions' rows (a branch past its first token) sees its
     chain (one key per position, ancestors and itself), a prefix of the chain of a leaf (a step token no other
@@ -99,7 +99,7 @@ def chain_shape(packed: bytes, t: int, G: int) -> ChainShape | None:
     past its own position being exact zeros. Example, 4/3/4: the window's level-2 token of column c sees x_t,
     level 1's token c and itself; level 1's token c rides on its layout.
     """
-    mask = np.frombuffer(packed, bool).reshape(t, t)
+    mask = np.unpackbits(np.frombuffer(packed, np.uint8), count=t * t).reshape(t, t).astype(bool)
     rel = mask.sum(1) - 1  # [t] a step token's position - cache_len: it sees one key per position of its chain
     branch = np.flatnonzero((mask & (rel != np.arange(t))[None, :]).any(1))  # such queries
     if len(branch) == 0:
@@ -130,9 +130,14 @@ def chain_shape(packed: bytes, t: int, G: int) -> ChainShape | None:
     )
 
 
+def pack_mask(mask: np.ndarray) -> bytes:
+    """A step mask as `chain_shape`'s cache key: one bit per slot pair (a 1024-token mask is 128 kB)."""
+    return np.packbits(np.asarray(mask, bool)).tobytes()
+
+
 def plan_chains(mask: np.ndarray, P: int, G: int) -> Chains | None:
     """The own blocks (`chain_shape`) of a step of mask [t, t] over P cached keys, in K/V rows and blocks."""
-    shape = chain_shape(np.ascontiguousarray(mask, bool).tobytes(), len(mask), G)
+    shape = chain_shape(pack_mask(mask), len(mask), G)
     if shape is None:
         return None
     BK, L = KEY_BLOCK, len(shape.row)
