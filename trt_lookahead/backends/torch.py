@@ -55,11 +55,19 @@ from trt_lookahead.lookahead.executor import (
 )
 from trt_lookahead.lookahead.sampling import MASK32, SamplingParams
 from trt_lookahead.lookahead.tree import TreeTemplate, covers
-from trt_lookahead.model.llama import MODULE_OPS, AttentionFn, Llama, Ops, attend, row_invariant_layout
+from trt_lookahead.model.llama import (
+    MODULE_OPS,
+    ROW_INVARIANT_OPS,
+    AttentionFn,
+    Llama,
+    Ops,
+    attend,
+    row_invariant_layout,
+)
 
 DEFAULT_STEP_TOKENS = 128  # the largest row a runtime's torch executor takes (15/5/15 is 120)
 # dtypes where the exact step is on by default on the CPU: bfloat16, whose fast step disagrees with greedy on most
-# prompts, for 0.9-1.15x the fast step's cost at batch 1, T <= 16 (README, "Exact by construction")
+# prompts, for 0.9-1.12x the fast step's cost at batch 1, T <= 16 (README, "Exact by construction")
 EXACT_BY_DEFAULT = (torch.bfloat16,)
 
 
@@ -130,7 +138,7 @@ class BatchedTorchExecutor:
         if self.cuda_graph and not (is_cuda and self.padded):
             raise ValueError("cuda_graph needs device='cuda' and the padded step")
         self.exact = self._exact(model, exact)
-        self._ops = _exact_ops() if self.exact and self.padded else MODULE_OPS  # the packed path: its layout
+        self._ops = (_exact_ops() if self.padded else ROW_INVARIANT_OPS) if self.exact else MODULE_OPS
         self.model = model
         self.vocab_size = model.cfg.vocab_size
         self.max_batch, self.max_seq_len, self.step_tokens = int(max_batch), int(max_seq_len), int(step_tokens)
@@ -226,6 +234,7 @@ class BatchedTorchExecutor:
             last,
             attention=RowAttention([(0, P, first, P, functools.partial(attend, mask=mask))]),
             cache_rows=torch.arange(first, first + P, device=dev),
+            ops=MODULE_OPS if self.padded else self._ops,  # the packed exact step: a 1-token prompt too
         )
         token = self._select(logits, last, np.array([phys]))
         self._cache_len[slot] = P
@@ -381,6 +390,7 @@ class BatchedTorchExecutor:
             torch.from_numpy(starts[row_of] + read).to(dev),
             attention=RowAttention(spans),
             cache_rows=torch.from_numpy(((phys * S + cache_len)[:, None] + np.arange(T)[None, :])[keep]).to(dev),
+            ops=self._ops,
         )
         return logits, distinct
 

@@ -56,12 +56,17 @@ NormFn = Callable[[Tensor, Tensor, float], Tensor]  # (x [.., H], weight [H], ep
 
 @dataclass(frozen=True)
 class Ops:
-    """The projections and norms of one forward (the seam beside `attention`); None: the modules' own."""
+    """The projections and norms of one forward (the seam beside `attention`); None: the modules' own.
+    min_rows: a projection of fewer rows runs padded with zero rows to that many (see ROW_INVARIANT_OPS)."""
 
     linear: LinearFn | None = None
     rms_norm: NormFn | None = None
+    min_rows: int = 1
 
     def project(self, module: Linear, x: Tensor) -> Tensor:
+        rows = x.shape[0]
+        if rows < self.min_rows:
+            return self.project(module, torch.cat([x, x.new_zeros(self.min_rows - rows, *x.shape[1:])]))[:rows]
         return module(x) if self.linear is None else self.linear(x, module.dense_weight(), module.bias)
 
     def norm(self, module: RMSNorm, x: Tensor) -> Tensor:
@@ -69,6 +74,10 @@ class Ops:
 
 
 MODULE_OPS = Ops()
+# The CPU exact step's projections: oneDNN's packed linear reduces a 1-row input in another order than 2 or
+# more rows (measured on SmolLM2-135M's 1536-wide down projection, float32 and bfloat16: the 1-token step's
+# bits differed from a lookahead slot's; 2 to 149 rows all agree), so a 1-row projection runs as 2 rows.
+ROW_INVARIANT_OPS = Ops(min_rows=2)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
