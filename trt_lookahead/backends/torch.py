@@ -59,6 +59,7 @@ from trt_lookahead.model.llama import (
     MODULE_OPS,
     ROW_INVARIANT_OPS,
     AttentionFn,
+    Linear,
     Llama,
     Ops,
     attend,
@@ -139,6 +140,10 @@ class BatchedTorchExecutor:
             raise ValueError("cuda_graph needs device='cuda' and the padded step")
         self.exact = self._exact(model, exact)
         self._ops = (_exact_ops() if self.padded else ROW_INVARIANT_OPS) if self.exact else MODULE_OPS
+        if self.exact and not self.padded:  # measure each projection shape's 1-row path now, not in a request
+            for module in model.modules():
+                if isinstance(module, Linear):
+                    module.one_row_differs()
         self.model = model
         self.vocab_size = model.cfg.vocab_size
         self.max_batch, self.max_seq_len, self.step_tokens = int(max_batch), int(max_seq_len), int(step_tokens)

@@ -57,16 +57,16 @@ NormFn = Callable[[Tensor, Tensor, float], Tensor]  # (x [.., H], weight [H], ep
 @dataclass(frozen=True)
 class Ops:
     """The projections and norms of one forward (the seam beside `attention`); None: the modules' own.
-    min_rows: a projection of fewer rows runs padded with zero rows to that many (see ROW_INVARIANT_OPS)."""
+    one_row_as_two: a 1-row input to a projection whose 1-row path rounds otherwise (`Linear.one_row_differs`)
+    runs as 2 rows, the second zeros (ROW_INVARIANT_OPS)."""
 
     linear: LinearFn | None = None
     rms_norm: NormFn | None = None
-    min_rows: int = 1
+    one_row_as_two: bool = False
 
     def project(self, module: Linear, x: Tensor) -> Tensor:
-        rows = x.shape[0]
-        if rows < self.min_rows:
-            return self.project(module, torch.cat([x, x.new_zeros(self.min_rows - rows, *x.shape[1:])]))[:rows]
+        if self.one_row_as_two and x.shape[0] == 1 and module.one_row_differs():
+            return self.project(module, torch.cat([x, torch.zeros_like(x)]))[:1]
         return module(x) if self.linear is None else self.linear(x, module.dense_weight(), module.bias)
 
     def norm(self, module: RMSNorm, x: Tensor) -> Tensor:
@@ -74,10 +74,11 @@ class Ops:
 
 
 MODULE_OPS = Ops()
-# The CPU exact step's projections: oneDNN's packed linear reduces a 1-row input in another order than 2 or
-# more rows (measured on SmolLM2-135M's 1536-wide down projection, float32 and bfloat16: the 1-token step's
-# bits differed from a lookahead slot's; 2 to 149 rows all agree), so a 1-row projection runs as 2 rows.
-ROW_INVARIANT_OPS = Ops(min_rows=2)
+# The CPU exact step's projections: oneDNN's packed linear reduces a 1-row input of 1536 or more columns in
+# another order than 2 or more rows (SmolLM2-135M's down projection, float32 and bfloat16: a 1-token step's
+# bits differed from a lookahead slot's; 2 to 149 rows all agree). Such a projection runs a 1-row input as 2
+# rows; the others keep their 1-row path (2 rows cost up to 20% more per greedy step in float32).
+ROW_INVARIANT_OPS = Ops(one_row_as_two=True)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -300,6 +301,10 @@ class Linear(nn.Linear):
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
 
+    def one_row_differs(self) -> bool:
+        """Whether a 1-row input gets other bits here than the same row among others (`one_row_differs`)."""
+        return one_row_differs(self.layout, self.in_features, self.out_features, self.weight.dtype, self)
+
     def dense_weight(self) -> Tensor:
         """The weight as a dense [out, in] tensor, whatever the layout."""
         w = self.weight.detach()
@@ -315,6 +320,27 @@ class Linear(nn.Linear):
             dense = torch.ops.mkldnn._reorder_linear_weight(dense.contiguous(), ONEDNN_BATCH_HINT)
         self.weight = nn.Parameter(dense, requires_grad=False)
         self.layout = layout
+
+
+# rows probed: in float32 the other order shows in every row, in bfloat16 in 8-22% (all 256 agree by chance: < 1e-9)
+ONE_ROW_PROBES = {torch.float32: 16}
+
+
+def one_row_differs(layout: str, in_features: int, out_features: int, dtype: torch.dtype, module: Linear) -> bool:
+    """Whether `module` (and every projection of its layout, shape and dtype) rounds a 1-row input otherwise than
+    that row among 2: measured once per (layout, shape, dtype) on random rows, 1 and 2 at a time."""
+    key = (layout, in_features, out_features, dtype)
+    if key not in _ONE_ROW:
+        g, rows = torch.Generator().manual_seed(0), ONE_ROW_PROBES.get(dtype, 256)
+        x = torch.randn(rows, in_features, generator=g).to(dtype).to(module.weight.device)
+        with torch.inference_mode():
+            one = torch.cat([module(x[i : i + 1]) for i in range(rows)])
+            two = torch.cat([module(x[i : i + 2]) for i in range(0, rows, 2)])
+        _ONE_ROW[key] = not torch.equal(one, two)
+    return _ONE_ROW[key]
+
+
+_ONE_ROW: dict[tuple[str, int, int, torch.dtype], bool] = {}  # one_row_differs' measurements
 
 
 class RMSNorm(nn.Module):
