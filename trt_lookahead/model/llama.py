@@ -289,7 +289,8 @@ class Linear(nn.Linear):
     in_out:  [in, out] dense weight, x @ W (plain MKL sgemm streams it faster for 1-row inputs)
     onednn:  the weight reordered by oneDNN for `torch.ops.mkldnn._linear_pointwise` (x86 CPU only):
              on one core 1x (1 row) to 2.5x (16-120 rows) faster than MKL in float32, also faster in
-             bfloat16, and batch-invariant: a row's result does not depend on how many rows are fed
+             bfloat16, and batch-invariant from 2 rows on: a row's result does not depend on how many rows
+             are fed, except that a 1-row input may round otherwise (`one_row_differs`)
     """
 
     layout: str = "out_in"
@@ -419,9 +420,9 @@ class Block(nn.Module):
 def auto_weight_layout(device: torch.device | str, dtype: torch.dtype) -> str:
     """The layout the executor runs in on `device`: onednn on x86 CPUs, else nn.Linear's out_in (CUDA).
 
-    onednn on x86 CPUs in float32/bfloat16 wherever this CPU runs oneDNN's packed path in that dtype: it is
-    row-invariant (a row's result does not depend on how many rows the call holds, which MKL sgemm's
-    F.linear does not give), so a request decodes the same tokens alone or in a batch; it is also 1.5x
+    onednn on x86 CPUs in float32/bfloat16 wherever this CPU runs oneDNN's packed path in that dtype: from 2
+    rows on it is row-invariant (a row's result does not depend on how many rows the call holds, which MKL
+    sgemm's F.linear does not give; 1-row inputs see `ROW_INVARIANT_OPS`); it is also 1.5x
     (1 row) to 2-3x (16-120 rows) faster than sgemm on SmolLM2-135M. Tiny models (stories260K) pay its
     ~10 us call overhead, for the same exactness. Else nn.Linear's out_in (CUDA; bfloat16 on AVX2-only CPUs).
     """
