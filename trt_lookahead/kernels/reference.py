@@ -64,13 +64,11 @@ def _round_up(n: int, multiple: int) -> int:
 class Chains:
     """The own blocks of a step's branch queries, in the step's terms: one product per leaf and own block."""
 
+    shape: ChainShape  # what the mask alone decides: the products' rows
     key: np.ndarray  # [L, Mc, tail * BK] the K/V row whose probability each product row reads at each position
     layout: np.ndarray  # [L, tail * BK] the K/V row at each position of a leaf's layout (0 where none: p is 0)
-    row: np.ndarray  # [L, Mc] the p / o row of each product row (a pad reads a real row's; its result is dropped)
-    real: np.ndarray  # [L, Mc] bool: product rows that are a query's head, not pads
     first: int  # the own blocks are first .. first + tail - 1
     past: np.ndarray  # the blocks past the own ones, where the branch queries' results are zeroed
-    branch_rows: np.ndarray  # [n * G] the p / o rows of the branch queries
 
 
 @dataclass(frozen=True)
@@ -148,9 +146,8 @@ def plan_chains(mask: np.ndarray, P: int, G: int) -> Chains | None:
     layout[shape.leaf, P + shape.slot_depth - first * BK] = P + shape.slot
     seen = (layout[:, None] >= 0) & (x - P <= shape.depth[:, :, None])  # [L, Mc, tail * BK] (cached: x < P)
     return Chains(
-        key=np.where(seen, layout[:, None], P + shape.blind[:, :, None]), layout=np.maximum(layout, 0),
-        row=shape.row, real=shape.real, first=first, past=np.arange(first + tail, -(-(P + len(mask)) // BK)),
-        branch_rows=shape.branch_rows,
+        shape=shape, key=np.where(seen, layout[:, None], P + shape.blind[:, :, None]), layout=np.maximum(layout, 0),
+        first=first, past=np.arange(first + tail, -(-(P + len(mask)) // BK)),
     )
 
 
@@ -242,15 +239,15 @@ class BlockedAttention:
         L, Mc, n = c.key.shape
         key = c.key.reshape(L, Mc, n // BK, BK).transpose(2, 0, 1, 3)  # [tail, L, Mc, BK]
         own = (np.arange(Hkv)[:, None] * blocks + c.first + np.arange(n // BK)) * padded  # [Hkv, tail] first o rows
-        o = own[:, :, None, None] + c.row  # [Hkv, tail, L, Mc] the o row (flat) of each product row
-        pads = np.broadcast_to(~c.real, o.shape)
+        o = own[:, :, None, None] + c.shape.row  # [Hkv, tail, L, Mc] the o row (flat) of each product row
+        pads = np.broadcast_to(~c.shape.real, o.shape)
         o[pads] = Hkv * blocks * padded + np.arange(pads.sum())  # one scratch row each
-        past = ((np.arange(Hkv)[:, None, None] * blocks + c.past[:, None]) * padded + c.branch_rows).reshape(-1)
+        past = ((np.arange(Hkv)[:, None, None] * blocks + c.past[:, None]) * padded + c.shape.branch_rows).reshape(-1)
 
         def index(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a).reshape(-1)).to(self.device)
 
-        self.p_index = index((key // BK * padded + c.row[:, :, None]) * BK + key % BK)  # into one head's p
+        self.p_index = index((key // BK * padded + c.shape.row[:, :, None]) * BK + key % BK)  # into one head's p
         self.v_index = index(c.layout.reshape(L, n // BK, BK).transpose(1, 0, 2))  # [tail, L, BK] V rows
         self.o_index, self.past_index = index(o), index(past) if len(past) else None
         self.chain_rows = Mc

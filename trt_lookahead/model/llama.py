@@ -294,6 +294,7 @@ class Linear(nn.Linear):
     """
 
     layout: str = "out_in"
+    _one_row: tuple[tuple[str, torch.dtype] | None, bool] = (None, False)  # one_row_differs' answer, and its key
 
     def forward(self, x: Tensor) -> Tensor:
         if self.layout == "out_in":
@@ -303,8 +304,13 @@ class Linear(nn.Linear):
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
 
     def one_row_differs(self) -> bool:
-        """Whether a 1-row input gets other bits here than the same row among others (`one_row_differs`)."""
-        return one_row_differs(self.layout, self.in_features, self.out_features, self.weight.dtype, self)
+        """Whether a 1-row input gets other bits here than the same row among others (`one_row_differs`);
+        kept on the module: the step's projections ask it at every 1-row call."""
+        key = (self.layout, self.weight.dtype)  # the measurement holds while these do
+        if self._one_row[0] != key:
+            self._one_row = (key, one_row_differs(self.layout, self.in_features, self.out_features, self.weight.dtype,
+                                                  self))
+        return self._one_row[1]
 
     def dense_weight(self) -> Tensor:
         """The weight as a dense [out, in] tensor, whatever the layout."""
