@@ -43,7 +43,7 @@ from torch import Tensor
 
 from trt_lookahead.kernels.mask import CAUSAL, step_mask, step_visible, tree_ends, tree_step_visible
 from trt_lookahead.kernels.reference import BlockedAttention
-from trt_lookahead.kernels.sampling_torch import select_rows_torch, vocab_salts
+from trt_lookahead.kernels.sampling_torch import select_rows_torch, top_k_ids, vocab_salts
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.executor import (
     StepBatch,
@@ -365,7 +365,7 @@ class BatchedTorchExecutor:
         result = np.full(batch.input_ids.shape, -1, np.int64)
         result[row_of, read] = self._select(logits, positions, phys[row_of])
         if batch.top_ids is not None:
-            batch.top_ids[row_of, read] = torch.topk(logits, batch.top_ids.shape[2], dim=-1).indices.cpu().numpy()
+            batch.top_ids[row_of, read] = top_k_ids(logits, batch.top_ids.shape[2]).cpu().numpy()
         return result
 
     def _packed_logits(self, batch: StepBatch, real: np.ndarray) -> tuple[Tensor, np.ndarray]:
