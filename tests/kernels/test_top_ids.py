@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from trt_lookahead.kernels.sampling_torch import TOP_CHUNK, top_ids, top_k_ids
+from trt_lookahead.kernels.sampling_torch import TOP_CHUNK, first_max_ids, top_ids, top_k_ids
 
 
 def assert_top_k(logits: torch.Tensor, ids: torch.Tensor, k: int) -> None:
@@ -43,3 +43,19 @@ def test_numpy_logits_not_contiguous():
     logits = np.random.default_rng(0).standard_normal((4, 3, 1000)).astype(np.float32)[:, 1]
     ids = torch.from_numpy(top_ids(logits, 8))
     assert_top_k(torch.from_numpy(np.ascontiguousarray(logits)), ids, 8)
+
+
+@pytest.mark.parametrize("vocab", [49152, 50257, 9 * TOP_CHUNK, 300, 70, 64, 8])
+def test_first_max_is_argmax_ties_included(vocab):
+    """The first id of the maximum, as torch.argmax: random rows, rows of few values (ties), the maximum past
+    the last whole chunk, and tied between a chunk and the tail."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = [torch.randn(4, vocab, generator=g), torch.randint(0, 3, (16, vocab), generator=g).float()]
+    edge = torch.zeros(3, vocab)
+    edge[0, -1] = 1.0  # the last id
+    edge[1, [0, -1]] = 1.0  # tied between the first chunk and the tail: the first wins
+    edge[2, [vocab // 2, -1]] = 1.0
+    for logits in (*rows, edge):
+        got = first_max_ids(logits)
+        assert got.dtype == torch.int64
+        assert got.tolist() == [max(range(vocab), key=lambda v, r=r: (r[v], -v)) for r in logits.tolist()]

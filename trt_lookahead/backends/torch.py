@@ -43,7 +43,7 @@ from torch import Tensor
 
 from trt_lookahead.kernels.mask import CAUSAL, step_mask, step_visible, tree_ends, tree_step_visible
 from trt_lookahead.kernels.reference import BlockedAttention
-from trt_lookahead.kernels.sampling_torch import select_rows_torch, top_k_ids, vocab_salts
+from trt_lookahead.kernels.sampling_torch import first_max_ids, select_rows_torch, top_k_ids, vocab_salts
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.executor import (
     StepBatch,
@@ -342,7 +342,7 @@ class BatchedTorchExecutor:
 
     def _select(self, logits: Tensor, positions: Tensor, phys: np.ndarray) -> np.ndarray:
         """Tokens for rows of logits [R, V]; row r draws with physical slot phys[r]'s sampling parameters."""
-        tokens = torch.argmax(logits, dim=-1)
+        tokens = first_max_ids(logits)
         sampled = np.flatnonzero(self._sampled[phys])
         if len(sampled):
             rows = torch.from_numpy(sampled).to(self.device)
