@@ -76,6 +76,13 @@ def select_tokens_torch(
 TOP_CHUNK = 64  # top_k_ids and first_max_ids read the logits by chunks of this many ids
 
 
+def _chunks(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """(the whole chunks of logits [R, V]: [R, V // TOP_CHUNK, TOP_CHUNK], their maxima [R, V // TOP_CHUNK])."""
+    R, V = logits.shape
+    body = logits[:, : V - V % TOP_CHUNK].reshape(R, -1, TOP_CHUNK)
+    return body, body.amax(-1)
+
+
 def first_max_ids(logits: Tensor) -> Tensor:
     """[R] torch.argmax(logits [R, V], -1), the first id of each row's maximum: 4-6x faster on the CPU at V = 49152
     (the chunks' maxima, the first chunk holding the row's maximum, the first id of it there)."""
@@ -83,8 +90,8 @@ def first_max_ids(logits: Tensor) -> Tensor:
     n = V // TOP_CHUNK
     if n == 0:
         return logits.argmax(-1)
-    body = logits[:, : n * TOP_CHUNK].reshape(R, n, TOP_CHUNK)
-    chunk = body.amax(-1).argmax(-1)  # [R] the first chunk holding the row's maximum
+    body, maxima = _chunks(logits)
+    chunk = maxima.argmax(-1)  # [R] the first chunk holding the row's maximum
     ids = chunk * TOP_CHUNK + body[torch.arange(R, device=logits.device), chunk].argmax(-1)
     if n * TOP_CHUNK < V:  # the ids past the last whole chunk win only with a larger logit
         tail = logits[:, n * TOP_CHUNK :]
@@ -103,7 +110,7 @@ def top_k_ids(logits: Tensor, k: int) -> Tensor:
     n = V // TOP_CHUNK
     if n <= k:
         return torch.topk(logits, k, dim=-1).indices
-    chunks = logits[:, : n * TOP_CHUNK].reshape(R, n, TOP_CHUNK).amax(-1).topk(k, dim=-1).indices  # [R, k]
+    chunks = _chunks(logits)[1].topk(k, dim=-1).indices  # [R, k]
     ids = (chunks[:, :, None] * TOP_CHUNK + torch.arange(TOP_CHUNK, device=logits.device)).view(R, k * TOP_CHUNK)
     if n * TOP_CHUNK < V:  # the ids past the last whole chunk are always candidates
         ids = torch.cat([ids, torch.arange(n * TOP_CHUNK, V, device=logits.device).expand(R, -1)], 1)
