@@ -1,4 +1,5 @@
-"""`top_k_ids` (the recycled drafts' top-k): the k largest logits of each row, as a full sort finds them."""
+"""The executor's id choice by chunk maxima: `top_k_ids` (the recycled drafts' top-k) against a full sort, and
+`first_max_ids` (the greedy id) against the first maximum found by a plain loop."""
 
 from __future__ import annotations
 
