@@ -37,6 +37,32 @@ def test_linear_gives_a_row_the_same_bits_for_every_m(dtype, tolerance):
             assert torch.equal(part[r], alone) and torch.equal(full[r], alone), (M, r)
 
 
+def test_linear_tile_grows_with_m_while_half_the_sms_get_a_program():
+    """Hand-derived from the rule, at the 1B model's projection widths on a 132-SM GPU."""
+    assert invariant.linear_tile(1, 2048, 132) == (16, 32, 128, 4)  # 64-wide: 32 programs < 66
+    assert invariant.linear_tile(1, 128256, 132) == (16, 64, 128, 4)  # 2004 programs
+    assert invariant.linear_tile(32, 16384, 132) == (16, 64, 128, 4)  # 64-row tiles start above 32 rows
+    assert invariant.linear_tile(56, 16384, 132) == (64, 128, 64, 4)  # 128 programs
+    assert invariant.linear_tile(64, 128256, 132) == (64, 128, 64, 4)  # 128-row tiles start above 64 rows
+    assert invariant.linear_tile(120, 128256, 132) == (128, 256, 64, 8)  # 501 programs
+    assert invariant.linear_tile(120, 16384, 132) == (128, 128, 64, 8)  # 128 x 256: 64 programs < 66
+    assert invariant.linear_tile(960, 2048, 132) == (128, 128, 64, 8)  # 128 x 256: 64, 128 x 128: 128
+    assert invariant.linear_tile(960, 2048, 264) == (64, 128, 64, 4)  # twice the SMs: 240 programs
+    assert invariant.linear_tile(1, 8, 132) == invariant.LINEAR_TILES[-1]
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="interpreted tl.dot is numpy's matmul, whose bits follow the tile shape")
+@DTYPES
+def test_every_linear_tile_gives_the_same_bits(dtype, tolerance):
+    """linear_tile may pick any tile for any M only because each gives an output element the same bits."""
+    x, w, b = randn(130, 200, dtype=dtype), randn(72, 200, dtype=dtype, seed=1), randn(72, dtype=dtype, seed=2)
+    first, *others = (invariant.linear(x, w, b, tile=tile) for tile in invariant.LINEAR_TILES)
+    assert reference.relative_error(first.cpu(), torch.nn.functional.linear(x.double(), w.double(), b.double()).cpu()
+                                    ) <= tolerance
+    for tile, other in zip(invariant.LINEAR_TILES[1:], others, strict=True):
+        assert torch.equal(other, first), tile
+
+
 @DTYPES
 def test_rms_norm_gives_a_row_the_same_bits_in_any_call_and_matches_the_module(dtype, tolerance):
     norm = RMSNorm(200, 1e-5, dtype).to(DEVICE)
