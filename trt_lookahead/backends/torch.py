@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from trt_lookahead.kernels.mask import CAUSAL, step_mask, step_visible, tree_ends, tree_step_visible
-from trt_lookahead.kernels.reference import BlockedAttention
+from trt_lookahead.kernels.reference import BlockedAttention, blocked_rows_vary
 from trt_lookahead.kernels.sampling_torch import first_max_ids, select_rows_torch, top_k_ids, vocab_salts
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.executor import (
@@ -59,11 +59,11 @@ from trt_lookahead.model.llama import (
     MODULE_OPS,
     ROW_INVARIANT_OPS,
     AttentionFn,
-    Linear,
     Llama,
     Ops,
     attend,
     row_invariant_layout,
+    row_variance,
 )
 
 DEFAULT_STEP_TOKENS = 128  # the largest row a runtime's torch executor takes (15/5/15 is 120)
@@ -140,10 +140,6 @@ class BatchedTorchExecutor:
             raise ValueError("cuda_graph needs device='cuda' and the padded step")
         self.exact = self._exact(model, exact)
         self._ops = (_exact_ops() if self.padded else ROW_INVARIANT_OPS) if self.exact else MODULE_OPS
-        if self.exact and not self.padded:  # measure each projection shape's 1-row path now, not in a request
-            for module in model.modules():
-                if isinstance(module, Linear):
-                    module.one_row_differs()
         self.model = model
         self.vocab_size = model.cfg.vocab_size
         self.max_batch, self.max_seq_len, self.step_tokens = int(max_batch), int(max_seq_len), int(step_tokens)
@@ -194,8 +190,9 @@ class BatchedTorchExecutor:
             layout = row_invariant_layout(model.device, model.dtype)
         except ValueError:
             layout = None
-        if exact is None:
-            return layout is not None and model.weight_layout == layout and model.dtype in EXACT_BY_DEFAULT
+        if exact is None:  # the probe (rows_that_differ, each projection shape once) runs here, not in a request
+            return (layout is not None and model.weight_layout == layout and model.dtype in EXACT_BY_DEFAULT
+                    and step_variance(model) is None)
         if exact and layout is None:
             raise ValueError(
                 f"exact=True needs the packed CPU step and row-invariant projections, which this executor "
@@ -206,6 +203,8 @@ class BatchedTorchExecutor:
                 f"exact=True needs the model's projections in the {layout!r} layout, got {model.weight_layout!r}: "
                 "load it with load_llama(..., weight_layout='auto') or call model.set_weight_layout('auto')"
             )
+        if exact and (reason := step_variance(model)):
+            raise ValueError(f"exact=True needs row-invariant projections, and {reason}; use exact=False")
         return bool(exact)
 
     # -- contract ---------------------------------------------------------------------------------
@@ -526,6 +525,12 @@ class BatchedTorchExecutor:
                 outputs = self._run_padded(bucket, sampled, k)
             entry = self._graphs[(bucket, sampled, k)] = (graph, outputs)
         return entry
+
+
+def step_variance(model: Llama) -> str | None:
+    """Why the CPU exact step's projections or attention products give a row other bits by row count on this
+    machine (each probed once per shape and thread count), or None."""
+    return row_variance(model) or blocked_rows_vary(model.cfg.head_dim, torch.get_num_threads())
 
 
 def invariant_kernels_reason(device: torch.device) -> str | None:

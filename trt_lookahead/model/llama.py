@@ -57,7 +57,7 @@ NormFn = Callable[[Tensor, Tensor, float], Tensor]  # (x [.., H], weight [H], ep
 @dataclass(frozen=True)
 class Ops:
     """The projections and norms of one forward (the seam beside `attention`); None: the modules' own.
-    one_row_as_two: a 1-row input to a projection whose 1-row path rounds otherwise (`Linear.one_row_differs`)
+    one_row_as_two: a 1-row input to a projection whose 1-row path rounds otherwise (`Linear.rows_that_differ`)
     runs as 2 rows, the second zeros (ROW_INVARIANT_OPS)."""
 
     linear: LinearFn | None = None
@@ -65,7 +65,7 @@ class Ops:
     one_row_as_two: bool = False
 
     def project(self, module: Linear, x: Tensor) -> Tensor:
-        if self.one_row_as_two and x.shape[0] == 1 and module.one_row_differs():
+        if self.one_row_as_two and x.shape[0] == 1 and 1 in module.rows_that_differ():
             return self.project(module, torch.cat([x, torch.zeros_like(x)]))[:1]
         return module(x) if self.linear is None else self.linear(x, module.dense_weight(), module.bias)
 
@@ -289,12 +289,13 @@ class Linear(nn.Linear):
     in_out:  [in, out] dense weight, x @ W (plain MKL sgemm streams it faster for 1-row inputs)
     onednn:  the weight reordered by oneDNN for `torch.ops.mkldnn._linear_pointwise` (x86 CPU only):
              on one core 1x (1 row) to 2.5x (16-120 rows) faster than MKL in float32, also faster in
-             bfloat16, and batch-invariant from 2 rows on: a row's result does not depend on how many rows
-             are fed, except that a 1-row input may round otherwise (`one_row_differs`)
+             bfloat16, and with torch 2.13's oneDNN batch-invariant from 2 rows on: a row's result does not
+             depend on how many rows are fed, except that a 1-row input may round otherwise (`rows_that_differ`
+             measures it on the machine)
     """
 
     layout: str = "out_in"
-    _one_row: tuple[tuple[str, torch.dtype] | None, bool] = (None, False)  # one_row_differs' answer, and its key
+    _rows_differ: tuple[tuple | None, tuple[int, ...]] = (None, ())  # rows_that_differ's answer, and its key
 
     def forward(self, x: Tensor) -> Tensor:
         if self.layout == "out_in":
@@ -303,14 +304,12 @@ class Linear(nn.Linear):
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
 
-    def one_row_differs(self) -> bool:
-        """Whether a 1-row input gets other bits here than the same row among others (`one_row_differs`);
-        kept on the module: the step's projections ask it at every 1-row call."""
-        key = (self.layout, self.weight.dtype)  # the measurement holds while these do
-        if self._one_row[0] != key:
-            self._one_row = (key, one_row_differs(self.layout, self.in_features, self.out_features, self.weight.dtype,
-                                                  self))
-        return self._one_row[1]
+    def rows_that_differ(self) -> tuple[int, ...]:
+        """`rows_that_differ` for this projection, kept on the module: the step asks it at every 1-row call."""
+        key = (self.layout, self.weight.dtype, torch.get_num_threads())  # the measurement holds while these do
+        if self._rows_differ[0] != key:
+            self._rows_differ = (key, rows_that_differ(self))
+        return self._rows_differ[1]
 
     def dense_weight(self) -> Tensor:
         """The weight as a dense [out, in] tensor, whatever the layout."""
@@ -329,25 +328,41 @@ class Linear(nn.Linear):
         self.layout = layout
 
 
-# rows probed: in float32 the other order shows in every row, in bfloat16 in 8-22% (all 256 agree by chance: < 1e-9)
-ONE_ROW_PROBES = {torch.float32: 16}
+# row counts a probe feeds a projection: around the blockings CPU GEMMs switch at. torch 2.13's oneDNN on an
+# AMD EPYC differs at 1 row only; torch 2.11's on an Intel Xeon (AMX) at 16 and more rows in float32 and at
+# 2, 15, 16 or 33 in bfloat16 (docs/design.md 4.2)
+ROW_PROBES = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65)
 
 
-def one_row_differs(layout: str, in_features: int, out_features: int, dtype: torch.dtype, module: Linear) -> bool:
-    """Whether `module` (and every projection of its layout, shape and dtype) rounds a 1-row input otherwise than
-    that row among 2: measured once per (layout, shape, dtype) on random rows, 1 and 2 at a time."""
-    key = (layout, in_features, out_features, dtype)
-    if key not in _ONE_ROW:
-        g, rows = torch.Generator().manual_seed(0), ONE_ROW_PROBES.get(dtype, 256)
-        x = torch.randn(rows, in_features, generator=g).to(dtype).to(module.weight.device)
+def rows_that_differ(module: Linear) -> tuple[int, ...]:
+    """The row counts M of ROW_PROBES at which some row of the probe's random rows, fed M at a time, gets other
+    bits than in one call of them all; measured once per (layout, shape, dtype, threads). Every row is fed at
+    each M: in bfloat16 another order shows in only 8-22% of rows."""
+    key = (module.layout, module.in_features, module.out_features, module.weight.dtype, torch.get_num_threads())
+    if key not in _ROWS_DIFFER:
+        g, rows = torch.Generator().manual_seed(0), ROW_PROBES[-1]
+        x = torch.randn(rows, module.in_features, generator=g).to(module.weight.dtype).to(module.weight.device)
         with torch.inference_mode():
-            one = torch.cat([module(x[i : i + 1]) for i in range(rows)])
-            two = torch.cat([module(x[i : i + 2]) for i in range(0, rows, 2)])
-        _ONE_ROW[key] = not torch.equal(one, two)
-    return _ONE_ROW[key]
+            full = module(x)
+            _ROWS_DIFFER[key] = tuple(
+                M for M in ROW_PROBES[:-1]
+                if any(not torch.equal(module(x[i : i + M]), full[i : i + M]) for i in range(0, rows - M + 1, M))
+            )
+    return _ROWS_DIFFER[key]
 
 
-_ONE_ROW: dict[tuple[str, int, int, torch.dtype], bool] = {}  # one_row_differs' measurements
+_ROWS_DIFFER: dict[tuple, tuple[int, ...]] = {}  # rows_that_differ's measurements
+
+
+def row_variance(model: Llama) -> str | None:
+    """Why the model's projections are not row-invariant here even with 1-row inputs run as 2 (a probe found
+    another row count at which a row's bits change), or None."""
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and (counts := [M for M in module.rows_that_differ() if M != 1]):
+            return (f"projection {name} ({module.in_features} -> {module.out_features}, {module.weight.dtype}, "
+                    f"{module.layout} layout, {torch.get_num_threads()} threads) gives a row other bits in a call "
+                    f"of {counts[0]} rows than in one of {ROW_PROBES[-1]} on this CPU with torch {torch.__version__}")
+    return None
 
 
 class RMSNorm(nn.Module):
