@@ -229,6 +229,7 @@ class BlockedAttention:
         bias = np.tile(bias, (Hkv, 1, 1)).reshape(Hkv * blocks, padded, BK)  # the same for every KV head
         self.bias = torch.from_numpy(bias).to(work).to(device)  # [Hkv * blocks, padded, BK]: 0 or -inf
         self.q = torch.zeros(Hkv, blocks, padded, D, dtype=work, device=device)  # the queries, once per block
+        self.q_scaled = torch.empty(t, num_q_heads, D, dtype=work, device=device)
         self.k = torch.zeros(Hkv, blocks * BK, D, dtype=work, device=device)
         width = _round_up(D + 1, VALUE_WIDTH)
         self.v = torch.zeros(Hkv, blocks * BK, width, dtype=work, device=device)
@@ -289,7 +290,8 @@ class BlockedAttention:
         G, width = Hq // Hkv, self.v.shape[-1]
         # the scale goes into the queries (one rounding per element): a BLAS's alpha may be applied before or after
         # the sum depending on the row count, and scale x log2 e is no power of two
-        self.q_in.copy_((q.to(self.q.dtype) * self.scale2).view(T, Hkv, 1, G, D).permute(1, 2, 0, 3, 4))
+        scaled = self.q_scaled.copy_(q).mul_(self.scale2)
+        self.q_in.copy_(scaled.view(T, Hkv, 1, G, D).permute(1, 2, 0, 3, 4))
         self.k_in.copy_(k[:n].transpose(0, 1))
         self.v_in.copy_(v[:n].transpose(0, 1))
         torch.baddbmm(self.bias, self.q3, self.keys3, out=self.s3)
