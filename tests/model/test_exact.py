@@ -17,14 +17,20 @@ import pytest
 import torch
 
 from trt_lookahead.backends.devices import gpu_count
-from trt_lookahead.backends.torch import BatchedTorchExecutor, step_variance
+from trt_lookahead.backends.row_probe import (
+    projection_rows_differ,
+    projection_variance,
+    row_invariant_ops,
+    step_variance,
+)
+from trt_lookahead.backends.torch import BatchedTorchExecutor
 from trt_lookahead.kernels.reference import KEY_BLOCK
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.executor import StepBatch
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.model.checkpoint import load_llama
-from trt_lookahead.model.llama import ROW_INVARIANT_OPS, Llama, ModelConfig, apply_rope, row_variance
+from trt_lookahead.model.llama import Llama, ModelConfig, apply_rope
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 CONFIGS = [LookaheadConfig(4, 3, 4), LookaheadConfig(2, 4, 3), LookaheadConfig(5, 2, 3), LookaheadConfig(3, 3, 0)]
@@ -188,27 +194,29 @@ def test_the_row_probe_sees_whether_1_row_rounds_otherwise_even_where_few_rows_s
     """A 1536-wide down projection: oneDNN reduces a 1-row input in another order, which in bfloat16 changes
     only some rows' bits. The probe's answer for 1 row must be what 256 random rows, alone and in pairs, say."""
     w2 = random_gqa_llama(dtype, "auto", intermediate_size=1536).layers[0].feed_forward.w2
+    if more := [M for M in projection_rows_differ(w2) if M > 1]:  # pairs are then no reference for 1 row
+        pytest.skip(f"this CPU's {dtype} projection also gives a row other bits at {more} rows")
     x = torch.randn(256, w2.in_features, generator=torch.Generator().manual_seed(5)).to(dtype)
     with torch.inference_mode():
         alone = torch.cat([w2(x[i : i + 1]) for i in range(256)])
         pairs = torch.cat([w2(x[i : i + 2]) for i in range(0, 256, 2)])
-    assert (1 in w2.rows_that_differ()) == (not torch.equal(alone, pairs))
+    assert (1 in projection_rows_differ(w2)) == (not torch.equal(alone, pairs))
 
 
 def test_the_row_probe_finds_a_gemm_whose_rows_vary_with_the_row_count():
     """MKL sgemm's float32 F.linear (nn.Linear's layout) reduces a row otherwise at some row counts (1, and 4 or
     6 on; measured on an AMD EPYC and an Intel Xeon): the probe must see it."""
     model = random_gqa_llama(torch.float32, "out_in")
-    assert any(M > 1 for M in model.layers[0].attention.wqkv.rows_that_differ())
-    assert "out_in layout" in row_variance(model)
+    assert any(M > 1 for M in projection_rows_differ(model.layers[0].attention.wqkv))
+    assert "out_in layout" in (projection_variance(model) or "")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_per_row_ops_give_a_row_the_same_bits_in_any_call(models, dtype):
     """RMSNorm, RoPE, SwiGLU and the projections as the exact step runs them (the row-invariant layout,
-    ROW_INVARIANT_OPS): row r of an M-row call == r alone."""
+    row_invariant_ops): row r of an M-row call == r alone."""
     model = invariant_here(models[dtype])
-    cfg, block = model.cfg, model.layers[0]
+    cfg, block, exact_ops = model.cfg, model.layers[0], row_invariant_ops(model)
     rng = np.random.default_rng(0)
     x = torch.from_numpy(rng.standard_normal((130, cfg.hidden_size))).to(dtype)
     cos, sin = model.rope(torch.from_numpy(rng.integers(0, 500, 130)))
@@ -216,9 +224,9 @@ def test_per_row_ops_give_a_row_the_same_bits_in_any_call(models, dtype):
     ops = {
         "rms_norm": lambda r: block.attention_norm(x[r]),
         "rope": lambda r: apply_rope(heads[r], cos[r], sin[r]),
-        "feed_forward": lambda r: block.feed_forward(x[r], ROW_INVARIANT_OPS),
-        "wqkv": lambda r: ROW_INVARIANT_OPS.project(block.attention.wqkv, x[r]),
-        "lm_head": lambda r: ROW_INVARIANT_OPS.project(model.output, x[r]),
+        "feed_forward": lambda r: block.feed_forward(x[r], exact_ops),
+        "wqkv": lambda r: exact_ops.project(block.attention.wqkv, x[r]),
+        "lm_head": lambda r: exact_ops.project(model.output, x[r]),
     }
     with torch.inference_mode():
         for name, op in ops.items():

@@ -41,8 +41,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from trt_lookahead.backends.row_probe import row_invariant_ops, step_variance
 from trt_lookahead.kernels.mask import CAUSAL, step_mask, step_visible, tree_ends, tree_step_visible
-from trt_lookahead.kernels.reference import BlockedAttention, blocked_rows_vary
+from trt_lookahead.kernels.reference import BlockedAttention
 from trt_lookahead.kernels.sampling_torch import first_max_ids, select_rows_torch, top_k_ids, vocab_salts
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.executor import (
@@ -57,13 +58,11 @@ from trt_lookahead.lookahead.sampling import MASK32, SamplingParams
 from trt_lookahead.lookahead.tree import TreeTemplate, covers
 from trt_lookahead.model.llama import (
     MODULE_OPS,
-    ROW_INVARIANT_OPS,
     AttentionFn,
     Llama,
     Ops,
     attend,
     row_invariant_layout,
-    row_variance,
 )
 
 DEFAULT_STEP_TOKENS = 128  # the largest row a runtime's torch executor takes (15/5/15 is 120)
@@ -139,7 +138,7 @@ class BatchedTorchExecutor:
         if self.cuda_graph and not (is_cuda and self.padded):
             raise ValueError("cuda_graph needs device='cuda' and the padded step")
         self.exact = self._exact(model, exact)
-        self._ops = (_exact_ops() if self.padded else ROW_INVARIANT_OPS) if self.exact else MODULE_OPS
+        self._ops = (_exact_ops() if self.padded else row_invariant_ops(model)) if self.exact else MODULE_OPS
         self.model = model
         self.vocab_size = model.cfg.vocab_size
         self.max_batch, self.max_seq_len, self.step_tokens = int(max_batch), int(max_seq_len), int(step_tokens)
@@ -190,7 +189,7 @@ class BatchedTorchExecutor:
             layout = row_invariant_layout(model.device, model.dtype)
         except ValueError:
             layout = None
-        if exact is None:  # the probe (rows_that_differ, each projection shape once) runs here, not in a request
+        if exact is None:  # the probes (backends/row_probe.py, each shape once) run here, not in a request
             return (layout is not None and model.weight_layout == layout and model.dtype in EXACT_BY_DEFAULT
                     and step_variance(model) is None)
         if exact and layout is None:
@@ -525,12 +524,6 @@ class BatchedTorchExecutor:
                 outputs = self._run_padded(bucket, sampled, k)
             entry = self._graphs[(bucket, sampled, k)] = (graph, outputs)
         return entry
-
-
-def step_variance(model: Llama) -> str | None:
-    """Why the CPU exact step's projections or attention products give a row other bits by row count on this
-    machine (each probed once per shape and thread count), or None."""
-    return row_variance(model) or blocked_rows_vary(model.cfg.head_dim, torch.get_num_threads())
 
 
 def invariant_kernels_reason(device: torch.device) -> str | None:

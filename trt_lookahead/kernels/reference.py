@@ -61,33 +61,6 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-# query rows a probe feeds BlockedAttention's products: every ROW_MULTIPLE-padded count up to 68
-ATTENTION_ROW_PROBES = tuple(range(ROW_MULTIPLE, 69, ROW_MULTIPLE))
-
-
-@functools.cache
-def blocked_rows_vary(head_dim: int, threads: int) -> str | None:
-    """Why BlockedAttention's score or value product gives a query row other bits by how many rows share it on
-    this CPU and torch (probed in float32 at ATTENTION_ROW_PROBES, with `threads` torch threads), or None."""
-    g, rows = torch.Generator().manual_seed(0), ATTENTION_ROW_PROBES[-1]
-    width = _round_up(head_dim + 1, VALUE_WIDTH)
-    for name, K, N in (("score", head_dim, KEY_BLOCK), ("value", KEY_BLOCK, width)):
-        a, b = torch.randn(2, rows, K, generator=g), torch.randn(2, K, N, generator=g)
-        bias = torch.zeros(2, rows, N)
-
-        def product(M: int, a=a, b=b, bias=bias, name=name) -> torch.Tensor:
-            x = a[:, :M].contiguous()  # the step's products are contiguous, M padded rows each
-            return torch.baddbmm(bias[:, :M], x, b) if name == "score" else torch.bmm(x, b)
-
-        full = product(rows)
-        for M in ATTENTION_ROW_PROBES[:-1]:
-            if not torch.equal(product(M), full[:, :M]):
-                return (f"BlockedAttention's {name} product ({K} -> {N}, float32, {threads} threads) gives a row "
-                        f"other bits in {M}-row products than in {rows}-row ones on this CPU with torch "
-                        f"{torch.__version__}")
-    return None
-
-
 @dataclass(frozen=True)
 class Chains:
     """The own blocks of a step's branch queries, in the step's terms: one product per leaf and own block."""

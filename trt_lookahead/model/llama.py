@@ -57,15 +57,15 @@ NormFn = Callable[[Tensor, Tensor, float], Tensor]  # (x [.., H], weight [H], ep
 @dataclass(frozen=True)
 class Ops:
     """The projections and norms of one forward (the seam beside `attention`); None: the modules' own.
-    one_row_as_two: a 1-row input to a projection whose 1-row path rounds otherwise (`Linear.rows_that_differ`)
-    runs as 2 rows, the second zeros (ROW_INVARIANT_OPS)."""
+    one_row_as_two: projections whose 1-row path rounds otherwise; they run a 1-row input as 2 rows, the second
+    zeros (backends/row_probe.py finds them)."""
 
     linear: LinearFn | None = None
     rms_norm: NormFn | None = None
-    one_row_as_two: bool = False
+    one_row_as_two: frozenset[nn.Module] = frozenset()
 
     def project(self, module: Linear, x: Tensor) -> Tensor:
-        if self.one_row_as_two and x.shape[0] == 1 and 1 in module.rows_that_differ():
+        if x.shape[0] == 1 and module in self.one_row_as_two:
             return self.project(module, torch.cat([x, torch.zeros_like(x)]))[:1]
         return module(x) if self.linear is None else self.linear(x, module.dense_weight(), module.bias)
 
@@ -74,11 +74,6 @@ class Ops:
 
 
 MODULE_OPS = Ops()
-# The CPU exact step's projections: oneDNN's packed linear reduces a 1-row input of 1536 or more columns in
-# another order than 2 or more rows (SmolLM2-135M's down projection, float32 and bfloat16: a 1-token step's
-# bits differed from a lookahead slot's; 2 to 149 rows all agree). Such a projection runs a 1-row input as 2
-# rows; the others keep their 1-row path (2 rows cost up to 20% more per greedy step in float32).
-ROW_INVARIANT_OPS = Ops(one_row_as_two=True)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -290,12 +285,11 @@ class Linear(nn.Linear):
     onednn:  the weight reordered by oneDNN for `torch.ops.mkldnn._linear_pointwise` (x86 CPU only):
              on one core 1x (1 row) to 2.5x (16-120 rows) faster than MKL in float32, also faster in
              bfloat16, and with torch 2.13's oneDNN batch-invariant from 2 rows on: a row's result does not
-             depend on how many rows are fed, except that a 1-row input may round otherwise (`rows_that_differ`
+             depend on how many rows are fed, except that a 1-row input may round otherwise (backends/row_probe.py
              measures it on the machine)
     """
 
     layout: str = "out_in"
-    _rows_differ: tuple[tuple | None, tuple[int, ...]] = (None, ())  # rows_that_differ's answer, and its key
 
     def forward(self, x: Tensor) -> Tensor:
         if self.layout == "out_in":
@@ -303,13 +297,6 @@ class Linear(nn.Linear):
         if self.layout == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
-
-    def rows_that_differ(self) -> tuple[int, ...]:
-        """`rows_that_differ` for this projection, kept on the module: the step asks it at every 1-row call."""
-        key = (self.layout, self.weight.dtype, torch.get_num_threads())  # the measurement holds while these do
-        if self._rows_differ[0] != key:
-            self._rows_differ = (key, rows_that_differ(self))
-        return self._rows_differ[1]
 
     def dense_weight(self) -> Tensor:
         """The weight as a dense [out, in] tensor, whatever the layout."""
@@ -326,43 +313,6 @@ class Linear(nn.Linear):
             dense = torch.ops.mkldnn._reorder_linear_weight(dense.contiguous(), ONEDNN_BATCH_HINT)
         self.weight = nn.Parameter(dense, requires_grad=False)
         self.layout = layout
-
-
-# row counts a probe feeds a projection: around the blockings CPU GEMMs switch at. torch 2.13's oneDNN on an
-# AMD EPYC differs at 1 row only; torch 2.11's on an Intel Xeon (AMX) at 16 and more rows in float32 and at
-# 2, 15, 16 or 33 in bfloat16 (docs/design.md 4.2)
-ROW_PROBES = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65)
-
-
-def rows_that_differ(module: Linear) -> tuple[int, ...]:
-    """The row counts M of ROW_PROBES at which some row of the probe's random rows, fed M at a time, gets other
-    bits than in one call of them all; measured once per (layout, shape, dtype, threads). Every row is fed at
-    each M: in bfloat16 another order shows in only 8-22% of rows."""
-    key = (module.layout, module.in_features, module.out_features, module.weight.dtype, torch.get_num_threads())
-    if key not in _ROWS_DIFFER:
-        g, rows = torch.Generator().manual_seed(0), ROW_PROBES[-1]
-        x = torch.randn(rows, module.in_features, generator=g).to(module.weight.dtype).to(module.weight.device)
-        with torch.inference_mode():
-            full = module(x)
-            _ROWS_DIFFER[key] = tuple(
-                M for M in ROW_PROBES[:-1]
-                if any(not torch.equal(module(x[i : i + M]), full[i : i + M]) for i in range(0, rows - M + 1, M))
-            )
-    return _ROWS_DIFFER[key]
-
-
-_ROWS_DIFFER: dict[tuple, tuple[int, ...]] = {}  # rows_that_differ's measurements
-
-
-def row_variance(model: Llama) -> str | None:
-    """Why the model's projections are not row-invariant here even with 1-row inputs run as 2 (a probe found
-    another row count at which a row's bits change), or None."""
-    for name, module in model.named_modules():
-        if isinstance(module, Linear) and (counts := [M for M in module.rows_that_differ() if M != 1]):
-            return (f"projection {name} ({module.in_features} -> {module.out_features}, {module.weight.dtype}, "
-                    f"{module.layout} layout, {torch.get_num_threads()} threads) gives a row other bits in a call "
-                    f"of {counts[0]} rows than in one of {ROW_PROBES[-1]} on this CPU with torch {torch.__version__}")
-    return None
 
 
 class RMSNorm(nn.Module):
@@ -443,7 +393,7 @@ def auto_weight_layout(device: torch.device | str, dtype: torch.dtype) -> str:
 
     onednn on x86 CPUs in float32/bfloat16 wherever this CPU runs oneDNN's packed path in that dtype: from 2
     rows on it is row-invariant (a row's result does not depend on how many rows the call holds, which MKL
-    sgemm's F.linear does not give; 1-row inputs see `ROW_INVARIANT_OPS`); it is also 1.5x
+    sgemm's F.linear does not give; 1-row inputs see backends/row_probe.py); it is also 1.5x
     (1 row) to 2-3x (16-120 rows) faster than sgemm on SmolLM2-135M. Tiny models (stories260K) pay its
     ~10 us call overhead, for the same exactness. Else nn.Linear's out_in (CUDA; bfloat16 on AVX2-only CPUs).
     """
