@@ -49,6 +49,24 @@ def test_the_newest_record_of_a_token_wins_and_later_slots_in_one_record_too():
     assert m.get(4) == (8, 9) and m.get(5) == (3, 4) and m.get(6) == () and len(m) == 2
 
 
+def test_a_request_reads_its_own_successors_before_those_other_requests_shared_since():
+    """Requests batched together feed one shared map in turn: a token this request recorded keeps this request's
+    successors (its own context), a token it never fed reads the shared map, and its records reach that map."""
+    shared = SuccessorMap()
+    mine, other = SuccessorMap(shared), SuccessorMap(shared)
+    mine.record(np.array([4]), np.array([[1, 2]]))
+    other.record(np.array([4, 6]), np.array([[8, 9], [5, 3]]))  # a later step of another request
+    assert mine.get(4) == (1, 2) and other.get(4) == (8, 9)
+    assert mine.get(6) == (5, 3) and mine.get(7) == () and len(mine) == 1
+    assert shared.get(4) == (8, 9) and len(shared) == 2
+    drafts = np.full(2, -1)
+    fill_recycled((-1, 0), drafts, [""] * 2, mine, x=4)  # x_t's own successor 1, then 1's (none anywhere)
+    assert drafts.tolist() == [1, -1]
+    drafts = np.full(2, -1)
+    fill_recycled((-1, 0), drafts, [""] * 2, mine, x=6)  # 6 only in the shared map: 5, then nothing under 5
+    assert drafts.tolist() == [5, -1]
+
+
 @given(st.integers(0, 2**31), st.integers(1, 30))
 def test_siblings_never_repeat_a_token_and_every_node_continues_its_parent(seed, nodes):
     rng = np.random.default_rng(seed)

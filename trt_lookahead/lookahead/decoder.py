@@ -277,9 +277,9 @@ class RequestDecoder:
         # other requests' n-grams (None: request scope); fed with text only, read after the own pool
         self.shared = shared if switches.pool and switches.prompt_pool and config.G else None
         self.suffix = SuffixIndex(SUFFIX_MATCH) if tree is not None and switches.suffix else None
-        # token -> top-k successors (the runtime's, shared by its requests, or this request's own)
+        # token -> top-k successors: this request's own, falling back to the runtime's shared map (if given)
         recycle = tree is not None and switches.recycle
-        self.successors = (SuccessorMap() if successors is None else successors) if recycle else None
+        self.successors = SuccessorMap(successors) if recycle else None
         self._tree_rows = covers(tree, config) is not None  # its G(N-1) slots are the tree's (draft_supply)
         self._ids = np.zeros(0, np.int64)  # this step's row of input ids (a view into the stepper's buffer)
         self.candidates: list[tuple[Continuation, str]] = []

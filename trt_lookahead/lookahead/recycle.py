@@ -24,20 +24,34 @@ RECYCLE_K = 8  # successors kept per token (the widest rank a template node take
 
 
 class SuccessorMap:
-    """token -> its top-k successors (a tuple, most likely first) from the newest step slot that fed it."""
+    """token -> its top-k successors (a tuple, most likely first) from the newest step slot that fed it.
 
-    def __init__(self) -> None:
+    With `shared` (a runtime's map, pool scope "shared"), records feed both maps and a token this map has never
+    seen is looked up there: a request's own context wins over other requests' (docs/design.md 3.9).
+    """
+
+    def __init__(self, shared: SuccessorMap | None = None) -> None:
         self.table: dict[int, tuple[int, ...]] = {}  # bounded by the vocabulary: one entry per token
+        self.shared = shared
 
     def __len__(self) -> int:
         return len(self.table)
 
     def get(self, token: int) -> tuple[int, ...]:
-        return self.table.get(token, ())
+        found = self.table.get(token)
+        if found is None:
+            return self.shared.get(token) if self.shared is not None else ()
+        return found
 
     def record(self, inputs: np.ndarray, top: np.ndarray) -> None:
         """inputs [K] the tokens fed at K output slots, top [K, k] the model's top-k there; later slots win."""
-        self.table.update(zip(inputs.tolist(), map(tuple, top.tolist()), strict=True))
+        pairs = list(zip(inputs.tolist(), map(tuple, top.tolist()), strict=True))
+        self.table.update(pairs)
+        if self.shared is not None:
+            self.shared.record_pairs(pairs)
+
+    def record_pairs(self, pairs: list[tuple[int, tuple[int, ...]]]) -> None:
+        self.table.update(pairs)
 
 
 def fill_recycled(parents: Sequence[int], drafts: np.ndarray, origins: list[str], successors: SuccessorMap,
@@ -49,7 +63,7 @@ def fill_recycled(parents: Sequence[int], drafts: np.ndarray, origins: list[str]
     """
     V = len(parents)
     tokens = drafts[:V].tolist()
-    table = successors.table
+    lookup = successors.get
     taken: dict[int, list[int]] = {}  # node (ROOT = x_t) -> the tokens its children hold so far
     for v, p in enumerate(parents):
         token = tokens[v]
@@ -58,7 +72,7 @@ def fill_recycled(parents: Sequence[int], drafts: np.ndarray, origins: list[str]
             parent = x if p == ROOT else tokens[p]
             if parent < 0:
                 continue
-            for token in table.get(parent, ()):
+            for token in lookup(parent):
                 if siblings is None or token not in siblings:
                     break
             else:
