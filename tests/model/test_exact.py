@@ -30,7 +30,8 @@ from trt_lookahead.lookahead.executor import StepBatch
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.model.checkpoint import load_llama
-from trt_lookahead.model.llama import Llama, ModelConfig, apply_rope
+from trt_lookahead.model.llama import Llama, ModelConfig, apply_rope, onednn_linear_available
+from trt_lookahead.runtime import LookaheadRuntime
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 CONFIGS = [LookaheadConfig(4, 3, 4), LookaheadConfig(2, 4, 3), LookaheadConfig(5, 2, 3), LookaheadConfig(3, 3, 0)]
@@ -103,6 +104,45 @@ def invariant_here(model: Llama) -> Llama:
     if reason := step_variance(model):
         pytest.skip(reason)
     return model
+
+
+@pytest.mark.parametrize("name", ["stories260K", "random-gqa-wide"])
+@pytest.mark.parametrize("seed", range(2))
+def test_bfloat16_over_float32_weights_gives_a_slot_the_same_bits(name, seed):
+    """onednn_fp32, the exact layout where oneDNN's bfloat16 GEMM gives a row other bits by row count (an Intel
+    Xeon with AMX): bfloat16 activations through float32 packed weights, the same bit identity."""
+    if not onednn_linear_available(torch.float32):
+        pytest.skip("no oneDNN float32 linear in this torch build")
+    if name == "stories260K":
+        model = load_llama(STORIES, dtype=torch.bfloat16, weight_layout="onednn_fp32")[0]
+    else:
+        model = random_gqa_llama(torch.bfloat16, "onednn_fp32", intermediate_size=1536)
+    assert model.dtype == torch.bfloat16 and model.output.weight.dtype == torch.float32
+    assert_slot_bits(BatchedTorchExecutor(invariant_here(model), 4, 300, STEP_TOKENS, exact=True), seed)
+
+
+def test_the_runtime_runs_bfloat16_exact_on_float32_weights_where_bfloat16_rows_vary(tmp_path):
+    """--exact in bfloat16: the runtime keeps oneDNN's bfloat16 weights where the probe finds them row-invariant,
+    else (a 1536 -> 128 down projection on an Intel Xeon with AMX) holds them in float32; either way the request
+    is exact and decodes as greedy does. The checkpoint: stories260K's tokenizer, random wider weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    for f in STORIES.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = LlamaConfig.from_pretrained(STORIES)
+    cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 128, 1536, 128 // cfg.num_attention_heads
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    varies = step_variance(load_llama(tmp_path, dtype=torch.bfloat16, weight_layout="auto")[0]) is not None
+    rt = LookaheadRuntime.from_pretrained(str(tmp_path), backend="torch", dtype="bfloat16", exact=True, threads=1)
+    try:
+        assert rt.exact and rt.executor.model.weight_layout == ("onednn_fp32" if varies else "onednn")
+        greedy = rt.generate("Once upon a time", 40, lookahead="greedy").token_ids
+        for config in ("4,3,4", "7,5,7"):
+            assert rt.generate("Once upon a time", 40, lookahead=config).token_ids == greedy, config
+    finally:
+        rt.close()
 
 
 PADDED_CASES = [  # (model, dtype, seed): interpreted, a tiny-gqa case takes ~3 min (slow); the rest need a GPU

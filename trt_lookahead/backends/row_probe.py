@@ -2,7 +2,8 @@
 number of rows sharing its call (docs/design.md 4.2)? Each probe runs once per shape, dtype and thread count.
 
 `row_invariant_ops` gives the exact step's projections (a 1-row input runs as 2 rows where 1 row rounds
-otherwise); `step_variance` says why a machine cannot run the exact step. May import model and kernels.
+otherwise); `step_variance` says why a machine cannot run the exact step; `exact_weight_layout` is the layout to
+hold a model in for it. May import model and kernels.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from torch import Tensor
 
 from trt_lookahead.kernels.reference import KEY_BLOCK, ROW_MULTIPLE, VALUE_WIDTH
-from trt_lookahead.model.llama import Linear, Llama, Ops
+from trt_lookahead.model.llama import Linear, Llama, Ops, row_invariant_layouts
 
 # row counts a probe feeds a projection: around the blockings CPU GEMMs switch at. torch 2.13's oneDNN on an
 # AMD EPYC differs at 1 row only; torch 2.11's on an Intel Xeon (AMX) at 16 and more rows in float32 and at
@@ -41,10 +42,10 @@ def counts_that_differ(fn: Callable[[Tensor], Tensor], x: Tensor, counts: Sequen
 
 def projection_rows_differ(module: Linear) -> tuple[int, ...]:
     """The row counts of ROW_PROBES at which the projection gives a row other bits than in 65 rows."""
-    key = (module.layout, module.in_features, module.out_features, module.weight.dtype, torch.get_num_threads())
+    key = (module.layout, module.in_features, module.out_features, module.dtype, torch.get_num_threads())
     if key not in _PROJECTIONS:
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(ROW_PROBES[-1], module.in_features, generator=g).to(module.weight.dtype)
+        x = torch.randn(ROW_PROBES[-1], module.in_features, generator=g).to(module.dtype)
         _PROJECTIONS[key] = counts_that_differ(module, x.to(module.weight.device), ROW_PROBES[:-1])
     return _PROJECTIONS[key]
 
@@ -67,7 +68,7 @@ def projection_variance(model: Llama) -> str | None:
     """Why the model's projections are not row-invariant here even with 1-row inputs run as 2, or None."""
     for name, module in model.named_modules():
         if isinstance(module, Linear) and (counts := [M for M in projection_rows_differ(module) if M != 1]):
-            return (f"projection {name} ({module.in_features} -> {module.out_features}, {module.weight.dtype}, "
+            return (f"projection {name} ({module.in_features} -> {module.out_features}, {module.dtype}, "
                     f"{module.layout} layout, {torch.get_num_threads()} threads) gives a row other bits in a call "
                     f"of {counts[0]} rows than in one of {ROW_PROBES[-1]} on this CPU with torch {torch.__version__}")
     return None
@@ -105,3 +106,10 @@ def step_variance(model: Llama) -> str | None:
     """Why the CPU exact step's projections or attention products give a row other bits by row count on this
     machine, or None."""
     return projection_variance(model) or attention_variance(model.cfg.head_dim, torch.get_num_threads())
+
+
+def exact_weight_layout(model: Llama) -> str:
+    """The layout to hold `model`'s projections in for the exact step here: its own, or onednn_fp32 (float32
+    weights) where this CPU's bfloat16 GEMM gives a row other bits by row count (Intel Xeons with AMX)."""
+    wider = "onednn_fp32" in row_invariant_layouts(model.device, model.dtype) and model.weight_layout != "onednn_fp32"
+    return "onednn_fp32" if wider and step_variance(model) else model.weight_layout

@@ -259,7 +259,7 @@ def sdpa_attention_static(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len
     return attend(q, k_cache, v_cache, static_attention_mask(cache_len, step_mask, k_cache.shape[0]))
 
 
-WEIGHT_LAYOUTS = ("out_in", "in_out", "onednn")
+WEIGHT_LAYOUTS = ("out_in", "in_out", "onednn", "onednn_fp32")
 ONEDNN_BATCH_HINT = 16  # oneDNN picks the packed blocking for this many rows; any row count works
 
 
@@ -287,21 +287,33 @@ class Linear(nn.Linear):
              bfloat16, and with torch 2.13's oneDNN batch-invariant from 2 rows on: a row's result does not
              depend on how many rows are fed, except that a 1-row input may round otherwise (backends/row_probe.py
              measures it on the machine)
+    onednn_fp32: the onednn layout over float32 weights for bfloat16 activations, upcast on the way in and
+             rounded on the way out: the exact step's layout where oneDNN's bfloat16 GEMM gives a row other
+             bits by row count (Intel Xeons with AMX) and its float32 one does not (docs/design.md 4.2)
     """
 
     layout: str = "out_in"
+    _fp32_io: torch.dtype = torch.float32  # the dtype an onednn_fp32 projection takes and returns
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the projection takes and returns: its weight's dtype, except in onednn_fp32."""
+        return self._fp32_io if self.layout == "onednn_fp32" else self.weight.dtype
 
     def forward(self, x: Tensor) -> Tensor:
         if self.layout == "out_in":
             return F.linear(x, self.weight, self.bias)
         if self.layout == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self.layout == "onednn_fp32":
+            y = torch.ops.mkldnn._linear_pointwise(x.float(), self.weight, self.bias, "none", [], "")
+            return y.to(x.dtype)
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
 
     def dense_weight(self) -> Tensor:
-        """The weight as a dense [out, in] tensor, whatever the layout."""
+        """The weight as a dense [out, in] tensor in the module's dtype, whatever the layout."""
         w = self.weight.detach()
-        return w if self.layout == "out_in" else w.t() if self.layout == "in_out" else w.to_dense()
+        return w if self.layout == "out_in" else w.t() if self.layout == "in_out" else w.to_dense().to(self.dtype)
 
     def set_layout(self, layout: str) -> None:
         if layout == self.layout:
@@ -309,9 +321,12 @@ class Linear(nn.Linear):
         dense = self.dense_weight()
         if layout == "in_out":
             dense = dense.t().contiguous()
-        elif layout == "onednn":
+        elif layout in ("onednn", "onednn_fp32"):
+            self._fp32_io, dense = dense.dtype, dense.float() if layout == "onednn_fp32" else dense
             dense = torch.ops.mkldnn._reorder_linear_weight(dense.contiguous(), ONEDNN_BATCH_HINT)
         self.weight = nn.Parameter(dense, requires_grad=False)
+        if self.bias is not None:
+            self.bias = nn.Parameter(self.bias.detach().to(dense.dtype), requires_grad=False)
         self.layout = layout
 
 
@@ -403,18 +418,20 @@ def auto_weight_layout(device: torch.device | str, dtype: torch.dtype) -> str:
     return "out_in"
 
 
-def row_invariant_layout(device: torch.device | str, dtype: torch.dtype) -> str:
-    """`auto_weight_layout` where it is row-invariant: a row's projections have the same bits however many rows
-    share the call. oneDNN's packed weights are; so is torch's CPU bfloat16 GEMM (one reduction order per
-    output); MKL sgemm's float32 F.linear is not (1-3 rows take another path). tests/model/test_exact.py checks.
+def row_invariant_layouts(device: torch.device | str, dtype: torch.dtype) -> tuple[str, ...]:
+    """The layouts whose projections may give a row the same bits however many rows share the call, the runtime's
+    `auto_weight_layout` first (where it is one); () where there is none. backends/row_probe.py checks the machine.
+
+    oneDNN's packed weights are (from 2 rows on, on the CPUs measured); so is torch's CPU bfloat16 GEMM (one
+    reduction order per output); MKL sgemm's float32 F.linear is not (1-3 rows take another path). Where
+    oneDNN's bfloat16 GEMM is not (Intel Xeons with AMX), bfloat16 runs onednn_fp32: float32 weights.
     """
+    if torch.device(device).type != "cpu":
+        return ()
     layout = auto_weight_layout(device, dtype)
-    if torch.device(device).type == "cpu" and (layout == "onednn" or dtype == torch.bfloat16):
-        return layout
-    raise ValueError(
-        f"exact decoding needs row-invariant projections, and this build has none for {dtype} on "
-        f"{torch.device(device).type}; run without it (--no-exact / exact=False)"
-    )
+    first = (layout,) if layout == "onednn" or dtype == torch.bfloat16 else ()
+    wide = ("onednn_fp32",) if dtype == torch.bfloat16 and onednn_linear_available(torch.float32) else ()
+    return first + wide
 
 
 class Llama(nn.Module):
@@ -441,20 +458,23 @@ class Llama(nn.Module):
 
     @property
     def weight_layout(self) -> str:
-        """'out_in', 'in_out' or 'onednn': how the projections and the lm_head hold their weights."""
+        """'out_in', 'in_out', 'onednn' or 'onednn_fp32': how the projections and the lm_head hold their weights."""
         return self.output.layout
 
     def set_weight_layout(self, layout: str) -> Llama:
         """Hold every projection and the lm_head in `layout` (see `Linear`); 'auto' picks `auto_weight_layout`.
 
-        'out_in' is nn.Linear's (the layout to export or move to CUDA); 'in_out' and 'onednn' are CPU
-        layouts for the torch executor. Numerics are the same up to GEMM rounding. Outside 'out_in' a
+        'out_in' is nn.Linear's (the layout to export or move to CUDA); 'in_out', 'onednn' and 'onednn_fp32' are
+        CPU layouts for the torch executor. Numerics are the same up to GEMM rounding. Outside 'out_in' a
         tied lm_head gets its own copy (vocab x hidden more memory); 'out_in' ties it again.
         """
         if layout == "auto":
             layout = auto_weight_layout(self.device, self.dtype)
         if layout not in WEIGHT_LAYOUTS:
             raise ValueError(f"weight layout must be one of auto, {', '.join(WEIGHT_LAYOUTS)}; got {layout!r}")
+        if layout == "onednn_fp32" and not (self.device.type == "cpu" and self.dtype == torch.bfloat16
+                                            and onednn_linear_available(torch.float32)):
+            raise ValueError("the onednn_fp32 weight layout needs a bfloat16 CPU model and oneDNN's float32 linear")
         if layout == "onednn" and not (self.device.type == "cpu" and onednn_linear_available(self.dtype)):
             raise ValueError(
                 f"the onednn weight layout needs a CPU model and a torch whose oneDNN runs {self.dtype} on this "
