@@ -48,10 +48,7 @@ class SuccessorMap:
         pairs = list(zip(inputs.tolist(), map(tuple, top.tolist()), strict=True))
         self.table.update(pairs)
         if self.shared is not None:
-            self.shared.record_pairs(pairs)
-
-    def record_pairs(self, pairs: list[tuple[int, tuple[int, ...]]]) -> None:
-        self.table.update(pairs)
+            self.shared.table.update(pairs)
 
 
 def fill_recycled(parents: Sequence[int], drafts: np.ndarray, origins: list[str], successors: SuccessorMap,
@@ -63,7 +60,8 @@ def fill_recycled(parents: Sequence[int], drafts: np.ndarray, origins: list[str]
     """
     V = len(parents)
     tokens = drafts[:V].tolist()
-    lookup = successors.get
+    own = successors.table  # then the shared map's: a recorded tuple is never empty, so `or` falls through
+    shared = successors.shared.table if successors.shared is not None else {}
     taken: dict[int, list[int]] = {}  # node (ROOT = x_t) -> the tokens its children hold so far
     for v, p in enumerate(parents):
         token = tokens[v]
@@ -72,7 +70,7 @@ def fill_recycled(parents: Sequence[int], drafts: np.ndarray, origins: list[str]
             parent = x if p == ROOT else tokens[p]
             if parent < 0:
                 continue
-            for token in lookup(parent):
+            for token in own.get(parent) or shared.get(parent, ()):
                 if siblings is None or token not in siblings:
                     break
             else:
