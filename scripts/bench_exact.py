@@ -6,14 +6,15 @@ exact onnxruntime engine against the fast one.
                                   [--tokens 1,4,16,56,120] [--batches 1,8] [--context 300]
                                   [--threads 1] [--repeats 9] [--json OUT.json] [--backend torch|onnxruntime]
 
-One `BatchedTorchExecutor.step` of B rows, each the lookahead layout of T tokens (T = 1 is greedy), every row's
-slot holding --context cached tokens. fast = exact=False (SDPA per row), exact = exact=True (`BlockedAttention`
-per row, planned inside the step as the runtime runs it); both in the runtime's 'auto' projection layout
-(oneDNN), so the difference is attention, except where the exact step holds bfloat16 weights in float32
-(onednn_fp32, as the runtime does where bfloat16 rows vary by row count; `layout` says). --backend onnxruntime:
-two float32 engines of the model built for 7,5,7 (T = 56) under engines/ (once), one with --exact; a step of
-each engine's executor. The two are timed alternately; medians of --repeats; ms per token = step ms / (B * T).
-The load average is recorded because this machine is shared.
+One `BatchedTorchExecutor.step` of B rows, each the lookahead layout of T tokens (T = 1 is greedy),
+every row's slot holding --context cached tokens. fast = exact=False (SDPA per row), exact = exact=True
+(`BlockedAttention` per row, planned inside the step as the runtime runs it); both on the same model in
+the runtime's 'auto' projection layout (oneDNN on x86), so the difference is attention and the exact step's
+projection calls (a 1-row input as 2 rows, calls of at most the rows the probe proves: backends/row_probe.py).
+--backend onnxruntime: two float32 engines of the model built for 7,5,7
+(T = 56) under engines/ (once), one with --exact; a step of each engine's executor. The two are timed
+alternately; medians of --repeats; ms per token = step ms / (B * T). The load average is recorded because
+this machine is shared.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trt_lookahead.backends.row_probe import exact_weight_layout
 from trt_lookahead.backends.torch import BatchedTorchExecutor
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.executor import Executor, StepBatch
@@ -85,13 +85,8 @@ def executors(args: argparse.Namespace, dtype: str) -> tuple[str, Callable[[int,
     if args.backend == "onnxruntime":
         opened = {exact: engine(args.model, args.context + 128, exact, args.threads) for exact in (False, True)}
         return "onnxruntime", lambda B, exact: opened[exact].executor(max_batch=B)
-    fast, _ = load_llama(checkpoint(args.model), dtype=dtype, weight_layout="auto")
-    held, _ = load_llama(checkpoint(args.model), dtype=dtype, weight_layout="auto")
-    held.set_weight_layout(exact_weight_layout(held))  # as the runtime holds it for --exact
-    models = {False: fast, True: held}
-    layout = fast.weight_layout if held.weight_layout == fast.weight_layout else f"fast {fast.weight_layout}, exact " \
-        f"{held.weight_layout}"
-    return layout, lambda B, exact: BatchedTorchExecutor(models[exact], B, args.context + 128, 128, exact=exact)
+    model, _ = load_llama(checkpoint(args.model), dtype=dtype, weight_layout="auto")
+    return model.weight_layout, lambda B, exact: BatchedTorchExecutor(model, B, args.context + 128, 128, exact=exact)
 
 
 def main() -> None:

@@ -18,8 +18,8 @@ import torch
 
 from trt_lookahead.backends.devices import gpu_count
 from trt_lookahead.backends.row_probe import (
+    projection_max_rows,
     projection_rows_differ,
-    projection_variance,
     row_invariant_ops,
     step_variance,
 )
@@ -30,8 +30,7 @@ from trt_lookahead.lookahead.executor import StepBatch
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.model.checkpoint import load_llama
-from trt_lookahead.model.llama import Llama, ModelConfig, apply_rope, onednn_linear_available
-from trt_lookahead.runtime import LookaheadRuntime
+from trt_lookahead.model.llama import Linear, Llama, ModelConfig, Ops, apply_rope
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 CONFIGS = [LookaheadConfig(4, 3, 4), LookaheadConfig(2, 4, 3), LookaheadConfig(5, 2, 3), LookaheadConfig(3, 3, 0)]
@@ -104,45 +103,6 @@ def invariant_here(model: Llama) -> Llama:
     if reason := step_variance(model):
         pytest.skip(reason)
     return model
-
-
-@pytest.mark.parametrize("name", ["stories260K", "random-gqa-wide"])
-@pytest.mark.parametrize("seed", range(2))
-def test_bfloat16_over_float32_weights_gives_a_slot_the_same_bits(name, seed):
-    """onednn_fp32, the exact layout where oneDNN's bfloat16 GEMM gives a row other bits by row count (an Intel
-    Xeon with AMX): bfloat16 activations through float32 packed weights, the same bit identity."""
-    if not onednn_linear_available(torch.float32):
-        pytest.skip("no oneDNN float32 linear in this torch build")
-    if name == "stories260K":
-        model = load_llama(STORIES, dtype=torch.bfloat16, weight_layout="onednn_fp32")[0]
-    else:
-        model = random_gqa_llama(torch.bfloat16, "onednn_fp32", intermediate_size=1536)
-    assert model.dtype == torch.bfloat16 and model.output.weight.dtype == torch.float32
-    assert_slot_bits(BatchedTorchExecutor(invariant_here(model), 4, 300, STEP_TOKENS, exact=True), seed)
-
-
-def test_the_runtime_runs_bfloat16_exact_on_float32_weights_where_bfloat16_rows_vary(tmp_path):
-    """--exact in bfloat16: the runtime keeps oneDNN's bfloat16 weights where the probe finds them row-invariant,
-    else (a 1536 -> 128 down projection on an Intel Xeon with AMX) holds them in float32; either way the request
-    is exact and decodes as greedy does. The checkpoint: stories260K's tokenizer, random wider weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    for f in STORIES.iterdir():
-        if f.name not in ("config.json", "model.safetensors"):
-            (tmp_path / f.name).write_bytes(f.read_bytes())
-    cfg = LlamaConfig.from_pretrained(STORIES)
-    cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 128, 1536, 128 // cfg.num_attention_heads
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
-    varies = step_variance(load_llama(tmp_path, dtype=torch.bfloat16, weight_layout="auto")[0]) is not None
-    rt = LookaheadRuntime.from_pretrained(str(tmp_path), backend="torch", dtype="bfloat16", exact=True, threads=1)
-    try:
-        assert rt.exact and rt.executor.model.weight_layout == ("onednn_fp32" if varies else "onednn")
-        greedy = rt.generate("Once upon a time", 40, lookahead="greedy").token_ids
-        for config in ("4,3,4", "7,5,7"):
-            assert rt.generate("Once upon a time", 40, lookahead=config).token_ids == greedy, config
-    finally:
-        rt.close()
 
 
 PADDED_CASES = [  # (model, dtype, seed): interpreted, a tiny-gqa case takes ~3 min (slow); the rest need a GPU
@@ -225,7 +185,7 @@ def test_exact_is_on_by_default_where_it_is_cheap_and_the_projections_are_row_in
         if reason is None:
             assert BatchedTorchExecutor(model, 1, 64, 4, exact=True).exact
         else:
-            with pytest.raises(ValueError, match=r"needs row-invariant projections, and .* rows"):
+            with pytest.raises(ValueError, match=r"needs row-invariant attention products, and .* rows"):
                 BatchedTorchExecutor(model, 1, 64, 4, exact=True)
 
 
@@ -234,8 +194,6 @@ def test_the_row_probe_sees_whether_1_row_rounds_otherwise_even_where_few_rows_s
     """A 1536-wide down projection: oneDNN reduces a 1-row input in another order, which in bfloat16 changes
     only some rows' bits. The probe's answer for 1 row must be what 256 random rows, alone and in pairs, say."""
     w2 = random_gqa_llama(dtype, "auto", intermediate_size=1536).layers[0].feed_forward.w2
-    if more := [M for M in projection_rows_differ(w2) if M > 1]:  # pairs are then no reference for 1 row
-        pytest.skip(f"this CPU's {dtype} projection also gives a row other bits at {more} rows")
     x = torch.randn(256, w2.in_features, generator=torch.Generator().manual_seed(5)).to(dtype)
     with torch.inference_mode():
         alone = torch.cat([w2(x[i : i + 1]) for i in range(256)])
@@ -243,12 +201,39 @@ def test_the_row_probe_sees_whether_1_row_rounds_otherwise_even_where_few_rows_s
     assert (1 in projection_rows_differ(w2)) == (not torch.equal(alone, pairs))
 
 
-def test_the_row_probe_finds_a_gemm_whose_rows_vary_with_the_row_count():
+def test_the_exact_step_calls_a_gemm_whose_rows_vary_with_the_row_count_below_the_count_that_varies():
     """MKL sgemm's float32 F.linear (nn.Linear's layout) reduces a row otherwise at some row counts (1, and 4 or
-    6 on; measured on an AMD EPYC and an Intel Xeon): the probe must see it."""
+    6 on; measured on an AMD EPYC and an Intel Xeon): the probe must see it, and the exact step's calls of it
+    stay below that count, so a row of any call gets the bits it gets alone."""
     model = random_gqa_llama(torch.float32, "out_in")
-    assert any(M > 1 for M in projection_rows_differ(model.layers[0].attention.wqkv))
-    assert "out_in layout" in (projection_variance(model) or "")
+    wqkv, ops = model.layers[0].attention.wqkv, row_invariant_ops(model)
+    varies = [M for M in projection_rows_differ(wqkv) if M > 1]
+    assert varies and projection_max_rows(wqkv) < varies[0] and ops.max_rows[wqkv] == projection_max_rows(wqkv)
+    x = torch.randn(130, wqkv.in_features, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        alone = torch.cat([ops.project(wqkv, x[i : i + 1]) for i in range(130)])
+        assert not torch.equal(wqkv(x), alone)  # the plain call rounds some row otherwise
+        for M in (2, 3, 4, 7, 16, 57, 130):
+            assert torch.equal(torch.cat([ops.project(wqkv, x[i : i + M]) for i in range(0, 130, M)]), alone), M
+
+
+def test_the_exact_ops_feed_a_projection_at_most_its_row_limit_and_1_row_as_2():
+    """Ops.project's two guards, seen through its linear seam: calls never exceed max_rows, a lone row runs as 2
+    (the second zeros), and the rows come back in order. float64 integers, so any order sums exactly."""
+    proj = Linear(6, 4, bias=False, dtype=torch.float64)
+    with torch.no_grad():
+        proj.weight.copy_(torch.arange(24, dtype=torch.float64).reshape(4, 6) % 7 - 3)
+    calls: list[int] = []
+
+    def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return torch.nn.functional.linear(x, w, b)
+
+    ops = Ops(linear=linear, one_row_as_two=frozenset({proj}), max_rows={proj: 5})
+    x = torch.arange(66, dtype=torch.float64).reshape(11, 6) % 5 - 2
+    assert torch.equal(ops.project(proj, x), x @ proj.weight.t()) and calls == [5, 5, 2]
+    calls.clear()
+    assert torch.equal(ops.project(proj, x[:4]), x[:4] @ proj.weight.t()) and calls == [4]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -270,7 +255,7 @@ def test_per_row_ops_give_a_row_the_same_bits_in_any_call(models, dtype):
     }
     with torch.inference_mode():
         for name, op in ops.items():
-            for M in (2, 3, 4, 7, 16, 57, 130):
-                together = op(slice(0, M))
-                for r in {0, M // 2, M - 1}:
-                    assert torch.equal(together[r], op(slice(r, r + 1))[0]), (name, M, r)
+            alone = torch.cat([op(slice(r, r + 1)) for r in range(130)])  # every row: a few rows show another order
+            for M in (2, 3, 4, 7, 16, 33, 57, 64, 100, 130):  # around the blockings GEMMs switch at
+                together = torch.cat([op(slice(r, r + M)) for r in range(0, 130 - M + 1, M)])
+                assert torch.equal(together, alone[: len(together)]), (name, M)

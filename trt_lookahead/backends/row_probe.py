@@ -1,9 +1,9 @@
 """Row-invariance probes of the CPU exact step: does this machine's BLAS give a row the same bits whatever the
 number of rows sharing its call (docs/design.md 4.2)? Each probe runs once per shape, dtype and thread count.
 
-`row_invariant_ops` gives the exact step's projections (a 1-row input runs as 2 rows where 1 row rounds
-otherwise); `step_variance` says why a machine cannot run the exact step; `exact_weight_layout` is the layout to
-hold a model in for it. May import model and kernels.
+`row_invariant_ops` gives the exact step's projections: a 1-row input runs as 2 rows where 1 row rounds
+otherwise, and a projection whose GEMM reduces otherwise above some row count runs in calls of at most that
+many rows. `step_variance` says why a machine cannot run the exact step. May import model and kernels.
 """
 
 from __future__ import annotations
@@ -12,66 +12,91 @@ import functools
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from trt_lookahead.kernels.reference import KEY_BLOCK, ROW_MULTIPLE, VALUE_WIDTH
-from trt_lookahead.model.llama import Linear, Llama, Ops, row_invariant_layouts
+from trt_lookahead.model.llama import Linear, Llama, Ops
 
-# row counts a probe feeds a projection: around the blockings CPU GEMMs switch at. torch 2.13's oneDNN on an
-# AMD EPYC differs at 1 row only; torch 2.11's on an Intel Xeon (AMX) at 16 and more rows in float32 and at
-# 2, 15, 16 or 33 in bfloat16 (docs/design.md 4.2). The last count is the one call every other is compared with.
-ROW_PROBES = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65)
+# row counts a probe feeds a projection, each against 2-row calls: around the blockings CPU GEMMs switch at.
+# torch 2.13's oneDNN differs at 1 row only on an AMD EPYC, and in float32 on an Intel Xeon with AMX, where in
+# bfloat16 it reduces otherwise from 33 rows on; torch 2.11's on such a Xeon at 16 and more rows in float32
+# (docs/design.md 4.2).
+ROW_PROBES = (1, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128)
+PROBE_ROWS = 130  # rows a projection probe feeds: even (the 2-row reference calls) and above every count
 # query rows a probe feeds BlockedAttention's products: every ROW_MULTIPLE-padded count up to 68
 ATTENTION_ROW_PROBES = tuple(range(ROW_MULTIPLE, 69, ROW_MULTIPLE))
 
 
-def counts_that_differ(fn: Callable[[Tensor], Tensor], x: Tensor, counts: Sequence[int], dim: int = 0
-                       ) -> tuple[int, ...]:
-    """The counts M at which some row of x (rows along `dim`), fed to fn M contiguous rows at a time, gets other
-    bits than in one call of all x. Every row is fed at each M: in bfloat16 another order shows in only 8-22% of
-    rows."""
+def counts_that_differ(fn: Callable[[Tensor], Tensor], x: Tensor, counts: Sequence[int], dim: int = 0,
+                       reference: int | None = None, calls: int | None = None) -> tuple[int, ...]:
+    """The counts M at which some row of x (rows along `dim`), fed to fn M contiguous rows at a time (the first
+    `calls` such calls; None: every row, as random rows need: in bfloat16 another order shows in only 8-22% of
+    them), gets other bits than fed `reference` rows at a time (None: one call of all x)."""
     rows = x.shape[dim]
     with torch.inference_mode():
-        full = fn(x)
+        step = reference or rows
+        full = torch.cat([fn(x.narrow(dim, i, min(step, rows - i))) for i in range(0, rows, step)], dim)
         return tuple(
             M for M in counts
             if any(not torch.equal(fn(x.narrow(dim, i, M).contiguous()), full.narrow(dim, i, M))
-                   for i in range(0, rows - M + 1, M))
+                   for i in range(0, rows - M + 1, M)[:calls])
         )
 
 
 def projection_rows_differ(module: Linear) -> tuple[int, ...]:
-    """The row counts of ROW_PROBES at which the projection gives a row other bits than in 65 rows."""
-    key = (module.layout, module.in_features, module.out_features, module.dtype, torch.get_num_threads())
+    """The row counts of ROW_PROBES at which a projection of the module's shape, dtype and layout gives a row
+    other bits than in 2-row calls (`cancelling_probe`'s rows, where another order shows in almost every output:
+    two calls per count suffice, and a wide lm_head's probe costs a fifth of feeding every row at each)."""
+    key = (module.layout, module.in_features, module.out_features, module.weight.dtype, torch.get_num_threads())
     if key not in _PROJECTIONS:
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(ROW_PROBES[-1], module.in_features, generator=g).to(module.dtype)
-        _PROJECTIONS[key] = counts_that_differ(module, x.to(module.weight.device), ROW_PROBES[:-1])
+        probe, x = cancelling_probe(module, PROBE_ROWS)
+        _PROJECTIONS[key] = counts_that_differ(probe, x, ROW_PROBES, reference=2, calls=2)
     return _PROJECTIONS[key]
+
+
+def cancelling_probe(module: Linear, rows: int) -> tuple[Linear, Tensor]:
+    """A projection like `module` and `rows` rows for it whose outputs are mostly the GEMM's rounding residue:
+    weight [w, -w, r / 64] against rows [a, a, b], w and a spread over 2^-6 .. 2^6. Any other reduction order
+    then shows in almost every output, where random rows show one in bfloat16 in about 1 output in 10^4."""
+    g, N, K, dtype = torch.Generator().manual_seed(0), module.out_features, module.in_features, module.weight.dtype
+    half = (K - 1) // 2
+
+    def spread(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-6, 7, shape, generator=g).float())
+
+    w, a = spread(N, half), spread(rows, half)
+    probe = Linear(K, N, bias=False)
+    weight = torch.cat([w, -w, torch.randn(N, K - 2 * half, generator=g) / 64], 1)  # [N, K]
+    probe.weight = nn.Parameter(weight.to(dtype).to(module.weight.device), requires_grad=False)
+    probe.set_layout(module.layout)
+    x = torch.cat([a, a, torch.randn(rows, K - 2 * half, generator=g)], 1)  # [rows, K]
+    return probe, x.to(dtype).to(module.weight.device)
 
 
 _PROJECTIONS: dict[tuple, tuple[int, ...]] = {}  # projection_rows_differ's measurements
 
 
+def projection_max_rows(module: Linear) -> int:
+    """The most rows the exact step feeds the projection in one call: the last probed count before the first
+    that differs from 2-row calls (1 aside: it is padded), else the largest probed (larger calls are unproven:
+    oneDNN's bfloat16 GEMM packed for 1 row reduces otherwise from 160 rows on, on an Intel Xeon with AMX)."""
+    counts = (2, *ROW_PROBES[1:])
+    first = next((i for i, M in enumerate(counts) if M in projection_rows_differ(module)), len(counts))
+    return counts[first - 1]
+
+
 def row_invariant_ops(model: Llama) -> Ops:
-    """The CPU exact step's projections: those whose 1-row path rounds otherwise run a 1-row input as 2 rows.
+    """The CPU exact step's projections: those whose 1-row path rounds otherwise run a 1-row input as 2 rows,
+    those whose reduction changes above some row count run in calls of at most that many rows.
 
     oneDNN's packed linear reduces a 1-row input of 1536 or more columns in another order than 2 or more rows
     (SmolLM2-135M's down projection, float32 and bfloat16); padding every projection instead cost 1.22x the fast
-    step per greedy token in float32. Measured for the model's layout and the thread count now.
+    step per greedy token in float32. Its bfloat16 GEMM on AMX reduces otherwise from 33 rows on. Measured for
+    the model's layout and the thread count now.
     """
-    pad = frozenset(m for m in model.modules() if isinstance(m, Linear) and 1 in projection_rows_differ(m))
-    return Ops(one_row_as_two=pad)
-
-
-def projection_variance(model: Llama) -> str | None:
-    """Why the model's projections are not row-invariant here even with 1-row inputs run as 2, or None."""
-    for name, module in model.named_modules():
-        if isinstance(module, Linear) and (counts := [M for M in projection_rows_differ(module) if M != 1]):
-            return (f"projection {name} ({module.in_features} -> {module.out_features}, {module.dtype}, "
-                    f"{module.layout} layout, {torch.get_num_threads()} threads) gives a row other bits in a call "
-                    f"of {counts[0]} rows than in one of {ROW_PROBES[-1]} on this CPU with torch {torch.__version__}")
-    return None
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    pad = frozenset(m for m in linears if 1 in projection_rows_differ(m))
+    return Ops(one_row_as_two=pad, max_rows={m: projection_max_rows(m) for m in linears})
 
 
 def _score(a: Tensor, b: Tensor) -> Tensor:
@@ -103,13 +128,6 @@ def attention_variance(head_dim: int, threads: int) -> str | None:
 
 
 def step_variance(model: Llama) -> str | None:
-    """Why the CPU exact step's projections or attention products give a row other bits by row count on this
-    machine, or None."""
-    return projection_variance(model) or attention_variance(model.cfg.head_dim, torch.get_num_threads())
-
-
-def exact_weight_layout(model: Llama) -> str:
-    """The layout to hold `model`'s projections in for the exact step here: its own, or onednn_fp32 (float32
-    weights) where this CPU's bfloat16 GEMM gives a row other bits by row count (Intel Xeons with AMX)."""
-    wider = "onednn_fp32" in row_invariant_layouts(model.device, model.dtype) and model.weight_layout != "onednn_fp32"
-    return "onednn_fp32" if wider and step_variance(model) else model.weight_layout
+    """Why the CPU exact step's attention products give a row other bits by row count on this machine, or None
+    (its projections run in calls of the row counts the probe found invariant: `row_invariant_ops`)."""
+    return attention_variance(model.cfg.head_dim, torch.get_num_threads())

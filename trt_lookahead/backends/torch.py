@@ -12,7 +12,7 @@ slot), allocated once; nothing is allocated per request. Two step paths, one con
   packed (CPU): only the real tokens of each row are fed (pads skipped), flattened over the rows, so
     the linear layers see M = the step's real tokens; attention runs per row (`RowAttention`) over that
     row's own cache_len + t keys. With `exact` (asked for, or by default in EXACT_BY_DEFAULT's dtypes
-    where the model's projections are row-invariant, model/llama.py `row_invariant_layouts`) a row's
+    where the model's projections are row-invariant, model/llama.py `row_invariant_layout`) a row's
     attention is kernels/reference.py's
     `BlockedAttention`, so every token's logits are bit-identical whatever shares its step: other
     requests, or its own lookahead slots (the 1-token greedy step gives the same bits; docs/design.md
@@ -62,7 +62,7 @@ from trt_lookahead.model.llama import (
     Llama,
     Ops,
     attend,
-    row_invariant_layouts,
+    row_invariant_layout,
 )
 
 DEFAULT_STEP_TOKENS = 128  # the largest row a runtime's torch executor takes (15/5/15 is 120)
@@ -185,24 +185,22 @@ class BatchedTorchExecutor:
             if exact and reason:
                 raise ValueError(f"exact=True on the padded step {reason}; use exact=False")
             return bool(exact)
-        layouts = row_invariant_layouts(model.device, model.dtype)
+        layout = row_invariant_layout(model.device, model.dtype)
         if exact is None:  # the probes (backends/row_probe.py, each shape once) run here, not in a request
-            return (model.weight_layout in layouts[:1] and model.dtype in EXACT_BY_DEFAULT
+            return (model.weight_layout == layout and model.dtype in EXACT_BY_DEFAULT
                     and step_variance(model) is None)
-        if exact and not layouts:
+        if exact and layout is None:
             raise ValueError(
                 f"exact=True needs the packed CPU step and row-invariant projections, which this executor "
                 f"({model.dtype} on {model.device.type}, padded={self.padded}) does not have; use exact=False"
             )
-        if exact and model.weight_layout not in layouts:
+        if exact and model.weight_layout != layout:
             raise ValueError(
-                f"exact=True needs the model's projections in the {layouts[0]!r} layout, got {model.weight_layout!r}: "
+                f"exact=True needs the model's projections in the {layout!r} layout, got {model.weight_layout!r}: "
                 "load it with load_llama(..., weight_layout='auto') or call model.set_weight_layout('auto')"
             )
         if exact and (reason := step_variance(model)):
-            wider = "onednn_fp32" in layouts and model.weight_layout != "onednn_fp32"
-            fix = " or model.set_weight_layout('onednn_fp32') (float32 weights, as the runtime does)" if wider else ""
-            raise ValueError(f"exact=True needs row-invariant projections, and {reason}; use exact=False{fix}")
+            raise ValueError(f"exact=True needs row-invariant attention products, and {reason}; use exact=False")
         return bool(exact)
 
     # -- contract ---------------------------------------------------------------------------------

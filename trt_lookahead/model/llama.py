@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -54,19 +54,24 @@ LinearFn = Callable[[Tensor, Tensor, Tensor | None], Tensor]  # (x [.., in], wei
 NormFn = Callable[[Tensor, Tensor, float], Tensor]  # (x [.., H], weight [H], eps) -> [.., H]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Ops:
     """The projections and norms of one forward (the seam beside `attention`); None: the modules' own.
     one_row_as_two: projections whose 1-row path rounds otherwise; they run a 1-row input as 2 rows, the second
-    zeros (backends/row_probe.py finds them)."""
+    zeros. max_rows: projections whose GEMM reduces otherwise above that many rows; they run in calls of at
+    most that many (backends/row_probe.py measures both)."""
 
     linear: LinearFn | None = None
     rms_norm: NormFn | None = None
     one_row_as_two: frozenset[nn.Module] = frozenset()
+    max_rows: Mapping[nn.Module, int] = field(default_factory=dict)
 
     def project(self, module: Linear, x: Tensor) -> Tensor:
-        if x.shape[0] == 1 and module in self.one_row_as_two:
+        rows = x.shape[0]
+        if rows == 1 and module in self.one_row_as_two:
             return self.project(module, torch.cat([x, torch.zeros_like(x)]))[:1]
+        if rows > (limit := self.max_rows.get(module, rows)):
+            return torch.cat([self.project(module, part) for part in x.split(limit)])  # [rows, out]
         return module(x) if self.linear is None else self.linear(x, module.dense_weight(), module.bias)
 
     def norm(self, module: RMSNorm, x: Tensor) -> Tensor:
@@ -259,7 +264,7 @@ def sdpa_attention_static(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len
     return attend(q, k_cache, v_cache, static_attention_mask(cache_len, step_mask, k_cache.shape[0]))
 
 
-WEIGHT_LAYOUTS = ("out_in", "in_out", "onednn", "onednn_fp32")
+WEIGHT_LAYOUTS = ("out_in", "in_out", "onednn")
 ONEDNN_BATCH_HINT = 16  # oneDNN picks the packed blocking for this many rows; any row count works
 
 
@@ -284,36 +289,24 @@ class Linear(nn.Linear):
     in_out:  [in, out] dense weight, x @ W (plain MKL sgemm streams it faster for 1-row inputs)
     onednn:  the weight reordered by oneDNN for `torch.ops.mkldnn._linear_pointwise` (x86 CPU only):
              on one core 1x (1 row) to 2.5x (16-120 rows) faster than MKL in float32, also faster in
-             bfloat16, and with torch 2.13's oneDNN batch-invariant from 2 rows on: a row's result does not
-             depend on how many rows are fed, except that a 1-row input may round otherwise (backends/row_probe.py
-             measures it on the machine)
-    onednn_fp32: the onednn layout over float32 weights for bfloat16 activations, upcast on the way in and
-             rounded on the way out: the exact step's layout where oneDNN's bfloat16 GEMM gives a row other
-             bits by row count (Intel Xeons with AMX) and its float32 one does not (docs/design.md 4.2)
+             bfloat16. With torch 2.13's oneDNN a row's result does not depend on how many rows are fed, except
+             that a 1-row input may round otherwise and, in bfloat16 on AMX, 33 or more rows take another order
+             (backends/row_probe.py measures it on the machine)
     """
 
     layout: str = "out_in"
-    _fp32_io: torch.dtype = torch.float32  # the dtype an onednn_fp32 projection takes and returns
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """What the projection takes and returns: its weight's dtype, except in onednn_fp32."""
-        return self._fp32_io if self.layout == "onednn_fp32" else self.weight.dtype
 
     def forward(self, x: Tensor) -> Tensor:
         if self.layout == "out_in":
             return F.linear(x, self.weight, self.bias)
         if self.layout == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        if self.layout == "onednn_fp32":
-            y = torch.ops.mkldnn._linear_pointwise(x.float(), self.weight, self.bias, "none", [], "")
-            return y.to(x.dtype)
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
 
     def dense_weight(self) -> Tensor:
-        """The weight as a dense [out, in] tensor in the module's dtype, whatever the layout."""
+        """The weight as a dense [out, in] tensor, whatever the layout."""
         w = self.weight.detach()
-        return w if self.layout == "out_in" else w.t() if self.layout == "in_out" else w.to_dense().to(self.dtype)
+        return w if self.layout == "out_in" else w.t() if self.layout == "in_out" else w.to_dense()
 
     def set_layout(self, layout: str) -> None:
         if layout == self.layout:
@@ -321,12 +314,9 @@ class Linear(nn.Linear):
         dense = self.dense_weight()
         if layout == "in_out":
             dense = dense.t().contiguous()
-        elif layout in ("onednn", "onednn_fp32"):
-            self._fp32_io, dense = dense.dtype, dense.float() if layout == "onednn_fp32" else dense
+        elif layout == "onednn":
             dense = torch.ops.mkldnn._reorder_linear_weight(dense.contiguous(), ONEDNN_BATCH_HINT)
         self.weight = nn.Parameter(dense, requires_grad=False)
-        if self.bias is not None:
-            self.bias = nn.Parameter(self.bias.detach().to(dense.dtype), requires_grad=False)
         self.layout = layout
 
 
@@ -418,20 +408,16 @@ def auto_weight_layout(device: torch.device | str, dtype: torch.dtype) -> str:
     return "out_in"
 
 
-def row_invariant_layouts(device: torch.device | str, dtype: torch.dtype) -> tuple[str, ...]:
-    """The layouts whose projections may give a row the same bits however many rows share the call, the runtime's
-    `auto_weight_layout` first (where it is one); () where there is none. backends/row_probe.py checks the machine.
+def row_invariant_layout(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """`auto_weight_layout` where its GEMM keeps one reduction order per row over a range of row counts, which
+    the exact step's calls stay within (backends/row_probe.py measures the range); None where there is none.
 
-    oneDNN's packed weights are (from 2 rows on, on the CPUs measured); so is torch's CPU bfloat16 GEMM (one
-    reduction order per output); MKL sgemm's float32 F.linear is not (1-3 rows take another path). Where
-    oneDNN's bfloat16 GEMM is not (Intel Xeons with AMX), bfloat16 runs onednn_fp32: float32 weights.
+    oneDNN's packed weights do (float32: from 2 rows on; bfloat16 on AMX: up to 32 rows); so does torch's CPU
+    bfloat16 GEMM; MKL sgemm's float32 F.linear does not (1-3 rows take another path).
     """
-    if torch.device(device).type != "cpu":
-        return ()
     layout = auto_weight_layout(device, dtype)
-    first = (layout,) if layout == "onednn" or dtype == torch.bfloat16 else ()
-    wide = ("onednn_fp32",) if dtype == torch.bfloat16 and onednn_linear_available(torch.float32) else ()
-    return first + wide
+    cpu = torch.device(device).type == "cpu"
+    return layout if cpu and (layout == "onednn" or dtype == torch.bfloat16) else None
 
 
 class Llama(nn.Module):
@@ -458,23 +444,20 @@ class Llama(nn.Module):
 
     @property
     def weight_layout(self) -> str:
-        """'out_in', 'in_out', 'onednn' or 'onednn_fp32': how the projections and the lm_head hold their weights."""
+        """'out_in', 'in_out' or 'onednn': how the projections and the lm_head hold their weights."""
         return self.output.layout
 
     def set_weight_layout(self, layout: str) -> Llama:
         """Hold every projection and the lm_head in `layout` (see `Linear`); 'auto' picks `auto_weight_layout`.
 
-        'out_in' is nn.Linear's (the layout to export or move to CUDA); 'in_out', 'onednn' and 'onednn_fp32' are
-        CPU layouts for the torch executor. Numerics are the same up to GEMM rounding. Outside 'out_in' a
-        tied lm_head gets its own copy (vocab x hidden more memory); 'out_in' ties it again.
+        'out_in' is nn.Linear's (the layout to export or move to CUDA); 'in_out' and 'onednn' are CPU layouts
+        for the torch executor. Numerics are the same up to GEMM rounding. Outside 'out_in' a tied lm_head gets
+        its own copy (vocab x hidden more memory); 'out_in' ties it again.
         """
         if layout == "auto":
             layout = auto_weight_layout(self.device, self.dtype)
         if layout not in WEIGHT_LAYOUTS:
             raise ValueError(f"weight layout must be one of auto, {', '.join(WEIGHT_LAYOUTS)}; got {layout!r}")
-        if layout == "onednn_fp32" and not (self.device.type == "cpu" and self.dtype == torch.bfloat16
-                                            and onednn_linear_available(torch.float32)):
-            raise ValueError("the onednn_fp32 weight layout needs a bfloat16 CPU model and oneDNN's float32 linear")
         if layout == "onednn" and not (self.device.type == "cpu" and onednn_linear_available(self.dtype)):
             raise ValueError(
                 f"the onednn weight layout needs a CPU model and a torch whose oneDNN runs {self.dtype} on this "

@@ -355,13 +355,10 @@ class LookaheadRuntime:
         cls, path: Path, dtype: str, max_seq_len: int | None, max_batch: int, max_queue: int,
         tuning_file: str | Path | None, exact: bool | None, prefill: Prefill | None, tree: TreeTemplate | None = None,
     ) -> LookaheadRuntime:
-        from trt_lookahead.backends.row_probe import exact_weight_layout
         from trt_lookahead.backends.torch import BatchedTorchExecutor
         from trt_lookahead.model.checkpoint import check_max_seq_len, load_llama, load_tokenizer
 
         model, config = load_llama(path, dtype=dtype, weight_layout="auto")
-        if exact:
-            model.set_weight_layout(exact_weight_layout(model))  # float32 weights where bfloat16 rows vary (4.2)
         seq_len = check_max_seq_len(max_seq_len, config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
         try:
             executor = BatchedTorchExecutor(model, max_batch, seq_len, exact=exact, tree=tree)
