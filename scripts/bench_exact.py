@@ -6,15 +6,14 @@ exact onnxruntime engine against the fast one.
                                   [--tokens 1,4,16,56,120] [--batches 1,8] [--context 300]
                                   [--threads 1] [--repeats 9] [--json OUT.json] [--backend torch|onnxruntime]
 
-One `BatchedTorchExecutor.step` of B rows, each the lookahead layout of T tokens (T = 1 is greedy),
-every row's slot holding --context cached tokens. fast = exact=False (SDPA per row), exact = exact=True
-(`BlockedAttention` per row, planned inside the step as the runtime runs it); both on the same model in
-the runtime's 'auto' projection layout (oneDNN on x86), so the difference is attention and the exact step's
-projection calls (a 1-row input as 2 rows, calls of at most the rows the probe proves: backends/row_probe.py).
---backend onnxruntime: two float32 engines of the model built for 7,5,7
-(T = 56) under engines/ (once), one with --exact; a step of each engine's executor. The two are timed
-alternately; medians of --repeats; ms per token = step ms / (B * T). The load average is recorded because
-this machine is shared.
+One `BatchedTorchExecutor.step` of B rows, each the lookahead layout of T tokens (T = 1 is greedy), every row's
+slot holding --context cached tokens. fast = exact=False (SDPA per row), exact = exact=True (`BlockedAttention`
+per row, planned inside the step as the runtime runs it); both on the same model in the runtime's 'auto'
+projection layout (oneDNN on x86), so the difference is attention and the exact step's projection calls (a
+1-row input as 2 rows, calls of at most the rows the probe proves: backends/row_probe.py). --backend
+onnxruntime: two float32 engines of the model built for 7,5,7 (T = 56) under engines/ (once), one with
+--exact; a step of each engine's executor. The two are timed alternately; medians of --repeats; ms per token
+= step ms / (B * T). The load average is recorded because this machine is shared.
 """
 
 from __future__ import annotations

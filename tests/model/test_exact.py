@@ -208,7 +208,7 @@ def test_the_exact_step_calls_a_gemm_whose_rows_vary_with_the_row_count_below_th
     model = random_gqa_llama(torch.float32, "out_in")
     wqkv, ops = model.layers[0].attention.wqkv, row_invariant_ops(model)
     varies = [M for M in projection_rows_differ(wqkv) if M > 1]
-    assert varies and projection_max_rows(wqkv) < varies[0] and ops.max_rows[wqkv] == projection_max_rows(wqkv)
+    assert varies and projection_max_rows(wqkv) < varies[0]
     x = torch.randn(130, wqkv.in_features, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         alone = torch.cat([ops.project(wqkv, x[i : i + 1]) for i in range(130)])

@@ -65,7 +65,7 @@ def cancelling_probe(module: Linear, rows: int) -> tuple[Linear, Tensor]:
         return torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-6, 7, shape, generator=g).float())
 
     w, a = spread(N, half), spread(rows, half)
-    probe = Linear(K, N, bias=False)
+    probe = Linear(K, N, bias=False, device="meta")  # its weight is set below, not initialised
     weight = torch.cat([w, -w, torch.randn(N, K - 2 * half, generator=g) / 64], 1)  # [N, K]
     probe.weight = nn.Parameter(weight.to(dtype).to(module.weight.device), requires_grad=False)
     probe.set_layout(module.layout)
@@ -80,7 +80,7 @@ def projection_max_rows(module: Linear) -> int:
     """The most rows the exact step feeds the projection in one call: the last probed count before the first
     that differs from 2-row calls (1 aside: it is padded), else the largest probed (larger calls are unproven:
     oneDNN's bfloat16 GEMM packed for 1 row reduces otherwise from 160 rows on, on an Intel Xeon with AMX)."""
-    counts = (2, *ROW_PROBES[1:])
+    counts = sorted({2, *ROW_PROBES} - {1})  # 2 is the reference, so it never differs
     first = next((i for i, M in enumerate(counts) if M in projection_rows_differ(module)), len(counts))
     return counts[first - 1]
 

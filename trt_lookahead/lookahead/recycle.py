@@ -37,11 +37,14 @@ class SuccessorMap:
     def __len__(self) -> int:
         return len(self.table)
 
+    def tables(self) -> tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]]:
+        """(own, shared) tables: look in own first; a recorded tuple is never empty, so `own.get(t) or
+        shared.get(t, ())` falls through to the shared map exactly where this one has no entry."""
+        return self.table, self.shared.table if self.shared is not None else {}
+
     def get(self, token: int) -> tuple[int, ...]:
-        found = self.table.get(token)
-        if found is None:
-            return self.shared.get(token) if self.shared is not None else ()
-        return found
+        own, shared = self.tables()
+        return own.get(token) or shared.get(token, ())
 
     def record(self, inputs: np.ndarray, top: np.ndarray) -> None:
         """inputs [K] the tokens fed at K output slots, top [K, k] the model's top-k there; later slots win."""
@@ -60,8 +63,7 @@ def fill_recycled(parents: Sequence[int], drafts: np.ndarray, origins: list[str]
     """
     V = len(parents)
     tokens = drafts[:V].tolist()
-    own = successors.table  # then the shared map's: a recorded tuple is never empty, so `or` falls through
-    shared = successors.shared.table if successors.shared is not None else {}
+    own, shared = successors.tables()  # the lookup `get` makes, inlined: one dict lookup per node
     taken: dict[int, list[int]] = {}  # node (ROOT = x_t) -> the tokens its children hold so far
     for v, p in enumerate(parents):
         token = tokens[v]
