@@ -25,15 +25,17 @@ def randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 
 
 @DTYPES
-def test_linear_gives_a_row_the_same_bits_for_every_m(dtype, tolerance):
+@pytest.mark.parametrize("span", [None, 128], ids=["whole", "spans"])
+def test_linear_gives_a_row_the_same_bits_for_every_m(dtype, tolerance, span):
+    """The input dim reduced in one chain, or in spans of 128 (200 = 128 + 72) whose sums are added in order."""
     x, w, b = randn(130, 200, dtype=dtype), randn(72, 200, dtype=dtype, seed=1), randn(72, dtype=dtype, seed=2)
     expected = torch.nn.functional.linear(x.double(), w.double(), b.double())
-    full = invariant.linear(x, w, b)
+    full = invariant.linear(x, w, b, span=span)
     assert full.dtype == dtype and reference.relative_error(full.cpu(), expected.cpu()) <= tolerance
     for M in (1, 2, 3, 17, 33, 64):
-        part = invariant.linear(x[:M], w, b)
+        part = invariant.linear(x[:M], w, b, span=span)
         for r in {0, M // 2, M - 1}:
-            alone = invariant.linear(x[r : r + 1], w, b)[0]
+            alone = invariant.linear(x[r : r + 1], w, b, span=span)[0]
             assert torch.equal(part[r], alone) and torch.equal(full[r], alone), (M, r)
 
 
@@ -56,11 +58,20 @@ def test_linear_tile_grows_with_m_while_half_the_sms_get_a_program():
 def test_every_linear_tile_gives_the_same_bits(dtype, tolerance):
     """linear_tile may pick any tile for any M only because each gives an output element the same bits."""
     x, w, b = randn(130, 200, dtype=dtype), randn(72, 200, dtype=dtype, seed=1), randn(72, dtype=dtype, seed=2)
-    first, *others = (invariant.linear(x, w, b, tile=tile) for tile in invariant.LINEAR_TILES)
-    assert reference.relative_error(first.cpu(), torch.nn.functional.linear(x.double(), w.double(), b.double()).cpu()
-                                    ) <= tolerance
-    for tile, other in zip(invariant.LINEAR_TILES[1:], others, strict=True):
-        assert torch.equal(other, first), tile
+    for span in (None, 128):
+        first, *others = (invariant.linear(x, w, b, tile=tile, span=span) for tile in invariant.LINEAR_TILES)
+        assert reference.relative_error(
+            first.cpu(), torch.nn.functional.linear(x.double(), w.double(), b.double()).cpu()) <= tolerance
+        for tile, other in zip(invariant.LINEAR_TILES[1:], others, strict=True):
+            assert torch.equal(other, first), (tile, span)
+
+
+def test_linear_span_splits_only_products_too_narrow_to_fill_the_gpu_at_one_row():
+    """Hand-derived from the rule on a 132-SM GPU (66 programs wanted; 1 row's narrowest tile is 32 wide)."""
+    assert invariant.linear_span(2048, 8192, 132) == 2048  # the 1B down projection: 64 programs, 4 spans
+    assert invariant.linear_span(2048, 2048, 132) is None  # 64 programs, but K is one span
+    assert invariant.linear_span(3072, 8192, 132) is None  # 96 programs
+    assert invariant.linear_span(4096, 11008, 264) == 2048  # the 7B down projection on twice the SMs
 
 
 @DTYPES
@@ -111,9 +122,38 @@ def test_padded_attention_is_attention_over_the_keys_each_query_sees(dtype, tole
     cache_len = torch.tensor([c for _, c in configs], device=DEVICE)
     q = randn(len(configs) * T, Hq, D, dtype=dtype)
     k, v = randn(len(configs) * S, Hkv, D, dtype=dtype, seed=1), randn(len(configs) * S, Hkv, D, dtype=dtype, seed=2)
-    out = invariant.padded_attention(q, k, v, invariant.key_rows(mask, cache_len, positions)).cpu()
     qb = q.double().cpu().view(len(configs), T, Hq, D).transpose(1, 2)
     kb, vb = (t.double().cpu().view(len(configs), S, Hkv, D).transpose(1, 2).repeat_interleave(Hq // Hkv, 1)
               for t in (k, v))
     want = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask.cpu()[:, None])
-    assert reference.relative_error(out, want.transpose(1, 2).reshape(out.shape)) <= tolerance
+    want = want.transpose(1, 2).reshape(q.shape)
+    table = invariant.key_rows(mask, cache_len, positions)
+    for chunk in (128, 32):  # one program per slot's positions; one per 32 of them, merged in order
+        out = invariant.padded_attention(q, k, v, table, cache_len, chunk=chunk).cpu()
+        assert reference.relative_error(out, want) <= tolerance, chunk
+
+
+@DTYPES
+@pytest.mark.parametrize("Hq,Hkv,chunk", [(4, 1, 64), (6, 2, 128), (2, 2, 32)], ids=["gqa4", "gqa3-whole", "mha"])
+def test_padded_attention_gives_a_query_the_bits_of_plain_decoding(dtype, tolerance, Hq, Hkv, chunk):
+    """Each query of a batched lookahead step against the same query alone, its keys laid out as plain decoding
+    lays them (row p holds position p: one key tile serves every row), so the step's tiles of other queries,
+    its own per-query key tiles and the grouped heads sharing a tile must all leave its bits alone."""
+    configs = [(LookaheadConfig(4, 3, 4), 29), (LookaheadConfig(2, 4, 1), 62), (LookaheadConfig(1, 2, 0), 5)]
+    T, S, D = 16, 100, 16
+    mask, positions = padded_step(configs, T, S)
+    cache_len = torch.tensor([c for _, c in configs], device=DEVICE)
+    q = randn(len(configs) * T, Hq, D, dtype=dtype)
+    k, v = randn(len(configs) * S, Hkv, D, dtype=dtype, seed=1), randn(len(configs) * S, Hkv, D, dtype=dtype, seed=2)
+    table = invariant.key_rows(mask, cache_len, positions)
+    out = invariant.padded_attention(q, k, v, table, cache_len, chunk=chunk)
+    for b, (config, _) in enumerate(configs):
+        for t in range(StepLayout(config).step_tokens):
+            seen = table[b, t].cpu()
+            keys = torch.nonzero(seen >= 0).flatten()  # the positions it sees: 0 .. its own
+            assert torch.equal(keys, torch.arange(len(keys))), (b, t)
+            rows = b * S + seen[keys].to(DEVICE)
+            plain = torch.arange(len(keys), dtype=torch.int32, device=DEVICE)  # cached keys, then its own
+            alone = invariant.padded_attention(q[b * T + t : b * T + t + 1], k[rows], v[rows], plain[None, None],
+                                               torch.tensor([len(keys) - 1], device=DEVICE), chunk=chunk)
+            assert torch.equal(alone[0], out[b * T + t]), (b, t)

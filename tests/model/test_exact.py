@@ -189,6 +189,18 @@ def test_exact_is_on_by_default_where_it_is_cheap_and_the_projections_are_row_in
                 BatchedTorchExecutor(model, 1, 64, 4, exact=True)
 
 
+def test_the_padded_step_is_exact_by_default_in_bfloat16_on_cuda_only():
+    """The padded step's Triton kernels: by default on CUDA in bfloat16 (0.74-0.87x the fast step at batch 1 on an
+    H200, README); never by default on the CPU, where they run interpreted (tests only); asked for, they run."""
+    on_gpu = bool(gpu_count())
+    device = "cuda" if on_gpu else "cpu"
+    for dtype in (torch.float32, torch.bfloat16):
+        model = random_gqa_llama(dtype, "out_in", **TINY_GQA).to(device)
+        assert BatchedTorchExecutor(model, 1, 64, 4, device, padded=True, cuda_graph=False).exact == (
+            on_gpu and dtype == torch.bfloat16)
+        assert BatchedTorchExecutor(model, 1, 64, 4, device, padded=True, cuda_graph=False, exact=True).exact
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_the_row_probe_sees_whether_1_row_rounds_otherwise_even_where_few_rows_show_it(dtype):
     """A 1536-wide down projection: oneDNN reduces a 1-row input in another order, which in bfloat16 changes

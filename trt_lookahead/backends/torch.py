@@ -22,8 +22,9 @@ slot), allocated once; nothing is allocated per request. Two step paths, one con
     (kernels/mask.py); the active slots are kept in physical slots 0 .. n-1 (a release moves the last one
     into the hole), so bucket Bb attends over the cache view of the first Bb slots; each (bucket, any
     row sampled) pair is captured once as a CUDA graph and replayed. It also runs eagerly on the CPU.
-    With `exact` (asked for; off by default) the projections, norms and attention are the row-invariant
-    Triton kernels of kernels/invariant.py (on CUDA; on the CPU only under TRITON_INTERPRET=1, for tests).
+    With `exact` (asked for, or by default in EXACT_BY_DEFAULT's dtypes on CUDA) the projections, norms and
+    attention are the row-invariant Triton kernels of kernels/invariant.py (on CUDA; on the CPU only under
+    TRITON_INTERPRET=1, for tests).
 
 Token choice: argmax, or the seeded Gumbel-max draw with each slot's temperature, top-k, top-p and seed
 (kernels/sampling_torch.py `select_rows_torch`), keyed by the position of the output slot (docs/design.md
@@ -66,8 +67,9 @@ from trt_lookahead.model.llama import (
 )
 
 DEFAULT_STEP_TOKENS = 128  # the largest row a runtime's torch executor takes (15/5/15 is 120)
-# dtypes where the exact step is on by default on the CPU: bfloat16, whose fast step disagrees with greedy on most
-# prompts, for 0.9-1.12x the fast step's cost at batch 1, T <= 16 (README, "Exact by construction")
+# dtypes where the exact step is on by default: bfloat16, whose fast step disagrees with greedy on most prompts,
+# for 1.09-1.16x the fast step's cost at batch 1, T <= 16 on the CPU and 0.74-0.87x on an H200 (README, "Exact
+# by construction")
 EXACT_BY_DEFAULT = (torch.bfloat16,)
 
 
@@ -180,8 +182,10 @@ class BatchedTorchExecutor:
 
     def _exact(self, model: Llama, exact: bool | None) -> bool:
         """Whether steps run row-invariant: asked for, or by default where it is cheap and the projections are."""
-        if self.padded:  # the Triton kernels of kernels/invariant.py; their cost on a GPU decides any default
+        if self.padded:  # the Triton kernels of kernels/invariant.py
             reason = invariant_kernels_reason(self.device)
+            if exact is None:  # compiled, on CUDA (interpreted on the CPU, they are for tests only)
+                return self.device.type == "cuda" and reason is None and model.dtype in EXACT_BY_DEFAULT
             if exact and reason:
                 raise ValueError(f"exact=True on the padded step {reason}; use exact=False")
             return bool(exact)
@@ -539,9 +543,10 @@ def _invariant_attention(mask: Tensor, cache_len: Tensor, positions: Tensor) -> 
     from trt_lookahead.kernels import invariant
 
     key_rows = invariant.key_rows(mask, cache_len, positions)  # [Bb, T, S], once per step for every layer
+    lengths = cache_len.to(torch.int32)
 
     def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, step_mask: Tensor) -> Tensor:
-        return invariant.padded_attention(q, k_cache, v_cache, key_rows)
+        return invariant.padded_attention(q, k_cache, v_cache, key_rows, lengths)
 
     return attention
 

@@ -297,7 +297,7 @@ class LookaheadRuntime:
         where `auto` reads (and stores) what `tune` measured; default the cache's tuning.json. verify: check an
         engine dir's files against their checksums. exact: run the row-invariant step (a token's logits are
         bit-identical alone, batched and in greedy decoding; docs/design.md section 4.2); default: on where it is
-        cheap (bfloat16 on the CPU torch executor; backends/torch.py EXACT_BY_DEFAULT). pool_scope: "shared"
+        cheap (bfloat16 on the torch executor, CPU and CUDA; backends/torch.py EXACT_BY_DEFAULT). pool_scope: "shared"
         (requests read and feed one bounded n-gram pool; README "Shared n-gram pool") or "request" (no sharing).
         prefill: how a joining request's prompt is prefilled, "separate", "chunked" or a chunk size
         (runtime/scheduler.py); default per backend, `default_prefill`. tree: the verification branch as a draft
