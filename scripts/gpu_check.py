@@ -18,7 +18,8 @@ is rewritten after every section, so a run cut short still leaves its evidence.
                equal) and bfloat16 (match rate; equal with exact=True), eager, CUDA graph and exact (CUDA graph,
                exact=True), linear candidates and the draft tree
     latency    forward time against T for random-weight Llama 1B / 7B shapes in bfloat16, eager and CUDA
-               graph, SDPA (the torch executor's attention) and the LookaheadAttention Triton kernel
+               graph, SDPA (the torch executor's fast step), the exact step (kernels/invariant.py) and the
+               LookaheadAttention Triton kernel
     aot        the TensorRT plugin's AOT kernel as TensorRT launches it: compiled to PTX for this GPU with
                the signature, grid, block, shared memory and int32 scalars of the QDP aot_impl, loaded with
                cuModuleLoadData, launched with cuLaunchKernel in TensorRT's argument order, compared with
@@ -66,7 +67,7 @@ STEP_CONFIGS = ("1,2,0", "1,3,1", "4,3,4", "7,3,7", "7,5,7", "15,5,15", "16,9,16
 QUICK_STEP_CONFIGS = ("1,2,0", "4,3,4", "7,5,7", "15,5,15")
 BATCHES = (1, 8)
 BATCH_CONFIGS = ("1,2,0", "1,3,1", "4,3,4", "7,5,7", "15,5,15")  # T = 1, 4, 16, 56, 120
-ATTENTIONS = ("sdpa", "triton", "triton_tree")  # StepInputs' step methods: what each latency row times
+ATTENTIONS = ("sdpa", "exact", "triton", "triton_tree")  # StepInputs' step methods: what each latency row times
 # the public configs of Llama-3.2-1B and Llama-2-7B; the weights are random, drawn on the GPU
 SHAPES = {
     "llama-1b": dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
@@ -471,6 +472,7 @@ class StepInputs:
     def __init__(self, model, config: str) -> None:
         import torch
 
+        from trt_lookahead.backends.torch import invariant_attention
         from trt_lookahead.kernels import onnx_op, reference
         from trt_lookahead.lookahead.config import LookaheadConfig
         from trt_lookahead.lookahead.layout import StepLayout
@@ -497,6 +499,10 @@ class StepInputs:
             onnx_op.tree_ends_input(tree_template(nodes, TREE_DEPTH).table, self.T)).to(dev)
         self._tree: torch.Tensor | None = None
         self._layer = 0
+        rows = torch.zeros(1, self.T, CACHE_ROOM + self.T, dtype=torch.bool, device=dev)  # the mask over the rows
+        rows[0, :, :CACHED_TOKENS] = True
+        rows[0, :, CACHED_TOKENS : CACHED_TOKENS + self.T] = self.mask
+        self._exact_attention = invariant_attention(rows, self.cache_len.view(1), self.positions.view(1, -1))
 
     def sdpa(self):
         """The torch executor's CUDA step: static SDPA over all S rows, masked from cache_len."""
@@ -504,6 +510,14 @@ class StepInputs:
 
         return self.model(self.ids, self.positions, self.k_cache, self.v_cache, self.cache_len, self.mask,
                           attention=sdpa_attention_static)
+
+    def exact(self):
+        """The exact padded step (the executor's default in bfloat16 on CUDA): kernels/invariant.py's projections,
+        norms and attention over the same cache (its key table built once here, once per step in the executor)."""
+        from trt_lookahead.backends.torch import invariant_ops
+
+        return self.model(self.ids, self.positions, self.k_cache, self.v_cache, self.cache_len, self.mask,
+                          attention=self._exact_attention, ops=invariant_ops())
 
     def triton(self):
         """The same step with LookaheadAttention's Triton kernel: the model writes the step K/V into a

@@ -141,3 +141,21 @@ def test_without_a_gpu_it_fails_with_one_clear_line(tmp_path):
     assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
     assert lines[0].startswith("error: no CUDA device") and "GPU machine" in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_the_latency_sections_exact_step_is_the_sdpa_step_on_row_invariant_kernels(gpu_check):
+    """StepInputs.exact (timed against sdpa per T on a GPU) computes the same step's logits: interpreted here,
+    on a one-layer random Llama over the section's 512 cached keys."""
+    import torch
+
+    from trt_lookahead.model.llama import Llama, ModelConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
+                      vocab_size=64, max_position_embeddings=2048)
+    model = Llama(cfg).eval().requires_grad_(False)
+    step = gpu_check.StepInputs(model, "4,3,4")
+    with torch.inference_mode():
+        exact, fast = step.exact(), step.sdpa()
+    assert exact.shape == fast.shape == (16, 64)
+    assert torch.allclose(exact, fast, rtol=1e-4, atol=1e-5), (exact - fast).abs().max()

@@ -140,7 +140,7 @@ class BatchedTorchExecutor:
         if self.cuda_graph and not (is_cuda and self.padded):
             raise ValueError("cuda_graph needs device='cuda' and the padded step")
         self.exact = self._exact(model, exact)
-        self._ops = (_exact_ops() if self.padded else row_invariant_ops(model)) if self.exact else MODULE_OPS
+        self._ops = (invariant_ops() if self.padded else row_invariant_ops(model)) if self.exact else MODULE_OPS
         self.model = model
         self.vocab_size = model.cfg.vocab_size
         self.max_batch, self.max_seq_len, self.step_tokens = int(max_batch), int(max_seq_len), int(step_tokens)
@@ -495,7 +495,7 @@ class BatchedTorchExecutor:
         rows = (torch.arange(bucket, device=dev)[:, None] * S + cache_len[:, None]) + i[None, :]
         attention: AttentionFn = PaddedAttention(mask, S)
         if self.exact:
-            attention = _invariant_attention(mask, cache_len, positions)
+            attention = invariant_attention(mask, cache_len, positions)
         logits = self.model(
             ids.reshape(-1),
             positions.reshape(-1),
@@ -538,8 +538,9 @@ def invariant_kernels_reason(device: torch.device) -> str | None:
     return None
 
 
-def _invariant_attention(mask: Tensor, cache_len: Tensor, positions: Tensor) -> AttentionFn:
-    """The exact padded step's attention: kernels/invariant.py over each query's keys in position order."""
+def invariant_attention(mask: Tensor, cache_len: Tensor, positions: Tensor) -> AttentionFn:
+    """The exact padded step's attention seam for mask [Bb, T, S] over each slot's rows: kernels/invariant.py over
+    each query's keys in position order."""
     from trt_lookahead.kernels import invariant
 
     key_rows = invariant.key_rows(mask, cache_len, positions)  # [Bb, T, S], once per step for every layer
@@ -551,7 +552,8 @@ def _invariant_attention(mask: Tensor, cache_len: Tensor, positions: Tensor) -> 
     return attention
 
 
-def _exact_ops() -> Ops:
+def invariant_ops() -> Ops:
+    """The exact padded step's projections and norms: kernels/invariant.py."""
     from trt_lookahead.kernels import invariant
 
     return Ops(linear=invariant.linear, rms_norm=invariant.rms_norm)
