@@ -472,7 +472,7 @@ class StepInputs:
     def __init__(self, model, config: str) -> None:
         import torch
 
-        from trt_lookahead.backends.torch import invariant_attention
+        from trt_lookahead.backends.torch import invariant_attention, invariant_ops
         from trt_lookahead.kernels import onnx_op, reference
         from trt_lookahead.lookahead.config import LookaheadConfig
         from trt_lookahead.lookahead.layout import StepLayout
@@ -503,6 +503,7 @@ class StepInputs:
         rows[0, :, :CACHED_TOKENS] = True
         rows[0, :, CACHED_TOKENS : CACHED_TOKENS + self.T] = self.mask
         self._exact_attention = invariant_attention(rows, self.cache_len.view(1), self.positions.view(1, -1))
+        self._exact_ops = invariant_ops()
 
     def sdpa(self):
         """The torch executor's CUDA step: static SDPA over all S rows, masked from cache_len."""
@@ -514,10 +515,8 @@ class StepInputs:
     def exact(self):
         """The exact padded step (the executor's default in bfloat16 on CUDA): kernels/invariant.py's projections,
         norms and attention over the same cache (its key table built once here, once per step in the executor)."""
-        from trt_lookahead.backends.torch import invariant_ops
-
         return self.model(self.ids, self.positions, self.k_cache, self.v_cache, self.cache_len, self.mask,
-                          attention=self._exact_attention, ops=invariant_ops())
+                          attention=self._exact_attention, ops=self._exact_ops)
 
     def triton(self):
         """The same step with LookaheadAttention's Triton kernel: the model writes the step K/V into a

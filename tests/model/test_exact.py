@@ -190,8 +190,8 @@ def test_exact_is_on_by_default_where_it_is_cheap_and_the_projections_are_row_in
 
 
 def test_the_padded_step_is_exact_by_default_in_bfloat16_on_cuda_only():
-    """The padded step's Triton kernels: by default on CUDA in bfloat16 (0.74-0.87x the fast step at batch 1 on an
-    H200, README); never by default on the CPU, where they run interpreted (tests only); asked for, they run."""
+    """The padded step's Triton kernels: by default on CUDA in bfloat16 (0.83-0.86x the fast step at batch 1, T <= 16 on
+    an H200, README); never by default on the CPU, where they run interpreted (tests only); asked for, they run."""
     on_gpu = bool(gpu_count())
     device = "cuda" if on_gpu else "cpu"
     for dtype in (torch.float32, torch.bfloat16):

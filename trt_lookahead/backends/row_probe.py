@@ -17,12 +17,12 @@ from torch import Tensor, nn
 from trt_lookahead.kernels.reference import KEY_BLOCK, ROW_MULTIPLE, VALUE_WIDTH
 from trt_lookahead.model.llama import Linear, Llama, Ops
 
-# row counts a probe feeds a projection, each against 2-row calls: every count up to 33, then around the
+# row counts a probe feeds a projection, each against 2-row calls: every count up to 33 (2 aside), then around the
 # blockings CPU GEMMs switch at. torch 2.13's oneDNN differs at 1 row only on an AMD EPYC, and in float32 on an
 # Intel Xeon with AMX, where in bfloat16 it reduces otherwise from 33 rows on; on the H200 machine's Xeon at every
 # even count from 18 on (a 1536 -> 128 projection), so no count below the limit goes unprobed; torch
 # 2.11's on such a Xeon at 16 and more rows in float32 (docs/design.md 4.2).
-ROW_PROBES = (*range(1, 34), 63, 64, 65, 127, 128)
+ROW_PROBES = (1, *range(3, 34), 63, 64, 65, 127, 128)  # not 2: the reference
 PROBE_ROWS = 130  # rows a projection probe feeds: even (the 2-row reference calls) and above every count
 # query rows a probe feeds BlockedAttention's products: every ROW_MULTIPLE-padded count up to 68
 ATTENTION_ROW_PROBES = tuple(range(ROW_MULTIPLE, 69, ROW_MULTIPLE))

@@ -68,7 +68,7 @@ from trt_lookahead.model.llama import (
 
 DEFAULT_STEP_TOKENS = 128  # the largest row a runtime's torch executor takes (15/5/15 is 120)
 # dtypes where the exact step is on by default: bfloat16, whose fast step disagrees with greedy on most prompts,
-# for 1.09-1.16x the fast step's cost at batch 1, T <= 16 on the CPU and 0.74-0.87x on an H200 (README, "Exact
+# for 1.09-1.16x the fast step's cost at batch 1, T <= 16 on the CPU and 0.83-0.86x on an H200 (README, "Exact
 # by construction")
 EXACT_BY_DEFAULT = (torch.bfloat16,)
 
