@@ -44,6 +44,33 @@ ASSEMBLED = [
     "Explain what this regular expression matches: ^[a-z0-9._%+-]+@[a-z0-9.-]+\\.[a-z]{2,}$",
     "Rename the variable x to count in this code:\nx = 0\nfor item in items:\n    x += 1\nprint(x)",
     "Write the numbers from one to twenty in words, separated by commas.",
+    # prompts 12-31, added 2026-11-27 (written before any measurement on them) so that 8 measured prompts and 8
+    # warm-up prompts of the set fit: 4 prompts of short answers measured the set within a few steps
+    "Rewrite in plain English for a ten-year-old: Photosynthesis is the process by which green plants use "
+    "sunlight, water and carbon dioxide to produce glucose and oxygen.",
+    "Extract every date from this text as a list: The contract was signed on 3 March 2021, amended on 15 June "
+    "2022 and ends on 31 December 2025.",
+    "Convert this Python function to JavaScript:\ndef greet(name):\n    return 'Hello, ' + name + '!'",
+    "Write a docstring for this function:\ndef mean(values):\n    return sum(values) / len(values)",
+    "Correct the grammar and spelling: Their going to the libary tomorow to return there books.",
+    "Convert this CSV to a JSON list of objects:\nname,price\npen,1.20\nbook,8.50\nbag,15.00",
+    "Write a short email to a colleague asking to move our Tuesday meeting to Thursday at 10 am.",
+    "Explain what this shell command does: find . -name '*.log' -mtime +7 -delete",
+    "Rewrite this loop as a list comprehension:\nsquares = []\nfor n in range(10):\n    if n % 2 == 0:\n"
+    "        squares.append(n * n)",
+    "Give three titles for a blog post about growing tomatoes on a balcony.",
+    "Write a YAML config with a server section (host localhost, port 8080) and a database section (name app, "
+    "user admin).",
+    "Describe the water cycle in four short numbered steps.",
+    "Turn these notes into a paragraph: met client; discussed budget; agreed on delivery in May; next call Friday.",
+    "Write a Python class Point with x and y attributes and a method distance_to(other).",
+    "Change every verb in this sentence to the past tense: She walks to the market, buys apples and cooks dinner.",
+    "Write a haiku about the first snow of winter.",
+    "Classify each animal as mammal, bird or fish: salmon, eagle, dolphin, sparrow, tuna, bat.",
+    "Write an HTML page with a heading 'Welcome' and a list of three links.",
+    "Shorten this sentence without changing its meaning: Due to the fact that it was raining heavily, we made "
+    "the decision to stay at home.",
+    "Write unit tests with pytest for this function:\ndef is_even(n):\n    return n % 2 == 0",
 ]
 CONFIGS = {28: LookaheadConfig(4, 5, 3), 56: LookaheadConfig(7, 5, 7), 120: LookaheadConfig(15, 5, 15)}
 VARIANTS = {  # name -> (tree: None (linear), "prior" or "fitted", switches)

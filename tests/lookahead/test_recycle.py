@@ -8,7 +8,14 @@ from hypothesis import strategies as st
 
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import LookaheadConfig
-from trt_lookahead.lookahead.decoder import BatchStepper, LookaheadDecoder, RequestDecoder, Row, Switches
+from trt_lookahead.lookahead.decoder import (
+    BatchStepper,
+    LookaheadDecoder,
+    RequestDecoder,
+    Row,
+    Switches,
+    step_tables,
+)
 from trt_lookahead.lookahead.executor import StepBatch, check_batch
 from trt_lookahead.lookahead.oracles import ORACLES, OracleExecutor, markov_logits, reference_generate
 from trt_lookahead.lookahead.recycle import RECYCLE, SuccessorMap, fill_recycled
@@ -30,6 +37,29 @@ def test_the_docstring_example():
     fill_recycled((-1, 0, 0, -1), drafts, origins, successors({5: [7, 9], 7: [3, 4], 9: [1, 2]}), x=5)
     assert drafts.tolist() == [7, 3, 4, 9]
     assert origins == ["pool", RECYCLE, RECYCLE, RECYCLE]
+
+
+def test_chains_by_hand():
+    m = successors({5: [7, 9], 7: [3, 4], 3: [5]})
+    assert m.chains(5, 2, 4) == [(7, 3, 5, 7), (9,)]  # the docstring's example: 9 has no successors
+    assert m.chains(5, 1, 2) == [(7, 3)] and m.chains(9, 2, 4) == []
+    own = SuccessorMap(m)  # each token of a chain is looked up in the request's own map first
+    own.record(np.array([3]), np.array([[8]]))
+    assert own.chains(5, 1, 4) == [(7, 3, 8)]
+
+
+def test_recycled_chains_compete_with_pool_candidates_in_the_trie():
+    """x_t = 2 has pool candidates (4, 5) and (6, 7) (newest first) and recycled successors 8 (then 9) and 3: the
+    rank-0 chain (8, 9) scores as the rank-0 candidate, above (6, 7), so it takes x_t's second child."""
+    tree, cfg = TreeTemplate((-1, -1, 0, 1)), LookaheadConfig(1, 3, 2)
+    d = RequestDecoder(cfg, [2, 6, 7, 2, 4, 5, 1], 8, (), 0, Switches(suffix=False, chain=False), tree,
+                       successors=successors({2: [8, 3], 8: [9]}))
+    d.setup(2)
+    tab = step_tables(cfg, tree)
+    T = len(tab.rel_positions)
+    d.prepare(cfg, np.zeros(T, np.int64), np.zeros(T, np.int64), tab.step_config.copy(), tab.output_slots.copy())
+    assert d._drafts[:4].tolist() == [4, 8, 5, 9]
+    assert d._origins[:4] == ["prompt", RECYCLE, "prompt", RECYCLE]
 
 
 def test_nodes_under_an_empty_parent_or_an_unknown_token_stay_empty():

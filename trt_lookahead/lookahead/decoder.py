@@ -36,7 +36,7 @@ from trt_lookahead.lookahead.drafts import SUFFIX, Branch, SuffixIndex, lay_tree
 from trt_lookahead.lookahead.executor import CAUSAL, Executor, StepBatch
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.pool import OUTPUT, PROMPT, SHARED, WINDOW, Continuation, NgramPool, SharedPool
-from trt_lookahead.lookahead.recycle import RECYCLE_K, SuccessorMap, fill_recycled
+from trt_lookahead.lookahead.recycle import RECYCLE, RECYCLE_CHAINS, RECYCLE_K, SuccessorMap, fill_recycled
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.lookahead.tree import ROOT, TreeTemplate, covers
 
@@ -396,10 +396,14 @@ class RequestDecoder:
         output_slots[k:] = tab.output_slots[-1]
 
     def _branches(self, depth: int) -> list[Branch]:
-        """This step's draft branches for the tree: pool candidates (newest first), then suffix matches."""
+        """This step's draft branches for the tree: pool candidates (newest first), suffix matches, then recycled
+        chains; a rank-r recycled chain scores as the rank-r pool candidate does (docs/design.md 3.9)."""
         branches: list[Branch] = [(c, origin, 1.0 / (1 + rank)) for rank, (c, origin) in enumerate(self.candidates)]
         if self.suffix is not None:
             branches.extend((c, SUFFIX, n - 0.5) for c, n in self.suffix.continuations(depth, SUFFIX_BRANCHES))
+        if self.successors is not None:
+            chains = self.successors.chains(self.x, RECYCLE_CHAINS, depth)
+            branches.extend((c, RECYCLE, 1.0 / (1 + rank)) for rank, c in enumerate(chains))
         return branches
 
     def accept(self, out: np.ndarray) -> list[int]:

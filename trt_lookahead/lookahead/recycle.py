@@ -2,8 +2,12 @@
 
 A step already computes the next-token distribution at each of its output slots; the executor returns the
 top RECYCLE_K ids there (StepBatch.top_ids). `SuccessorMap.record` keeps, for each input token, the top-k
-of the newest slot that fed it (Token Recycling's adjacency matrix, arXiv 2408.08696). `fill_recycled`
-then fills the draft-tree slots the trie left empty, from the successors of each slot's parent token.
+of the newest slot that fed it (Token Recycling's adjacency matrix, arXiv 2408.08696). `SuccessorMap.chains`
+gives x_t's likeliest successors, each continued by its own likeliest successor, as branches that compete in
+the trie with the other sources; `fill_recycled` then fills the draft-tree slots the trie left empty, from
+the successors of each slot's parent token.
+
+    chains, successors {5: [7, 9], 7: [3, 4], 3: [5]}, x_t = 5, 2 ranks, depth 4:  [(7, 3, 5, 7), (9,)]
 
 Worked example, template parents [-1, 0, 0, -1] (x_t -> a -> {b, c}; x_t -> d), x_t = 5:
     successors {5: [7, 9], 7: [3, 4], 9: [1, 2]}, drafts after the trie [7, -1, -1, -1]
@@ -21,6 +25,7 @@ from trt_lookahead.lookahead.tree import ROOT
 
 RECYCLE = "recycled"  # the origin of recycled drafts
 RECYCLE_K = 8  # successors kept per token (the widest rank a template node takes from them)
+RECYCLE_CHAINS = 2  # x_t's likeliest successors offered to the trie as chains (docs/design.md 3.9)
 
 
 class SuccessorMap:
@@ -45,6 +50,17 @@ class SuccessorMap:
     def get(self, token: int) -> tuple[int, ...]:
         own, shared = self.tables()
         return own.get(token) or shared.get(token, ())
+
+    def chains(self, x: int, ranks: int, depth: int) -> list[tuple[int, ...]]:
+        """x's `ranks` likeliest successors, each continued by its likeliest successor up to `depth` tokens."""
+        own, shared = self.tables()
+        found = []
+        for token in (own.get(x) or shared.get(x, ()))[:ranks]:
+            chain = [token]
+            while len(chain) < depth and (following := own.get(chain[-1]) or shared.get(chain[-1])):
+                chain.append(following[0])
+            found.append(tuple(chain))
+        return found
 
     def record(self, inputs: np.ndarray, top: np.ndarray) -> None:
         """inputs [K] the tokens fed at K output slots, top [K, k] the model's top-k there; later slots win."""
