@@ -100,6 +100,46 @@ def test_a_greedy_request_is_probed_again_later():
     assert configs[0] == GREEDY_STEP and any(c != GREEDY_STEP for c in configs)
 
 
+def test_a_request_the_priors_keep_greedy_probes_its_cheapest_rung_and_climbs_if_its_drafts_match():
+    """On a steep step cost every rung is predicted slower than greedy: only probes can show that a request's
+    drafts match. Every 8th greedy step in a row is one; a request whose drafts all match then stays on lookahead."""
+    policy = LookaheadPolicy(STEEP, PRIORS)
+    state = policy.start(C(4, 3, 4), False)
+    configs = []
+    for _ in range(20):
+        (config,) = policy.choose([state], [4])
+        configs.append(config)
+        policy.observe(state, config, config.N)  # every draft accepted
+    # greedy costs 28 ms and 1/3/1 52 ms for 1 + ratio x 0.5 tokens. The first probe (2 extra tokens against the
+    # prior's 0.5) takes the ratio from 1 to 0.8 + 0.2 x 4 = 1.6: 1.8 tokens / 52 ms, still below greedy's 1 / 28;
+    # the second, 8 steps later, to 2.08: 2.04 / 52 beats it, and the request stays on 1/3/1
+    assert configs[:8] == [GREEDY_STEP] * 8 and configs[8] == C(1, 3, 1)  # the cheapest rung with drafts
+    assert configs[9:17] == [GREEDY_STEP] * 8 and configs[17:] == [C(1, 3, 1)] * 3
+
+
+def test_probes_of_a_request_whose_drafts_fail_come_ever_more_rarely():
+    policy = LookaheadPolicy(STEEP, PRIORS)
+    state = policy.start(C(4, 3, 4), False)
+    probes = []
+    for step in range(200):
+        (config,) = policy.choose([state], [4])
+        if config != GREEDY_STEP:
+            probes.append(step)
+        policy.observe(state, config, 1)  # nothing accepted
+    # after 8 greedy steps, then 16, 32 and 64: the wait doubles after each failed probe
+    assert probes == [8, 25, 58, 123]
+
+
+def test_no_probe_without_drafts_to_verify():
+    policy = LookaheadPolicy(STEEP, PRIORS)
+    state = policy.start(C(4, 3, 4), False)
+    for _ in range(30):
+        (config,) = policy.choose([state], [0])
+        assert config == GREEDY_STEP
+        policy.observe(state, config, 1)
+    assert state.greedy_run == 30 and policy.choose([state], [2]) == [C(1, 3, 1)]
+
+
 def test_explicit_configs_are_honoured():
     policy = LookaheadPolicy(STEEP, PRIORS)
     explicit, auto = policy.start(C(7, 5, 7), True), policy.start(C(7, 5, 7), False)

@@ -5,18 +5,23 @@
     configs = policy.choose([state, ...], supplies=[3, 0, ...])                # per step
     policy.observe(state, configs[0], emitted=2)                               # after the step
 
-A request's ladder runs from GREEDY_STEP up to its own config: (min(W, 2^i), N, min(G, 2^i)) for
-i = 0, 1, ...; a rung's candidate rows are capped by the rows the request can fill (`supplies`,
-RequestDecoder.draft_supply: x_t's pool candidates, or every row of a draft tree that recycled successors
-or a suffix match fill), since empty rows would cost tokens and never match. Expected tokens of a rung:
-e = 1 + the config's prior extra tokens per step (tune's measured compression - 1) x the request's own
-acceptance ratio, at most N. The ratio is an EMA of observed / prior extra tokens; it starts at 1 and
-drifts back towards 1 while the request runs greedy, so a request whose drafts kept failing is probed again
-later. The step's predicted speed is sum(e) / c(M, B) for M real tokens in B rows (c measured by tune).
-Each request's ladder is reduced to its upper concave hull; all requests' upgrades are taken in order of
-extra tokens per extra step token while the predicted speed grows. All-greedy is always a candidate, so the
-prediction never falls below batched greedy. Explicit configs run every step as asked. The policy changes
-how fast a request decodes, never its tokens (docs/design.md section 4).
+A request's ladder runs from GREEDY_STEP up to its own config: (min(W, 2^i), N, min(G, 2^i)) for i = 0, 1,
+...; a rung's candidate rows are capped by the rows the request can fill (`supplies`,
+RequestDecoder.draft_supply: x_t's pool candidates, or every row of a draft tree that recycled successors or a
+suffix match fill), since empty rows would cost tokens and never match. Expected tokens of a rung: e = 1 + the
+config's prior extra tokens per step (tune's measured compression - 1) x the request's own acceptance ratio,
+at most N. The ratio is an EMA of observed / prior extra tokens; it starts at 1 and drifts back towards 1
+while the request runs greedy, so a request whose drafts kept failing is probed again later. A greedy step
+teaches the ratio nothing, so a request that has drafts to verify and has run `probe_every` greedy steps in a
+row runs its cheapest lookahead rung once whatever the prediction (a probe): a request whose drafts match far
+better than tune's prompts did (code, quoted text) then climbs where the priors alone would keep it greedy.
+`probe_every` starts at PROBE_EVERY, doubles after each lookahead step that accepted nothing (up to
+MAX_PROBE_EVERY) and resets after one that accepted, so probing a request whose drafts keep failing costs ever
+less. The step's predicted speed is sum(e) / c(M, B) for M real tokens in B rows (c measured by tune). Each
+request's ladder is reduced to its upper concave hull; all requests' upgrades are taken in order of extra
+tokens per extra step token while the predicted speed grows. All-greedy is always a candidate, so the
+prediction never falls below batched greedy but for the probes. Explicit configs run every step as asked. The
+policy changes how fast a request decodes, never its tokens (docs/design.md section 4).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ EMA = 0.2  # weight of the newest observation in a request's acceptance ratio
 RECOVERY = 0.05  # per greedy step, the ratio moves this fraction of the way back to 1
 MAX_RATIO = 4.0
 MARGIN = 0.02  # lookahead must be predicted this much faster than all-greedy to be chosen
+PROBE_EVERY = 8  # greedy steps in a row after which a request with drafts probes its cheapest lookahead rung
+MAX_PROBE_EVERY = 256  # the longest wait between probes, reached by doubling after failed lookahead steps
 
 
 class StepCost:
@@ -128,6 +135,8 @@ class RequestState:
     explicit: bool  # run `config` every step
     ladder: tuple[LookaheadConfig, ...]
     ratio: float = 1.0  # observed / prior extra tokens (EMA)
+    greedy_run: int = 0  # greedy steps since its last lookahead step
+    probe_every: int = PROBE_EVERY  # greedy steps in a row before a probe (see the module docstring)
 
 
 def ladder(config: LookaheadConfig) -> tuple[LookaheadConfig, ...]:
@@ -163,6 +172,17 @@ class LookaheadPolicy:
 
     def choose(self, states: Sequence[RequestState], supplies: Sequence[int]) -> list[LookaheadConfig]:
         """Each request's config for the coming step (states[i] with supplies[i] pool candidates)."""
+        chosen = self._fastest(states, supplies)
+        for i, (state, supply) in enumerate(zip(states, supplies, strict=True)):
+            if chosen[i].is_greedy and not state.explicit and state.greedy_run >= state.probe_every:
+                rungs = self.rungs(state.ladder, min(supply, state.config.G))
+                probe = next((cfg for _, _, cfg in rungs if cfg.G), None)  # the cheapest rung with drafts
+                if probe is not None:
+                    chosen[i] = probe
+        return chosen
+
+    def _fastest(self, states: Sequence[RequestState], supplies: Sequence[int]) -> list[LookaheadConfig]:
+        """Each request's config in the step predicted fastest (all-greedy unless a step beats it by MARGIN)."""
         chosen = [s.config if s.explicit else GREEDY_STEP for s in states]
         tokens = sum(c.step_tokens for c in chosen)
         expected = sum(self.expected(s, c) for s, c in zip(states, chosen, strict=True))
@@ -211,6 +231,11 @@ class LookaheadPolicy:
 
     def observe(self, state: RequestState, config: LookaheadConfig, emitted: int) -> None:
         """Update the request's acceptance ratio after a step of `config` that emitted `emitted` tokens."""
+        if config.is_greedy:
+            state.greedy_run += 1
+        else:
+            state.greedy_run = 0
+            state.probe_every = PROBE_EVERY if emitted > 1 else min(2 * state.probe_every, MAX_PROBE_EVERY)
         prior = self.priors.extra(config)
         if prior <= 0.0:  # greedy (or a config expected to accept nothing): probe again later
             state.ratio += RECOVERY * (1.0 - state.ratio) if state.ratio < 1.0 else 0.0
