@@ -53,11 +53,10 @@ class SuccessorMap:
 
     def chains(self, x: int, ranks: int, depth: int) -> list[tuple[int, ...]]:
         """x's `ranks` likeliest successors, each continued by its likeliest successor up to `depth` tokens."""
-        own, shared = self.tables()
-        found = []
-        for token in (own.get(x) or shared.get(x, ()))[:ranks]:
+        get, found = self.get, []
+        for token in get(x)[:ranks]:
             chain = [token]
-            while len(chain) < depth and (following := own.get(chain[-1]) or shared.get(chain[-1])):
+            while len(chain) < depth and (following := get(chain[-1])):
                 chain.append(following[0])
             found.append(tuple(chain))
         return found
