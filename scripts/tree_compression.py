@@ -79,6 +79,7 @@ VARIANTS = {  # name -> (tree: None (linear), "prior" or "fitted", switches)
     "tree: suffix": ("prior", Switches(pool=False, recycle=False)),
     "tree: recycled": ("prior", Switches(pool=False, suffix=False)),
     "tree: pool+suffix": ("prior", Switches(recycle=False)),
+    "tree: pool+suffix+recycled by token only": ("prior", Switches(pairs=False)),
     "tree: pool+suffix+recycled": ("prior", Switches()),
     # shaped by the acceptance per depth and rank the prior tree measured on other rows (--fit-offset)
     "fitted tree: pool+suffix+recycled": ("fitted", Switches()),

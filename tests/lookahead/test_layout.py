@@ -11,6 +11,7 @@ from trt_lookahead.lookahead.layout import (
     pack_mask,
     unpack_mask,
 )
+from trt_lookahead.lookahead.tree import TreeTemplate
 
 CONFIGS = [(w, n, g) for w in (1, 2, 3, 5, 8) for n in (2, 3, 4, 6) for g in (0, 1, 2, 5)] + [(15, 5, 15), (7, 5, 7)]
 
@@ -106,3 +107,13 @@ def test_newest_level_for_bigram_window():
     lay = StepLayout(LookaheadConfig(4, 2, 3))
     assert lay.newest_level_slots.tolist() == [1, 2, 3]
     assert lay.chain_slots.size == 0
+
+
+def test_previous_slots_by_hand():
+    """Each slot's token one position earlier in what it sees: W=2 N=3 G=1 is B0 = 0 1, B1 = 2 3, V0 = 4 5 (verify's
+    worked example); a tree (x_t -> a -> {b, c}; x_t -> d) at W=1 N=3 G=2 is B0 = 0, B1 = 1, nodes 2..5."""
+    assert StepLayout(LookaheadConfig(2, 3, 1)).previous_slots.tolist() == [-1, 0, 0, 1, 0, 4]
+    tree = TreeTemplate((-1, 0, 0, -1))
+    assert StepLayout(LookaheadConfig(1, 3, 2), tree=tree).previous_slots.tolist() == [-1, 0, 0, 2, 2, 0]
+    padded = StepLayout(LookaheadConfig(2, 3, 1), padded_tokens=8).previous_slots.tolist()
+    assert padded == [-1, 0, 0, 1, 0, 4, -1, -1]  # pads see only themselves

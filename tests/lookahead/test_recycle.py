@@ -185,3 +185,103 @@ def test_a_template_of_the_wrong_size_for_a_tree_is_a_user_error(tmp_path):
         resolve_tree("auto", LookaheadConfig(4, 3, 0))
     with pytest.raises(UserError, match="parents must be -1"):
         resolve_tree("2,1", LookaheadConfig(1, 2, 1))
+
+
+def test_pairs_are_looked_up_before_tokens_own_map_before_shared():
+    """Order: own pair, own token, shared pair, shared token. After 9, 5 the own pair gives 1; after 8, 5 the own
+    entry for 5 (written with another context) still wins over another request's pair (8, 5) -> 6, which a map
+    that never saw 5 reads."""
+    shared = SuccessorMap()
+    other, mine = SuccessorMap(shared), SuccessorMap(shared)
+    other.record(np.array([5]), np.array([[6]]), np.array([8]))
+    mine.record(np.array([5, 5]), np.array([[1], [2]]), np.array([9, 7]))  # token entry 5 -> 2 (the later slot)
+    assert mine.get(5, 9) == (1,) and mine.get(5, 7) == (2,)
+    assert mine.get(5, 8) == mine.get(5, 3) == mine.get(5) == (2,)  # no own pair: the own token entry
+    fresh = SuccessorMap(shared)
+    assert fresh.get(5, 8) == (6,)  # the shared pair
+    assert fresh.get(5, 4) == fresh.get(5) == (2,)  # no pair anywhere: the shared token entry, written last
+    mine.record(np.array([3]), np.array([[7]]), np.array([-1]))  # previous unknown: the token entry only
+    assert mine.get(3, 5) == (7,) and len(mine.pairs) == 2
+
+
+def test_chains_follow_pairs():
+    """Tokens {5: [7, 9], 7: [3, 4], 3: [5]}; after the pair (5, 7) the model said 4, so the chain from 5 goes
+    7 -> 4 (4 has no successors); without pairs it is the docstring's 7 -> 3 -> 5 -> 7."""
+    m = SuccessorMap()
+    m.record(np.array([7, 5, 7, 3]), np.array([[4, 3], [7, 9], [3, 4], [5, 5]]), np.array([5, -1, -1, -1]))
+    assert m.chains(5, 2, 4) == [(7, 4), (9,)]
+    assert m.chains(5, 2, 4, previous=9) == [(7, 4), (9,)]  # no pair (9, 5): 5's own successors
+    assert successors({5: [7, 9], 7: [3, 4], 3: [5]}).chains(5, 2, 4) == [(7, 3, 5, 7), (9,)]
+
+
+def test_past_its_capacity_the_pair_table_keeps_the_newest_half_by_first_write():
+    m = SuccessorMap(pairs=4)
+    for previous in (1, 2, 3, 4, 1, 6):  # (1, 5) rewritten keeps its first place; (6, 5) makes 5 > 4 pairs
+        m.record(np.array([5]), np.array([[previous + 10]]), np.array([previous]))
+    assert len(m.pairs) == 2
+    assert (m.get(5, 4), m.get(5, 6)) == ((14,), (16,))
+    assert m.get(5, 1) == m.get(5, 2) == (16,)  # dropped: the token entry, written last
+
+
+def test_fill_recycled_looks_up_each_node_after_its_grandparent():
+    """x_t = 5 after 9, template x_t -> a -> b: the pair (9, 5) gives a = 7, the pair (5, 7) gives b = 4; unknown
+    context (previous -1) reads the tokens: 5 -> 1, and 1 has no successors."""
+    m = SuccessorMap()
+    m.record(np.array([5, 7, 5, 7]), np.array([[7], [4], [1], [3]]), np.array([9, 5, -1, -1]))
+    drafts = np.full(2, -1)
+    fill_recycled((-1, 0), drafts, [""] * 2, m, x=5, previous=9)
+    assert drafts.tolist() == [7, 4]
+    drafts = np.full(2, -1)
+    fill_recycled((-1, 0), drafts, [""] * 2, m, x=5)
+    assert drafts.tolist() == [1, -1]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_pairs_draft_a_trigram_model_better_than_tokens_alone(seed):
+    """Markov(2) logits depend on the last two tokens: a pair's recorded top-1 is the model's next token, a
+    token's is one of several, so recycled drafts with pairs are accepted more; both are greedy's tokens."""
+    vocab, prompt = 40, [3, 1, 4, 1, 5, 9, 2, 6]
+    logits = markov_logits(vocab, 2, seed=seed)
+    tree = tree_template(12, 6)
+    runs = {}
+    for pairs in (True, False):
+        ex = OracleExecutor(logits, vocab, max_batch=1, tree=tree)
+        switches = Switches(pool=False, suffix=False, chain=False, pairs=pairs)
+        runs[pairs] = LookaheadDecoder(ex, LookaheadConfig(2, 2, 12), switches=switches, tree=tree).generate(prompt, 80)
+        assert runs[pairs].token_ids == reference_generate(logits, prompt, 80)
+    assert runs[True].stats.steps < runs[False].stats.steps
+
+
+@given(st.integers(0, 2**31), st.integers(1, 8), st.integers(-1, 5))
+def test_fill_recycled_on_a_chain_template_lays_the_rank_0_chain(seed, nodes, previous):
+    """fill_recycled inlines `get`'s lookup order; on a one-path template it must lay what `chains` gives."""
+    rng = np.random.default_rng(seed)
+    shared = SuccessorMap()
+    other, mine = SuccessorMap(shared), SuccessorMap(shared)
+    for m in (other, mine):
+        m.record(rng.integers(0, 6, 12), rng.integers(0, 6, (12, 3)), rng.integers(-1, 6, 12))
+    x = int(rng.integers(0, 6))
+    drafts = np.full(nodes, -1)
+    fill_recycled(tuple(range(-1, nodes - 1)), drafts, [""] * nodes, mine, x, previous)
+    chain = (mine.chains(x, 1, nodes, previous) or [()])[0]
+    assert drafts.tolist() == [*chain, *[-1] * (nodes - len(chain))]
+
+
+def test_every_recorded_pair_holds_the_models_top_ids_after_that_pair():
+    """Under Markov(2) logits a slot's output depends on its token and the one before it in what it sees, so each
+    recorded pair must hold the top ids of exactly that pair: a wrong previous token (window, tree or path slot)
+    records another pair's ids."""
+    vocab, prompt = 30, [3, 1, 4, 1, 5, 9, 2, 6]
+    logits = markov_logits(vocab, 2, seed=11)
+    tree = tree_template(12, 4)
+    ex = OracleExecutor(logits, vocab, max_batch=1, tree=tree)
+    d = RequestDecoder(LookaheadConfig(3, 4, 4), prompt, 60, tree=tree)
+    d.setup(ex.prefill(0, d.prompt, SamplingParams()))
+    stepper = BatchStepper(ex)
+    while not d.finished:
+        assert stepper.run([Row(0, d, d.config)]) == [None]
+    assert d.tokens == reference_generate(logits, prompt, 60)
+    assert len(d.successors.pairs) > 50
+    for key, top in d.successors.pairs.items():
+        previous, token = key >> 32, key & 0xFFFFFFFF
+        assert top[0] == int(np.argmax(logits((previous, token)))), (previous, token)

@@ -36,7 +36,14 @@ from trt_lookahead.lookahead.drafts import SUFFIX, Branch, SuffixIndex, lay_tree
 from trt_lookahead.lookahead.executor import CAUSAL, Executor, StepBatch
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.pool import OUTPUT, PROMPT, SHARED, WINDOW, Continuation, NgramPool, SharedPool
-from trt_lookahead.lookahead.recycle import RECYCLE, RECYCLE_CHAINS, RECYCLE_K, SuccessorMap, fill_recycled
+from trt_lookahead.lookahead.recycle import (
+    NO_CONTEXT,
+    RECYCLE,
+    RECYCLE_CHAINS,
+    RECYCLE_K,
+    SuccessorMap,
+    fill_recycled,
+)
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.lookahead.tree import ROOT, TreeTemplate, covers
 
@@ -129,6 +136,7 @@ class Switches:
     pool: bool = True  # the n-gram pool's candidates fill the verification branch
     suffix: bool = True  # suffix-matched continuations of the text so far fill the draft tree (tree only)
     recycle: bool = True  # recycled top-k successors fill the tree nodes the other sources left empty (tree only)
+    pairs: bool = True  # recycled successors keyed by (previous token, token) first, then by token (tree only)
 
 
 def verify_nodes(layout: StepLayout) -> tuple[np.ndarray, np.ndarray]:
@@ -178,6 +186,7 @@ class StepTables:
     step_config: np.ndarray  # [3] int32 (W, N, G)
     rel_positions: np.ndarray  # [T] offsets from x_t's position
     output_slots: np.ndarray  # [K] increasing: the slots whose outputs accept/update read
+    output_previous: tuple[int, ...]  # [K] the slot of the token before each output slot's, -1: x_t's (layout)
     # plain ints, read per node by `verify` and `accept` (numpy is slow right after the step)
     node_slots: tuple[int, ...]  # [M] the verifiable nodes' slots (`verify_nodes`)
     expect_slots: tuple[int, ...]  # [M] the slot whose output checks each node: its parent's, x_t's = 0
@@ -216,7 +225,9 @@ def step_tables(config: LookaheadConfig, tree: TreeTemplate | None = None) -> St
     template, linear = layout.template, covers(tree, config) is None
     cells = () if linear else tuple(zip(template.depth.tolist(), template.rank.tolist(), strict=True))
     return StepTables(
-        config, step_config, layout.rel_positions, layout.output_slots, tuple(slots.tolist()), tuple(expect.tolist()),
+        config, step_config, layout.rel_positions, layout.output_slots,
+        tuple(layout.previous_slots[layout.output_slots].tolist()), tuple(slots.tolist()),
+        tuple(expect.tolist()),
         tuple(parents.tolist()), depth,
         template, tuple(template.rank.tolist()), layout.window_slots[-1], config.levels * config.W, linear, cells,
         tuple(tuple(cell for cell, q in zip(cells, template.parents, strict=False) if q == p)
@@ -377,7 +388,8 @@ class RequestDecoder:
         elif V:
             lay_tree(tab.template, tab.ranks, self._branches(tab.template.max_depth), drafts, self._origins)
             if self.successors is not None:
-                fill_recycled(tab.template.parents, drafts[:V], self._origins, self.successors, self.x)
+                fill_recycled(tab.template.parents, drafts[:V], self._origins, self.successors, self.x,
+                              self._previous)
         if self.switches.chain:
             drafts[V:] = self.window[1:levels, 0]
             self._origins[V : V + levels - 1] = [CHAIN] * (levels - 1)
@@ -402,7 +414,7 @@ class RequestDecoder:
         if self.suffix is not None:
             branches.extend((c, SUFFIX, n - 0.5) for c, n in self.suffix.continuations(depth, SUFFIX_BRANCHES))
         if self.successors is not None:
-            chains = self.successors.chains(self.x, RECYCLE_CHAINS, depth)
+            chains = self.successors.chains(self.x, RECYCLE_CHAINS, depth, self._previous)
             branches.extend((c, RECYCLE, 1.0 / (1 + rank)) for rank, c in enumerate(chains))
         return branches
 
@@ -445,6 +457,11 @@ class RequestDecoder:
         return emitted
 
     @property
+    def _previous(self) -> int:
+        """The token before x_t, the context its recycled successors are looked up after (NO_CONTEXT: switched off)."""
+        return self.sequence[-2] if self.switches.pairs else NO_CONTEXT
+
+    @property
     def recycles(self) -> bool:
         """Whether this request's steps need the executor's top-k ids (StepBatch.top_ids)."""
         return self.successors is not None
@@ -458,7 +475,12 @@ class RequestDecoder:
         assert tab is not None, "update() needs an accepted step"
         if self.successors is not None and top is not None:
             slots = np.concatenate((tab.output_slots, self.commit_slots))  # the accepted path last: its context wins
-            self.successors.record(self._ids[slots], top[slots])
+            previous = None
+            if self.switches.pairs:  # plain lists: numpy calls are slow right after the step (verify's docstring)
+                ids, before, commit = self._ids.tolist(), self._previous, self.commit_slots.tolist()
+                previous = [ids[s] if s >= 0 else before for s in tab.output_previous]
+                previous += [before, *(ids[s] for s in commit[:-1])]  # x_t's, then each path node's parent
+            self.successors.record(self._ids[slots], top[slots], previous)
         self.cache_len += len(self.commit_slots)
         self.x = self.block[-1]
         if tab.config.N == cfg.N:  # a greedy step under a larger N uses no window column

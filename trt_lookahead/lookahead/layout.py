@@ -117,6 +117,15 @@ class StepLayout:
         return self.window_slots[-1]
 
     @property
+    def previous_slots(self) -> np.ndarray:
+        """[T] the slot holding the token right before each slot's own in what it sees (one position earlier), or
+        -1 where that token is in the cache: x_t's, and the pads'. E.g. B_l[j] -> B_{l-1}[j], B1[j] -> B0[j],
+        B0[j] -> B0[j-1], a tree node -> its parent (x_t at depth 1)."""
+        earlier = self.rel_positions[None, :] == self.rel_positions[:, None] - 1  # [T, T]
+        seen = self.mask & earlier
+        return np.where(seen.any(axis=1), seen.argmax(axis=1), -1)
+
+    @property
     def output_slots(self) -> np.ndarray:
         """Slots whose next-token output the decoder reads; an executor may skip the others' logits."""
         used = np.zeros(self.step_tokens, bool)

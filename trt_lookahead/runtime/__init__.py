@@ -46,7 +46,7 @@ from trt_lookahead.lookahead.decoder import DecodeStats, RequestDecoder, check_r
 from trt_lookahead.lookahead.executor import Executor, check_kv_memory
 from trt_lookahead.lookahead.policy import LookaheadPolicy, Priors, StepCost
 from trt_lookahead.lookahead.pool import POOL_SCOPES, SharedPool
-from trt_lookahead.lookahead.recycle import SuccessorMap
+from trt_lookahead.lookahead.recycle import SHARED_PAIRS, SuccessorMap
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.lookahead.tree import DEFAULT_TREE, TreeTemplate, resolve_tree
 from trt_lookahead.runtime import scheduler
@@ -259,7 +259,8 @@ class LookaheadRuntime:
         self.pool_scope = check_pool_scope(pool_scope)  # the widest scope a request may use
         self.shared_pool = SharedPool()  # touched only by the scheduler thread (decoders' setup/prepare/update)
         self.tree: TreeTemplate | None = getattr(executor, "tree", None)  # the executor's draft tree template
-        self.successors = SuccessorMap()  # recycled top-k of the shared scope's tree requests (scheduler thread)
+        # recycled top-k of the shared scope's tree requests (scheduler thread)
+        self.successors = SuccessorMap(pairs=SHARED_PAIRS)
         # until `auto` is first asked for, the policy only runs explicit configs (it never sees auto requests)
         policy = LookaheadPolicy(StepCost.linear(1.0, 0.0), Priors({}))
         prefill = default_prefill(backend) if prefill is None else prefill
