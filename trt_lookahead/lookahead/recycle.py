@@ -9,6 +9,7 @@ the trie with the other sources; `fill_recycled` then fills the draft-tree slots
 the successors of each slot's parent token.
 
     chains, successors {5: [7, 9], 7: [3, 4], 3: [5]}, x_t = 5, 2 ranks, depth 4:  [(7, 3, 5, 7), (9,)]
+    the same with the pair (5, 7) -> [4] recorded too: 7 after 5 is followed by 4  ->  [(7, 4), (9,)]
 
 Worked example, template parents [-1, 0, 0, -1] (x_t -> a -> {b, c}; x_t -> d), x_t = 5:
     successors {5: [7, 9], 7: [3, 4], 9: [1, 2]}, drafts after the trie [7, -1, -1, -1]
