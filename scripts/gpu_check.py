@@ -248,7 +248,6 @@ def run_child(args: argparse.Namespace, name: str, limit: float) -> dict[str, An
         command = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--result", str(result_file),
                    "--out", str(args.out), *(["--quick"] if args.quick else [])]
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled kernels here
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH"))))  # this checkout
         try:
             done = subprocess.run(command, env=env, timeout=limit, capture_output=True, text=True)
             if done.returncode != 0:
@@ -1006,7 +1005,9 @@ def readme_table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if str(ROOT) not in sys.path:  # the package from this checkout, installed or not (the sections get PYTHONPATH)
+    # the package from this checkout, installed or not: each section runs this script again, and its pytest runs
+    # as `python -m pytest` in ROOT, which puts ROOT on its path too
+    if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     args = parse_args(argv)
     if args.section:

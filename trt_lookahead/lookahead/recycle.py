@@ -91,9 +91,10 @@ class SuccessorMap:
         """inputs [K] the tokens fed at K output slots, top [K, k] the model's top-k there, previous [K] the token
         before each in its slot's context (NO_CONTEXT: unknown); later slots win."""
         tokens, tops = inputs.tolist(), list(map(tuple, top.tolist()))
+        entries = list(zip(tokens, tops, strict=True))  # once for both maps
         maps = (self,) if self.shared is None else (self, self.shared)
         for m in maps:
-            m.table.update(zip(tokens, tops, strict=True))
+            m.table.update(entries)
         if previous is None:
             return
         pairs = [(context_key(p, t), k) for p, t, k in zip(previous, tokens, tops, strict=True) if p >= 0]
