@@ -4,6 +4,8 @@ import pytest
 
 from trt_lookahead.lookahead.config import MAX_STEP_TOKENS, LookaheadConfig
 
+C = LookaheadConfig
+
 
 @pytest.mark.parametrize("text", ["4,3,4", "4/3/4", "[4,3,4]", " [4, 3, 4] ", "4 3 4"])
 def test_parse_forms(text):
@@ -82,3 +84,26 @@ def test_the_largest_step_is_allowed():
 def test_parse_takes_short_ascii_numbers_only(text):
     with pytest.raises(ValueError, match="W,N,G"):
         LookaheadConfig.parse(text)
+
+
+@pytest.mark.parametrize("columns, N, most, expected", [
+    # the window gets 1.2 sqrt(W + G) columns, rounded: the best splits measured at T = 28, 56, 120 (docs/design.md 9)
+    (7, 5, None, C(3, 5, 4)),  # 1.2 x 2.65 = 3.17
+    (14, 5, None, C(4, 5, 10)),  # 1.2 x 3.74 = 4.49
+    (30, 5, None, C(7, 5, 23)),  # 1.2 x 5.48 = 6.57
+    (16, 3, None, C(5, 3, 11)),  # 4.8
+    (4, 3, None, C(2, 3, 2)),  # 2.4
+    (2, 4, None, C(1, 4, 1)),  # 1.70 rounds to 2, but the tree keeps a column
+    (1, 3, None, C(1, 3, 0)),  # no column left for the tree
+    (16, 5, C(8, 5, 8), C(8, 5, 8)),  # G capped at 8, its 3 columns back to the window
+    (12, 5, C(2, 5, 4), C(2, 5, 4)),  # both capped: fewer columns than asked
+    (16, 5, C(20, 5, 3), C(13, 5, 3)),
+])
+def test_split_gives_the_window_the_square_root_of_the_columns(columns, N, most, expected):
+    assert C.split(columns, N, most) == expected
+
+
+def test_cover_is_the_largest_of_each_size():
+    cover = C.cover([C(4, 3, 4), C(8, 5, 8), C(15, 2, 1)])
+    assert cover == C(15, 5, 8)
+    assert all(c.check_fits(cover) is None for c in (C(4, 3, 4), C(8, 5, 8), C(15, 2, 1)))

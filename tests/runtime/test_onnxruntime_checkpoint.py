@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from trt_lookahead.errors import UserError
-from trt_lookahead.lookahead.config import LookaheadConfig
-from trt_lookahead.runtime import checkpoint_backend, engine_cover
+from trt_lookahead.lookahead.config import DEFAULT, LookaheadConfig
+from trt_lookahead.lookahead.decoder import step_tables
+from trt_lookahead.runtime import checkpoint_backend, checkpoint_tree, engine_cover
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 
@@ -72,3 +73,14 @@ def test_the_backend_of_a_checkpoint():
         checkpoint_backend("onnxruntime", "bfloat16")
     with pytest.raises(UserError, match="runs engine dirs"):
         checkpoint_backend("tensorrt", "float32")
+
+
+def test_a_torch_checkpoint_tree_covers_every_config_auto_may_use():
+    """On torch `auto` may go up to 5/N/11 (16 columns, 30% of them window): the default tree has its 11 x 4 nodes,
+    so no `auto` step falls back to linear candidates. onnxruntime's cached 8/5/8 engine keeps its 8 x 4."""
+    tree = checkpoint_tree(DEFAULT, None, "torch")
+    assert tree is not None and tree.nodes == 44
+    assert not step_tables(LookaheadConfig(5, 5, 11), tree).linear
+    assert step_tables(LookaheadConfig(5, 5, 12), tree).linear  # one node short: linear candidates
+    assert checkpoint_tree(DEFAULT, None, "onnxruntime").nodes == 32
+    assert checkpoint_tree(DEFAULT, LookaheadConfig(7, 5, 7), "torch").nodes == 28  # sized for the config asked for

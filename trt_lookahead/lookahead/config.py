@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 _SEPARATORS = re.compile(r"[,/\s]+")
@@ -11,6 +13,10 @@ MAX_STEP_TOKENS = 1024  # the largest T = (W+G)(N-1) a step may feed; so W, G <=
 GREEDY = "greedy"  # the label of the (1, 2, 0) config: plain greedy (or sampled) decoding
 AUTO = "auto"  # the label of the config tuned for this machine, model and workload (trt_lookahead.tuning)
 DEFAULT = "default"  # the runtime's default: DEFAULT_LOOKAHEAD, or an engine's built config
+# `LookaheadConfig.split` gives the window WINDOW_SCALE x sqrt(W + G) of a step's columns: harvesting wants a few
+# columns at any budget, while a draft tree fed by the pool, suffix matches and recycled top-k keeps paying for more
+# nodes; fitted to the best measured splits of T = 28, 56 and 120 at N = 5 (docs/design.md section 9)
+WINDOW_SCALE = 1.2
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,21 @@ class LookaheadConfig:
                 f"lookahead config {text!r} is not of the form W,N,G (also W/N/G or [W,N,G]), e.g. 4,3,4"
             )
         return cls(*(int(p) for p in parts))
+
+    @classmethod
+    def split(cls, columns: int, N: int, most: LookaheadConfig | None = None) -> LookaheadConfig:
+        """`columns` = W + G columns of N - 1 tokens: W = WINDOW_SCALE sqrt(columns) rounded (at least 1, and a column
+        left for G), G the rest; within `most`'s W and G, where a cut G's columns go to the window.
+        split(7, 5) = 3/5/4, split(14, 5) = 4/5/10, split(30, 5) = 7/5/23."""
+        window = max(1, min(columns - 1, int(WINDOW_SCALE * math.sqrt(max(columns, 0)) + 0.5)))
+        G = max(columns - window, 0) if most is None else min(max(columns - window, 0), most.G)
+        W = columns - G if most is None else min(columns - G, most.W)
+        return cls(max(W, 1), N, G)
+
+    @classmethod
+    def cover(cls, configs: Sequence[LookaheadConfig]) -> LookaheadConfig:
+        """The smallest config every one of `configs` fits (`check_fits`): the largest W, N and G among them."""
+        return cls(*(max(getattr(c, k) for c in configs) for k in ("W", "N", "G")))
 
     @property
     def is_greedy(self) -> bool:

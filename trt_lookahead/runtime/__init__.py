@@ -675,19 +675,24 @@ def resolve_lookahead(lookahead: LookaheadConfig | str) -> LookaheadConfig | str
 
 
 def engine_cover(asked: LookaheadConfig | None = None) -> LookaheadConfig:
-    """The W, N, G a checkpoint's cached engine is built for: the default config, the largest `auto` may pick,
-    and the config asked for explicitly (None: the standard engine)."""
+    """The W, N, G a checkpoint's cached engine is built for: the default config, TOP/5/TOP (the widest `auto` takes
+    on it) and the config asked for explicitly (None: the standard engine)."""
     from trt_lookahead.tuning.tune import NGRAMS, TOP
 
-    configs = [DEFAULT_LOOKAHEAD, LookaheadConfig(TOP, max(NGRAMS), TOP), *([asked] if asked else [])]
-    return LookaheadConfig(*(max(getattr(c, k) for c in configs) for k in "WNG"))
+    standard = [DEFAULT_LOOKAHEAD, LookaheadConfig(TOP, max(NGRAMS), TOP)]
+    return LookaheadConfig.cover([*standard, *([asked] if asked else [])])
 
 
 def checkpoint_tree(spec: str | TreeTemplate | None, asked: LookaheadConfig | None, backend: str
                     ) -> TreeTemplate | None:
     """The draft tree a checkpoint runs with (DEFAULT: DEFAULT_TREE; docs/design.md 2.7), sized for the config
-    asked for, else for the widest `auto` may use; on onnxruntime for its cached engine (`engine_cover`)."""
-    sized = engine_cover(asked) if backend == "onnxruntime" or not (asked and asked.G) else asked
+    asked for, else for every config `auto` may use; on onnxruntime for its cached engine (`engine_cover`)."""
+    from trt_lookahead.tuning.tune import auto_cover
+
+    if backend == "onnxruntime":
+        sized = engine_cover(asked)
+    else:
+        sized = asked if asked and asked.G else LookaheadConfig.cover([DEFAULT_LOOKAHEAD, auto_cover()])
     try:
         return resolve_tree(DEFAULT_TREE if spec == DEFAULT else spec, sized)
     except UserError as exc:

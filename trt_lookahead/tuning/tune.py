@@ -7,7 +7,8 @@ caller built, for its model, dtype and backend on this machine (docs/design.md s
   1. step cost c(M, B): batches of B identical requests (B = 1, 2, 4, ... max_batch) at each config of a
      ladder (greedy, 1/3/1, 2/3/2, 4/3/4, 8/3/8: M = B T real tokens), steps timed by the scheduler, rounds
      interleaved so that load changes hit every point alike; medians;
-  2. priors: the compression (tokens per step) of every rung (1..8 columns and candidates) at N = 3, 4, 5
+  2. priors: the compression (tokens per step) of every rung of each N's widest config (`widest`: 16 columns,
+     5 of them window and 11 tree, or an engine's W and G) at N = 3, 4, 5
      on a few prompts of the workload (rows past the first 16 of each set, so the bench's prompts are not
      the ones tuned on), cheapest first, the prompts of a config run together as one batch;
   3. the largest config `auto` may use: the N whose best rung is predicted fastest for one request;
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from trt_lookahead.bench.machine import load_average, machine_info, machine_key, utc_now
 from trt_lookahead.errors import UserError
-from trt_lookahead.lookahead.config import AUTO, GREEDY, LookaheadConfig
+from trt_lookahead.lookahead.config import AUTO, GREEDY, MAX_STEP_TOKENS, LookaheadConfig
 from trt_lookahead.lookahead.decoder import acceptance_counts
 from trt_lookahead.lookahead.policy import LookaheadPolicy, Priors, StepCost, ladder
 from trt_lookahead.lookahead.tree import Acceptance, TreeTemplate, tree_template
@@ -53,7 +54,8 @@ DEFAULT_AUTO_BUDGET = 240.0  # seconds, when `auto` tunes on first use ($TRT_LOO
 TUNE_ROW_OFFSET = 16  # tune on rows after the ones `bench --limit 8/16` measures
 TUNING_MAX_SEQ_LEN = 1024  # KV buffers for tuning: the prompts are a few hundred tokens
 NGRAMS = (3, 4, 5)  # the N `auto` may use
-TOP = 8  # the most window columns and candidates `auto` uses
+TOP = 8  # the most window columns and candidates of the cost ladder and of the standard cached engine (8/5/8)
+COLUMNS = 2 * TOP  # W + G of the widest step `auto` uses, split by LookaheadConfig.split: 5/N/11
 COST_LADDER = ladder(LookaheadConfig(TOP, 3, TOP))  # step tokens 1, 4, 8, 16, 32
 COST_STEPS = 4  # timed decode steps per (rows, config) point and round
 
@@ -265,15 +267,25 @@ def single_request_speed(policy: LookaheadPolicy, config: LookaheadConfig) -> fl
     return max(1000.0 * policy.expected(state, c) / policy.cost(c.step_tokens, 1) for c in state.ladder)
 
 
+def widest(n: int, step_tokens: int, engine: LookaheadConfig | None = None) -> LookaheadConfig:
+    """The largest config of N = n `auto` may use: COLUMNS columns (fewer where `step_tokens` is smaller) split into
+    window and tree by LookaheadConfig.split, within an engine's W and G."""
+    return LookaheadConfig.split(max(2, min(COLUMNS, step_tokens // (n - 1))), n, engine)
+
+
+def auto_cover() -> LookaheadConfig:
+    """The W, N and G every config `auto` may use fits, where no engine limits them (5/5/11)."""
+    return LookaheadConfig.cover([widest(n, MAX_STEP_TOKENS) for n in NGRAMS])
+
+
 def choose_ceiling(policy: LookaheadPolicy, step_tokens: int, engine: LookaheadConfig | None = None
                    ) -> tuple[LookaheadConfig, dict[str, float]]:
-    """The largest config `auto` may use: (TOP, N, TOP) within `step_tokens` (and an engine's W, N, G), for the
-    N predicted fastest."""
+    """The largest config `auto` may use: `widest` within `step_tokens` (and an engine's W, N, G), for the N
+    predicted fastest."""
     predicted = {}
     best = LookaheadConfig.greedy()
     for n in (n for n in NGRAMS if engine is None or n <= engine.N):
-        width = max(1, min(TOP, step_tokens // (2 * (n - 1)), *(() if engine is None else (engine.W, engine.G))))
-        top = LookaheadConfig(width, n, width)
+        top = widest(n, step_tokens, engine)
         predicted[str(n)] = round(single_request_speed(policy, top), 4)
         if best.is_greedy or predicted[str(n)] > predicted[str(best.N)]:
             best = top
@@ -330,7 +342,8 @@ def tune(
     report.step_cost = cost.to_dict()
     _say(progress, "ms per step, one row: " + ", ".join(f"M={m}: {ms:.1f}" for m, ms in cost.points[1]))
 
-    rungs = sorted({rung for n in NGRAMS for rung in ladder(LookaheadConfig(TOP, n, TOP))[1:] if _runs_on(rt, rung)},
+    tops = [widest(n, rt.executor.step_tokens, rt.max_lookahead) for n in NGRAMS]
+    rungs = sorted({rung for top in tops for rung in ladder(top)[1:] if _runs_on(rt, rung)},
                    key=lambda c: (c.step_tokens, c.N))
     report.priors, report.set_compression, report.acceptance = measure_priors(
         rt, named, rungs, max_new_tokens, deadline=start + 0.8 * budget_seconds, clock=clock
