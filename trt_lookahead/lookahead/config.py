@@ -15,7 +15,7 @@ AUTO = "auto"  # the label of the config tuned for this machine, model and workl
 DEFAULT = "default"  # the runtime's default: DEFAULT_LOOKAHEAD, or an engine's built config
 # `LookaheadConfig.split` gives the window WINDOW_SCALE x sqrt(W + G) of a step's columns: harvesting wants a few
 # columns at any budget, while a draft tree fed by the pool, suffix matches and recycled top-k keeps paying for more
-# nodes; fitted to the best measured splits of T = 28, 56 and 120 at N = 5 (docs/design.md section 9)
+# nodes; fitted to the best measured splits of T = 28, 56 and 120 at N = 5, shared scope (docs/design.md section 9)
 WINDOW_SCALE = 1.2
 
 
