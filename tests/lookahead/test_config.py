@@ -106,4 +106,7 @@ def test_split_gives_the_window_the_square_root_of_the_columns(columns, N, most,
 def test_cover_is_the_largest_of_each_size():
     cover = C.cover([C(4, 3, 4), C(8, 5, 8), C(15, 2, 1)])
     assert cover == C(15, 5, 8)
-    assert all(c.check_fits(cover) is None for c in (C(4, 3, 4), C(8, 5, 8), C(15, 2, 1)))
+    for config in (C(4, 3, 4), C(8, 5, 8), C(15, 2, 1)):
+        config.check_fits(cover)  # raises where a size is larger than the cover's
+    with pytest.raises(ValueError, match="G=9 > 8"):
+        C(1, 2, 9).check_fits(cover)

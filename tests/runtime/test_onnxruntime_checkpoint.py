@@ -76,8 +76,8 @@ def test_the_backend_of_a_checkpoint():
 
 
 def test_a_torch_checkpoint_tree_covers_every_config_auto_may_use():
-    """On torch `auto` may go up to 5/N/11 (16 columns, 30% of them window): the default tree has its 11 x 4 nodes,
-    so no `auto` step falls back to linear candidates. onnxruntime's cached 8/5/8 engine keeps its 8 x 4."""
+    """On torch `auto` may go up to 5/N/11 (16 columns, 1.2 sqrt(16) = 4.8 of them window): the default tree has its
+    11 x 4 nodes, so no `auto` step falls back to linear candidates. onnxruntime's cached 8/5/8 engine keeps 8 x 4."""
     tree = checkpoint_tree(DEFAULT, None, "torch")
     assert tree is not None and tree.nodes == 44
     assert not step_tables(LookaheadConfig(5, 5, 11), tree).linear

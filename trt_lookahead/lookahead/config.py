@@ -65,10 +65,10 @@ class LookaheadConfig:
         """`columns` = W + G columns of N - 1 tokens: W = WINDOW_SCALE sqrt(columns) rounded (at least 1, and a column
         left for G), G the rest; within `most`'s W and G, where a cut G's columns go to the window.
         split(7, 5) = 3/5/4, split(14, 5) = 4/5/10, split(30, 5) = 7/5/23."""
-        window = max(1, min(columns - 1, int(WINDOW_SCALE * math.sqrt(max(columns, 0)) + 0.5)))
-        G = max(columns - window, 0) if most is None else min(max(columns - window, 0), most.G)
-        W = columns - G if most is None else min(columns - G, most.W)
-        return cls(max(W, 1), N, G)
+        columns = max(columns, 1)
+        window = max(1, min(columns - 1, int(WINDOW_SCALE * math.sqrt(columns) + 0.5)))
+        G = min(columns - window, most.G if most else columns)
+        return cls(max(min(columns - G, most.W if most else columns), 1), N, G)
 
     @classmethod
     def cover(cls, configs: Sequence[LookaheadConfig]) -> LookaheadConfig:
