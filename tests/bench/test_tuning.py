@@ -156,11 +156,20 @@ def test_a_tuned_tree_by_hand():
         tune.tuned_tree({}, LookaheadConfig(1, 4, 1))
 
 
+def test_a_step_budget_is_split_at_the_n_predicted_fastest():
+    # 56 tokens at N = 5: 14 columns, W = round(1.2 sqrt 14 = 4.49) = 4; at N = 3: 28 columns, round(6.35) = 6
+    assert tune.budget_config(56, {"3": 40.0, "4": 41.0, "5": 42.5}) == LookaheadConfig(4, 5, 10)
+    assert tune.budget_config(56, {"3": 45.0, "4": 41.0, "5": 42.5}) == LookaheadConfig(6, 3, 22)
+    # 120 at N = 4: 40 columns, round(7.59) = 8
+    assert tune.budget_config(120, {"4": 1.0}) == LookaheadConfig(8, 4, 32)
+
+
 @pytest.mark.slow  # tunes for its 4 s budget
-def test_tune_cli_writes_the_tuning_file_and_a_tree_that_decodes_exactly(tuning, capsys, tmp_path):
+@pytest.mark.parametrize("tree_for", ["4,3,4", "16"])
+def test_tune_cli_writes_the_tuning_file_and_a_tree_that_decodes_exactly(tuning, capsys, tmp_path, tree_for):
     tree = tmp_path / "tree.txt"
     code = main(["tune", "--model", str(STORIES), "--dataset", "humaneval", "--budget-seconds", "4", "--json",
-                 "--tuning-file", str(tuning), "--tree-out", str(tree), "--tree-for", "4,3,4"])
+                 "--tuning-file", str(tuning), "--tree-out", str(tree), "--tree-for", tree_for])
     assert code == 0
     out, err = capsys.readouterr()
     stored = json.loads(out.strip().splitlines()[-1])
@@ -168,9 +177,17 @@ def test_tune_cli_writes_the_tuning_file_and_a_tree_that_decodes_exactly(tuning,
     assert tuning_file.read_tuning_file(tuning)["entries"].get(checkpoint_tuning_key(STORIES, "float32")) == stored
     assert "draft tree: accepted / offered nodes by depth" in tune.format_report(stored)
     template = TreeTemplate.parse(tree.read_text())
-    assert template.nodes == 8 and f"build with --tree {tree}" in err
+    config = err.split("--lookahead_config ")[1].split()[0]
+    assert f"--tree {tree}" in err
+    if tree_for == "16":  # 16 tokens: 8, 5 or 4 columns at N = 3, 4 or 5; W = round(1.2 sqrt(columns)) = 3, 3 or 2
+        n = max(stored["predicted"], key=lambda k: stored["predicted"][k])
+        assert config == {"3": "3,3,5", "4": "3,4,2", "5": "2,5,2"}[n]
+    else:
+        assert config == tree_for
+    _, N, G = map(int, config.split(","))
+    assert template.nodes == G * (N - 1)
     prompt = "Once upon a time there was a"
-    with LookaheadRuntime.from_pretrained(STORIES, backend="torch", lookahead="4,3,4", max_seq_len=256,
+    with LookaheadRuntime.from_pretrained(STORIES, backend="torch", lookahead=config, max_seq_len=256,
                                           tree=str(tree)) as rt:
         assert rt.tree == template
         ids = rt.encode(prompt)

@@ -130,6 +130,9 @@ def test_tune_budget_must_be_finite_and_positive(capsys, budget):
     (["--tree-out", "no/such/dir/tree.txt"], "give a file path in an existing directory"),
     (["--tree-out", ".", "--tree-for", "4,3,4"], "give a file path in an existing directory"),
     (["--tree-out", "tree.txt", "--tree-for", "4,3,0"], "has no verification slots to shape a tree for: give G >= 1"),
+    (["--tree-out", "tree.txt", "--tree-for", "7"], "a step budget T must be between 8 and 1024 tokens"),
+    (["--tree-out", "tree.txt", "--tree-for", "4096"], "a step budget T must be between 8 and 1024 tokens"),
+    (["--tree-out", "tree.txt", "--tree-for", "4,3"], "is not of the form W,N,G"),
 ])
 def test_tune_checks_where_its_tree_goes_before_tuning(capsys, extra, words):
     line = one_error_line(capsys, ["tune", "--model", str(STORIES), *extra])

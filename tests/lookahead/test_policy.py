@@ -15,10 +15,19 @@ FLAT = StepCost.linear(20.0, 0.05)  # a GPU-like step: tokens cost almost nothin
 STEEP = StepCost.linear(20.0, 8.0)  # a small CPU: every token costs 40% of a one-token step
 
 
-def test_ladder_doubles_columns_and_candidates_up_to_the_request():
+def test_ladder_doubles_the_columns_split_as_the_request_splits_them():
+    # 2 columns: W = round(1.2 sqrt 2 = 1.70) = 2 leaves no tree column, so 1/N/1; 4: round(2.4) = 2, 2/N/2;
+    # 8: round(3.39) = 3, G = 5; then the request's own config
     assert ladder(C(4, 3, 4)) == (GREEDY_STEP, C(1, 3, 1), C(2, 3, 2), C(4, 3, 4))
-    assert ladder(C(7, 5, 3)) == (GREEDY_STEP, C(1, 5, 1), C(2, 5, 2), C(4, 5, 3), C(7, 5, 3))
-    assert ladder(C(3, 4, 0)) == (GREEDY_STEP, C(1, 4, 0), C(2, 4, 0), C(3, 4, 0))
+    assert ladder(C(5, 5, 11)) == (GREEDY_STEP, C(1, 5, 1), C(2, 5, 2), C(3, 5, 5), C(5, 5, 11))
+    assert ladder(C(8, 3, 8)) == (GREEDY_STEP, C(1, 3, 1), C(2, 3, 2), C(3, 3, 5), C(8, 3, 8))
+    # 30 columns: 16 split as 5/5/11 first
+    assert ladder(C(15, 5, 15)) == (GREEDY_STEP, C(1, 5, 1), C(2, 5, 2), C(3, 5, 5), C(5, 5, 11), C(15, 5, 15))
+    # within the request's G = 3: 8 columns are 5/5/3, the cut tree columns going to the window
+    assert ladder(C(7, 5, 3)) == (GREEDY_STEP, C(1, 5, 1), C(2, 5, 2), C(5, 5, 3), C(7, 5, 3))
+    assert ladder(C(15, 5, 1)) == (GREEDY_STEP, C(1, 5, 1), C(3, 5, 1), C(7, 5, 1), C(15, 5, 1))
+    assert ladder(C(3, 4, 0)) == (GREEDY_STEP, C(2, 4, 0), C(3, 4, 0))  # a window only
+    assert ladder(C(1, 3, 0)) == (GREEDY_STEP, C(1, 3, 0))
     assert ladder(GREEDY_STEP) == (GREEDY_STEP,)
 
 

@@ -15,12 +15,12 @@ from pathlib import Path
 from trt_lookahead.bench.bench import DEFAULT_CONFIGS
 from trt_lookahead.bench.concurrency import MODES as CONCURRENCY_MODES
 from trt_lookahead.errors import UserError
-from trt_lookahead.lookahead.config import AUTO, DEFAULT, DEFAULT_LOOKAHEAD, GREEDY, LookaheadConfig
+from trt_lookahead.lookahead.config import AUTO, DEFAULT, DEFAULT_LOOKAHEAD, GREEDY, MAX_STEP_TOKENS, LookaheadConfig
 from trt_lookahead.lookahead.decoder import parse_prefill
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.model.fetch import DEFAULT_MODEL
 from trt_lookahead.runtime import DEFAULT_MAX_NEW_TOKENS
-from trt_lookahead.tuning.tune import DEFAULT_BUDGET, DEFAULT_TUNE_DATASETS
+from trt_lookahead.tuning.tune import DEFAULT_BUDGET, DEFAULT_TUNE_DATASETS, NGRAMS
 
 __all__ = ["CONCURRENCY_MODES", "DEFAULT_BUDGET", "DEFAULT_CONFIGS", "DEFAULT_MAX_NEW_TOKENS", "DEFAULT_TUNE_DATASETS"]
 
@@ -211,9 +211,9 @@ def bench_concurrency(args: argparse.Namespace) -> int:
 def tune(args: argparse.Namespace) -> int:
     from trt_lookahead.files import write_text_atomic
     from trt_lookahead.tuning.file import tuning_path
-    from trt_lookahead.tuning.tune import format_report, tuned_tree
+    from trt_lookahead.tuning.tune import budget_config, format_report, tuned_tree
 
-    tree_for = LookaheadConfig.parse(args.tree_for) if args.tree_for else DEFAULT_LOOKAHEAD
+    tree_for = parse_tree_for(args.tree_for)
     tree_out = check_tree_out(args.tree_out, tree_for) if args.tree_out else None
     entry = tune_model(args.model or DEFAULT_MODEL, backend=args.backend, dtype=args.dtype, datasets=args.dataset,
                        budget_seconds=args.budget_seconds, max_seq_len=args.max_seq_len, threads=args.threads,
@@ -224,20 +224,34 @@ def tune(args: argparse.Namespace) -> int:
         print(format_report(entry))
         print(f"tuning file: {args.tuning_file or tuning_path()}")
     if tree_out is not None:
-        template = tuned_tree(entry["acceptance"], tree_for)
+        config = tree_for if isinstance(tree_for, LookaheadConfig) else budget_config(tree_for, entry["predicted"])
+        template = tuned_tree(entry["acceptance"], config)
         write_text_atomic(tree_out, f"{template}\n")
-        print(f"wrote a {template.nodes}-node, depth-{template.max_depth} tree for {tree_for} to {tree_out}: "
-              f"build with --tree {tree_out}", file=sys.stderr)
+        print(f"wrote a {template.nodes}-node, depth-{template.max_depth} tree for {config} to {tree_out}: build "
+              f"with --lookahead_config {config.W},{config.N},{config.G} --tree {tree_out}", file=sys.stderr)
     return 0
 
 
-def check_tree_out(path: str, tree_for: LookaheadConfig) -> Path:
+def parse_tree_for(text: str | None) -> LookaheadConfig | int:
+    """--tree-for: W,N,G, or a step budget T (the config then `budget_config`'s, at the N tune predicts fastest)."""
+    if text is None:
+        return DEFAULT_LOOKAHEAD
+    if not text.strip().isascii() or not text.strip().isdigit():
+        return LookaheadConfig.parse(text)
+    budget, least = int(text), 2 * (max(NGRAMS) - 1)  # two columns at the largest N: a window and a tree column
+    if not least <= budget <= MAX_STEP_TOKENS:
+        raise UserError(f"--tree-for {text}: a step budget T must be between {least} and {MAX_STEP_TOKENS} tokens "
+                        f"(or give W,N,G, e.g. 7,5,7)")
+    return budget
+
+
+def check_tree_out(path: str, tree_for: LookaheadConfig | int) -> Path:
     """--tree-out and --tree-for, checked before tuning (which takes minutes): a file in an existing directory, a
     config with verification slots."""
     out = Path(path)
     if out.is_dir() or not out.parent.is_dir():
         raise UserError(f"--tree-out {path}: give a file path in an existing directory, e.g. tree.txt")
-    if not tree_for.G:
+    if isinstance(tree_for, LookaheadConfig) and not tree_for.G:
         raise UserError(f"--tree-for {tree_for} has no verification slots to shape a tree for: give G >= 1")
     return out
 

@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write a draft tree shaped by the acceptance measured per depth and rank to this file, "
                         "for `build --tree FILE`")
     p.add_argument("--tree-for", "--tree_for", dest="tree_for", default=None,
-                   help=f"W,N,G the --tree-out tree is for: its G(N-1) nodes (default {DEFAULT_LOOKAHEAD})")
+                   help=f"W,N,G the --tree-out tree is for (its G(N-1) nodes), or a step budget T, split into "
+                        f"window and tree at the N tune predicts fastest (default {DEFAULT_LOOKAHEAD})")
 
     p = sub.add_parser("build", help="compile a checkpoint into an engine dir at fixed W,N,G")
     p.add_argument("--model", required=True)

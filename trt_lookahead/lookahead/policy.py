@@ -5,23 +5,23 @@
     configs = policy.choose([state, ...], supplies=[3, 0, ...])                # per step
     policy.observe(state, configs[0], emitted=2)                               # after the step
 
-A request's ladder runs from GREEDY_STEP up to its own config: (min(W, 2^i), N, min(G, 2^i)) for i = 0, 1,
-...; a rung's candidate rows are capped by the rows the request can fill (`supplies`,
-RequestDecoder.draft_supply: x_t's pool candidates, or every row of a draft tree that recycled successors or a
-suffix match fill), since empty rows would cost tokens and never match. Expected tokens of a rung: e = 1 + the
-config's prior extra tokens per step (tune's measured compression - 1) x the request's own acceptance ratio,
-at most N. The ratio is an EMA of observed / prior extra tokens; it starts at 1 and drifts back towards 1
-while the request runs greedy, so a request whose drafts kept failing is probed again later. A greedy step
-teaches the ratio nothing, so a request that has drafts to verify and has run `probe_every` greedy steps in a
-row runs its cheapest lookahead rung once whatever the prediction (a probe): a request whose drafts match far
-better than tune's prompts did (code, quoted text) then climbs where the priors alone would keep it greedy.
-`probe_every` starts at PROBE_EVERY, doubles after each lookahead step that accepted nothing (up to
-MAX_PROBE_EVERY) and resets after one that accepted, so probing a request whose drafts keep failing costs ever
-less. The step's predicted speed is sum(e) / c(M, B) for M real tokens in B rows (c measured by tune). Each
-request's ladder is reduced to its upper concave hull; all requests' upgrades are taken in order of extra
-tokens per extra step token while the predicted speed grows. All-greedy is always a candidate, so the
-prediction never falls below batched greedy but for the probes. Explicit configs run every step as asked. The
-policy changes how fast a request decodes, never its tokens (docs/design.md section 4).
+A request's ladder runs from GREEDY_STEP through 2, 4, 8, ... columns, each split into window and tree by
+`LookaheadConfig.split` within its own config (1/N/1, 2/N/2, 3/N/5 below 5/N/11), up to that config; a rung's
+candidate rows are capped by the rows the request can fill (`supplies`, RequestDecoder.draft_supply: x_t's pool
+candidates, or every row of a draft tree that recycled successors or a suffix match fill), since empty rows would
+cost tokens and never match. Expected tokens of a rung: e = 1 + the config's prior extra tokens per step (tune's
+measured compression - 1) x the request's own acceptance ratio, at most N. The ratio is an EMA of observed / prior
+extra tokens; it starts at 1 and drifts back towards 1 while the request runs greedy, so a request whose drafts
+kept failing is probed again later. A greedy step teaches the ratio nothing, so a request that has drafts to
+verify and has run `probe_every` greedy steps in a row runs its cheapest lookahead rung once whatever the
+prediction (a probe): a request whose drafts match far better than tune's prompts did (code, quoted text) then
+climbs where the priors alone would keep it greedy. `probe_every` starts at PROBE_EVERY, doubles after each
+lookahead step that accepted nothing (up to MAX_PROBE_EVERY) and resets after one that accepted, so probing a
+request whose drafts keep failing costs ever less. The step's predicted speed is sum(e) / c(M, B) for M real
+tokens in B rows (c measured by tune). Each request's ladder is reduced to its upper concave hull; all requests'
+upgrades are taken in order of extra tokens per extra step token while the predicted speed grows. All-greedy is
+always a candidate, so the prediction never falls below batched greedy but for the probes. Explicit configs run
+every step as asked. The policy changes how fast a request decodes, never its tokens (docs/design.md section 4).
 """
 
 from __future__ import annotations
@@ -140,14 +140,16 @@ class RequestState:
 
 
 def ladder(config: LookaheadConfig) -> tuple[LookaheadConfig, ...]:
-    """GREEDY_STEP, then (min(W, 2^i), N, min(G, 2^i)) for i = 0, 1, ... up to `config`."""
+    """GREEDY_STEP, then `LookaheadConfig.split` of 2, 4, 8, ... columns within `config`, then `config`."""
     rungs = [GREEDY_STEP]
-    i = 0
-    while rungs[-1] != config and not config.is_greedy:
-        rung = LookaheadConfig(min(config.W, 2**i), config.N, min(config.G, 2**i))
+    columns = 2
+    while columns < config.W + config.G:
+        rung = LookaheadConfig.split(columns, config.N, config)
         if rung != rungs[-1]:
             rungs.append(rung)
-        i += 1
+        columns *= 2
+    if not config.is_greedy:
+        rungs.append(config)
     return tuple(rungs)
 
 

@@ -5,7 +5,7 @@ step's predicted cost and each request's expected tokens. Both are measured here
 caller built, for its model, dtype and backend on this machine (docs/design.md section 8):
 
   1. step cost c(M, B): batches of B identical requests (B = 1, 2, 4, ... max_batch) at each config of a
-     ladder (greedy, 1/3/1, 2/3/2, 4/3/4, 8/3/8: M = B T real tokens), steps timed by the scheduler, rounds
+     ladder (greedy, 1/3/1, 2/3/2, 3/3/5, 8/3/8: M = B T real tokens), steps timed by the scheduler, rounds
      interleaved so that load changes hit every point alike; medians;
   2. priors: the compression (tokens per step) of every rung of each N's widest config (`widest`: 16 columns,
      5 of them window and 11 tree, or an engine's W and G) at N = 3, 4, 5
@@ -259,6 +259,13 @@ def tuned_tree(acceptance: Mapping[str, Sequence[int]], config: LookaheadConfig)
     if not counts:
         raise UserError("tuning measured no draft-tree acceptance: tune with a tree (the default), not --tree off")
     return tree_template(config.G * config.levels, max(d for d, _ in counts), Acceptance.fit(counts))
+
+
+def budget_config(step_tokens: int, predicted: Mapping[str, float]) -> LookaheadConfig:
+    """The config of a step budget at the N tune predicted fastest (`predicted`: N -> tokens per second), its
+    T // (N - 1) columns split into window and tree by LookaheadConfig.split (56 at N = 5: 4/5/10)."""
+    n = int(max(predicted, key=lambda k: predicted[k])) if predicted else NGRAMS[-1]
+    return LookaheadConfig.split(step_tokens // (n - 1), n)
 
 
 def single_request_speed(policy: LookaheadPolicy, config: LookaheadConfig) -> float:
