@@ -398,9 +398,11 @@ def auto_weight_layout(device: torch.device | str, dtype: torch.dtype) -> str:
 
     onednn on x86 CPUs in float32/bfloat16 wherever this CPU runs oneDNN's packed path in that dtype: from 2
     rows on it is row-invariant (a row's result does not depend on how many rows the call holds, which MKL
-    sgemm's F.linear does not give; 1-row inputs see backends/row_probe.py); it is also 1.5x
-    (1 row) to 2-3x (16-120 rows) faster than sgemm on SmolLM2-135M. Tiny models (stories260K) pay its
-    ~10 us call overhead, for the same exactness. Else nn.Linear's out_in (CUDA; bfloat16 on AVX2-only CPUs).
+    sgemm's F.linear does not give; 1-row inputs see backends/row_probe.py). On SmolLM2-135M it ran 1.5x (1 row)
+    to 2-3x (16-120 rows) faster than sgemm on an AMD EPYC VM; on an Intel Xeon VM (AVX-512, also limited to
+    AVX2) 1.1-1.6x faster at 16-64 rows but ~1.3x slower at 1-2 rows (docs/design.md 4.2). Tiny models
+    (stories260K) pay its ~10 us call overhead, for the same exactness. Else nn.Linear's out_in (CUDA; bfloat16
+    on AVX2-only CPUs).
     """
     cpu = torch.device(device).type == "cpu"
     if cpu and dtype in (torch.float32, torch.bfloat16) and onednn_linear_available(dtype):
