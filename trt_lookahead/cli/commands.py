@@ -20,7 +20,7 @@ from trt_lookahead.lookahead.decoder import parse_prefill
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.model.fetch import DEFAULT_MODEL
 from trt_lookahead.runtime import DEFAULT_MAX_NEW_TOKENS
-from trt_lookahead.tuning.tune import DEFAULT_BUDGET, DEFAULT_TUNE_DATASETS, NGRAMS
+from trt_lookahead.tuning.tune import DEFAULT_BUDGET, DEFAULT_TUNE_DATASETS, LEAST_COLUMNS, NGRAMS
 
 __all__ = ["CONCURRENCY_MODES", "DEFAULT_BUDGET", "DEFAULT_CONFIGS", "DEFAULT_MAX_NEW_TOKENS", "DEFAULT_TUNE_DATASETS"]
 
@@ -236,9 +236,10 @@ def parse_tree_for(text: str | None) -> LookaheadConfig | int:
     """--tree-for: W,N,G, or a step budget T (the config then `budget_config`'s, at the N tune predicts fastest)."""
     if text is None:
         return DEFAULT_LOOKAHEAD
-    if not text.strip().isascii() or not text.strip().isdigit():
+    body = text.strip()
+    if not (body.isascii() and body.isdigit()):
         return LookaheadConfig.parse(text)
-    budget, least = int(text), 2 * (max(NGRAMS) - 1)  # two columns at the largest N: a window and a tree column
+    budget, least = int(body), LEAST_COLUMNS * (max(NGRAMS) - 1)  # at the largest N
     if not least <= budget <= MAX_STEP_TOKENS:
         raise UserError(f"--tree-for {text}: a step budget T must be between {least} and {MAX_STEP_TOKENS} tokens "
                         f"(or give W,N,G, e.g. 7,5,7)")

@@ -56,6 +56,7 @@ TUNING_MAX_SEQ_LEN = 1024  # KV buffers for tuning: the prompts are a few hundre
 NGRAMS = (3, 4, 5)  # the N `auto` may use
 TOP = 8  # the most window columns and candidates of the cost ladder and of the standard cached engine (8/5/8)
 COLUMNS = 2 * TOP  # W + G of the widest step `auto` uses, split by LookaheadConfig.split: 5/N/11
+LEAST_COLUMNS = 2  # the fewest a step budget is split into: a window column and a tree column
 COST_LADDER = ladder(LookaheadConfig(TOP, 3, TOP))  # step tokens 1, 4, 8, 16, 32
 COST_STEPS = 4  # timed decode steps per (rows, config) point and round
 
@@ -261,11 +262,16 @@ def tuned_tree(acceptance: Mapping[str, Sequence[int]], config: LookaheadConfig)
     return tree_template(config.G * config.levels, max(d for d, _ in counts), Acceptance.fit(counts))
 
 
+def budget_split(step_tokens: int, n: int, engine: LookaheadConfig | None = None) -> LookaheadConfig:
+    """A step of at most `step_tokens` tokens at N = n: its T // (N - 1) columns (at least LEAST_COLUMNS) split into
+    window and tree by LookaheadConfig.split, within an engine's W and G (56 at N = 5: 4/5/10)."""
+    return LookaheadConfig.split(max(LEAST_COLUMNS, step_tokens // (n - 1)), n, engine)
+
+
 def budget_config(step_tokens: int, predicted: Mapping[str, float]) -> LookaheadConfig:
-    """The config of a step budget at the N tune predicted fastest (`predicted`: N -> tokens per second), its
-    T // (N - 1) columns split into window and tree by LookaheadConfig.split (56 at N = 5: 4/5/10)."""
+    """`budget_split` at the N tune predicted fastest (`predicted`: N -> tokens per second)."""
     n = int(max(predicted, key=lambda k: predicted[k])) if predicted else NGRAMS[-1]
-    return LookaheadConfig.split(step_tokens // (n - 1), n)
+    return budget_split(step_tokens, n)
 
 
 def single_request_speed(policy: LookaheadPolicy, config: LookaheadConfig) -> float:
@@ -275,9 +281,9 @@ def single_request_speed(policy: LookaheadPolicy, config: LookaheadConfig) -> fl
 
 
 def widest(n: int, step_tokens: int, engine: LookaheadConfig | None = None) -> LookaheadConfig:
-    """The largest config of N = n `auto` may use: COLUMNS columns (fewer where `step_tokens` is smaller) split into
-    window and tree by LookaheadConfig.split, within an engine's W and G."""
-    return LookaheadConfig.split(max(2, min(COLUMNS, step_tokens // (n - 1))), n, engine)
+    """The largest config of N = n `auto` may use: `budget_split` of COLUMNS columns (fewer where `step_tokens` is
+    smaller)."""
+    return budget_split(min(step_tokens, COLUMNS * (n - 1)), n, engine)
 
 
 def auto_cover() -> LookaheadConfig:
