@@ -146,7 +146,23 @@ def test_no_probe_without_drafts_to_verify():
         (config,) = policy.choose([state], [0])
         assert config == GREEDY_STEP
         policy.observe(state, config, 1)
-    assert state.greedy_run == 30 and policy.choose([state], [2]) == [C(1, 3, 1)]
+    assert state.draftless_run == 30 and policy.choose([state], [2]) == [C(1, 3, 1)]
+
+
+def test_window_only_steps_teach_the_ratio_nothing_and_count_towards_the_probe():
+    # FLAT: with no drafts (supply 0) the rung 4/3/0 (T = 8, interpolated prior 0.8) is worth its step, and it
+    # emits only the column-0 chain's match, here nothing, which must not lower what the request's drafts expect
+    policy = LookaheadPolicy(FLAT, PRIORS)
+    state = policy.start(C(4, 3, 4), False)
+    state.ratio = 0.5
+    for step in range(1, 11):
+        (config,) = policy.choose([state], [0])
+        assert config == C(4, 3, 0)
+        policy.observe(state, config, 1)
+        assert state.draftless_run == step and state.probe_every == 8
+    assert state.ratio == pytest.approx(1 - 0.5 * 0.95**10)  # drifted back towards 1 as after greedy steps
+    policy.observe(state, C(4, 3, 4), 1)  # a step with drafts that accepted none: now the ratio learns
+    assert state.ratio == pytest.approx(0.8 * (1 - 0.5 * 0.95**10)) and state.draftless_run == 0
 
 
 def test_explicit_configs_are_honoured():

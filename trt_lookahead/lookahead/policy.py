@@ -11,16 +11,17 @@ candidate rows are capped by the rows the request can fill (`supplies`, RequestD
 candidates, or every row of a draft tree that recycled successors or a suffix match fill), since empty rows would
 cost tokens and never match. Expected tokens of a rung: e = 1 + the config's prior extra tokens per step (tune's
 measured compression - 1) x the request's own acceptance ratio, at most N. The ratio is an EMA of observed / prior
-extra tokens; it starts at 1 and drifts back towards 1 while the request runs greedy, so a request whose drafts
-kept failing is probed again later. A greedy step teaches the ratio nothing, so a request that has drafts to
-verify and has run `probe_every` greedy steps in a row runs its cheapest lookahead rung once whatever the
-prediction (a probe): a request whose drafts match far better than tune's prompts did (code, quoted text) then
+extra tokens of the steps that verified drafts (a window-only step, chosen when x_t has none, emits only what the
+column-0 chain matches, which says nothing of the request's drafts); it starts at 1 and drifts back towards 1 while
+the request verifies none, so a request whose drafts kept failing is probed again later. A request that has drafts
+to verify and has run `probe_every` steps without them in a row runs its cheapest rung with drafts once whatever
+the prediction (a probe): a request whose drafts match far better than tune's prompts did (code, quoted text) then
 climbs where the priors alone would keep it greedy. `probe_every` starts at PROBE_EVERY, doubles after each
 lookahead step that accepted nothing (up to MAX_PROBE_EVERY) and resets after one that accepted, so probing a
-request whose drafts keep failing costs ever less. The step's predicted speed is sum(e) / c(M, B) for M real
-tokens in B rows (c measured by tune). Each request's ladder is reduced to its upper concave hull; all requests'
-upgrades are taken in order of extra tokens per extra step token while the predicted speed grows. All-greedy is
-always a candidate, so the prediction never falls below batched greedy but for the probes. Explicit configs run
+request whose drafts keep failing costs ever less. The step's predicted speed is sum(e) / c(M, B) for M real tokens
+in B rows (c measured by tune). Each request's ladder is reduced to its upper concave hull; all requests' upgrades
+are taken in order of extra tokens per extra step token while the predicted speed grows. All-greedy is always a
+candidate, so the prediction never falls below batched greedy but for the probes. Explicit configs run
 every step as asked. The policy changes how fast a request decodes, never its tokens (docs/design.md section 4).
 """
 
@@ -135,7 +136,7 @@ class RequestState:
     explicit: bool  # run `config` every step
     ladder: tuple[LookaheadConfig, ...]
     ratio: float = 1.0  # observed / prior extra tokens (EMA)
-    greedy_run: int = 0  # greedy steps since its last lookahead step
+    draftless_run: int = 0  # steps without drafts (greedy or window-only) since its last one with drafts
     probe_every: int = PROBE_EVERY  # greedy steps in a row before a probe (see the module docstring)
 
 
@@ -176,7 +177,7 @@ class LookaheadPolicy:
         """Each request's config for the coming step (states[i] with supplies[i] pool candidates)."""
         chosen = self._fastest(states, supplies)
         for i, (state, supply) in enumerate(zip(states, supplies, strict=True)):
-            if chosen[i].is_greedy and not state.explicit and state.greedy_run >= state.probe_every:
+            if chosen[i].is_greedy and not state.explicit and state.draftless_run >= state.probe_every:
                 rungs = self.rungs(state.ladder, min(supply, state.config.G))
                 probe = next((cfg for _, _, cfg in rungs if cfg.G), None)  # the cheapest rung with drafts
                 if probe is not None:
@@ -233,13 +234,13 @@ class LookaheadPolicy:
 
     def observe(self, state: RequestState, config: LookaheadConfig, emitted: int) -> None:
         """Update the request's acceptance ratio after a step of `config` that emitted `emitted` tokens."""
-        if config.is_greedy:
-            state.greedy_run += 1
+        if not config.G:  # greedy or window-only: no drafts verified, so nothing learnt of them
+            state.draftless_run += 1
         else:
-            state.greedy_run = 0
+            state.draftless_run = 0
             state.probe_every = PROBE_EVERY if emitted > 1 else min(2 * state.probe_every, MAX_PROBE_EVERY)
         prior = self.priors.extra(config)
-        if prior <= 0.0:  # greedy (or a config expected to accept nothing): probe again later
+        if not config.G or prior <= 0.0:  # nothing to learn (or nothing expected): probe again later
             state.ratio += RECOVERY * (1.0 - state.ratio) if state.ratio < 1.0 else 0.0
             return
         state.ratio = min((1 - EMA) * state.ratio + EMA * (emitted - 1) / prior, MAX_RATIO)
