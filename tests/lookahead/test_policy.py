@@ -149,20 +149,27 @@ def test_no_probe_without_drafts_to_verify():
     assert state.draftless_run == 30 and policy.choose([state], [2]) == [C(1, 3, 1)]
 
 
-def test_window_only_steps_teach_the_ratio_nothing_and_count_towards_the_probe():
-    # FLAT: with no drafts (supply 0) the rung 4/3/0 (T = 8, interpolated prior 0.8) is worth its step, and it
-    # emits only the column-0 chain's match, here nothing, which must not lower what the request's drafts expect
-    policy = LookaheadPolicy(FLAT, PRIORS)
+def test_window_only_steps_learn_their_own_ratio_and_leave_the_drafts_one():
+    # c = 20 + M ms; no drafts (supply 0), so the rungs are 1/3/0, 2/3/0, 4/3/0 (T = 2, 4, 8; priors 0.5 log 2 /
+    # log 4 = 0.25, 0.5 and 2/3/2's 0.8), scaled by the window's own ratio r. Each step emits only what the column-0
+    # chain matches, here nothing, so r falls by a fifth a step: predicted tokens per ms, r = 1: 1.8 / 28 = .0643 >
+    # 1.5 / 24; r = .8: 1.64 / 28 = .0586 > 1.4 / 24 = .0583; r = .64 and .512: 2/3/0 (.0550, .0523); r = .41:
+    # 2/3/0 .05021 > 1/3/0 .05011; r = .328: 1/3/0 1.082 / 22 = .0492 > 1.02 / 21 = .0486 (greedy with the margin);
+    # r = .262: 1.066 / 22 = .0484, greedy; then r drifts back towards 1 (.299) and 1/3/0 is tried again
+    policy = LookaheadPolicy(StepCost.linear(20.0, 1.0), PRIORS)
     state = policy.start(C(4, 3, 4), False)
     state.ratio = 0.5
-    for step in range(1, 11):
+    configs = []
+    for _ in range(8):
         (config,) = policy.choose([state], [0])
-        assert config == C(4, 3, 0)
+        configs.append(config)
         policy.observe(state, config, 1)
-        assert state.draftless_run == step and state.probe_every == 8
-    assert state.ratio == pytest.approx(1 - 0.5 * 0.95**10)  # drifted back towards 1 as after greedy steps
-    policy.observe(state, C(4, 3, 4), 1)  # a step with drafts that accepted none: now the ratio learns
-    assert state.ratio == pytest.approx(0.8 * (1 - 0.5 * 0.95**10)) and state.draftless_run == 0
+    assert configs == [C(4, 3, 0)] * 2 + [C(2, 3, 0)] * 3 + [C(1, 3, 0), GREEDY_STEP, C(1, 3, 0)]
+    assert state.window_ratio == pytest.approx(0.8 * (0.95 * 0.8**6 + 0.05))  # 6 failures, a drift, a failure
+    assert state.ratio == pytest.approx(1 - 0.5 * 0.95**8)  # the drafts' ratio drifted back as after greedy steps
+    assert state.draftless_run == 8 and state.probe_every == 8  # none of them probed the drafts
+    policy.observe(state, C(4, 3, 4), 1)  # a step with drafts that accepted none: now the drafts' ratio learns
+    assert state.ratio == pytest.approx(0.8 * (1 - 0.5 * 0.95**8)) and state.draftless_run == 0
 
 
 def test_explicit_configs_are_honoured():

@@ -11,18 +11,21 @@ candidate rows are capped by the rows the request can fill (`supplies`, RequestD
 candidates, or every row of a draft tree that recycled successors or a suffix match fill), since empty rows would
 cost tokens and never match. Expected tokens of a rung: e = 1 + the config's prior extra tokens per step (tune's
 measured compression - 1) x the request's own acceptance ratio, at most N. The ratio is an EMA of observed / prior
-extra tokens of the steps that verified drafts (a window-only step, chosen when x_t has none, emits only what the
-column-0 chain matches, which says nothing of the request's drafts); it starts at 1 and drifts back towards 1 while
-the request verifies none, so a request whose drafts kept failing is probed again later. A request that has drafts
-to verify and has run `probe_every` steps without them in a row runs its cheapest rung with drafts once whatever
-the prediction (a probe): a request whose drafts match far better than tune's prompts did (code, quoted text) then
-climbs where the priors alone would keep it greedy. `probe_every` starts at PROBE_EVERY, doubles after each
-lookahead step that accepted nothing (up to MAX_PROBE_EVERY) and resets after one that accepted, so probing a
-request whose drafts keep failing costs ever less. The step's predicted speed is sum(e) / c(M, B) for M real tokens
-in B rows (c measured by tune). Each request's ladder is reduced to its upper concave hull; all requests' upgrades
-are taken in order of extra tokens per extra step token while the predicted speed grows. All-greedy is always a
-candidate, so the prediction never falls below batched greedy but for the probes. Explicit configs run
-every step as asked. The policy changes how fast a request decodes, never its tokens (docs/design.md section 4).
+extra tokens of the steps that verified drafts; it starts at 1 and drifts back towards 1 while the request verifies
+none, so a request whose drafts kept failing is probed again later. A window-only rung (chosen when x_t has no
+drafts) emits only what the column-0 chain matches, far below its prior (interpolated from rungs with drafts), and
+says nothing of the drafts, so it scales its prior by a ratio of its own, learnt the same way from window-only
+steps: it soon runs greedy where tokens are dear, and keeps the widest window where they are cheap, for its
+harvest. A request that has drafts to verify and has run `probe_every` steps without them in a row runs its
+cheapest rung with drafts once whatever the prediction (a probe): a request whose drafts match far better than
+tune's prompts did (code, quoted text) then climbs where the priors alone would keep it greedy. `probe_every`
+starts at PROBE_EVERY, doubles after each lookahead step that accepted nothing (up to MAX_PROBE_EVERY) and resets
+after one that accepted, so probing a request whose drafts keep failing costs ever less. The step's predicted speed
+is sum(e) / c(M, B) for M real tokens in B rows (c measured by tune). Each request's ladder is reduced to its upper
+concave hull; all requests' upgrades are taken in order of extra tokens per extra step token while the predicted
+speed grows. All-greedy is always a candidate, so the prediction never falls below batched greedy but for the
+probes. Explicit configs run every step as asked. The policy changes how fast a request decodes, never its tokens
+(docs/design.md section 4).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.decoder import GREEDY_STEP
 
 EMA = 0.2  # weight of the newest observation in a request's acceptance ratio
-RECOVERY = 0.05  # per greedy step, the ratio moves this fraction of the way back to 1
+RECOVERY = 0.05  # per step that observes it not, a ratio moves this fraction of the way back to 1
 MAX_RATIO = 4.0
 MARGIN = 0.02  # lookahead must be predicted this much faster than all-greedy to be chosen
 PROBE_EVERY = 8  # greedy steps in a row after which a request with drafts probes its cheapest lookahead rung
@@ -135,7 +138,8 @@ class RequestState:
     config: LookaheadConfig  # the request's largest config
     explicit: bool  # run `config` every step
     ladder: tuple[LookaheadConfig, ...]
-    ratio: float = 1.0  # observed / prior extra tokens (EMA)
+    ratio: float = 1.0  # observed / prior extra tokens of its steps with drafts (EMA)
+    window_ratio: float = 1.0  # the same of its window-only steps
     draftless_run: int = 0  # steps without drafts (greedy or window-only) since its last one with drafts
     probe_every: int = PROBE_EVERY  # greedy steps in a row before a probe (see the module docstring)
 
@@ -171,7 +175,7 @@ class LookaheadPolicy:
 
     def expected(self, state: RequestState, config: LookaheadConfig) -> float:
         """Expected tokens of one step of `config` for this request."""
-        return _expected(state.ratio, self.priors.extra(config), config.N)
+        return _expected(_ratio(state, config), self.priors.extra(config), config.N)
 
     def choose(self, states: Sequence[RequestState], supplies: Sequence[int]) -> list[LookaheadConfig]:
         """Each request's config for the coming step (states[i] with supplies[i] pool candidates)."""
@@ -221,7 +225,7 @@ class LookaheadPolicy:
         """The upper concave hull of the request's (step tokens, expected tokens) ladder, as steps from greedy."""
         hull: list[Rung] = []  # (step tokens, expected tokens, config)
         for t, extra, cfg in self.rungs(state.ladder, min(supply, state.config.G)):
-            e = _expected(state.ratio, extra, cfg.N)
+            e = _expected(_ratio(state, cfg), extra, cfg.N)
             while len(hull) >= 2 and _below(hull[-2], hull[-1], (t, e)):
                 hull.pop()
             hull.append((t, e, cfg))
@@ -240,10 +244,21 @@ class LookaheadPolicy:
             state.draftless_run = 0
             state.probe_every = PROBE_EVERY if emitted > 1 else min(2 * state.probe_every, MAX_PROBE_EVERY)
         prior = self.priors.extra(config)
-        if not config.G or prior <= 0.0:  # nothing to learn (or nothing expected): probe again later
-            state.ratio += RECOVERY * (1.0 - state.ratio) if state.ratio < 1.0 else 0.0
-            return
-        state.ratio = min((1 - EMA) * state.ratio + EMA * (emitted - 1) / prior, MAX_RATIO)
+        observed = None if config.is_greedy or prior <= 0.0 else (emitted - 1) / prior
+        state.ratio = _learn(state.ratio, observed if config.G else None)
+        state.window_ratio = _learn(state.window_ratio, None if config.G else observed)
+
+
+def _ratio(state: RequestState, config: LookaheadConfig) -> float:
+    """The request's ratio that scales `config`'s prior: its drafts' or, for a window-only config, its window's."""
+    return state.ratio if config.G else state.window_ratio
+
+
+def _learn(ratio: float, observed: float | None) -> float:
+    """A ratio after one step: the EMA with its observation, else (nothing observed) drifted back towards 1."""
+    if observed is None:
+        return ratio + RECOVERY * (1.0 - ratio) if ratio < 1.0 else ratio
+    return min((1 - EMA) * ratio + EMA * observed, MAX_RATIO)
 
 
 def _expected(ratio: float, extra: float, ngram: int) -> float:
