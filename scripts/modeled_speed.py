@@ -33,8 +33,7 @@ FLAT = (30.0, 0.01)  # ms: a step's base and per-token cost with --flat
 
 def charge(cost: StepCost, configs: Counter) -> float:
     """Predicted ms of the decode steps `configs` counts (DecodeStats.configs: label -> steps), one row each."""
-    return sum(n * cost(1 if label == GREEDY else LookaheadConfig.parse(label).step_tokens, 1)
-               for label, n in configs.items())
+    return sum(n * cost(LookaheadConfig.from_label(label).step_tokens, 1) for label, n in configs.items())
 
 
 def main() -> None:
@@ -73,7 +72,7 @@ def main() -> None:
                 ratios.append(ms[0] / ms[1])
                 charged = [charged[0] + ms[0], charged[1] + ms[1]]
                 configs.update(auto.stats.configs)
-            window_only = sum(n for label, n in configs.items() if label != GREEDY and label.endswith("/0"))
+            window_only = sum(n for label, n in configs.items() if label.endswith("/0"))  # greedy is "greedy"
             speedup = charged[0] / charged[1]
             print(f"| {name} | {sum(configs.values())} | {configs[GREEDY]} / {window_only} | {speedup:.3f} "
                   f"({statistics.median(ratios):.3f}, {min(ratios):.3f}) | {dict(sorted(configs.items()))} |",

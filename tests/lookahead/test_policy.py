@@ -97,15 +97,21 @@ def test_a_request_whose_drafts_fail_runs_greedy_and_a_repetitive_one_climbs():
     assert repetitive.ratio > 2 > 1 > failing.ratio
 
 
+def decode(policy, state, supply, steps, emitted):
+    """The configs one request runs for `steps` steps with `supply` drafts, each step emitting `emitted(config)`."""
+    configs = []
+    for _ in range(steps):
+        (config,) = policy.choose([state], [supply])
+        configs.append(config)
+        policy.observe(state, config, emitted(config))
+    return configs
+
+
 def test_a_greedy_request_is_probed_again_later():
     policy = LookaheadPolicy(StepCost.linear(20.0, 1.0), PRIORS)
     state = policy.start(C(4, 3, 4), False)
     state.ratio = 0.0
-    configs = []
-    for _ in range(60):
-        (config,) = policy.choose([state], [4])
-        configs.append(config)
-        policy.observe(state, config, 1 if config == GREEDY_STEP else config.N)
+    configs = decode(policy, state, 4, 60, lambda config: 1 if config == GREEDY_STEP else config.N)
     assert configs[0] == GREEDY_STEP and any(c != GREEDY_STEP for c in configs)
 
 
@@ -114,11 +120,7 @@ def test_a_request_the_priors_keep_greedy_probes_its_cheapest_rung_and_climbs_if
     drafts match. Every 8th greedy step in a row is one; a request whose drafts all match then stays on lookahead."""
     policy = LookaheadPolicy(STEEP, PRIORS)
     state = policy.start(C(4, 3, 4), False)
-    configs = []
-    for _ in range(20):
-        (config,) = policy.choose([state], [4])
-        configs.append(config)
-        policy.observe(state, config, config.N)  # every draft accepted
+    configs = decode(policy, state, 4, 20, lambda config: config.N)  # every draft accepted
     # greedy costs 28 ms and 1/3/1 52 ms for 1 + ratio x 0.5 tokens. The first probe (2 extra tokens against the
     # prior's 0.5) takes the ratio from 1 to 0.8 + 0.2 x 4 = 1.6: 1.8 tokens / 52 ms, still below greedy's 1 / 28;
     # the second, 8 steps later, to 2.08: 2.04 / 52 beats it, and the request stays on 1/3/1
@@ -129,12 +131,8 @@ def test_a_request_the_priors_keep_greedy_probes_its_cheapest_rung_and_climbs_if
 def test_probes_of_a_request_whose_drafts_fail_come_ever_more_rarely():
     policy = LookaheadPolicy(STEEP, PRIORS)
     state = policy.start(C(4, 3, 4), False)
-    probes = []
-    for step in range(200):
-        (config,) = policy.choose([state], [4])
-        if config != GREEDY_STEP:
-            probes.append(step)
-        policy.observe(state, config, 1)  # nothing accepted
+    configs = decode(policy, state, 4, 200, lambda config: 1)  # nothing accepted
+    probes = [step for step, config in enumerate(configs) if config != GREEDY_STEP]
     # after 8 greedy steps, then 16, 32 and 64: the wait doubles after each failed probe
     assert probes == [8, 25, 58, 123]
 
@@ -142,10 +140,7 @@ def test_probes_of_a_request_whose_drafts_fail_come_ever_more_rarely():
 def test_no_probe_without_drafts_to_verify():
     policy = LookaheadPolicy(STEEP, PRIORS)
     state = policy.start(C(4, 3, 4), False)
-    for _ in range(30):
-        (config,) = policy.choose([state], [0])
-        assert config == GREEDY_STEP
-        policy.observe(state, config, 1)
+    assert decode(policy, state, 0, 30, lambda config: 1) == [GREEDY_STEP] * 30
     assert state.draftless_run == 30 and policy.choose([state], [2]) == [C(1, 3, 1)]
 
 
@@ -159,11 +154,7 @@ def test_window_only_steps_learn_their_own_ratio_and_leave_the_drafts_one():
     policy = LookaheadPolicy(StepCost.linear(20.0, 1.0), PRIORS)
     state = policy.start(C(4, 3, 4), False)
     state.ratio = 0.5
-    configs = []
-    for _ in range(8):
-        (config,) = policy.choose([state], [0])
-        configs.append(config)
-        policy.observe(state, config, 1)
+    configs = decode(policy, state, 0, 8, lambda config: 1)
     assert configs == [C(4, 3, 0)] * 2 + [C(2, 3, 0)] * 3 + [C(1, 3, 0), GREEDY_STEP, C(1, 3, 0)]
     assert state.window_ratio == pytest.approx(0.8 * (0.95 * 0.8**6 + 0.05))  # 6 failures, a drift, a failure
     assert state.ratio == pytest.approx(1 - 0.5 * 0.95**8)  # the drafts' ratio drifted back as after greedy steps

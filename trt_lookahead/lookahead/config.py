@@ -50,6 +50,11 @@ class LookaheadConfig:
         return cls(1, 2, 0)
 
     @classmethod
+    def from_label(cls, label: str) -> LookaheadConfig:
+        """The config of a `label` (GREEDY or W/N/G), as DecodeStats.configs and tuning entries store it."""
+        return cls.greedy() if label == GREEDY else cls.parse(label)
+
+    @classmethod
     def parse(cls, text: str) -> LookaheadConfig:
         """Parse `W,N,G`, `W/N/G` or `[W,N,G]` (as TensorRT-LLM users type it)."""
         body = text.strip().removeprefix("[").removesuffix("]").strip()

@@ -45,7 +45,7 @@ EMA = 0.2  # weight of the newest observation in a request's acceptance ratio
 RECOVERY = 0.05  # per step that observes it not, a ratio moves this fraction of the way back to 1
 MAX_RATIO = 4.0
 MARGIN = 0.02  # lookahead must be predicted this much faster than all-greedy to be chosen
-PROBE_EVERY = 8  # greedy steps in a row after which a request with drafts probes its cheapest lookahead rung
+PROBE_EVERY = 8  # steps without drafts in a row after which a request with drafts probes its cheapest rung with them
 MAX_PROBE_EVERY = 256  # the longest wait between probes, reached by doubling after failed lookahead steps
 
 
@@ -141,7 +141,7 @@ class RequestState:
     ratio: float = 1.0  # observed / prior extra tokens of its steps with drafts (EMA)
     window_ratio: float = 1.0  # the same of its window-only steps
     draftless_run: int = 0  # steps without drafts (greedy or window-only) since its last one with drafts
-    probe_every: int = PROBE_EVERY  # greedy steps in a row before a probe (see the module docstring)
+    probe_every: int = PROBE_EVERY  # steps without drafts in a row before a probe (see the module docstring)
 
 
 def ladder(config: LookaheadConfig) -> tuple[LookaheadConfig, ...]:
@@ -237,16 +237,17 @@ class LookaheadPolicy:
         return steps
 
     def observe(self, state: RequestState, config: LookaheadConfig, emitted: int) -> None:
-        """Update the request's acceptance ratio after a step of `config` that emitted `emitted` tokens."""
-        if not config.G:  # greedy or window-only: no drafts verified, so nothing learnt of them
-            state.draftless_run += 1
-        else:
+        """Update the request's ratios after a step of `config` that emitted `emitted` tokens: the one the step
+        observed learns (none for greedy, whose prior is 0), the other drifts back towards 1."""
+        prior = self.priors.extra(config)
+        observed = (emitted - 1) / prior if prior > 0.0 else None
+        if config.G:
             state.draftless_run = 0
             state.probe_every = PROBE_EVERY if emitted > 1 else min(2 * state.probe_every, MAX_PROBE_EVERY)
-        prior = self.priors.extra(config)
-        observed = None if config.is_greedy or prior <= 0.0 else (emitted - 1) / prior
-        state.ratio = _learn(state.ratio, observed if config.G else None)
-        state.window_ratio = _learn(state.window_ratio, None if config.G else observed)
+            state.ratio, state.window_ratio = _learn(state.ratio, observed), _learn(state.window_ratio, None)
+        else:  # greedy or window-only: no drafts verified, so nothing learnt of them
+            state.draftless_run += 1
+            state.ratio, state.window_ratio = _learn(state.ratio, None), _learn(state.window_ratio, observed)
 
 
 def _ratio(state: RequestState, config: LookaheadConfig) -> float:

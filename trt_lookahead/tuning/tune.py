@@ -79,8 +79,8 @@ def tuning_seq_len(path: str | os.PathLike) -> int | None:
 
 def policy_from_entry(entry: dict[str, Any]) -> tuple[LookaheadConfig, LookaheadPolicy]:
     """The largest config `auto` may use (greedy when auto is greedy here) and the policy of a tuning entry."""
-    config = LookaheadConfig.greedy() if entry["config"] == GREEDY else LookaheadConfig.parse(entry["config"])
-    return config, LookaheadPolicy(StepCost.from_dict(entry["step_cost"]), Priors(entry["priors"]))
+    policy = LookaheadPolicy(StepCost.from_dict(entry["step_cost"]), Priors(entry["priors"]))
+    return LookaheadConfig.from_label(entry["config"]), policy
 
 
 def runtime_tuning_key(rt: LookaheadRuntime) -> str:
