@@ -8,7 +8,9 @@ with a checkpoint (SmolLM2-135M-Instruct by default) in float32 at one config (d
 the torch executor, recording every step's outputs and top-k ids, then decodes the same prompts against a
 replay of those steps: it waits --step-ms, spinning (as CUDA's default sync does) or sleeping (blocking
 sync), and returns the recorded outputs. The replay checks that each step's inputs equal the recorded ones
-and that the tokens do, so both runs do the same host work. Give the machine's load beside the figures.
+and that the tokens do, so both runs do the same host work. A control, a fixed loop of plain Python that is
+not the decoder, is timed back to back and right after the same wait: its ratio is what the machine alone
+does to host code after a wait. Give the machine's load beside the figures.
 """
 
 from __future__ import annotations
@@ -66,6 +68,40 @@ class Recorder:
         self.inner.release(slot)
 
 
+def wait(seconds: float, spin: bool) -> None:
+    """What the host does while a device step runs: spin on the clock, or sleep (then spin out the rest)."""
+    deadline = time.perf_counter() + seconds
+    if not spin:
+        time.sleep(seconds)
+    while time.perf_counter() < deadline:
+        pass
+
+
+def control_work(table: dict[int, list[int]]) -> int:
+    """A fixed loop of dict, list and set work in plain Python, about the decoder's kind of host code."""
+    acc = 0
+    for t in range(120):
+        for x in table.get(t * 7 % len(table), [])[:4]:
+            acc = acc + x if x & 1 else acc ^ x
+        acc += len({t, t + 1})
+    return acc
+
+
+def control_us(step_s: float, spin: bool, rounds: int = 40) -> tuple[float, float]:
+    """Median microseconds of `control_work` run back to back, and right after a wait of `step_s`."""
+    rng = np.random.default_rng(0)
+    table = {i: rng.integers(0, 1000, 8).tolist() for i in range(5000)}
+    warm, waited = [], []
+    for _ in range(rounds):
+        for times, seconds in ((warm, 0.0), (waited, step_s)):
+            control_work(table)
+            wait(seconds, spin)
+            start = time.perf_counter()
+            control_work(table)
+            times.append(1e6 * (time.perf_counter() - start))
+    return statistics.median(warm), statistics.median(waited)
+
+
 class Replay:
     """Returns a recording's outputs after waiting `step_ms` (spinning or sleeping), as a device step would;
     the inputs must match the recorded ones."""
@@ -85,11 +121,7 @@ class Replay:
             raise AssertionError(f"step {self.next}: the replayed request fed other inputs than the recorded one")
         if top is not None and batch.top_ids is not None:
             batch.top_ids[:] = top
-        deadline = time.perf_counter() + self.step_s
-        if not self.spin:
-            time.sleep(self.step_s)
-        while time.perf_counter() < deadline:
-            pass
+        wait(self.step_s, self.spin)
         return out
 
     def commit(self, slot: int, rows: np.ndarray) -> None:
@@ -134,7 +166,9 @@ def main() -> None:
             generated, steps = generated + result.stats.generated_tokens, steps + result.stats.steps
         print(f"| {name} | {statistics.median(live):.3f} | {statistics.median(replayed):.3f} | "
               f"{generated / steps:.3f} |", flush=True)
-    print(f"\n(medians over prompts) load at end {os.getloadavg()}")
+    warm, waited = control_us(args.step_ms / 1000.0, args.wait == "spin")
+    print(f"\n(medians over prompts) control, plain Python that is not the decoder: {warm:.1f} us back to back, "
+          f"{waited:.1f} us after the wait ({waited / warm:.2f}x); load at end {os.getloadavg()}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 Every test reads and writes a tuning file of its own (tmp_path), given to the runtime or the CLI."""
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,21 @@ def test_step_cost_is_measured_for_every_row_count_and_config(stories):
     assert [m for m, _ in cost.points[2]] == [2 * c.step_tokens for c in tune.COST_LADDER]
     assert all(ms > 0 for pts in cost.points.values() for _, ms in pts)
     assert stories.scheduler.free_slots == 4
+
+
+def test_one_row_points_get_their_own_rounds(stories):
+    ids = stories.encode("Once upon a time there was a little girl")
+
+    def steps_by_rows(one_row_rounds: int) -> Counter[int]:
+        before = stories.scheduler.stats.steps
+        tune.measure_step_cost(stories, ids, rows=[1, 2], rounds=1, one_row_rounds=one_row_rounds)
+        fresh = list(stories.scheduler.steps)[-(stories.scheduler.stats.steps - before):]
+        return Counter(s.rows for s in fresh if not s.prefill_rows)
+
+    # the same prompt and configs decode the same steps every round: 3 rounds of one row, 1 of two rows
+    once, thrice = steps_by_rows(1), steps_by_rows(3)
+    assert once[1] > 0 and once[2] > 0
+    assert thrice[1] == 3 * once[1] and thrice[2] == once[2]
 
 
 def test_priors_are_measured_compression(stories):

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +50,13 @@ def test_the_replay_returns_the_recorded_step_and_refuses_other_inputs(host_repl
         other.step(batch([5, 1, 2, 9], 2))
 
 
+@pytest.mark.parametrize("spin", [True, False])
+def test_wait_lasts_at_least_the_step(host_replay, spin):
+    start = time.perf_counter()
+    host_replay.wait(0.01, spin)
+    assert time.perf_counter() - start >= 0.01
+
+
 def test_the_script_on_stories260k(tmp_path):
     sets = tmp_path / "stories.jsonl"
     sets.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Once upon a time", "Lily and Tom went")))
@@ -60,3 +69,7 @@ def test_the_script_on_stories260k(tmp_path):
     assert [r[0].strip() for r in rows] == ["linear", "tree"]
     for _, live, replayed, compression in rows:
         assert float(live) > 0 and float(replayed) > 0 and 1.0 <= float(compression) <= 3.0
+    control = re.search(r"control, .*: ([\d.]+) us back to back, ([\d.]+) us after the wait \(([\d.]+)x\)", run.stdout)
+    assert control is not None, run.stdout
+    warm, waited, ratio = map(float, control.groups())
+    assert warm > 0 and ratio == pytest.approx(waited / warm, abs=0.02)

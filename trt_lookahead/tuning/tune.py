@@ -6,7 +6,7 @@ caller built, for its model, dtype and backend on this machine (docs/design.md s
 
   1. step cost c(M, B): batches of B identical requests (B = 1, 2, 4, ... max_batch) at each config of a
      ladder (greedy, 1/3/1, 2/3/2, 3/3/5, 8/3/8: M = B T real tokens), steps timed by the scheduler, rounds
-     interleaved so that load changes hit every point alike; medians;
+     interleaved so that load changes hit every point alike, more of them for one row; medians;
   2. priors: the compression (tokens per step) of every rung of each N's widest config (`widest`: 16 columns,
      5 of them window and 11 tree, or an engine's W and G) at N = 3, 4, 5
      on a few prompts of the workload (rows past the first 16 of each set, so the bench's prompts are not
@@ -59,6 +59,9 @@ COLUMNS = 2 * TOP  # W + G of the widest step `auto` uses, split by LookaheadCon
 LEAST_COLUMNS = 2  # the fewest a step budget is split into: a window column and a tree column
 COST_LADDER = ladder(LookaheadConfig(TOP, 3, TOP))  # step tokens 1, 4, 8, 16, 32
 COST_STEPS = 4  # timed decode steps per (rows, config) point and round
+# rounds of the one-row points: a lone request's choices rest on them, and they are cheap (about 1.5 s a round
+# on a 2-core CPU); at 2 rounds a VM's drift moved c(32) / c(1) between 2.35 and 3.10, at 8 between 2.53 and 2.62
+ONE_ROW_ROUNDS = 8
 
 
 def check_budget(budget_seconds: float) -> float:
@@ -163,21 +166,24 @@ def run_together(
 
 def measure_step_cost(
     rt: LookaheadRuntime, context_ids: Sequence[int], *, rows: Sequence[int] | None = None,
-    configs: Sequence[LookaheadConfig] = COST_LADDER, rounds: int = 2, deadline: float | None = None,
-    clock: Callable[[], float] = time.perf_counter,
+    configs: Sequence[LookaheadConfig] = COST_LADDER, rounds: int = 2, one_row_rounds: int = ONE_ROW_ROUNDS,
+    deadline: float | None = None, clock: Callable[[], float] = time.perf_counter,
 ) -> StepCost:
     """c(M, B): median wall ms of a decode step of B identical requests at each config (M = B T).
 
-    Rows go up to the runtime's max_batch by doubling; rounds go over every point in turn, cheapest first.
-    Past the deadline only one row count and two configs are sure to be measured.
+    Rows go up to the runtime's max_batch by doubling; rounds go over every point in turn, cheapest first, and
+    the one-row points have `one_row_rounds` of them. Past the deadline only one row count and two configs are
+    sure to be measured.
     """
     rows = rows or sorted({min(1 << i, rt.max_batch) for i in range(rt.max_batch.bit_length() + 1)})
     points = [(b, c) for b in rows for c in configs]
     points.sort(key=lambda p: p[0] * p[1].step_tokens)
     times: dict[tuple[int, int], list[float]] = {}
     context = list(context_ids)
-    for r in range(rounds):
+    for r in range(max(rounds, one_row_rounds)):
         for i, (b, config) in enumerate(points):
+            if r >= (one_row_rounds if b == 1 else rounds):
+                continue
             if deadline is not None and clock() > deadline and (r > 0 or i > 1):
                 break
             before = rt.scheduler.stats.steps
