@@ -81,7 +81,7 @@ def control_work(table: dict[int, list[int]]) -> int:
     """A fixed loop of dict, list and set work in plain Python, about the decoder's kind of host code."""
     acc = 0
     for t in range(120):
-        for x in table.get(t * 7 % len(table), [])[:4]:
+        for x in table[t * 7 % len(table)][:4]:
             acc = acc + x if x & 1 else acc ^ x
         acc += len({t, t + 1})
     return acc
