@@ -22,9 +22,12 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+CACHE_ENV = "TRT_LOOKAHEAD_CACHE"  # the environment variable naming the cache dir
+
+
 def cache_dir() -> Path:
     """$TRT_LOOKAHEAD_CACHE, else $XDG_CACHE_HOME/trt-lookahead, else ~/.cache/trt-lookahead."""
-    env = os.environ.get("TRT_LOOKAHEAD_CACHE")
+    env = os.environ.get(CACHE_ENV)
     if env:
         return Path(env).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
@@ -53,14 +56,34 @@ def check_output_dir(path: str | os.PathLike, flag: str) -> Path:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise UserError(f"{flag} {path} is a file, not a directory; choose another {flag}")
-    ancestor = path.absolute()
+    _check_creatable(path, path.absolute(), flag)
+    return path
+
+
+def check_output_file(path: str | os.PathLike, flag: str) -> Path:
+    """`path` if a file can be written there (it and its lock are written beside it and renamed into place);
+    else UserError naming `flag`, so that a command finds out before its work, not after."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a directory, not a file; choose another {flag}")
+    _check_creatable(path, path.absolute().parent, flag)
+    return path
+
+
+def _check_creatable(path: Path, place: Path, flag: str) -> None:
+    """UserError unless the directory `place` (where `path` is written) exists or can be made, writable."""
+    ancestor = place
     while not ancestor.exists():
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise UserError(f"{flag} {path} cannot be created: {ancestor} is a file; choose another {flag}")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
+    if not writable(ancestor):
         raise UserError(f"{flag} {path} cannot be created: {ancestor} is not writable; choose another {flag}")
-    return path
+
+
+def writable(directory: Path) -> bool:
+    """Whether files can be made in `directory` (a read-only mount says no even to root)."""
+    return os.access(directory, os.W_OK | os.X_OK)
 
 
 def work_dir(target: Path) -> Path:
@@ -108,7 +131,11 @@ def locked(path: Path) -> Iterator[None]:
     import fcntl
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
+    try:
+        f = open(path, "a")  # noqa: SIM115 (closed below; the error is ours to word)
+    except IsADirectoryError:
+        raise UserError(f"the lock file {path} is a directory; remove it (rmdir {path}) and run again") from None
+    with f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield

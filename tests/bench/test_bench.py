@@ -5,7 +5,10 @@ Fast tests use synthetic rows and stories260K; SmolLM2 only in @slow.
 
 import hashlib
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -338,6 +341,24 @@ def test_bench_concurrency_on_stories260k(stories_set, tmp_path, tuning, capsys)
     assert levels[("auto", 1)]["compression"] > 1.0  # cheap wide steps: the policy used lookahead
     assert (out / "results.md").read_text().count("| greedy |") == 4
     assert sorted(p.name for p in out.glob("*.png")) == ["concurrency.png"]
+
+
+def test_bench_runs_a_config_wider_than_the_cached_engine_as_generate_does(stories_set, tmp_path):
+    # issue 39 item 9: "does not fit the engine built for 8/5/8 ... rebuild the engine" on the default path, where
+    # `generate --lookahead_config 15,5,15` runs on torch (runtime.checkpoint_backend): one rule for both
+    cache = tmp_path / "cache"
+    out = subprocess.run(
+        [sys.executable, "-m", "trt_lookahead.cli", "bench", "--model", str(STORIES), "--dataset", str(stories_set),
+         "--limit", "1", "--max-new-tokens", "8", "--configs", "greedy,15/5/15", "--json"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "TRT_LOOKAHEAD_CACHE": str(cache)},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "runs on torch (15/5/15 is wider than the standard cached engine's 8/5/8" in out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = {r["config"]: r for r in result["results"]}
+    assert result["backend"] == "torch" and list(rows) == ["greedy", "15/5/15"]
+    assert rows["15/5/15"]["exact"] == 1.0 and rows["15/5/15"]["generated_tokens"] == rows["greedy"]["generated_tokens"]
+    assert not (cache / "engines").exists()  # no engine built only to be refused
 
 
 @pytest.mark.parametrize(

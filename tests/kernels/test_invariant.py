@@ -26,8 +26,9 @@ def randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 
 @DTYPES
 @pytest.mark.parametrize("span", [None, 128], ids=["whole", "spans"])
-def test_linear_gives_a_row_the_same_bits_for_every_m(dtype, tolerance, span):
+def test_linear_gives_a_row_the_same_bits_for_every_m(dtype, tolerance, span, interpreted_float32_dot):
     """The input dim reduced in one chain, or in spans of 128 (200 = 128 + 72) whose sums are added in order."""
+    interpreted_float32_dot(dtype)
     x, w, b = randn(130, 200, dtype=dtype), randn(72, 200, dtype=dtype, seed=1), randn(72, dtype=dtype, seed=2)
     expected = torch.nn.functional.linear(x.double(), w.double(), b.double())
     full = invariant.linear(x, w, b, span=span)
@@ -135,10 +136,12 @@ def test_padded_attention_is_attention_over_the_keys_each_query_sees(dtype, tole
 
 @DTYPES
 @pytest.mark.parametrize("Hq,Hkv,chunk", [(4, 1, 64), (6, 2, 128), (2, 2, 32)], ids=["gqa4", "gqa3-whole", "mha"])
-def test_padded_attention_gives_a_query_the_bits_of_plain_decoding(dtype, tolerance, Hq, Hkv, chunk):
+def test_padded_attention_gives_a_query_the_bits_of_plain_decoding(dtype, tolerance, Hq, Hkv, chunk,
+                                                                interpreted_float32_dot):
     """Each query of a batched lookahead step against the same query alone, its keys laid out as plain decoding
     lays them (row p holds position p: one key tile serves every row), so the step's tiles of other queries,
     its own per-query key tiles and the grouped heads sharing a tile must all leave its bits alone."""
+    interpreted_float32_dot(dtype)
     configs = [(LookaheadConfig(4, 3, 4), 29), (LookaheadConfig(2, 4, 1), 62), (LookaheadConfig(1, 2, 0), 5)]
     T, S, D = 16, 100, 16
     mask, positions = padded_step(configs, T, S)

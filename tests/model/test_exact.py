@@ -112,9 +112,10 @@ PADDED_CASES = [  # (model, dtype, seed): interpreted, a tiny-gqa case takes ~3 
 
 
 @pytest.mark.parametrize("name,dtype,seed", PADDED_CASES)
-def test_the_padded_exact_step_gives_a_slot_the_same_bits_too(name, dtype, seed):
+def test_the_padded_exact_step_gives_a_slot_the_same_bits_too(name, dtype, seed, interpreted_float32_dot):
     """The padded (CUDA) step's exact path, kernels/invariant.py: compiled on a GPU; interpreted without one,
     where a program per query and head runs ~1 ms a key block, so only on a one-layer model of two heads."""
+    interpreted_float32_dot(dtype)
     device = "cuda" if gpu_count() else "cpu"
     if device == "cpu" and name != "tiny-gqa":
         pytest.skip("interpreted Triton: the one-layer model only (the others run where a GPU is, gpu_check)")
@@ -271,3 +272,102 @@ def test_per_row_ops_give_a_row_the_same_bits_in_any_call(models, dtype):
             for M in (2, 3, 4, 7, 16, 33, 57, 64, 100, 130):  # around the blockings GEMMs switch at
                 together = torch.cat([op(slice(r, r + M)) for r in range(0, 130 - M + 1, M)])
                 assert torch.equal(together, alone[: len(together)]), (name, M)
+
+
+PREFILL_CHUNKS = (1, 7, STEP_TOKENS)  # causal rows of chunked prefill (runtime/scheduler.py), the last one T
+
+
+def feed_whole(ex: BatchedTorchExecutor, slot: int, prompt: np.ndarray) -> torch.Tensor:
+    """The prompt in one `prefill` call -> its last token's logits [vocab]."""
+    return ex.prefill_logits(slot, prompt, SamplingParams())[0]
+
+
+def feed_chunks(ex: BatchedTorchExecutor, slot: int, prompt: np.ndarray, chunk: int) -> torch.Tensor:
+    """The prompt as causal step rows of `chunk` tokens after `claim`, each committed (chunked prefill)."""
+    ex.claim(slot, SamplingParams())
+    for start in range(0, len(prompt), chunk):
+        ids = prompt[start : start + chunk]
+        c = len(ids)
+        logits = ex.step_logits(StepBatch(np.array([slot]), ids[None], start + np.arange(c)[None],
+                                          np.zeros((1, 3), np.int32), np.array([[c - 1]])))[0, 0]
+        ex.commit(slot, np.arange(c))
+    return logits
+
+
+def feed_steps(ex: BatchedTorchExecutor, slot: int, prompt: np.ndarray, rng: np.random.Generator) -> torch.Tensor:
+    """A prefix prefilled, then the rest as accepted steps: 4/3/4 steps whose second candidate branch holds the
+    prompt's next two tokens (accepted, so the commit moves their rows down), then greedy 1-token steps."""
+    config = LookaheadConfig(4, 3, 4)
+    layout = StepLayout(config)
+    branch = layout.candidate_slots[1]
+    P, m = len(prompt), len(prompt) - 9
+    ex.prefill(slot, prompt[:m], SamplingParams())
+    while m + len(branch) < P - 3:
+        ids = rng.integers(3, ex.vocab_size, layout.step_tokens)
+        ids[0], ids[branch] = prompt[m], prompt[m + 1 : m + 1 + len(branch)]
+        logits = ex.step_logits(batch([(slot, config, ids, m)]))[0, branch[-1]]
+        ex.commit(slot, np.array([0, *branch]))
+        m += 1 + len(branch)
+    for n in range(m, P):
+        logits = ex.step_logits(batch([(slot, GREEDY_STEP, prompt[n : n + 1], n)]))[0, 0]
+        ex.commit(slot, np.array([0]))
+    return logits
+
+
+def slot_kv(ex: BatchedTorchExecutor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slot's committed K and V rows [layers, cache_len, kv_heads, head_dim]."""
+    first = int(ex._physical[slot]) * ex.rows_per_slot
+    rows = slice(first, first + ex.cache_len(slot))
+    return ex.k_cache[:, rows].clone(), ex.v_cache[:, rows].clone()
+
+
+def assert_prefill_bits(ex: BatchedTorchExecutor, P: int, seed: int) -> None:
+    """A P-token prompt fed whole, in causal chunks of PREFILL_CHUNKS and as prefix + accepted steps: the same
+    last-token logits (the first token's) and the same KV bits, each way."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(3, ex.vocab_size, P)
+    feeds = {"whole": lambda slot: feed_whole(ex, slot, prompt),
+             **{f"chunks of {c}": lambda slot, c=c: feed_chunks(ex, slot, prompt, c) for c in PREFILL_CHUNKS},
+             "prefix + accepted steps": lambda slot: feed_steps(ex, slot, prompt, rng)}
+    results = {name: (feed(slot), *slot_kv(ex, slot)) for slot, (name, feed) in enumerate(feeds.items())}
+    logits, k, v = results.pop("whole")
+    assert int(torch.argmax(logits)) == ex.prefill(len(feeds), prompt, SamplingParams())
+    for name, (other_logits, other_k, other_v) in results.items():
+        assert torch.equal(other_logits, logits), (
+            f"{name}: first token's logits differ from whole prefill's by up to "
+            f"{(other_logits.float() - logits.float()).abs().max().item():.3g}")
+        assert torch.equal(other_k, k) and torch.equal(other_v, v), f"{name}: KV differs from whole prefill's"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_prompts_first_token_and_kv_do_not_depend_on_how_it_was_fed(models, dtype):
+    """Exact prefill runs the steps' row-invariant attention and projections: a prompt prefilled whole (longer
+    than EXACT_PREFILL_CHUNK, across key blocks), in chunks of 1, 7 and T, or as a prefix and accepted steps
+    leaves the same KV bits and gives the same first-token logits (issue 46: SDPA prefill differed)."""
+    ex = BatchedTorchExecutor(invariant_here(models[dtype]), 6, 300, STEP_TOKENS, exact=True)
+    for seed, P in enumerate((2 * KEY_BLOCK + 9, KEY_BLOCK - 1)):
+        assert_prefill_bits(ex, P, seed)
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_padded_exact_prefill_runs_the_steps_kernels(dtype):
+    """The padded (CUDA) executor's exact prefill runs the exact step's Triton kernels on the slot's own rows. On a
+    GPU: the same bits however the prompt was fed. On the CPU the kernels run interpreted, whose numpy dot rounds
+    by tile shape (docs/design.md 4.2), so there it must run, leave the prompt's KV and agree closely."""
+    on_gpu = bool(gpu_count())
+    device = "cuda" if on_gpu else "cpu"
+    model = random_gqa_llama(dtype, "out_in", **TINY_GQA).to(device)
+    ex = BatchedTorchExecutor(model, 6, 80, 16, device, padded=True, cuda_graph=False, exact=True)
+    assert ex.exact
+    if on_gpu:
+        assert_prefill_bits(ex, 40, 0)
+        return
+    prompt = np.random.default_rng(0).integers(3, ex.vocab_size, 40)
+    whole, chunked = feed_whole(ex, 0, prompt), feed_chunks(ex, 1, prompt, 7)
+    assert ex.cache_len(0) == ex.cache_len(1) == 40
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    assert torch.allclose(whole.float().cpu(), chunked.float().cpu(), atol=tolerance)
+    (k0, v0), (k1, v1) = slot_kv(ex, 0), slot_kv(ex, 1)
+    assert torch.allclose(k0.float(), k1.float(), atol=tolerance) and torch.allclose(v0.float(), v1.float(),
+                                                                                       atol=tolerance)

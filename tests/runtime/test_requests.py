@@ -3,9 +3,11 @@
 Regression tests for issue 10 (hostile input to LookaheadRuntime), on stories260K.
 """
 
+import gc
 import json
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ from hypothesis import strategies as st
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.runtime import LookaheadRuntime, StreamChunk
+from trt_lookahead.runtime.scheduler import QueueFull
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 PROMPTS = ["Once upon a time", "Lily and Tom went to the park. They", "The cat sat on the"]
@@ -286,3 +289,145 @@ def test_request_scope_only_narrows():
         assert rt.check_request("Once", 4).pool_scope == "request"
     with pytest.raises(ValueError, match="pool_scope"):
         LookaheadRuntime.from_pretrained(STORIES, backend="torch", pool_scope="global")
+
+
+# -- issue 39: streams that are closed or dropped, and queued requests whose client left ---------------------
+
+
+@pytest.fixture(scope="module")
+def one_slot():
+    """One request slot and a queue of two: which requests run and which wait is known."""
+    torch.set_num_threads(1)
+    with LookaheadRuntime.from_pretrained(STORIES, lookahead="4,3,4", max_batch=1, max_queue=2) as rt:
+        yield rt
+
+
+def wait_until(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_a_stream_closed_or_dropped_before_its_first_chunk_is_cancelled(one_slot, how):
+    """Issue 39 item 4: a stream nobody ever read from used to run all its tokens holding a slot."""
+    scheduler = one_slot.scheduler
+    cancelled = scheduler.stats.cancelled
+    stream = one_slot.stream("Once upon a time", 500)
+    handle = stream.handle
+    wait_until(lambda: scheduler.free_slots == 0, "the request to be admitted")
+    if how == "close":
+        stream.close()
+    else:
+        del stream
+        gc.collect()
+    steps = scheduler.stats.steps  # cancelled by now: at most the step under way completes
+    wait_until(lambda: handle.result is not None, "the request to end")
+    assert handle.result.finish_reason == "cancelled" and len(handle.result.token_ids) < 500
+    assert scheduler.stats.steps - steps <= 1  # it left at the next step boundary (nothing else runs)
+    wait_until(lambda: scheduler.free_slots == 1, "its slot to be free")
+    assert scheduler.stats.cancelled == cancelled + 1
+
+
+def test_queued_streams_that_are_closed_or_dropped_leave_the_queue_at_once(one_slot):
+    """Issue 39 item 3: with the slot taken, two queued streams whose readers left still filled the queue
+    (QueueFull for everyone else) until the slot freed."""
+    scheduler = one_slot.scheduler
+    want = one_slot.generate(PROMPTS[2], 12).token_ids
+    running = one_slot.stream(PROMPTS[0], 400)
+    next(running)  # it holds the only slot
+    queued = [one_slot.stream(p, 50) for p in PROMPTS[1:3]]
+    handles = [q.handle for q in queued]
+    assert scheduler.waiting == 2
+    with pytest.raises(QueueFull):
+        one_slot.stream(PROMPTS[2], 12)
+    queued[0].close()
+    del queued[1]  # a reader that went away without closing
+    gc.collect()
+    assert scheduler.waiting == 0  # at once: no step had to free a slot first
+    assert [h.result.finish_reason for h in handles] == ["cancelled", "cancelled"]
+    late = one_slot.stream(PROMPTS[2], 12)  # accepted, not QueueFull
+    assert scheduler.waiting == 1
+    running.close()
+    assert [t for chunk in late for t in chunk.token_ids] == want
+    wait_until(lambda: scheduler.idle, "the runtime to be idle")
+
+
+# -- issue 39 items 1, 2 and 6: what a request may cost is bounded before any work ---------------------
+
+
+def old_stable_end(text: str, stops: list[str]) -> int:
+    """The held-back tail as first written (every prefix of every stop string tried): the reference."""
+    end = len(text)
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                end = min(end, len(text) - k)
+                break
+    return end
+
+
+def test_stop_lists_are_bounded_in_count_and_length(stories):
+    from trt_lookahead.runtime import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+    want = stories.generate(PROMPTS[0], 12).text
+    assert stories.generate(PROMPTS[0], 12, stop=[f"#{i}" for i in range(MAX_STOP_STRINGS)]).text == want
+    assert stories.generate(PROMPTS[0], 12, stop="#" * MAX_STOP_CHARS).text == want
+    with pytest.raises(ValueError, match=f"stop holds {MAX_STOP_STRINGS + 1} strings; at most {MAX_STOP_STRINGS}"):
+        stories.stream(PROMPTS[0], 12, stop=[f"#{i}" for i in range(MAX_STOP_STRINGS + 1)])
+    with pytest.raises(ValueError, match=f"{MAX_STOP_CHARS + 1} characters; at most {MAX_STOP_CHARS}"):
+        stories.stream(PROMPTS[0], 12, stop=["#" * (MAX_STOP_CHARS + 1)])
+    with pytest.raises(ValueError, match="stop holds 2000 strings"):  # the issue's list: refused by its length
+        stories.stream(PROMPTS[0], 300, stop=["x" * 2000] * 2000)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text("ab\n", max_size=24), st.lists(st.text("ab\n", min_size=1, max_size=8), max_size=4))
+def test_the_held_back_tail_is_what_it_was(text, stops):
+    from trt_lookahead.runtime import _stable_end
+
+    assert _stable_end(text, stops) == old_stable_end(text, stops)
+
+
+def test_a_stop_string_late_in_a_long_output_cuts_where_the_whole_text_says(stories):
+    """Each chunk searches only where a new stop string can start: one far from the start is still found."""
+    full = stories.generate(PROMPTS[1], 300, lookahead="greedy").text
+    stop = full[250:256]
+    assert len(full) > 256 and full.find(stop) > 200, full
+    got = "".join(c.text for c in stories.stream(PROMPTS[1], 300, stop=[stop, "zzzz"]))
+    assert got == full[: full.find(stop)]
+
+
+def test_a_text_prompt_that_cannot_fit_is_refused_by_its_characters(stories, chat_model):
+    """Issue 39 item 1: a 5 MB prompt was tokenized in full (seconds, the tokenizer held) before its length was
+    checked; now its characters refuse it (the message counts characters, not tokens)."""
+    huge = "Once upon a time " * 300_000
+    with pytest.raises(ValueError, match=r"the prompt has 5100000 characters .* cannot fit max_seq_len 512"):
+        stories.stream(huge, 8)
+    with pytest.raises(ValueError, match=r"characters .* cannot fit max_seq_len"):
+        chat_model.stream([{"role": "user", "content": huge}], 8)
+    # the bound's premise on the real tokenizer: no token stands for more characters than token_chars
+    assert max(len(stories.decode([i])) for i in range(stories.vocab_size)) <= stories.token_chars
+    # not refused by the bound under it: max_seq_len * token_chars * PROMPT_CHARS_MARGIN characters go to the
+    # tokenizer, and the token count refuses them
+    from trt_lookahead.runtime import PROMPT_CHARS_MARGIN
+
+    bound = stories.max_seq_len * stories.token_chars * PROMPT_CHARS_MARGIN
+    with pytest.raises(ValueError, match=r"prompt of \d+ tokens \+ max_new_tokens 8 exceeds max_seq_len 512"):
+        stories.stream(("Once upon a time " * bound)[:bound], 8)
+
+
+def test_token_ids_that_cannot_fit_are_refused_by_their_count(stories):
+    with pytest.raises(ValueError, match="a prompt of 5000000 token ids exceeds max_seq_len 512"):
+        stories.stream(np.zeros(5_000_000, dtype=np.int64), 8)
+    with pytest.raises(ValueError, match="a prompt of 513 token ids exceeds max_seq_len 512"):
+        stories.stream([1] * 513, 8)
+
+
+@pytest.mark.parametrize("prompt", ["a\ud800", "\udfffOnce", [{"role": "user", "content": "Hi \ud83d"}]],
+                         ids=["high", "low", "chat"])
+def test_a_lone_surrogate_is_a_value_error_naming_it(chat_model, prompt):
+    """It was tokenizers' TypeError (a 500 in serve)."""
+    with pytest.raises(ValueError, match="lone surrogate"):
+        chat_model.stream(prompt, 8)

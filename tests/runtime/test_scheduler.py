@@ -4,6 +4,7 @@ prompts prefilled separately or in chunks beside the decode steps."""
 import asyncio
 import random
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -348,3 +349,78 @@ def test_a_bad_prefill_is_refused_naming_the_choices(prefill):
     executor = OracleExecutor(markov_logits(10, 1, 0), 10, step_tokens=8)
     with pytest.raises(UserError, match=r"prefill must be 'separate', 'chunked' or a chunk of 1 \.\. 8 tokens"):
         Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS), prefill=prefill)
+
+
+def test_a_waiting_request_that_is_cancelled_leaves_the_queue_at_once():
+    """Issue 39 item 3: the queue counts only live requests. A cancelled waiting request is gone from `waiting`
+    and the QueueFull count before any iteration runs, and its consumer already has its end."""
+    logits = markov_logits(10, 1, 0)
+    executor = OracleExecutor(logits, 10, max_batch=1)
+    scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS), max_queue=2)
+    running = scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [1], 20)))
+    scheduler.run_once()  # admitted: it holds the only slot
+    queued = [scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [i], 20))) for i in (2, 3)]
+    with pytest.raises(QueueFull):
+        scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [4], 5)))
+    assert running.wait_dequeued(0) and not any(h.wait_dequeued(0) for h in queued)
+    for handle in queued:
+        handle.cancel()
+    assert scheduler.waiting == 0 and scheduler.stats.cancelled == 2  # no iteration ran since
+    assert all(h.wait_dequeued(0) for h in queued)
+    for handle in queued:
+        assert list(handle) == [] and handle.result.finish_reason == "cancelled"  # told at once: no hang
+    late = scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [4], 5)))  # the two places are free again
+    late.cancel()
+    late.cancel()  # idempotent: counted once
+    assert scheduler.stats.cancelled == 3
+    after = scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [5], 5)))
+    while not scheduler.idle:
+        scheduler.run_once()
+    assert [t for b in running for t in b] == reference_generate(logits, [1], 20)
+    assert [t for b in after for t in b] == reference_generate(logits, [5], 5)
+    assert scheduler.stats.admitted == 2 and executor.steps and scheduler.free_slots == 1
+
+
+def test_cancel_racing_admission_ends_each_request_exactly_once():
+    """Cancels from other threads while the scheduler thread admits: each request is either withdrawn from the
+    queue or admitted (and then cancelled at a step or finished), never both; every consumer gets one end."""
+    logits = markov_logits(10, 1, 0)
+    executor = OracleExecutor(logits, 10, max_batch=2)
+    scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS), max_queue=200)
+    scheduler.start()
+    rng = random.Random(7)
+    lengths = [2000] + [rng.randint(1, 30) for _ in range(149)]  # the first is still running when cancelled
+    handles = scheduler.submit_many([Request(RequestDecoder(GREEDY_STEP, [i % 9 + 1], n))
+                                     for i, n in enumerate(lengths)])
+    deadline = time.monotonic() + 30
+    while scheduler.free_slots:  # both slots taken before the cancels start
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    chosen = [handles[0], *(h for h in handles[1:] if rng.random() < 0.6)]
+
+    def cancel(part, seed):
+        pause = random.Random(seed)
+        for handle in part:
+            time.sleep(pause.random() * 0.002)  # let admission and steps interleave with the cancels
+            handle.cancel()
+
+    cancellers = [threading.Thread(target=cancel, args=(chosen[i::2], i)) for i in range(2)]
+    for t in cancellers:
+        t.start()
+    for t in cancellers:
+        t.join()
+    blocks = [list(handle) for handle in handles]  # each ends (no hang), each with its end mark only once
+    scheduler.close()
+    assert all(h._queue.empty() for h in handles)
+    for handle, got in zip(handles, blocks, strict=True):
+        tokens = [t for b in got for t in b]
+        assert tokens == handle.result.token_ids
+        expected = reference_generate(logits, handle.request.decoder.prompt, handle.request.decoder.max_new_tokens)
+        assert tokens == (expected[: len(tokens)] if handle.result.finish_reason == "cancelled" else expected)
+        assert handle in chosen or handle.result.finish_reason == "length"
+    withdrawn = [h for h in handles if h.slot is None]  # never admitted: ended by cancel() itself
+    assert all(h.result.finish_reason == "cancelled" and not h.result.token_ids for h in withdrawn)
+    assert scheduler.stats.admitted + len(withdrawn) == len(handles)
+    assert withdrawn and scheduler.stats.cancelled > len(withdrawn)  # both ways were taken
+    assert scheduler.stats.finished + scheduler.stats.cancelled == len(handles)
+    assert scheduler.waiting == 0 and scheduler.free_slots == 2

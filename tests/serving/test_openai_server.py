@@ -98,26 +98,38 @@ class ServeProcess:
         return self.proc.returncode
 
 
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory, one_torch_thread) -> Path:
-    """stories260K with a ChatML template in its tokenizer_config.json."""
-    path = tmp_path_factory.mktemp("chat") / NAME
+def templated_copy(folder: Path, template: str) -> Path:
+    """A copy of stories260K in `folder` with `template` as the chat template of its tokenizer_config.json."""
+    path = folder / NAME
     shutil.copytree(STORIES, path)
     config = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
     return path
 
 
-@pytest.fixture(scope="module")
-def server(chat_model, tmp_path_factory):
-    srv = ServeProcess(tmp_path_factory.mktemp("serve") / "serve.log", "--model", str(chat_model),
-                       "--lookahead_config", SERVED, "--threads", "1", "--max-batch", str(MAX_BATCH))
+@contextlib.contextmanager
+def serving(folder: Path, *args: str):
+    """`serve *args` ready (log in `folder`); stopped with SIGTERM afterwards, which must exit 0."""
+    srv = ServeProcess(folder / "serve.log", *args)
     try:
         srv.wait_ready(timeout=300)
         yield srv
     finally:
         code = srv.stop()
     assert code == 0, f"serve exited with {code} after SIGTERM:\n{srv.tail()}"
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory, one_torch_thread) -> Path:
+    """stories260K with a ChatML template in its tokenizer_config.json."""
+    return templated_copy(tmp_path_factory.mktemp("chat"), CHATML)
+
+
+@pytest.fixture(scope="module")
+def server(chat_model, tmp_path_factory):
+    with serving(tmp_path_factory.mktemp("serve"), "--model", str(chat_model), "--lookahead_config", SERVED,
+                 "--threads", "1", "--max-batch", str(MAX_BATCH)) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -405,7 +417,7 @@ MALFORMED = [
     ("completions", {**GOOD, "lookahead": {"window": 0}}, 400, "lookahead", "W=0 is impossible"),
     ("completions", {**GOOD, "lookahead": {"width": 2}}, 400, "lookahead", "unrecognized request argument"),
     ("completions", {**GOOD, "lookahead": "fast"}, 400, "lookahead", "must be false"),
-    ("completions", {**GOOD, "temperature": -1}, 400, None, "temperature must be >= 0"),
+    ("completions", {**GOOD, "temperature": -1}, 400, "temperature", "temperature must be in [0, 2]"),  # OpenAI
     ("completions", {**GOOD, "top_p": 0}, 400, None, "top_p must be in (0, 1]"),
     ("completions", {**GOOD, "top_k": -1}, 400, None, "top_k must be >= 0"),
     ("completions", {**GOOD, "seed": -1}, 400, None, "seed must be in [0, 2**64)"),
@@ -425,7 +437,7 @@ MALFORMED = [
      "disagree"),
     ("chat/completions", {**CHAT, "n": 3}, 400, "n", "n=3 is not supported"),
     ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, None,
-     "+ max_new_tokens 1 exceeds max_seq_len 512"),  # a chat's default max_tokens: what the context has left
+     "842 token ids exceeds max_seq_len 512"),  # refused by its length before any max_tokens
 ]
 
 

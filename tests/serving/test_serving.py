@@ -1,7 +1,7 @@
 """Serving: `triton-repo`, `triton-serve` and the Triton model against a real tritonserver on loopback.
 
-One server (stories260K, lookahead 4,3,4, one instance) is started for the whole module (~7-20 s);
-answers are compared with LookaheadRuntime.generate and `trt-lookahead generate --json` in this process.
+One server (stories260K, lookahead 4,3,4, one instance; three models) is started for the whole module
+(~7-20 s); answers are compared with LookaheadRuntime.generate and `trt-lookahead generate --json` in this process.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from trt_lookahead.serving.server import TritonServer, free_port  # noqa: E402
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 NAME = "lookahead"
 BATCHED = "lookahead_batched"  # the same with max_batch_size 4: tensors carry a batch dimension
+ONE = "lookahead_one"  # one request slot, bfloat16 on the torch executor: a long request holds it for seconds
 SERVED = "4,3,4"
 PROMPTS = ["Once upon a time", "Lily and Tom went to the park. They", "The cat sat on the", "Sam had a red ball"]
 TIMEOUT = 60
@@ -58,6 +59,8 @@ def server(tmp_path_factory):
     for name, batch in ((NAME, "0"), (BATCHED, "4")):  # one server, two models: ~7 s per start saved
         assert main(["triton-repo", "--model", str(STORIES), "--output", str(root / "repo"), "--name", name,
                      "--lookahead_config", SERVED, "--max_batch_size", batch, "--pool-scope", "request"]) == 0
+    assert main(["triton-repo", "--model", str(STORIES), "--output", str(root / "repo"), "--name", ONE,
+                 "--lookahead_config", SERVED, "--max-batch", "1", "--dtype", "bfloat16"]) == 0
     yield from serve(root, timeout=180)
 
 
@@ -136,8 +139,8 @@ class GrpcStream:
         self.queue: queue.Queue = queue.Queue()
         self.client.start_stream(callback=lambda result, error: self.queue.put((result, error)))
 
-    def send(self, request_id: str, **values) -> None:
-        self.client.async_stream_infer(NAME, grpc_inputs(**values), request_id=request_id,
+    def send(self, request_id: str, model: str = NAME, **values) -> None:
+        self.client.async_stream_infer(model, grpc_inputs(**values), request_id=request_id,
                                        enable_empty_final_response=True)
 
     def next(self, timeout: float = TIMEOUT):
@@ -484,7 +487,7 @@ def test_the_server_runs_the_package_that_wrote_the_repository(server):
     import trt_lookahead
 
     here = f"trt_lookahead={Path(trt_lookahead.__file__).resolve().parent}"
-    expect(server, server.log_tail(100000).count(here) == 2, f"both models should log {here}")
+    expect(server, server.log_tail(100000).count(here) == 3, f"all three models should log {here}")
 
 
 @pytest.mark.server
@@ -543,6 +546,91 @@ def test_cancelled_stream_frees_the_instance(server, runtime):
     # and the single instance, free again, serves the next request
     want = runtime.generate(PROMPTS[1], max_new_tokens=16).text
     assert generate(server, text_input=PROMPTS[1], max_tokens=16)["text_output"] == want
+
+
+# -- issue 39: one request's size never holds up the others ----------------------------------------
+
+
+HUGE_TEXT = "Once upon a time " * 300_000  # 5.1 MB: stories260K holds 512 tokens
+ANSWERED = 10  # seconds: "not stalled" (the small request alone takes a fraction of one)
+
+
+def beside(server: TritonServer, runtime, big: list[dict]) -> list[tuple[int, str]]:
+    """Send the `big` bodies at once, then a small request: it must be answered correctly within ANSWERED
+    seconds of being sent, whatever the big ones cost. Returns the big ones' (status, text)."""
+    want = runtime.generate(PROMPTS[0], max_new_tokens=16).text
+    with ThreadPoolExecutor(len(big)) as pool:
+        answers = [pool.submit(http_post, server, "generate", body) for body in big]
+        time.sleep(0.5)  # their bodies are on their way first
+        sent = time.monotonic()
+        small = generate(server, text_input=PROMPTS[0], max_tokens=16)
+        waited = time.monotonic() - sent
+        results = [a.result() for a in answers]
+    expect(server, small["text_output"] == want, f"the small request got {small}")
+    expect(server, waited < ANSWERED, f"the small request waited {waited:.1f} s behind {len(big)} big ones")
+    return results
+
+
+@pytest.mark.server
+def test_huge_text_inputs_are_refused_while_a_small_request_is_served(server, runtime):
+    """A 5 MB text_input was tokenized inside execute() before any size check (5.6 s), holding up every other
+    request of the instance; three of them at once held a small request up for their sum."""
+    for status, text in beside(server, runtime, [{"text_input": HUGE_TEXT, "max_tokens": 8}] * 3):
+        expect(server, status == 400 and "prompt" in json.loads(text)["error"].lower(), f"{status} {text[:300]}")
+
+
+@pytest.mark.server
+def test_a_2000_entry_stop_list_is_refused_while_a_small_request_is_served(server, runtime):
+    """2,000 stop strings of 2,000 characters were accepted and matched at every block."""
+    stops = [f"{i:04d}" + "z" * 1996 for i in range(2000)]
+    body = {"text_input": PROMPTS[1], "max_tokens": 300, "stop_words": stops}
+    for status, text in beside(server, runtime, [body]):
+        expect(server, status == 400 and "stop" in json.loads(text)["error"].lower(), f"{status} {text[:300]}")
+
+
+def triton_metrics(server: TritonServer) -> dict[str, float]:
+    with contextlib.closing(urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
+                                                   timeout=10)) as r:
+        lines = r.read().decode().splitlines()
+    return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in lines if line[:1] not in ("#", ""))}
+
+
+@pytest.mark.server
+def test_a_request_cancelled_while_queued_leaves_the_queue_at_once(server):
+    """Issue 39 item 3 for Triton: a request waiting for the one slot whose client cancels leaves the queue
+    while the running request still runs, not once the slot frees; the next request is served."""
+    executed = f'nv_inference_exec_count{{model="{ONE}",version="1"}}'
+    before = triton_metrics(server).get(executed, 0)
+    long, queued = GrpcStream(server), GrpcStream(server)
+    long.send("long", model=ONE, text_input=PROMPTS[0], max_tokens=480, stream=True, lookahead_window_size=0)
+    _, final = long.next()
+    assert not final  # greedy, one token per step: it holds the slot for seconds
+    queued.send("queued", model=ONE, text_input=PROMPTS[1], max_tokens=8, stream=True)
+    deadline = time.monotonic() + 30
+    while triton_metrics(server).get(executed, 0) < before + 2:  # the model has it: it waits in the runtime's queue
+        expect(server, time.monotonic() < deadline, "the queued request never reached the model")
+        time.sleep(0.05)
+    queued.close(cancel=True)
+    pattern = "request 'queued' cancelled"
+    deadline = time.monotonic() + 30
+    while pattern not in server.log_tail(200):
+        expect(server, time.monotonic() < deadline, "the model did not report the cancellation")
+        time.sleep(0.05)
+    arrived = []  # the long request's responses so far: it was still running when the queued one left
+    with contextlib.suppress(queue.Empty):
+        while True:
+            arrived.append(long.queue.get_nowait())
+    expect(server, not any(r.get_response().parameters["triton_final_response"].bool_param for r, _ in arrived),
+           "the long request had ended before the queued one left")
+    final = long.collect()[-1]  # the rest: it runs to the end (the final response carries the totals)
+    assert final["finish_reason"] == b"length" and final["generated_tokens"] == 480
+    long.close()
+    line = next(l for l in server.log_tail(200).splitlines() if pattern in l)
+    assert "while waiting for a slot" in line, line
+    follow = GrpcStream(server)
+    follow.send("next", model=ONE, text_input=PROMPTS[2], max_tokens=8, stream=True)
+    assert follow.collect()[-1]["generated_tokens"] == 8
+    follow.close()
 
 
 @pytest.mark.server

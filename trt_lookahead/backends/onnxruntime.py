@@ -33,7 +33,7 @@ import numpy as np
 from trt_lookahead.backends.graphs import Logits, OpenedEngine, SlotExecutor
 from trt_lookahead.engine.format import INPUTS, OUTPUTS, EngineConfig, cache_names
 from trt_lookahead.errors import UserError
-from trt_lookahead.lookahead.executor import check_kv_memory
+from trt_lookahead.lookahead.executor import check_kv_memory, kv_allocation
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 _BINDINGS = 32  # IOBindings kept per executor, one per (B, T, K) recently stepped
@@ -70,10 +70,15 @@ class SessionSettings:
         options.graph_optimization_level = levels[self.optimization]
         options.intra_op_num_threads = self.threads or _torch_threads()
         options.inter_op_num_threads = 1
+        # native messages would precede our one error line: a failure still raises, and is worded by the caller
+        options.log_severity_level = _FATAL_ONLY
         options.enable_cpu_mem_arena = self.arena
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spinning else "0")
         options.add_session_config_entry("session.disable_prepacking", "0" if self.prepacking else "1")
         return options
+
+
+_FATAL_ONLY = 4  # onnxruntime's log severities: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal
 
 
 class OnnxRuntimeEngine(OpenedEngine):
@@ -168,8 +173,9 @@ class OnnxRuntimeExecutor(SlotExecutor):
         self._session = engine.session()
         S = self.max_seq_len + T  # the graph's cache length is dynamic: rows for this executor's max_seq_len
         check_kv_memory((L, B, Hkv, S, D), np.dtype(dtype).itemsize, self.max_seq_len, B)
-        self.k_cache = np.zeros((L, B, Hkv, S, D), dtype)  # per layer [max_batch, Hkv, S, D]
-        self.v_cache = np.zeros_like(self.k_cache)
+        with kv_allocation(self.max_seq_len, B):
+            self.k_cache = np.zeros((L, B, Hkv, S, D), dtype)  # per layer [max_batch, Hkv, S, D]
+            self.v_cache = np.zeros_like(self.k_cache)
         self._caches = [*self.k_cache, *self.v_cache]  # graph order: every key cache, then every value cache
         self._cache_shape = (Hkv, S, D)
         # flat buffers: the arrays of any (B, T, K) are views at their start, so bindings keep their addresses
@@ -212,7 +218,7 @@ class OnnxRuntimeExecutor(SlotExecutor):
 
     def _run(self, B: int, T: int, K: int) -> tuple[np.ndarray, Logits]:
         binding, views = self._binding(B, T, K)
-        self._session.run_with_iobinding(binding)
+        self._execute(binding)
         return views["next_ids"], lambda: views["logits"]
 
     def _prefill_chunk(self, physical: int, start: int, inputs: dict[str, np.ndarray]) -> tuple[np.ndarray, Logits]:
@@ -221,10 +227,21 @@ class OnnxRuntimeExecutor(SlotExecutor):
         outputs = {name: self._prefill_out[name] for name in OUTPUTS[:2]}
         outputs |= {name: self._prefill_out[name][: L * Hkv * n * D].reshape(L, 1, Hkv, n, D) for name in OUTPUTS[2:]}
         caches = [layer[physical : physical + 1] for layer in self._caches]  # the slot's own cache, in place
-        self._session.run_with_iobinding(_bind(self._session, inputs, caches, outputs))
+        self._execute(_bind(self._session, inputs, caches, outputs))
         self.k_cache[:, physical, :, start : start + n] = outputs["present_keys"][:, 0]
         self.v_cache[:, physical, :, start : start + n] = outputs["present_values"][:, 0]
         return outputs["next_ids"], lambda: outputs["logits"]
+
+    def _execute(self, binding: Any) -> None:
+        """Run the graph; a failure inside it (a damaged graph that loaded, e.g. under --no-verify) is one UserError."""
+        try:
+            self._session.run_with_iobinding(binding)
+        except RuntimeError as exc:  # onnxruntime's Fail and friends
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise UserError(
+                f"onnxruntime failed running engine {self.config.path} ({first}); its files are damaged or from "
+                "different builds: rebuild the engine (loading without --no-verify checks them)"
+            ) from exc
 
     def _keep(self, physical: int, row: int, rows: np.ndarray, start: int) -> None:
         end = start + len(rows)

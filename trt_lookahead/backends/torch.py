@@ -54,6 +54,7 @@ from trt_lookahead.lookahead.executor import (
     check_kv_memory,
     check_prompt,
     check_slot,
+    kv_allocation,
 )
 from trt_lookahead.lookahead.sampling import MASK32, SamplingParams
 from trt_lookahead.lookahead.tree import TreeTemplate, covers
@@ -71,6 +72,9 @@ DEFAULT_STEP_TOKENS = 128  # the largest row a runtime's torch executor takes (1
 # for 1.09-1.16x the fast step's cost at batch 1, T <= 16 on the CPU and 0.83-0.86x on an H200 (README, "Exact
 # by construction")
 EXACT_BY_DEFAULT = (torch.bfloat16,)
+# the most prompt tokens an exact prefill feeds in one causal row: BlockedAttention holds every query row's scores
+# over every key block, memory rows x keys, so a long prompt runs as rows of this many (any size gives the same bits)
+EXACT_PREFILL_CHUNK = DEFAULT_STEP_TOKENS
 
 
 RowAttend = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q [t, Hq, D], k, v [keys, Hkv, D]) -> [t, Hq, D]
@@ -152,8 +156,9 @@ class BatchedTorchExecutor:
         alloc = torch.zeros if self.padded else torch.empty
         if not is_cuda:
             check_kv_memory(shape, model.dtype.itemsize, self.max_seq_len, self.max_batch)
-        self.k_cache = alloc(shape, dtype=model.dtype, device=dev)
-        self.v_cache = alloc(shape, dtype=model.dtype, device=dev)
+        with kv_allocation(self.max_seq_len, self.max_batch):
+            self.k_cache = alloc(shape, dtype=model.dtype, device=dev)
+            self.v_cache = alloc(shape, dtype=model.dtype, device=dev)
         B = self.max_batch
         self._cache_len = np.zeros(B, np.int64)  # per logical slot
         self._step_real = np.zeros(B, np.int64)  # real tokens of the slot's uncommitted step (0: none)
@@ -221,28 +226,41 @@ class BatchedTorchExecutor:
 
     @torch.inference_mode()
     def prefill(self, slot: int, prompt_ids: np.ndarray, sampling: SamplingParams) -> int:
+        logits = self.prefill_logits(slot, prompt_ids, sampling)
+        P = self.cache_len(slot)
+        return int(self._select(logits, torch.tensor([P - 1], device=self.device), self._physical[[slot]])[0])
+
+    @torch.inference_mode()
+    def prefill_logits(self, slot: int, prompt_ids: np.ndarray, sampling: SamplingParams) -> Tensor:
+        """[1, vocab] the logits `prefill` chooses the first token from; KV and sampling as `prefill`.
+
+        Exact: the prompt runs as causal step rows (`_causal_logits`) of at most EXACT_PREFILL_CHUNK tokens, so its
+        KV and first token have the bits of chunked prefill or plain decoding (docs/design.md 4.2); else one call.
+        """
         ids = check_prompt(prompt_ids, self.max_seq_len, self.vocab_size)
         self.claim(slot, sampling)
-        phys = int(self._physical[slot])
-        P, dev = len(ids), self.device
-        first = phys * self.rows_per_slot
-        mask = None if P == 1 else torch.from_numpy(step_mask(P, CAUSAL)).to(dev)
-        last = torch.tensor([P - 1], device=dev)
-        logits = self.model(
-            torch.from_numpy(ids).to(dev),
-            torch.arange(P, device=dev),
-            self.k_cache,
-            self.v_cache,
-            None,
-            None,
-            last,
-            attention=RowAttention([(0, P, first, P, functools.partial(attend, mask=mask))]),
-            cache_rows=torch.arange(first, first + P, device=dev),
-            ops=MODULE_OPS if self.padded else self._ops,  # the packed exact step: a 1-token prompt too
-        )
-        token = self._select(logits, last, np.array([phys]))
-        self._cache_len[slot] = P
-        return int(token[0])
+        chunk = EXACT_PREFILL_CHUNK if self.exact else len(ids)
+        for start in range(0, len(ids), chunk):
+            part = ids[start : start + chunk]
+            logits = self._causal_logits(slot, part)
+            self._cache_len[slot] = start + len(part)
+        return logits
+
+    def _causal_logits(self, slot: int, ids: np.ndarray) -> Tensor:
+        """[1, vocab] at the last of `ids`, run as one causal row at the slot's cache_len by the step's own path
+        (padded exact: the Triton kernels; else packed, as `_packed_logits`), its KV written at their rows."""
+        c, cache_len = len(ids), int(self._cache_len[slot])
+        positions = cache_len + np.arange(c)[None]
+        if self.padded and self.exact:
+            phys, S, dev = int(self._physical[slot]), self.rows_per_slot, self.device
+            rows = slice(phys * S, phys * S + S)  # the slot's own rows, as slot 0 of a one-slot cache
+            return self._padded_forward(
+                self.k_cache[:, rows], self.v_cache[:, rows], torch.from_numpy(ids[None]).to(dev),
+                torch.from_numpy(positions).to(dev), torch.tensor([[c - 1]], device=dev),
+                torch.tensor([cache_len], device=dev), torch.tensor([CAUSAL], device=dev),
+            )
+        batch = StepBatch(np.array([slot]), ids[None], positions, np.array([CAUSAL], np.int32), np.array([[c - 1]]))
+        return self._packed_logits(batch, np.array([c]))[0]
 
     @torch.inference_mode()
     def step(self, batch: StepBatch) -> np.ndarray:
@@ -408,7 +426,9 @@ class BatchedTorchExecutor:
         if step is None:
             tree = covers(self.tree, LookaheadConfig(W, N, G)) if W else None  # W = 0: a causal chunk
             table = None if tree is None else tree.table
-            step = self._row_masks[key] = torch.from_numpy(step_mask(tokens, (W, N, G), table)).to(self.device)
+            step = torch.from_numpy(step_mask(tokens, (W, N, G), table)).to(self.device)
+            if tokens <= self.step_tokens:  # a step's; not a whole prompt's (fast prefill), which could be any length
+                self._row_masks[key] = step
         cfg = self.model.cfg
         if self.exact:
             return BlockedAttention(step, cache_len, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.model.dtype,
@@ -478,10 +498,17 @@ class BatchedTorchExecutor:
 
     def _padded_logits(self, bucket: int) -> Tensor:
         """[bucket * T, vocab]: the logits at each physical slot's T output slot entries (capturable)."""
-        T, S, dev = self.step_tokens, self.rows_per_slot, self.device
+        T = self.step_tokens
         d = self._d_in[:bucket]
-        ids, positions, outputs = d[:, :T], d[:, T : 2 * T], d[:, 2 * T : 3 * T]
-        cache_len, config = d[:, 3 * T], d[:, 3 * T + 1 :]
+        return self._padded_forward(self.k_cache, self.v_cache, d[:, :T], d[:, T : 2 * T], d[:, 2 * T : 3 * T],
+                                    d[:, 3 * T], d[:, 3 * T + 1 :])
+
+    def _padded_forward(self, k_cache: Tensor, v_cache: Tensor, ids: Tensor, positions: Tensor, outputs: Tensor,
+                        cache_len: Tensor, config: Tensor) -> Tensor:
+        """[Bb * K, vocab]: rows of T tokens ids/positions [Bb, T] (configs [Bb, 3], cache_len [Bb]) over slots
+        0 .. Bb-1 of caches [layers, >= Bb * S, ..], logits at outputs [Bb, K] (no host synchronisation)."""
+        S, dev = self.rows_per_slot, self.device
+        bucket, T = ids.shape
         i = torch.arange(T, device=dev)
         rel = torch.arange(S, device=dev)[None, None, :] - cache_len[:, None, None]  # [Bb, 1, S] key - cache_len
         W, N, G = (config[:, c, None, None] for c in range(3))
@@ -499,8 +526,8 @@ class BatchedTorchExecutor:
         logits = self.model(
             ids.reshape(-1),
             positions.reshape(-1),
-            self.k_cache,
-            self.v_cache,
+            k_cache,
+            v_cache,
             None,
             None,
             (torch.arange(bucket, device=dev)[:, None] * T + outputs).reshape(-1),

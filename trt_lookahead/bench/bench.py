@@ -424,6 +424,12 @@ class BenchPlan:
     limit: int | None
     max_seq_len: int | None  # for the runtime: the longest prompt + max_new_tokens (None: an engine's)
 
+    @property
+    def widest(self) -> LookaheadConfig | None:
+        """The smallest config every explicit W/N/G entry fits (None: greedy and auto only)."""
+        configs = [LookaheadConfig.parse(label) for label in self.labels if label not in (GREEDY, AUTO)]
+        return LookaheadConfig.cover(configs) if configs else None
+
 
 def plan_bench(
     source: str,

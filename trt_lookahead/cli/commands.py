@@ -20,6 +20,7 @@ from trt_lookahead.lookahead.decoder import parse_prefill
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.model.fetch import DEFAULT_MODEL
 from trt_lookahead.runtime import DEFAULT_MAX_NEW_TOKENS
+from trt_lookahead.serving import MAX_SHUTDOWN_GRACE
 from trt_lookahead.tuning.tune import DEFAULT_BUDGET, DEFAULT_TUNE_DATASETS, LEAST_COLUMNS, NGRAMS
 
 __all__ = ["CONCURRENCY_MODES", "DEFAULT_BUDGET", "DEFAULT_CONFIGS", "DEFAULT_MAX_NEW_TOKENS", "DEFAULT_TUNE_DATASETS"]
@@ -58,9 +59,10 @@ def model_source(args: argparse.Namespace) -> str:
 
 def engine_dir(path: str) -> str:
     """--engine PATH, if PATH holds an engine dir's config.json; else UserError saying what to pass instead."""
-    from trt_lookahead.engine.format import is_engine_dir
+    from trt_lookahead.engine.format import check_engine_json, is_engine_dir
 
     if not is_engine_dir(path):
+        check_engine_json(path, "--engine")  # a truncated engine config.json is that, not "no engine here"
         what = "does not exist" if not Path(path).exists() else "is not an engine dir (no engine config.json)"
         raise UserError(
             f"--engine {path} {what}; build one with `trt-lookahead build`, or pass a checkpoint as --model"
@@ -143,15 +145,19 @@ def bench_model(
 ) -> tuple[dict, list[Path]]:
     """Plan, load the runtime, run; with `out`, write the result files (step cost overlay from tuning)."""
     from trt_lookahead.bench.bench import plan_bench, run_bench, write_outputs
+    from trt_lookahead.engine.format import is_engine_dir
     from trt_lookahead.files import check_output_dir
-    from trt_lookahead.runtime import LookaheadRuntime
+    from trt_lookahead.runtime import LookaheadRuntime, engine_cover
     from trt_lookahead.tuning.file import tuned_step_cost
 
     if out is not None:
         check_output_dir(out, "--out")  # before the benchmark, not after it
     plan = plan_bench(source, datasets=datasets, limit=limit, max_new_tokens=max_new_tokens, configs=configs,
                       peers=peers, max_seq_len=max_seq_len)
-    rt = LookaheadRuntime.from_pretrained(plan.model_path, backend=backend, dtype=dtype, lookahead=None,
+    widest = None if is_engine_dir(plan.model_path) else plan.widest
+    # `generate`'s rule (runtime.checkpoint_backend): configs wider than the standard cached engine run on torch
+    asked = widest if widest is not None and engine_cover(widest) != engine_cover() else None
+    rt = LookaheadRuntime.from_pretrained(plan.model_path, backend=backend, dtype=dtype, lookahead=asked,
                                           max_seq_len=plan.max_seq_len, threads=threads, verify=verify,
                                           tuning_file=tuning_file, exact=exact, pool_scope=pool_scope, tree=tree)
     result = run_bench(rt, plan)
@@ -209,10 +215,11 @@ def bench_concurrency(args: argparse.Namespace) -> int:
 
 
 def tune(args: argparse.Namespace) -> int:
-    from trt_lookahead.files import write_text_atomic
+    from trt_lookahead.files import check_output_file, write_text_atomic
     from trt_lookahead.tuning.file import tuning_path
     from trt_lookahead.tuning.tune import budget_config, format_report, tuned_tree
 
+    check_output_file(args.tuning_file or tuning_path(), "--tuning-file")  # before minutes of measuring
     tree_for = parse_tree_for(args.tree_for)
     tree_out = check_tree_out(args.tree_out, tree_for) if args.tree_out else None
     entry = tune_model(args.model or DEFAULT_MODEL, backend=args.backend, dtype=args.dtype, datasets=args.dataset,
@@ -314,6 +321,9 @@ def triton_serve(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     """Take the port, load and warm the model, then serve until SIGINT or SIGTERM."""
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise UserError("--served-model-name is empty; give the name requests send as `model`, or leave the flag "
+                        "out to serve the model under its directory's name")
     lookahead = lookahead_choice(args)
     prefill = None if args.prefill is None else parse_prefill(args.prefill)
     source = model_source(args)
@@ -325,6 +335,11 @@ def serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise UserError(f"serve needs the `serve` extra ({exc}): pip install 'trt-lookahead[serve]'") from None
 
+    if args.max_body_bytes < 1:
+        raise UserError(f"--max-body-bytes must be a positive number of bytes, got {args.max_body_bytes}")
+    if not 1 <= args.shutdown_grace <= MAX_SHUTDOWN_GRACE:
+        raise UserError(f"--shutdown-grace must be 1 to {MAX_SHUTDOWN_GRACE} seconds, got "
+                        f"{args.shutdown_grace}")
     sock = listen(args.host, args.port)
     with LookaheadRuntime.from_pretrained(
         source, backend=args.backend, dtype=args.dtype, lookahead=lookahead, max_seq_len=args.max_seq_len,
@@ -333,5 +348,6 @@ def serve(args: argparse.Namespace) -> int:
     ) as runtime:
         for config in (None, GREEDY):  # the served and the greedy paths' first-call costs now, not on a request
             runtime.generate("Hello", max_new_tokens=2, lookahead=config)
-        serve(runtime, sock, model_name=args.served_model_name or runtime.model_path.name)
+        serve(runtime, sock, model_name=args.served_model_name or runtime.model_path.name,
+              max_body_bytes=args.max_body_bytes, shutdown_grace=args.shutdown_grace)
     return 0

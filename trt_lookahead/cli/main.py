@@ -20,6 +20,7 @@ from trt_lookahead.lookahead.pool import POOL_SCOPES
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.model.fetch import DEFAULT_MODEL
 from trt_lookahead.runtime import DEFAULT_MAX_QUEUE
+from trt_lookahead.serving import DEFAULT_MAX_BODY_BYTES, GRACEFUL_SHUTDOWN_SECONDS
 
 # command -> handler; each handler imports the modules its command needs only when it runs.
 COMMANDS = {
@@ -203,6 +204,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(in causal rows beside the others' decode steps) or a chunk size (default: the backend's)")
     p.add_argument("--served-model-name", "--served_model_name", dest="served_model_name", default=None,
                    help="the `model` requests name (default: the model or engine directory's name)")
+    p.add_argument("--max-body-bytes", "--max_body_bytes", dest="max_body_bytes", type=int,
+                   default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"the largest request body taken, in bytes (default {DEFAULT_MAX_BODY_BYTES}, 4 MiB); a "
+                        "larger one is answered 413")
+    p.add_argument("--shutdown-grace", "--shutdown_grace", dest="shutdown_grace", type=int,
+                   default=GRACEFUL_SHUTDOWN_SECONDS,
+                   help=f"seconds running requests may take to finish after SIGTERM/SIGINT (default "
+                        f"{GRACEFUL_SHUTDOWN_SECONDS}); those still running are then answered 503 (streams: an error "
+                        "event, then [DONE])")
     _add_pool_scope_argument(p)
     _add_tree_argument(p)
 

@@ -116,8 +116,11 @@ def build_request(
     force: bool = False,
     exact: bool = False,
     tree: str | TreeTemplate | None = DEFAULT,
+    check_output: bool = True,
 ) -> BuildRequest:
     """Validate a build before any work (UserError with one clear line); `model` is a dir or a known name.
+
+    check_output=False leaves `output` unchecked: the engine cache checks its own dir only when it must build.
 
     max_seq_len defaults to min(the model's context, DEFAULT_BUILD_SEQ_LEN); max_input_len to max_seq_len.
     """
@@ -126,7 +129,7 @@ def build_request(
 
     dtype = _choice("dtype", str(dtype).lower(), DTYPES)
     attention, target = _choice("attention", attention, ATTENTION_MODES), _choice("target", target, TARGETS)
-    output = check_output_dir(output, "--output")
+    output = check_output_dir(output, "--output") if check_output else Path(output)
     model_dir = resolve_model(model)
     context = read_config(model_dir).max_position_embeddings
     max_seq_len = check_max_seq_len(max_seq_len, context, DEFAULT_BUILD_SEQ_LEN)

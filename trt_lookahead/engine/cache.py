@@ -23,7 +23,7 @@ from pathlib import Path
 from trt_lookahead.engine.build import BuildRequest, build, build_request
 from trt_lookahead.engine.format import load_engine_config
 from trt_lookahead.errors import UserError
-from trt_lookahead.files import cache_dir, locked
+from trt_lookahead.files import CACHE_ENV, cache_dir, locked, writable
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.tree import TreeTemplate
 
@@ -38,8 +38,9 @@ def cache_request(model_dir: str | os.PathLike, *, dtype: str, lookahead: Lookah
     from trt_lookahead.model.checkpoint import weights_sha256
 
     root = cache_dir() / ENGINES if root is None else root
-    request = build_request(model_dir, root / "pending", lookahead=lookahead, max_seq_len=max_seq_len,
-                            max_batch=max_batch, dtype=dtype, force=True, tree=tree)
+    # the output is only named here: a read-only cache that holds the engine is used as it is
+    request = build_request(model_dir, root, lookahead=lookahead, max_seq_len=max_seq_len,
+                            max_batch=max_batch, dtype=dtype, force=True, tree=tree, check_output=False)
     key = request.key(weights_sha256(request.model_dir))
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return BuildRequest(**{**vars(request), "output": root / f"{request.model_dir.name}-{digest}"}), key
@@ -50,28 +51,54 @@ def cached_engine(model_dir: str | os.PathLike, *, dtype: str, lookahead: Lookah
                   ) -> tuple[Path, str | None]:
     """The cached engine dir of this checkpoint and shape, built first if needed (`cache_request`).
 
+    A usable engine is used as it is, without the lock or any write (a read-only cache works); a build
+    takes the lock and checks again, so that a second process waits, then uses it.
     -> (path, why it was built: None when the cache already held it).
     """
-    from trt_lookahead.model.checkpoint import check_weights
+    from trt_lookahead.model.checkpoint import check_weights, load_tokenizer
 
     check_weights(model_dir)  # a broken checkpoint is one error line, before any build starts
     request, key = cache_request(model_dir, dtype=dtype, lookahead=lookahead, max_seq_len=max_seq_len,
                                  max_batch=max_batch, root=root, tree=tree)
     path = request.output
-    with locked(path.with_name(f".{path.name}.lock")):  # a second process waits, then uses it
+    why = _unusable(path, key)
+    if why is None:
+        return path, None
+    load_tokenizer(request.model_dir)  # a checkpoint without a readable tokenizer cannot run: say so before building
+    _check_writable(path.parent, request.model_dir)
+    with locked(path.with_name(f".{path.name}.lock")):
         why = _unusable(path, key)
         if why is not None:
             print(f"trt-lookahead: building the engine of {request.model_dir.name} once, cached in {path} ({why})",
                   file=sys.stderr, flush=True)
-            shutil.rmtree(path, ignore_errors=True)  # the cache's own dir: whatever it holds is not used
+            if path.is_dir() and not path.is_symlink():  # the cache's own dir: whatever it holds is not used
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)  # a file or a link where the engine dir belongs
             build(request)
     return path, why
+
+
+def _check_writable(engines: Path, model_dir: Path) -> None:
+    """UserError naming the fix when the engine must be built but the cache dir cannot take it."""
+    place = engines
+    while not place.exists():
+        place = place.parent
+    if place.is_dir() and writable(place):
+        return
+    raise UserError(
+        f"the engine cache {engines} is read-only (or not a writable directory) and does not hold the engine of "
+        f"{model_dir.name} for this shape; set {CACHE_ENV} to a writable directory, or build an engine "
+        f"with `trt-lookahead build --model {model_dir} --output DIR` and pass it as --engine DIR"
+    )
 
 
 def _unusable(path: Path, key: dict) -> str | None:
     """Why the cached dir cannot be used as this build (None: it can)."""
     if not path.exists():
         return "not built yet"
+    if not path.is_dir():
+        return "the cached engine's place holds a file, not an engine dir"
     try:
         config = load_engine_config(path)
     except UserError as exc:

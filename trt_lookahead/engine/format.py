@@ -314,6 +314,19 @@ def is_engine_dir(path: str | os.PathLike) -> bool:
     return isinstance(raw, dict) and FORMAT_KEY in raw
 
 
+def check_engine_json(path: str | os.PathLike, flag: str) -> None:
+    """UserError naming the file and the fix if `path`'s config.json exists but is not valid JSON (a truncated or
+    damaged engine config, which `is_engine_dir` cannot tell from another directory)."""
+    file = Path(path) / CONFIG_FILE
+    if not file.is_file():
+        return
+    try:
+        _read_json(file)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{flag} {path}: {file} is not valid JSON ({exc}); it is damaged or truncated: rebuild the "
+                        "engine with `trt-lookahead build --force`, or restore the file") from None
+
+
 def load_engine_config(path: str | os.PathLike, verify: bool = True) -> EngineConfig:
     """Read and check an engine dir's config.json, and with `verify` every file's checksum (UserError naming
     what is wrong and the fix)."""

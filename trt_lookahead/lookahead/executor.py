@@ -27,8 +27,11 @@ prompt's next token, chosen as `prefill` chooses it (keyed by position P-1).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -155,12 +158,118 @@ def check_commit(rows: np.ndarray, step_tokens: int, cache_len: int, max_seq_len
 
 
 def check_kv_memory(shape: tuple[int, ...], itemsize: int, max_seq_len: int, max_batch: int = 1) -> None:
-    """UserError, before allocating, if the K and V caches of `shape` cannot fit in this machine's memory."""
+    """UserError, before allocating, if the K and V caches of `shape` cannot fit in the memory this process can
+    still have (`available_memory`: a container's limit included, not the machine's total)."""
     needed = 2 * itemsize * int(np.prod(shape, dtype=object))
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if needed > total:
-        slots = f" for {max_batch} request slots" if max_batch > 1 else ""
+    available = available_memory()
+    if needed > available:
         raise UserError(
-            f"max_seq_len {max_seq_len} needs a KV cache of {needed / 2**30:.1f} GiB{slots}, more than this "
-            f"machine's {total / 2**30:.1f} GiB of memory; lower max_seq_len" + (" or max_batch" if slots else "")
+            f"max_seq_len {max_seq_len} needs a KV cache of {needed / 2**30:.1f} GiB{_slots(max_batch)}, more than the "
+            f"{available / 2**30:.1f} GiB available of this machine's {_total_memory() / 2**30:.1f} GiB of memory; "
+            f"{_lower(max_batch)}"
         )
+
+
+@contextlib.contextmanager
+def kv_allocation(max_seq_len: int, max_batch: int) -> Iterator[None]:
+    """Turns a failed allocation of the KV cache (numpy's MemoryError, torch's "can't allocate" RuntimeError, a
+    CUDA out-of-memory) into the UserError that names what to lower."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as exc:
+        if not isinstance(exc, MemoryError) and "alloc" not in str(exc).lower() and "out of memory" not in str(exc):
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"the KV cache of max_seq_len {max_seq_len}{_slots(max_batch)} cannot be allocated ({first}); "
+                        f"{_lower(max_batch)}") from None
+
+
+def _slots(max_batch: int) -> str:
+    return f" for {max_batch} request slots (max_batch)" if max_batch > 1 else ""
+
+
+def _lower(max_batch: int) -> str:
+    return "lower max_seq_len" + (" or max_batch" if max_batch > 1 else "")
+
+
+def available_memory() -> int:
+    """Bytes this process can still allocate: the least of the machine's memory, /proc/meminfo's MemAvailable and
+    what each enclosing cgroup (v2 or v1) allows: its limit less its usage, page cache it may drop counted free."""
+    total = _total_memory()
+    meminfo = _read_fields(Path("/proc/meminfo"))
+    found = [total, *([meminfo["MemAvailable"] * 1024] if "MemAvailable" in meminfo else [])]
+    return min(found + [room for room in _cgroup_rooms() if room < total])
+
+
+def _total_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _cgroup_rooms() -> list[int]:
+    """Limit less usage of each memory cgroup this process is in, its own and its ancestors' up to where the
+    cgroup file system is mounted (any of them may be the limited one); none without a limit or a cgroup fs."""
+    groups: dict[str, Path] = {}  # "" (v2) or "memory" (v1) -> the process's group in that hierarchy
+    for line in _read_text(Path("/proc/self/cgroup")).splitlines():
+        _, controllers, name = line.split(":", 2)
+        for kind in ("",) if controllers == "" else controllers.split(","):
+            if kind in ("", "memory"):
+                groups[kind] = Path(name)
+    rooms = []
+    for line in _read_text(Path("/proc/self/mountinfo")).splitlines():
+        mount, _, fs = line.partition(" - ")
+        fields, fs_fields = mount.split(), fs.split()
+        if len(fields) < 5 or len(fs_fields) < 3:
+            continue
+        if fs_fields[0] == "cgroup2":
+            kind = ""
+        elif fs_fields[0] == "cgroup" and "memory" in fs_fields[2].split(","):
+            kind = "memory"
+        else:
+            continue
+        if kind not in groups:
+            continue
+        root, top, group = Path(fields[3]), Path(fields[4]), groups[kind]
+        if group != root and root not in group.parents:
+            continue  # the process's group is outside what this mount shows
+        place = top / group.relative_to(root)
+        while True:
+            room = _cgroup_room(place, v2=kind == "")
+            if room is not None:
+                rooms.append(room)
+            if place == top:
+                break
+            place = place.parent
+    return rooms
+
+
+def _cgroup_room(place: Path, v2: bool) -> int | None:
+    """What the cgroup at `place` still allows (None: no limit, or not readable)."""
+    stat = _read_fields(place / "memory.stat")
+    if v2:
+        limit_text, usage_text, cache = _read_text(place / "memory.max"), _read_text(place / "memory.current"), \
+            stat.get("inactive_file", 0)
+    else:
+        limit_text = str(stat.get("hierarchical_memory_limit", ""))
+        usage_text, cache = _read_text(place / "memory.usage_in_bytes"), stat.get("total_inactive_file", 0)
+    try:
+        limit, usage = int(limit_text), int(usage_text)
+    except ValueError:  # "max" (no limit), or no such file
+        return None
+    return max(0, limit - usage + cache)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+def _read_fields(path: Path) -> dict[str, int]:
+    """`name value` (or `name: value kB`) lines -> {name: value}."""
+    fields = {}
+    for line in _read_text(path).splitlines():
+        parts = line.replace(":", " ").split()
+        if len(parts) >= 2 and parts[1].isdigit():
+            fields[parts[0]] = int(parts[1])
+    return fields

@@ -159,6 +159,11 @@ def load_tokenizer(path: str | Path) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(root))
     except Exception as exc:  # transformers and tokenizers raise many types for a corrupt file
+        if not (root / "tokenizer.json").is_file():  # the slow fallback's own complaint (tiktoken, ...) misleads
+            raise UserError(
+                f"{root} has no tokenizer.json, and its other tokenizer files cannot be read without it "
+                f"({type(exc).__name__}); copy tokenizer.json from the original checkpoint into {root}"
+            ) from exc
         raise UserError(
             f"the tokenizer files in {root} cannot be read ({type(exc).__name__}: {exc}); restore them from the "
             "original checkpoint"

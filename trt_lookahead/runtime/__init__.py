@@ -28,11 +28,12 @@ The final text (one decode of all ids) is the reference.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import sys
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -61,6 +62,23 @@ EXACT_ON_ENGINE = ("exact=True runs a checkpoint on the torch executor; onnxrunt
                    "engine")
 TREE_ON_ENGINE = "an engine dir verifies the tree it was built with (`trt-lookahead build --tree`): drop --tree"
 PROMPT_KINDS = "a prompt is text, a list of chat messages {'role': ..., 'content': ...}, or a list of token ids"
+# a text prompt longer than max_seq_len * (the most characters one token covers) * this is refused untokenized:
+# it cannot fit; the margin covers what the bound's argument (`_token_chars`) leaves out (a normalizer that
+# strips or composes a few characters), at a small cost
+PROMPT_CHARS_MARGIN = 2
+# stop strings are matched against every chunk of a stream: their number and length bound that work.
+# OpenAI takes at most 4 stop strings; 16 accepts every OpenAI client with room to spare. A stop string is
+# a delimiter ("\n\nUser:", "</answer>"); 256 characters hold any such delimiter, a few lines of text
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+class ChatTemplateError(UserError):
+    """A chat template that cannot render the messages; `reason` is the template's own error, without the path."""
+
+    def __init__(self, model_path: Path, reason: Exception) -> None:
+        self.reason = str(reason)
+        super().__init__(f"the chat template of {model_path} cannot render these messages ({self.reason})")
 
 
 @dataclass
@@ -167,19 +185,25 @@ class _Detokenizer:
 
 
 class _TextStream:
-    """One request's blocks turned into StreamChunks: text, stop strings, held-back text, the final output."""
+    """One request's blocks turned into StreamChunks: text, stop strings, held-back text, the final output.
+
+    A chunk's work does not grow with the text so far: stop strings are searched for only where a new one can
+    start (the text is only ever extended), and the held-back tail is at most the longest stop string."""
 
     def __init__(self, runtime: LookaheadRuntime, request: Request, handle: RequestHandle) -> None:
         self.runtime, self.request, self.handle = runtime, request, handle
         self.detokenizer = _Detokenizer(runtime.decode)
         self.emitted = 0  # characters of text already sent
+        self.searched = 0  # characters of text searched for stop strings (none found)
+        self.overlap = max((len(s) for s in request.stop), default=1) - 1  # a stop may start this far back
         self.finish = "length"
         self.stopped = False  # a stop string ended the text
 
     def push(self, block: list[int]) -> StreamChunk:
         stops = self.request.stop
         text = self.detokenizer.push(block)
-        cut = _stop_string_cut(text, stops)
+        cut = _stop_string_cut(text, stops, max(self.searched - self.overlap, 0))
+        self.searched = len(text)
         if cut is not None:
             block = self._end_at_stop_string(len(block))
             text, self.stopped = text[:cut], True
@@ -223,6 +247,27 @@ class _TextStream:
             stats=stats,
         )
         return StreamChunk(text[self.emitted :], [], done=True, output=output)
+
+
+class ChunkStream(Iterator[StreamChunk]):
+    """What `stream` returns: its chunks, and close(). Closing it, or dropping it, cancels the request at once
+    if it still waits for a slot (else at the next step), even before the first next(): a bare generator
+    runs no cleanup until it has started, so its request would run to the end holding a slot."""
+
+    def __init__(self, chunks: Generator[StreamChunk, None, None], request: Request, handle: RequestHandle) -> None:
+        self._chunks = chunks
+        self.request = request  # as checked: its prompt_ids, limits and stop strings
+        self.handle = handle  # the scheduler's side: its result once the request has left
+        self._cancel = weakref.finalize(self, handle.cancel)  # holds the handle, not this stream
+        self._cancel.atexit = False
+
+    def __next__(self) -> StreamChunk:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        """Stop reading: the request is cancelled (a no-op once it has finished)."""
+        self._chunks.close()
+        self._cancel()
 
 
 class LookaheadRuntime:
@@ -426,20 +471,33 @@ class LookaheadRuntime:
 
     # -- requests -------------------------------------------------------------------------------
 
+    @functools.cached_property
+    def token_chars(self) -> int | None:
+        """The most characters of normalized text one token covers (None: no bound known for this tokenizer);
+        computed once, see `_token_chars`."""
+        return _token_chars(self.tokenizer)
+
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
-        """Token ids of a text prompt, of chat messages (chat template), or the ids themselves."""
+        """Token ids of a text prompt, of chat messages (chat template), or the ids themselves.
+
+        A prompt that cannot fit max_seq_len is refused before tokenizing (UserError): text by its length in
+        characters (`prompt_char_limit`), token ids by their count."""
         if not isinstance(chat, bool):
             raise UserError(f"chat must be True or False, got {chat!r}")
         if isinstance(prompt, str):
             if chat:
                 return self._apply_chat_template([{"role": "user", "content": prompt}])
+            self._check_text([prompt])
             with self._tokenizer_lock:
                 return list(self.tokenizer(prompt, verbose=False)["input_ids"])
         if not isinstance(prompt, Sequence | np.ndarray) or isinstance(prompt, bytes | bytearray):
             raise UserError(f"{PROMPT_KINDS}, got {type(prompt).__name__}")
+        if len(prompt) and all(isinstance(m, dict) for m in prompt):
+            return self._apply_chat_template(_check_messages(list(prompt)))
+        if len(prompt) > self.max_seq_len:  # by its length, before converting a single id
+            raise UserError(f"a prompt of {len(prompt)} token ids exceeds max_seq_len {self.max_seq_len}; shorten the "
+                            "prompt")
         items = list(prompt)
-        if items and all(isinstance(m, dict) for m in items):
-            return self._apply_chat_template(_check_messages(items))
         try:
             ids = [as_int("token id", t) for t in items]
         except UserError:
@@ -448,14 +506,38 @@ class LookaheadRuntime:
             raise UserError("chat=True wraps text in the chat template; a list of token ids is used as it is")
         return ids
 
+    def _check_text(self, texts: Sequence[str]) -> None:
+        """Refuse text that is not Unicode (a lone surrogate: tokenizers raise TypeError on it) or too long to fit
+        max_seq_len, before any tokenizing: a check of its length, nothing that grows faster."""
+        for text in texts:
+            if not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise UserError(
+                        f"the prompt holds a lone surrogate ({text[exc.start]!r} at character {exc.start}), which is "
+                        "not Unicode text; send each surrogate in a pair (or the character itself)"
+                    ) from None
+        token_chars = self.token_chars
+        if token_chars is None:
+            return
+        chars = sum(len(t) for t in texts)
+        if chars > self.max_seq_len * token_chars * PROMPT_CHARS_MARGIN:
+            raise UserError(
+                f"the prompt has {chars} characters and no token of this tokenizer covers more than {token_chars}: "
+                f"it needs at least {-(-chars // token_chars)} tokens, which cannot fit max_seq_len "
+                f"{self.max_seq_len}; shorten the prompt"
+            )
+
     def _apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise UserError(f"{self.model_path} has no chat template; send a plain text prompt (drop --chat)")
+        self._check_text([m["content"] for m in messages])
         try:
             with self._tokenizer_lock:
                 ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except Exception as exc:  # the template is the model's own Jinja code: any error means these messages
-            raise UserError(f"the chat template of {self.model_path} cannot render these messages ({exc})") from exc
+            raise ChatTemplateError(self.model_path, exc) from exc
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -551,18 +633,17 @@ class LookaheadRuntime:
                 return chunk.output
         raise AssertionError("stream ended without a final chunk")
 
-    def stream(
-        self, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **kwargs: Any
-    ) -> Iterator[StreamChunk]:
+    def stream(self, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **kwargs: Any) -> ChunkStream:
         """Yield text as each step's tokens are accepted; the last chunk carries the GenerationOutput.
 
         The request is checked and queued in this call (ValueError / QueueFull now, not at the first chunk);
-        closing the iterator early cancels it.
+        closing the stream early, or dropping it, cancels it, even before its first chunk.
         """
         request = self.check_request(prompt, max_new_tokens, **kwargs)
-        return self._chunks(_TextStream(self, request, self.submit([request])[0]))
+        text = _TextStream(self, request, self.submit([request])[0])
+        return ChunkStream(self._chunks(text), request, text.handle)
 
-    def _chunks(self, text: _TextStream) -> Iterator[StreamChunk]:
+    def _chunks(self, text: _TextStream) -> Generator[StreamChunk, None, None]:
         try:
             for block in text.handle:
                 chunk = text.push(block)
@@ -577,7 +658,10 @@ class LookaheadRuntime:
     async def astream(
         self, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **kwargs: Any
     ) -> AsyncIterator[StreamChunk]:
-        """`stream` for asyncio: `async for chunk in rt.astream(...)`; the loop is never blocked by decoding."""
+        """`stream` for asyncio: `async for chunk in rt.astream(...)`; the loop is never blocked by decoding.
+
+        The request is checked and queued at the first chunk, so an astream never iterated runs nothing; once
+        started, aclose(), a cancelled task or dropping it (the loop's async generator hook) cancels it."""
         request = self.check_request(prompt, max_new_tokens, **kwargs)
         text = _TextStream(self, request, self.submit([request], asyncio.get_running_loop())[0])
         try:
@@ -612,28 +696,65 @@ def _check_messages(items: list[Any]) -> list[dict[str, str]]:
     return cast(list[dict[str, str]], items)
 
 
+def _token_chars(tokenizer: Any) -> int | None:
+    """The most characters of a prompt one token covers: its vocabulary entry's length (added tokens included),
+    for BPE with byte fallback (a piece's own characters, or 6 for one `<0xNN>` byte) and byte-level BPE (a
+    vocabulary character per byte, at least one byte per character; an NFC normalizer's compositions keep
+    that). None for other tokenizers: an unknown token fused over a run, or a pre-tokenizer that drops
+    whitespace, covers any length. One exception, by choice: a normalizer that folds runs of spaces (the
+    stories260K tokenizer's) lets a token cover a run of any length; such a prompt is refused by its raw length
+    all the same, as that normalizer's regex takes time quadratic in a run's length (seconds for 20,000
+    spaces), with the tokenizer lock held: the Llama tokenizers (sentencepiece's and byte-level) fold nothing."""
+    from tokenizers.models import BPE
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not isinstance(backend.model, BPE):
+        return None
+    if not (backend.model.byte_fallback or "ByteLevel" in repr(backend.pre_tokenizer)):
+        return None
+    return max((len(token) for token in tokenizer.get_vocab()), default=None)
+
+
 def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
-    """None, one stop string, or a sequence of them -> the non-empty ones (empty strings never match)."""
+    """None, one stop string, or a sequence of them -> the non-empty ones (empty strings never match); at most
+    MAX_STOP_STRINGS of at most MAX_STOP_CHARS characters each, checked before looking at any of them."""
     stops = [stop] if isinstance(stop, str) else [] if stop is None else stop
-    if not isinstance(stops, Sequence) or not all(isinstance(s, str) for s in stops):
-        raise UserError(f"stop must be a string or a list of strings, got {stop!r}")
+    if not isinstance(stops, Sequence):
+        raise UserError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise UserError(f"stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed: send fewer")
+    if not all(isinstance(s, str) for s in stops):
+        raise UserError(f"stop must be a string or a list of strings, got {_shown(stop)}")
+    longest = max(stops, key=len, default="")
+    if len(longest) > MAX_STOP_CHARS:
+        raise UserError(f"a stop string has {len(longest)} characters; at most {MAX_STOP_CHARS} are allowed: send a "
+                        "shorter one")
     return tuple(s for s in stops if s)
 
 
-def _stop_string_cut(text: str, stops: Sequence[str]) -> int | None:
-    """Where the first stop string starts in `text`, if any."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+def _shown(value: object, limit: int = 80) -> str:
+    """repr(value) cut to `limit` characters: an error message never grows with the input."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _stop_string_cut(text: str, stops: Sequence[str], start: int = 0) -> int | None:
+    """Where the first stop string starts in `text`, if any, searching from `start`."""
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return min(hits) if hits else None
 
 
 def _stable_end(text: str, stops: Sequence[str]) -> int:
     """How much of `text` later tokens cannot change: hold back any tail that could start a stop string."""
     end = len(text)
+    last = text[-1:]
     for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:k]):
-                end = min(end, len(text) - k)
+        k = min(len(stop) - 1, len(text))  # the longest held-back tail: stop[:j + 1] for j < k
+        while last and (j := stop.rfind(last, 0, k)) >= 0:  # only prefixes ending in text's last character
+            if text.endswith(stop[: j + 1]):
+                end = min(end, len(text) - j - 1)
                 break
+            k = j
     return end
 
 

@@ -3,12 +3,14 @@
     scheduler = Scheduler(executor, policy, max_queue=64); scheduler.start()
     handle = scheduler.submit(Request(decoder, sampling, explicit))   # QueueFull when the queue is full
     for block in handle: ...                                          # token blocks as steps accept them
-    handle.cancel()                                                   # takes effect at the next step
+    handle.cancel()                                   # waiting: leaves the queue now; running: at the next step
 
-Each iteration (`run_once`): cancelled requests leave and free their slot; waiting requests are admitted
-in arrival order into free slots; the policy picks each decoding request's config for the step; one
-BatchStepper step runs every active request; finished, failed and cancelled requests release their slot
-at once. How an admitted request's prompt is prefilled (`prefill`):
+A waiting request that is cancelled leaves the queue at once, in the cancelling thread, and ends there: the
+queue (max_queue, `waiting`) only counts requests someone still waits for. Each iteration (`run_once`):
+cancelled running requests leave and free their slot; waiting requests are admitted in arrival order into
+free slots; the policy picks each decoding request's config for the step; one BatchStepper step runs every
+active request; finished, failed and cancelled requests release their slot at once. How an admitted
+request's prompt is prefilled (`prefill`):
   separate   executor.prefill, one request after another before the step: every other request waits for
              the whole prompt
   chunked    executor.claim, then one causal row of the next `prefill_chunk` prompt tokens in each step,
@@ -29,7 +31,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,18 +83,19 @@ class Result:
 class RequestHandle:
     """The caller's side of one request: its token blocks (or its error) in order, and cancel()."""
 
-    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop | None, wake: Any,
-                 outbox: list[tuple[RequestHandle, Any]]) -> None:
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop | None,
+                 withdraw: Callable[[RequestHandle], None], outbox: list[tuple[RequestHandle, Any]]) -> None:
         self.request = request
         self.result: Result | None = None
         self.policy_state: RequestState | None = None
         self.slot: int | None = None
+        self._dequeued = threading.Event()  # set when it leaves the queue: admitted, withdrawn or closed
         self.chunk = 0  # while its prompt is prefilled in steps: tokens per chunk (0: prefilled, or separately)
         self.prefilled = 0  # prompt tokens committed by those chunks
         self._loop = loop
         self._queue: Any = queue.SimpleQueue() if loop is None else asyncio.Queue()
         self._cancelled = threading.Event()
-        self._wake = wake
+        self._withdraw = withdraw
         self._outbox = outbox
 
     # -- the scheduler's side -----------------------------------------------------------------------
@@ -110,10 +113,14 @@ class RequestHandle:
         except RuntimeError:  # the consumer's event loop is closed: nobody listens any more
             self._cancelled.set()
 
-    def _finish(self, reason: str) -> None:
+    def _finish(self, reason: str, now: bool = False) -> None:
+        """Set the result and send the end mark: queued for `_deliver`, or handed over `now` (off the loop)."""
         d = self.request.decoder
         self.result = Result(list(d.tokens), reason, d.stats)
-        self._put(_END)
+        if now:
+            self._hand_over(_END)
+        else:
+            self._put(_END)
 
     # -- the caller's side --------------------------------------------------------------------------
 
@@ -121,10 +128,16 @@ class RequestHandle:
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
+    def wait_dequeued(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for the request to leave the queue (admitted, cancelled or closed): no block
+        comes before then, so a consumer can watch meanwhile for a reason to cancel. False if it still waits."""
+        return self._dequeued.wait(timeout)
+
     def cancel(self) -> None:
-        """Stop this request at the next step boundary, freeing its slot; idempotent."""
+        """Waiting: leave the queue and end now. Running: stop at the next step boundary, freeing the slot.
+        Idempotent; safe from any thread."""
         self._cancelled.set()
-        self._wake()
+        self._withdraw(self)
 
     def __iter__(self) -> Iterator[list[int]]:
         if self._loop is not None:
@@ -256,7 +269,7 @@ class Scheduler:
         self, requests: Sequence[Request], loop: asyncio.AbstractEventLoop | None = None
     ) -> list[RequestHandle]:
         """Queue requests together (admitted in the same iteration when slots allow); all or none."""
-        handles = [RequestHandle(request, loop, self._notify, self._outbox) for request in requests]
+        handles = [RequestHandle(request, loop, self._withdraw, self._outbox) for request in requests]
         with self._cond:
             if self._closed:
                 raise SchedulerClosed("the runtime is closed; create a new one")
@@ -287,6 +300,7 @@ class Scheduler:
         with self._cond:
             waiting, self._waiting = list(self._waiting), deque()
         for handle in waiting:
+            handle._dequeued.set()
             handle._put(error)
         for slot in list(self._active):
             self._end(slot, error=error)
@@ -318,9 +332,19 @@ class Scheduler:
 
     # -- the loop -----------------------------------------------------------------------------------
 
-    def _notify(self) -> None:
+    def _withdraw(self, handle: RequestHandle) -> None:
+        """`handle.cancel()`: a waiting request leaves the queue now and its consumer is told at once (the
+        outbox belongs to the loop, so the end is handed over here); else wake the loop, which ends a running
+        request at its next step. Under the lock, exactly one of this and admission takes a waiting request."""
         with self._cond:
-            self._cond.notify()
+            try:
+                self._waiting.remove(handle)
+            except ValueError:  # admitted (or ended, or taken by close): the loop or close ends it
+                self._cond.notify()
+                return
+            handle._dequeued.set()
+            self.stats.cancelled += 1
+        handle._finish(CANCELLED, now=True)
 
     def _loop(self) -> None:
         while True:
@@ -345,6 +369,7 @@ class Scheduler:
         with self._cond:
             while self._waiting and self._free:
                 handle = self._waiting.popleft()
+                handle._dequeued.set()
                 if handle.cancelled:
                     self.stats.cancelled += 1
                     handle._finish(CANCELLED)
@@ -474,13 +499,13 @@ class Scheduler:
         try:
             self.executor.release(slot)
         finally:
-            with self._cond:
+            with self._cond:  # the counts too: `_withdraw` counts cancellations from other threads
                 self._free.append(slot)
                 self._free.sort()
+                self.stats.failed += error is not None
+                self.stats.cancelled += error is None and reason == CANCELLED
+                self.stats.finished += error is None and reason != CANCELLED
         if error is not None:
-            self.stats.failed += 1
             handle._put(error)
         else:
-            self.stats.cancelled += reason == CANCELLED
-            self.stats.finished += reason != CANCELLED
             handle._finish(reason)

@@ -4,3 +4,7 @@ repository writer (repository.py, templates/) and the tritonserver runner (serve
 
 May import trt_lookahead.runtime and everything below it, never trt_lookahead.cli.
 """
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # `serve --max-body-bytes`: a larger request body is answered 413
+GRACEFUL_SHUTDOWN_SECONDS = 15  # `serve --shutdown-grace`: on SIGTERM/SIGINT, running requests get this long
+MAX_SHUTDOWN_GRACE = 3600  # `serve --shutdown-grace` at most an hour

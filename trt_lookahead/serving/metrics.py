@@ -1,7 +1,10 @@
 """Prometheus metrics of `trt-lookahead serve` (prometheus-client, one registry per server, GET /metrics).
 
     trt_lookahead_requests_total{endpoint, outcome}   outcome: stop, length (finish reasons), cancelled (the
-                                                      client went away), invalid (4xx), overloaded (429), error
+                                                      client went away, mid-upload too), invalid (4xx: 400,
+                                                      404, 408, 413), overloaded (429), error (5xx: 500, 503
+                                                      at shutdown); every request counted once, whatever
+                                                      its end
     trt_lookahead_prompt_tokens_total, trt_lookahead_generation_tokens_total
     trt_lookahead_steps_total                         forward passes that emitted tokens, prefill included
     trt_lookahead_accepted_tokens_per_step            histogram: tokens each decode step emitted (greedy: 1)

@@ -5,16 +5,21 @@
     GET  /health                                 200 once the model is loaded
     GET  /metrics                                Prometheus text (serving/metrics.py)
 
-A request is parsed (openai_protocol.py), its model name and lookahead checked here, then handed to the
-runtime's `astream`, which checks every value and queues it on the scheduler (a full queue: 429 at once);
+A request's body is read up to --max-body-bytes (413 beyond, 408 if it does not arrive within
+BODY_TIMEOUT_SECONDS), parsed (openai_protocol.py), its model name and lookahead checked and its prompt
+tokenized here, off the event loop (a thread: the loop never does work that grows with a request's size), then
+handed to the runtime's `astream`, which checks every value and queues it on the scheduler (a full queue: 429 at once);
 the scheduler decodes up to --max-batch requests in every step. The response starts only with the
 prefill's token, so every error up to then is an HTTP error with OpenAI's error object; the server keeps
 serving. A client that disconnects (streaming or not) closes its stream, which cancels the request at the
-next step and frees its slot. docs/design.md section 7.6.
+next step and frees its slot. On SIGTERM / SIGINT new requests get 503; running ones may finish within
+--shutdown-grace, and shortly before it ends every one still waiting is answered 503 (a stream: an error event,
+then `data: [DONE]`) and cancelled. docs/design.md section 7.6.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import secrets
@@ -25,6 +30,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, TypeVar, cast
 
 import anyio
@@ -33,12 +39,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive
 
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import AUTO, GREEDY, LookaheadConfig
-from trt_lookahead.runtime import GenerationOutput, LookaheadRuntime, StreamChunk
+from trt_lookahead.runtime import ChatTemplateError, GenerationOutput, LookaheadRuntime, StreamChunk
 from trt_lookahead.runtime.scheduler import QueueFull
+from trt_lookahead.serving import DEFAULT_MAX_BODY_BYTES, GRACEFUL_SHUTDOWN_SECONDS
 from trt_lookahead.serving.metrics import RequestTrace, ServerMetrics
 from trt_lookahead.serving.openai_protocol import (
     DONE,
@@ -55,7 +63,10 @@ from trt_lookahead.serving.openai_protocol import (
 )
 from trt_lookahead.serving.schema import request_lookahead
 
-GRACEFUL_SHUTDOWN_SECONDS = 15  # on SIGTERM/SIGINT: requests still running after this are cancelled
+BODY_TIMEOUT_SECONDS = 30  # a request body must arrive whole within this (408 otherwise): no upload is held forever
+SHUTDOWN_MARGIN_SECONDS = 2  # waiting requests are answered this long before the grace ends (half a grace under 4 s)
+SHUTTING_DOWN = "the server is shutting down; retry the request"
+UNREAD_BODY = (408, 413)  # statuses answered before the body was read whole
 LOOKAHEAD_NAMES = ("lookahead.window", "lookahead.ngram", "lookahead.verification")
 CLIENT_CLOSED = 499  # the access log's status of a request whose client went away (nginx's convention)
 log = logging.getLogger("uvicorn.error")
@@ -75,9 +86,15 @@ class Job:
 class OpenAIServer:
     """The routes over one runtime; `app()` is the ASGI application."""
 
-    def __init__(self, runtime: LookaheadRuntime, *, model_name: str) -> None:
+    def __init__(self, runtime: LookaheadRuntime, *, model_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 shutdown_grace: int = GRACEFUL_SHUTDOWN_SECONDS, body_timeout: float = BODY_TIMEOUT_SECONDS) -> None:
         self.runtime = runtime
         self.name = model_name
+        self.max_body_bytes = max_body_bytes
+        self.shutdown_grace = shutdown_grace
+        self.body_timeout = body_timeout
+        self.closing = False  # shutdown began: new requests are answered 503
+        self.aborted = asyncio.Event()  # the grace is nearly over: every waiting request ends with a 503
         self.served = runtime.request_config(None)[0]  # a request's ceiling: the default config (auto: its largest)
         self.auto = runtime.lookahead == AUTO
         self.chat_template = bool(getattr(runtime.tokenizer, "chat_template", None))
@@ -89,6 +106,16 @@ class OpenAIServer:
              "max_seq_len": str(runtime.max_seq_len), "max_batch": str(runtime.max_batch),
              "max_queue": str(scheduler.max_queue), "prefill": str(scheduler.prefill)},
         )
+
+    def begin_shutdown(self) -> None:
+        """(On the event loop, at SIGTERM / SIGINT.) New requests get 503 from now on; running ones may finish
+        until shortly before uvicorn's grace ends, then every one still waiting ends with a 503 (a stream: an
+        error event and [DONE]), its request cancelled, so that none is cut mid-response."""
+        if self.closing:
+            return
+        self.closing = True
+        margin = min(SHUTDOWN_MARGIN_SECONDS, self.shutdown_grace / 2)
+        asyncio.get_running_loop().call_later(self.shutdown_grace - margin, self.aborted.set)
 
     @property
     def label(self) -> str:
@@ -141,35 +168,88 @@ class OpenAIServer:
     # -- generation -----------------------------------------------------------------------------
 
     async def _generate(self, request: Request, kind: type[GenerationRequest]) -> Response:
+        """Every request is counted once in requests_total, whatever its end: an answer, an error status, 499."""
         trace = self.metrics.trace(kind.ENDPOINT)
         try:
-            job = self._job(parse_request(await request.body(), kind))
-            chunks = self._run(job, trace)
-            first = await unless_disconnected(request.receive, anext(chunks))
+            return await self._respond(request, kind, trace)
         except ApiError as exc:
             trace.finish(exc.outcome)
             return _error_response(exc)
-        if first is None:
+        except Disconnected:
             trace.finish("cancelled")
             return Response(status_code=CLIENT_CLOSED)
+        except Exception as exc:
+            trace.finish("error")
+            log.exception("request failed")
+            return _error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+    async def _respond(self, request: Request, kind: type[GenerationRequest], trace: RequestTrace) -> Response:
+        if self.closing:
+            raise ApiError(503, SHUTTING_DOWN, code="shutting_down")
+        raw = await self._guard(self._read_body(request))
+        job = await anyio.to_thread.run_sync(self._job, raw, kind)  # parsing and tokenizing: off the event loop
+        chunks = self._run(job, trace)
+        try:
+            first = await self._guard(anext(chunks), request.receive)
+        except BaseException:
+            await chunks.aclose()  # a generator cancelled before it started: nothing was queued
+            raise
         rid, created = f"{job.body.ID_PREFIX}{uuid.uuid4().hex}", int(time.time())
         if job.body.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(self._events(job, chunks, first, rid, created), media_type="text/event-stream",
                                      headers=headers)
         try:
-            output = await unless_disconnected(request.receive, _final_output(chunks, first))
+            output = await self._guard(_final_output(chunks, first), request.receive)
+        except (ApiError, Disconnected):
+            raise
         except Exception as exc:
             log.exception("request %s failed", rid)
-            return _error_response(ApiError(500, f"generation failed: {type(exc).__name__}: {exc}"))
-        if output is None:
-            return Response(status_code=CLIENT_CLOSED)
+            raise ApiError(500, f"generation failed: {type(exc).__name__}: {exc}") from None
         body = job.body
         return JSONResponse(envelope(body, rid, created, False, [body.choice(output.text, output.finish_reason)],
                                      usage=usage(output), lookahead=lookahead_report(output, job.seed)))
 
-    def _job(self, body: GenerationRequest) -> Job:
-        """The model name and the lookahead extension checked here; every value by the runtime (in astream)."""
+    async def _read_body(self, request: Request) -> bytes:
+        """The request body: refused by its Content-Length, or while reading once it passes max_body_bytes (413);
+        408 if it is not whole within `body_timeout` seconds; Disconnected if the client leaves mid-upload."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and (len(declared) > 18 or int(declared) > self.max_body_bytes):
+            raise self._too_large(f"{declared} bytes")
+        parts: list[bytes] = []
+        size = 0
+        try:
+            with anyio.fail_after(self.body_timeout):
+                async for part in request.stream():
+                    size += len(part)
+                    if size > self.max_body_bytes:
+                        raise self._too_large(f"over {self.max_body_bytes} bytes")
+                    parts.append(part)
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.body_timeout:g} s; send it whole",
+                           code="request_timeout") from None
+        except ClientDisconnect:
+            raise Disconnected from None
+        return b"".join(parts)
+
+    def _too_large(self, size: str) -> ApiError:
+        return ApiError(413, f"the request body is {size}; this server takes at most {self.max_body_bytes} bytes "
+                        "(serve --max-body-bytes)", code="body_too_large")
+
+    async def _guard(self, work: Awaitable[T], receive: Receive | None = None) -> T:
+        """`work`'s result; Disconnected if the client leaves first (given `receive`), ApiError(503) if the
+        shutdown grace is nearly over first; `work` is then cancelled (a request's stream: its request too)."""
+        result = await first_of(work, receive, self.aborted)
+        if result is DISCONNECTED:
+            raise Disconnected
+        if result is ABORTED:
+            raise ApiError(503, SHUTTING_DOWN, code="shutting_down")
+        return cast(T, result)
+
+    def _job(self, raw: bytes, kind: type[GenerationRequest]) -> Job:
+        """The body parsed, the model name and the lookahead extension checked here, the prompt tokenized;
+        every value by the runtime (in astream). Runs in a thread: its work grows with the body."""
+        body = parse_request(raw, kind)
         if body.model != self.name:
             raise self._unknown_model(body.model)
         if isinstance(body, ChatRequest) and not self.chat_template:
@@ -179,8 +259,11 @@ class OpenAIServer:
         seed = secrets.randbits(32) if body.seed is None else body.seed  # reported, so any answer can be replayed
         try:
             prompt_ids = self.runtime.encode(body.runtime_prompt())
-        except ValueError as exc:  # UserError: a chat template that cannot render these messages
-            raise ApiError(400, str(exc)) from None
+        except ChatTemplateError as exc:  # its message names the model's path: a client sees the model's name
+            raise ApiError(400, f"the chat template of the model {self.name!r} cannot render these messages "
+                           f"({exc.reason})", param="messages") from None
+        except ValueError as exc:  # UserError: a prompt that cannot fit
+            raise ApiError(400, str(exc), param=body.PROMPT_PARAM) from None
         room = self.runtime.max_seq_len - len(prompt_ids)
         arguments = dict(max_new_tokens=body.requested_tokens(room), lookahead=config, seed=seed,
                          stop=list(body.stop), pool_scope=body.pool_scope, **body.sampling())
@@ -245,7 +328,11 @@ class OpenAIServer:
                 while not chunk.done:
                     if chunk.text:
                         yield event([body.delta(chunk.text, None)])
-                    chunk = await anext(chunks)
+                    chunk = await self._guard(anext(chunks))
+            except ApiError as exc:  # shutdown: the request is cancelled, the client told to retry
+                yield sse(exc.body())
+                yield DONE
+                return
             except Exception as exc:  # the response has started: an error event ends it
                 log.exception("request %s failed while streaming", rid)
                 yield sse(ApiError(500, f"generation failed: {type(exc).__name__}: {exc}").body())
@@ -277,9 +364,20 @@ async def _final_output(chunks: AsyncGenerator[StreamChunk, None], chunk: Stream
     return chunk.output
 
 
-async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T | None:
-    """The result of `work`, or None if the client disconnects first (`work` is then cancelled)."""
-    results: list[T] = []
+class Disconnected(Exception):
+    """The client went away (mid-upload, or while its request waited): answered 499 in the access log."""
+
+
+DISCONNECTED, ABORTED = object(), object()  # what `first_of` returns when `work` lost
+
+
+async def first_of(work: Awaitable[T], receive: Receive | None, abort: asyncio.Event) -> T | object:
+    """The result of `work`, or DISCONNECTED if the client disconnects first (`receive` given), or ABORTED if
+    `abort` is set first; `work` is then cancelled."""
+    if abort.is_set():
+        getattr(work, "close", lambda: None)()  # never started
+        return ABORTED
+    results: list[T | object] = []
     failures: list[Exception] = []
     async with anyio.create_task_group() as group:
 
@@ -291,19 +389,29 @@ async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T | None:
             group.cancel_scope.cancel()
 
         async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
+            while receive is not None and (await receive())["type"] != "http.disconnect":
                 pass
+            if receive is not None:
+                results.append(DISCONNECTED)
+                group.cancel_scope.cancel()
+
+        async def stop() -> None:
+            await abort.wait()
+            results.append(ABORTED)
             group.cancel_scope.cancel()
 
         group.start_soon(run)
         group.start_soon(watch)
+        group.start_soon(stop)
     if failures:
         raise failures[0]
-    return results[0] if results else None
+    return results[0]
 
 
 def _error_response(error: ApiError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if error.status == 429 else None
+    headers = {"Retry-After": "1"} if error.status == 429 else {}
+    if error.status in UNREAD_BODY:  # the rest of the body is not read: the connection ends with the answer
+        headers["Connection"] = "close"
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
@@ -326,12 +434,30 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(runtime: LookaheadRuntime, sock: socket.socket, *, model_name: str, log_level: str = "info") -> None:
-    """Serve until SIGINT or SIGTERM, then finish running requests (GRACEFUL_SHUTDOWN_SECONDS at most)."""
-    api = OpenAIServer(runtime, model_name=model_name)
-    server = uvicorn.Server(uvicorn.Config(
-        api.app(), log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
-    ))
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the API the moment shutdown begins (its signal handler runs in the main thread,
+    between the event loop's steps: the API is called on the loop)."""
+
+    def __init__(self, config: uvicorn.Config, api: OpenAIServer) -> None:
+        super().__init__(config)
+        self.api = api
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.api.begin_shutdown)
+
+
+def serve(runtime: LookaheadRuntime, sock: socket.socket, *, model_name: str, log_level: str = "info",
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_grace: int = GRACEFUL_SHUTDOWN_SECONDS) -> None:
+    """Serve until SIGINT or SIGTERM, then let running requests finish for `shutdown_grace` seconds at most."""
+    api = OpenAIServer(runtime, model_name=model_name, max_body_bytes=max_body_bytes, shutdown_grace=shutdown_grace)
+    server = _Server(uvicorn.Config(api.app(), log_level=log_level, timeout_graceful_shutdown=shutdown_grace), api)
     host, port = sock.getsockname()[:2]
     print(
         f"trt-lookahead serve: {model_name} ({runtime.backend}, {runtime.dtype}, lookahead {api.label}, max_seq_len "

@@ -12,29 +12,36 @@ steps, tokens per step, the seed and the runtime's prefill and decode seconds. d
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from trt_lookahead.errors import UserError
 from trt_lookahead.runtime import GenerationOutput, Prompt
+from trt_lookahead.runtime import _stop_strings as check_stop_strings
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: a request without temperature samples (send 0 for greedy)
 DEFAULT_TOP_P = 1.0  # OpenAI's default: no nucleus filter
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens of /v1/completions (chat: the rest of the context)
 DONE = "data: [DONE]\n\n"
 ERROR_TYPES = {429: "server_error", 500: "server_error"}  # OpenAI answers "overloaded" with server_error
+MAX_TEMPERATURE = 2  # OpenAI's range of temperature is [0, 2] (the Python API takes any value >= 0)
 OUTCOMES = {429: "overloaded"}  # the metrics' outcome label of an error status; others: invalid (4xx), error (5xx)
+# a surrogate in a JSON body: an escape (\\ud800, in a pair or alone) or its UTF-8 form (which json.loads passes)
+SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
 class ApiError(Exception):
     """An error answered with OpenAI's error object {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        message = _encodable(message)  # it may quote the client's text: a lone surrogate is escaped, never sent
         super().__init__(message)
         self.status = status
         self.message = message
-        self.param = param
+        self.param = None if param is None else _encodable(param)
         self.code = code
 
     @property
@@ -46,28 +53,37 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": error_type, "param": self.param, "code": self.code}}
 
 
+def _encodable(text: str) -> str:
+    """`text` with any lone surrogate written as its escape (\\ud800), so that it can be sent as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _bad(message: str, **context: Any) -> PydanticCustomError:
     return PydanticCustomError("bad_value", message, context)
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return tuple(value)
-    raise _bad("stop must be a string or a list of strings, got {got}", got=_short(value))
+    """The runtime's rule (at most MAX_STOP_STRINGS of MAX_STOP_CHARS each), answered with param "stop"."""
+    if value is not None and not isinstance(value, str | list):
+        raise _bad("stop must be a string or a list of strings, got {got}", got=_short(value))
+    try:
+        return check_stop_strings(value)
+    except UserError as exc:
+        raise _bad(str(exc)) from None
+
+
+def _token_ids(value: Any) -> bool:
+    """A non-empty list of integers (JSON's true and false are not token ids)."""
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
 
 
 def _one_prompt(value: Any) -> str | list[int]:
-    """One prompt: text or token ids; a list holding exactly one of those is unwrapped (one prompt per request)."""
-    if isinstance(value, str):
+    """One prompt: text or token ids; a list holding exactly one of those is unwrapped (one prompt per request).
+    A nested list must be token ids: [["a"]] is not a prompt."""
+    if isinstance(value, str) or _token_ids(value):
         return value
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        return value
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        return _one_prompt(value[0])
+    if isinstance(value, list) and len(value) == 1 and (isinstance(value[0], str) or _token_ids(value[0])):
+        return value[0]
     if isinstance(value, list) and len(value) > 1 and all(isinstance(p, str | list) for p in value):
         raise _bad("this server takes one prompt per request, got {count}; send them as separate requests",
                    count=len(value))
@@ -172,12 +188,20 @@ class GenerationRequest(_Strict):
     stream_options: StreamOptions | None = None
     lookahead: Annotated[LookaheadOption | bool | None, BeforeValidator(_lookahead_option)] = None
 
+    @field_validator("temperature")
+    @classmethod
+    def _openai_temperature(cls, value: float | None) -> float | None:
+        if value is not None and not 0 <= value <= MAX_TEMPERATURE:  # NaN too
+            raise _bad("temperature must be in [0, {top}] (OpenAI's range), got {got}", top=MAX_TEMPERATURE, got=value)
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> GenerationRequest:
         if self.n not in (None, 1):
+            also = " (or {n} separate requests, with different seeds when sampling)" if self.n > 1 else ""
             raise PydanticCustomError(
-                "unsupported", "n={n} is not supported: this server returns one choice per request; send n=1 "
-                "(or {n} separate requests, with different seeds when sampling)", {"field": "n", "n": self.n},
+                "unsupported", "n={n} is not supported: this server returns one choice per request; send n=1" + also,
+                {"field": "n", "n": self.n},
             )
         if self.stream_options is not None and not self.stream:
             raise PydanticCustomError(
@@ -306,18 +330,61 @@ class ChatRequest(GenerationRequest):
 
 
 def parse_request(raw: bytes, kind: type[GenerationRequest]) -> GenerationRequest:
-    """The request body as `kind`, or ApiError(400) naming the first problem and its field."""
+    """The request body as `kind`, or ApiError(400) naming the first problem and its field.
+
+    Whatever the bytes, the answer is a 400, never a 500: JSON nested too deeply for the parser, an integer
+    past Python's 4,300 digits, NaN or Infinity (not JSON), and strings holding a lone surrogate (\\ud800 alone:
+    not Unicode text, which the tokenizer and the response's UTF-8 cannot take) are refused here."""
     try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = json.loads(raw, parse_constant=_not_json)
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply to parse; send a flat JSON object",
+                       code="invalid_json") from None
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, an integer of over 4,300 digits, NaN
         raise ApiError(400, f"the request body is not valid JSON ({exc}); send a JSON object", code="invalid_json") \
             from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    if SURROGATE.search(raw):  # else no string can hold one: the walk is skipped
+        _check_unicode(data)
     try:
         return kind.model_validate(data)
     except ValidationError as exc:
         raise api_error(exc) from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply; send the fields as the API defines them") \
+            from None
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+def _check_unicode(data: dict[str, Any]) -> None:
+    """ApiError(400) naming a string (or key) of `data` that holds a lone surrogate; a loop, not a recursion."""
+    pending: list[tuple[str, Any]] = [("", data)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                here = f"{path}.{key}" if path else key
+                _check_text(here, key)
+                pending.append((here, item))
+        elif isinstance(value, list):
+            pending.extend((f"{path}.{i}", item) for i, item in enumerate(value) if isinstance(item, str | dict | list))
+        elif isinstance(value, str):
+            _check_text(path, value)
+
+
+def _check_text(path: str, text: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"{path} holds a lone surrogate ({_encodable(text[exc.start])} at character {exc.start}), "
+                       "which is not Unicode text; send each surrogate in a pair (or the character itself)",
+                       param=path) from None
 
 
 def api_error(exc: ValidationError) -> ApiError:

@@ -2,9 +2,12 @@
 
 Written by `trt-lookahead triton-repo`; config.pbtxt's `parameters` say which model to load.
 One LookaheadRuntime per model instance serves up to `max_batch` requests at once, batched in every
-step by its scheduler (one copy of the weights); more wait in its queue. execute() checks and queues
-each request and returns at once; a thread per request sends its responses; a cancelled request (or a
-client gone) leaves at the next step and frees its slot. `instance_group.count` runs more instances.
+step by its scheduler (one copy of the weights); more wait in its queue. execute() only takes each
+request's inputs and hands the request to a thread of its own, which checks it (the runtime bounds a
+prompt's size and the stop list before tokenizing or matching), queues it and sends its responses: one
+request's size never holds up the instance's others. A cancelled request (or a client gone) leaves the
+queue at once, or a running one at the next step, freeing its slot. `instance_group.count` runs more
+instances.
 
 Inputs and outputs are trt_lookahead.serving.schema's (TensorRT-LLM ensemble names; all but text_input
 optional; the lookahead inputs at most the served config, unset ones taking the served value;
@@ -30,6 +33,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+WAITING_POLL_SECONDS = 0.2  # how often a request waiting for a slot checks whether its client has cancelled
 ACCEPTED = {str: str, bool: bool, int: int, float: (int, float)}  # from tensors or JSON request parameters
 
 
@@ -91,17 +95,27 @@ class TritonPythonModel:
 
     # -- request parsing ---------------------------------------------------------------------------
 
-    def _value(self, request, parameters, name, default=None):
+    def _inputs(self, request):
+        """(its parameters' JSON text, {name: array} of the input tensors sent): what the request's thread reads.
+
+        Copied here, in execute(): the request's own tensors are the backend's until execute() returns."""
+        tensors = {}
+        for name in self.schema.INPUT:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                tensors[name] = np.array(tensor.as_numpy(), copy=True)  # strings: the references only
+        return request.parameters() or "{}", tensors
+
+    def _value(self, tensors, parameters, name, default=None):
         """One scalar input: the tensor if sent, else the request parameter, else `default` or the schema's."""
         field = self.schema.INPUT[name]
         kind, default = field.kind, field.default if default is None else default
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        if tensor is None:
+        array = tensors.get(name)
+        if array is None:
             if name not in parameters:
                 return default
             value = parameters[name]
         else:
-            array = tensor.as_numpy()
             if array.size != 1:
                 raise BadRequest(f"{name} must hold one value, got shape {list(array.shape)}")
             value = array.reshape(-1)[0]
@@ -116,47 +130,42 @@ class TritonPythonModel:
             return kind(value)
         raise BadRequest(f"{name} must be {kind.__name__}, got {type(value).__name__} {value!r}")
 
-    def _parse(self, request):
-        parameters = json.loads(request.parameters() or "{}")
+    def _parse(self, parameters, tensors):
+        """(prompt text, max_tokens, stream, the runtime's keyword arguments); BadRequest naming a bad input."""
+        parameters = json.loads(parameters)
         unknown = sorted(set(parameters) - set(self.schema.INPUT) - set(self.schema.RESERVED_PARAMETERS))
         if unknown:  # a typo ("temprature") would otherwise be ignored in silence
             raise BadRequest(
                 f"unknown request parameter(s) {', '.join(unknown)}; this model reads {', '.join(self.schema.INPUT)}"
             )
-        prompt = self._value(request, parameters, "text_input")  # one prompt per request
+        prompt = self._value(tensors, parameters, "text_input")  # one prompt per request
         if prompt is None:
             raise BadRequest("text_input is required: send the prompt text as text_input")
-        max_tokens = self._value(request, parameters, "max_tokens", self.default_max_tokens)
+        max_tokens = self._value(tensors, parameters, "max_tokens", self.default_max_tokens)
         if max_tokens <= 0:
             raise BadRequest(f"max_tokens must be a positive integer, got {max_tokens}")
-        stop = pb_utils.get_input_tensor_by_name(request, "stop_words")
+        stop = tensors.get("stop_words")
         if stop is not None:
-            stop_words = [w.decode("utf-8", "replace") if isinstance(w, bytes) else str(w)
-                          for w in stop.as_numpy().reshape(-1)]
+            stop_words = [w.decode("utf-8", "replace") if isinstance(w, bytes) else str(w) for w in stop.reshape(-1)]
         else:
             stop_words = parameters.get("stop_words", [])
             stop_words = [stop_words] if isinstance(stop_words, str) else stop_words
             if not isinstance(stop_words, list) or not all(isinstance(w, str) for w in stop_words):
                 raise BadRequest(f"stop_words must be a list of strings, got {stop_words!r}")
         kwargs = dict(
-            temperature=self._value(request, parameters, "temperature"),
-            top_k=self._value(request, parameters, "top_k"),
-            top_p=self._value(request, parameters, "top_p"),
-            seed=self._value(request, parameters, "random_seed"),
-            stop=[w for w in stop_words if w],
-            lookahead=self._lookahead(request, parameters),
-            pool_scope=self._value(request, parameters, "pool_scope"),
+            temperature=self._value(tensors, parameters, "temperature"),
+            top_k=self._value(tensors, parameters, "top_k"),
+            top_p=self._value(tensors, parameters, "top_p"),
+            seed=self._value(tensors, parameters, "random_seed"),
+            stop=stop_words,  # the runtime bounds their number and length, and drops empty ones
+            lookahead=self._lookahead(tensors, parameters),
+            pool_scope=self._value(tensors, parameters, "pool_scope"),
+            chat=self._value(tensors, parameters, "chat"),
         )
-        stream = self._value(request, parameters, "stream")
-        chat = self._value(request, parameters, "chat")
-        try:
-            prompt_ids = self.runtime.encode(prompt, chat=chat)
-        except Exception as exc:  # UserError: no chat template
-            raise BadRequest(str(exc)) from None
-        return prompt_ids, max_tokens, stream, kwargs
+        return prompt, max_tokens, self._value(tensors, parameters, "stream"), kwargs
 
-    def _lookahead(self, request, parameters):
-        values = [self._value(request, parameters, name) for name in self.schema.LOOKAHEAD_INPUTS]
+    def _lookahead(self, tensors, parameters):
+        values = [self._value(tensors, parameters, name) for name in self.schema.LOOKAHEAD_INPUTS]
         if all(v is None for v in values):
             return None  # the served default: W,N,G, or `auto`
         if values[0] == 0:
@@ -183,40 +192,52 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn(f"{self.name}: could not send the error {message!r}: {exc}")
 
     def execute(self, requests):
-        """Check and queue each request, then return: a thread per request sends its responses."""
+        """Take each request's inputs and return: a thread per request checks, queues and answers it."""
         for request in requests:
             sender = request.get_response_sender()
+            rid = request.request_id()
             try:
-                prompt_ids, max_tokens, stream, kwargs = self._parse(request)
-                try:
-                    chunks = self.runtime.stream(prompt_ids, max_tokens, **kwargs)  # checked and queued here
-                except self._queue_full as exc:
-                    self._error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
-                    continue
-                except ValueError as exc:
-                    raise BadRequest(str(exc)) from None
-            except BadRequest as exc:
-                self._error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
-                continue
+                parameters, tensors = self._inputs(request)
+                threading.Thread(target=self._serve, args=(rid, sender, parameters, tensors),
+                                 name=f"{self.name} request {rid!r}", daemon=True).start()
             except Exception as exc:  # keep serving: report this request's failure, log the traceback
-                self._failed(request, sender, exc)
-                continue
-            threading.Thread(
-                target=self._send, args=(request, sender, chunks, len(prompt_ids), max_tokens, stream),
-                name=f"{self.name} request {request.request_id()!r}", daemon=True,
-            ).start()
+                self._failed(rid, sender, exc)
         return None
 
-    def _failed(self, request, sender, exc):
-        pb_utils.Logger.log_error(f"{self.name}: request {request.request_id()!r} failed:\n{traceback.format_exc()}")
+    def _serve(self, rid, sender, parameters, tensors):
+        """One request, in its own thread: check it (INVALID_ARG naming the problem), queue it (UNAVAILABLE when
+        the queue is full) and send its responses."""
+        try:
+            prompt, max_tokens, stream, kwargs = self._parse(parameters, tensors)
+            chunks = self.runtime.stream(prompt, max_tokens, **kwargs)  # checked (sizes first) and queued here
+        except self._queue_full as exc:
+            self._error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
+            return
+        except (BadRequest, ValueError) as exc:  # ValueError: the runtime's checks (UserError)
+            self._error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+            return
+        except Exception as exc:  # keep serving: report this request's failure, log the traceback
+            self._failed(rid, sender, exc)
+            return
+        self._send(rid, sender, chunks, max_tokens, stream)
+
+    def _failed(self, rid, sender, exc):
+        pb_utils.Logger.log_error(f"{self.name}: request {rid!r} failed:\n{traceback.format_exc()}")
         self._error(sender, f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
 
-    def _send(self, request, sender, chunks, prompt_tokens, max_tokens, stream):
-        """Stream one request's chunks as responses; a cancelled request leaves at the next step."""
+    def _send(self, rid, sender, chunks, max_tokens, stream):
+        """Stream one request's chunks as responses; a cancelled request leaves the queue at once (checked while
+        it waits for a slot), or its slot at the next step."""
         generated = steps = 0
         text = []
         started = time.perf_counter()
         try:
+            prompt_tokens = len(chunks.request.prompt_ids)
+            while not chunks.handle.wait_dequeued(WAITING_POLL_SECONDS):  # no chunk before a slot: watch meanwhile
+                if sender.is_cancelled():
+                    self._cancel(rid, sender, chunks, "while waiting for a slot")
+                    return
+                time.sleep(WAITING_POLL_SECONDS)
             for chunk in chunks:
                 if chunk.done:
                     out = chunk.output
@@ -228,12 +249,8 @@ class TritonPythonModel:
                     )
                     return
                 if sender.is_cancelled():
-                    pb_utils.Logger.log_info(
-                        f"{self.name}: request {request.request_id()!r} cancelled after {generated} of "
-                        f"{max_tokens} tokens, {steps} steps, {time.perf_counter() - started:.3f} s"
-                    )
-                    chunks.close()  # the scheduler frees the request's slot at the next step
-                    sender.send(flags=FINAL)
+                    self._cancel(rid, sender, chunks, f"after {generated} of {max_tokens} tokens, {steps} steps, "
+                                 f"{time.perf_counter() - started:.3f} s")
                     return
                 generated += len(chunk.token_ids)
                 steps += 1
@@ -242,9 +259,15 @@ class TritonPythonModel:
                 else:
                     text.append(chunk.text)
         except Exception as exc:  # this request only: the others and the server go on
-            self._failed(request, sender, exc)
+            self._failed(rid, sender, exc)
         finally:
-            chunks.close()
+            chunks.close()  # cancels the request even if it never sent a chunk
+
+    def _cancel(self, rid, sender, chunks, when):
+        """The client cancelled: the request leaves the queue now, or its slot at the next step."""
+        pb_utils.Logger.log_info(f"{self.name}: request {rid!r} cancelled {when}")
+        chunks.close()
+        sender.send(flags=FINAL)
 
     def finalize(self):
         self.runtime.close()  # requests still running end with an error; the scheduler thread stops
