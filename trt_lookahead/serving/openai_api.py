@@ -328,7 +328,9 @@ class OpenAIServer:
                 while not chunk.done:
                     if chunk.text:
                         yield event([body.delta(chunk.text, None)])
-                    chunk = await self._guard(anext(chunks))
+                    # racing the abort costs two tasks a chunk: only once shutdown began (a running stream's
+                    # next chunk comes a step later, so its wait then races it)
+                    chunk = await (self._guard(anext(chunks)) if self.closing else anext(chunks))
             except ApiError as exc:  # shutdown: the request is cancelled, the client told to retry
                 yield sse(exc.body())
                 yield DONE
