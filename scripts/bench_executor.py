@@ -4,7 +4,7 @@
     python scripts/bench_executor.py [--models stories260K,smollm2] [--dtypes float32,bfloat16]
                                      [--threads 1] [--repeats 3] [--json OUT.json]
 
-Greedy: our TorchExecutor with T = 1 (prefill, then step + commit per token) against
+Greedy: our TorchExecutor (tests/support) with T = 1 (prefill, then step + commit per token) against
 `LlamaForCausalLM.generate(do_sample=False)` on the same checkpoint, dtype and thread count. Decode
 ms/token excludes prefill for both (transformers: (t(N new) - t(1 new)) / (N - 1)). Token ids are
 compared (exact = identical ids). Step latency: one `step` of the StepLayout for T = 1, 16, 36, 120
@@ -19,16 +19,19 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from trt_lookahead.backends.torch import TorchExecutor
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.model.checkpoint import load_llama
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test support, not in the package
+from support.torch_executor import TorchExecutor
 
 ROOT = Path(__file__).resolve().parent.parent
 

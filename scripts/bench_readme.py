@@ -1,10 +1,10 @@
-"""The benchmark behind README.md's results table: SmolLM2-135M-Instruct on this machine's CPU.
+"""The benchmark behind docs/results/2026-11-22-cpu.md's first table: SmolLM2-135M-Instruct on this machine's CPU.
 
     python scripts/bench_readme.py                                  # float32 and bfloat16, 8 prompts per set
     python scripts/bench_readme.py --dtypes float32 --limit 2       # a quick look
     python scripts/bench_readme.py --retune --tune-budget 240       # re-measure `auto` first
 
-For each dtype: make sure `auto` is tuned for this machine (tuning on first use, or again with --retune),
+For each dtype: make sure `auto` is tuned for this machine (tuning where the file has no entry, or with --retune),
 then run `trt-lookahead bench` over MT-Bench, HumanEval and GSM8K (greedy, auto, 15/5/15 and
 transformers' greedy and prompt lookup 10 on the same token ids), greedy and lookahead interleaved per
 prompt. Writes OUT/<dtype>/ (results.json, results.md, PNG plots) and OUT/README_table.md, and prints
@@ -25,7 +25,7 @@ from trt_lookahead.bench.machine import load_average, machine_key, utc_now
 from trt_lookahead.cli.commands import bench_model, tune_model
 from trt_lookahead.lookahead.config import AUTO, GREEDY
 from trt_lookahead.runtime import checkpoint_tuning_key
-from trt_lookahead.tuning.file import read_tuning_file
+from trt_lookahead.runtime.tuning_file import read_tuning_file
 from trt_lookahead.tuning.tune import format_report
 
 DATASETS = "mt_bench,humaneval,gsm8k"
@@ -44,7 +44,7 @@ def _exact(row: dict[str, Any] | None) -> str:
 
 
 def summary_table(results: list[dict[str, Any]]) -> str:
-    """The README table: one line per (dtype, dataset), then the conditions of each run."""
+    """The results table: one line per (dtype, dataset), then the conditions of each run."""
     lines = [
         "| dtype | set | greedy tok/s | auto = W/N/G | auto speedup | auto compression | auto exact "
         "| 15/5/15 compression | 15/5/15 speedup | 15/5/15 host ms/step | HF prompt lookup 10 compression "

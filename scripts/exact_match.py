@@ -46,7 +46,7 @@ def prompt_of(rt: LookaheadRuntime, row: PromptRow) -> Any:
 def run_setting(args: argparse.Namespace, dtype: str, exact: bool) -> dict[str, Any]:
     """Solo greedy and configs on every prompt, then the mixed batch, on one runtime."""
     configs: list[str] = [GREEDY, *args.configs.split(":")]
-    rt = LookaheadRuntime.from_pretrained(MODELS[args.model], dtype=dtype, lookahead=None, threads=args.threads,
+    rt = LookaheadRuntime.from_pretrained(MODELS[args.model], dtype=dtype, lookahead="greedy", threads=args.threads,
                                           max_seq_len=args.max_seq_len, max_batch=args.batch, exact=exact)
     prompts: list[tuple[str, Any]] = []
     for name in args.sets.split(","):

@@ -25,7 +25,8 @@ the next one runs; the JSON is rewritten after every section, so a run cut short
                the reference attention
     batching   batch 8 against each request alone, and the step time against B x T, once the batched
                executor contract (docs/design.md section 9) exists; "not available" before
-then the projection (the README's CPU compression per config x t(1) / t(T)), the plots and the README table.
+then the projection (docs/results/README.md's CPU compression per config x t(1) / t(T)), the plots and the table
+for a results file.
 
 Files in OUT: gpu_check.json, pytest_gpu.xml, latency.png, projection.png, readme_table.md.
 `python scripts/gpu_check.py --summarize OUT/gpu_check.json --out DIR` redraws the plots and the table of
@@ -50,7 +51,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 STORIES = ROOT / "tests" / "fixtures" / "stories260K"
-README = ROOT / "README.md"
+RESULTS = ROOT / "docs" / "results" / "README.md"  # the results index: its compression table
 SCHEMA = 1
 REPORT, JUNIT, KERNEL_JUNIT, LATENCY_PNG, PROJECTION_PNG, TABLE = (
     "gpu_check.json", "pytest_gpu.xml", "pytest_kernels.xml", "latency.png", "projection.png", "readme_table.md")
@@ -282,10 +283,10 @@ def run_one_section(args: argparse.Namespace) -> int:
 
 
 def summarize(report: dict[str, Any], out: Path) -> dict[str, Any]:
-    """Projection, plots and README table from the sections' results; each part fails on its own."""
+    """Projection, plots and results table from the sections' results; each part fails on its own."""
     out.mkdir(parents=True, exist_ok=True)
     try:
-        report["projection"] = projection(report["latency"], readme_compression(README.read_text(encoding="utf-8")))
+        report["projection"] = projection(report["latency"], readme_compression(RESULTS.read_text(encoding="utf-8")))
     except Exception as exc:
         report["projection"] = {"error": f"{type(exc).__name__}: {exc}"}
     report["finished"] = report.get("finished") or _utc()
@@ -388,9 +389,10 @@ def decode_all(model, config: str, mode: str, prompts: list[list[int]], new_toke
                tree: str | None = None) -> tuple[list[list[int]], int]:
     """Each prompt's tokens under `config` (and `tree`, resolve_tree's spec) on the model's device, and the
     steps they took; `mode` graph replays the step as a CUDA graph, exact too with exact=True (MODES)."""
+    from support.ablation import LookaheadDecoder  # tests/support: on sys.path from main (or pytest's conftest)
+
     from trt_lookahead.backends.torch import BatchedTorchExecutor
     from trt_lookahead.lookahead.config import LookaheadConfig
-    from trt_lookahead.lookahead.decoder import LookaheadDecoder
     from trt_lookahead.lookahead.layout import StepLayout
     from trt_lookahead.lookahead.tree import resolve_tree
 
@@ -861,7 +863,7 @@ SECTION_RUNNERS: dict[str, Callable[[argparse.Namespace, Emit], str]] = {
 
 
 def readme_compression(readme: str) -> dict[str, Any]:
-    """The CPU compression per W/N/G config from the README's table with an `overall` column.
+    """The CPU compression per W/N/G config from the results index's table with an `overall` column.
 
     -> {"source": the sentence above the table, "compression": {"W/N/G": overall}}.
     """
@@ -878,8 +880,8 @@ def readme_compression(readme: str) -> dict[str, Any]:
                 if re.fullmatch(r"\d+/\d+/\d+", values[0]):
                     compression[values[0]] = float(values[column])
             source = " ".join(lines[max(0, i - 3) : i]).strip()
-            return {"source": f"README.md: {source}", "compression": compression}
-    raise ValueError("README.md has no table with `config` and `overall` columns")
+            return {"source": f"docs/results/README.md: {source}", "compression": compression}
+    raise ValueError("docs/results/README.md has no table with `config` and `overall` columns")
 
 
 def projection(latency: dict[str, Any], cpu: dict[str, Any]) -> dict[str, Any]:
@@ -969,7 +971,7 @@ def plot_projection(report: dict[str, Any], path: Path) -> bool:
 
 
 def readme_table(report: dict[str, Any]) -> str:
-    """The README's GPU section body: machine line, latency table, projection table."""
+    """A results file's GPU section body: machine line, latency table, projection table."""
     m = report.get("machine", {})
     lines = [f"{m.get('gpu', '?')} (sm {m.get('capability', '?')}, driver CUDA {m.get('driver_cuda', '?')}), "
              f"torch {m.get('torch', '?')}, triton {m.get('triton', '?')}, {report.get('started', '?')} "
@@ -1006,9 +1008,10 @@ def readme_table(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     # the package from this checkout, installed or not: each section runs this script again, and its pytest runs
-    # as `python -m pytest` in ROOT, which puts ROOT on its path too
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
+    # as `python -m pytest` in ROOT, which puts ROOT on its path too; tests/ for the test support (LookaheadDecoder)
+    for path in (ROOT / "tests", ROOT):
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
     args = parse_args(argv)
     if args.section:
         return run_one_section(args)

@@ -13,15 +13,20 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
+from pathlib import Path
 
 import numpy as np
 
-from trt_lookahead.lookahead.config import AUTO, DEFAULT_LOOKAHEAD, LookaheadConfig
-from trt_lookahead.lookahead.decoder import LookaheadDecoder, RequestDecoder, Switches
-from trt_lookahead.lookahead.oracles import InstantExecutor, OracleExecutor, induction_logits
+from trt_lookahead.lookahead.config import AUTO, DEFAULT_LOOKAHEAD, Lookahead, LookaheadConfig
+from trt_lookahead.lookahead.decoder import RequestDecoder
 from trt_lookahead.lookahead.policy import LookaheadPolicy, Priors, StepCost
 from trt_lookahead.lookahead.tree import tree_template
-from trt_lookahead.runtime.scheduler import Request, Scheduler
+from trt_lookahead.runtime.scheduler import Job, Scheduler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test support, not in the package
+from support.ablation import LookaheadDecoder, Switches
+from support.oracles import InstantExecutor, OracleExecutor, induction_logits
 
 PRIORS = Priors({"1/3/1": 1.45, "2/3/2": 1.6, "4/3/4": 1.7})  # SmolLM2-like compression
 
@@ -37,7 +42,7 @@ def host_overhead_us(config: str, batch: int, runs: int = 5, tokens: int = 512, 
         scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(20.0, 0.5), PRIORS), max_queue=batch)
         for i in range(batch):
             decoder = RequestDecoder(cfg, rng.integers(0, vocab, size=200), tokens, seed=seed + i)
-            scheduler.submit(Request(decoder, explicit=not auto))
+            scheduler.submit(Job(decoder, Lookahead(cfg, auto=auto)))
         while not scheduler.idle:
             scheduler.run_once()
         per_run.append(1000.0 * scheduler.stats.host_ms_per_row)

@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,12 +29,14 @@ import torch
 from trt_lookahead.backends.torch import BatchedTorchExecutor
 from trt_lookahead.bench.datasets import encode_row, load_dataset
 from trt_lookahead.lookahead.config import LookaheadConfig
-from trt_lookahead.lookahead.decoder import LookaheadDecoder
 from trt_lookahead.lookahead.executor import StepBatch
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.lookahead.tree import TREE_DEPTH, tree_template
 from trt_lookahead.model.checkpoint import load_llama, load_tokenizer
 from trt_lookahead.model.fetch import resolve_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test support, not in the package
+from support.ablation import LookaheadDecoder
 
 
 @dataclass

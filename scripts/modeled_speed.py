@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 from collections import Counter
 from pathlib import Path
 
+import torch
 from tree_compression import prompt_sets  # scripts/ is on sys.path when this file runs as a script
 
-from trt_lookahead.lookahead.config import GREEDY, LookaheadConfig
-from trt_lookahead.lookahead.policy import StepCost
+from trt_lookahead.lookahead.config import DEFAULT, GREEDY, Lookahead, LookaheadConfig
+from trt_lookahead.lookahead.policy import AutoPolicy, StepCost
 from trt_lookahead.runtime import LookaheadRuntime
-from trt_lookahead.tuning.file import read_tuning_file, write_tuning_entry
-from trt_lookahead.tuning.tune import runtime_tuning_key
+from trt_lookahead.runtime.load import load_model
+from trt_lookahead.runtime.tuning_file import read_tuning_file
 
 FLAT = (30.0, 0.01)  # ms: a step's base and per-token cost with --flat
 
@@ -50,10 +50,10 @@ def main() -> None:
     if args.flat:
         entry["step_cost"] = {b: [[m, FLAT[0] + FLAT[1] * m] for m, _ in pts] for b, pts in entry["step_cost"].items()}
     cost = StepCost.from_dict(entry["step_cost"])
-    with tempfile.TemporaryDirectory() as tmp, LookaheadRuntime.from_pretrained(
-        args.model, args.backend, threads=1, tuning_file=Path(tmp, "tuning.json")
-    ) as rt:
-        write_tuning_entry(runtime_tuning_key(rt), entry, rt.tuning_file)  # the entry under this runtime's key
+    torch.set_num_threads(1)
+    model = load_model(args.model, backend=args.backend, dtype="float32", asked=None, max_seq_len=None,
+                       max_batch=None, verify=True, exact=None, tree=DEFAULT)
+    with LookaheadRuntime(model, lookahead=Lookahead.greedy(), auto=AutoPolicy.from_entry(entry)) as rt:
         print(f"{args.model} float32 on {rt.backend}, auto up to {entry['config']}, "
               f"{'flat' if args.flat else 'the entry'}'s step cost: c(1) = {cost(1, 1):.1f} ms\n")
         print("| set | steps | greedy / window-only steps | modeled speedup (median, slowest prompt) | steps per "

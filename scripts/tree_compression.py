@@ -14,18 +14,23 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 from collections import Counter
+from pathlib import Path
 
 import torch
 
 from trt_lookahead.backends.torch import BatchedTorchExecutor
 from trt_lookahead.bench.datasets import PromptRow, encode_row, load_dataset
 from trt_lookahead.lookahead.config import LookaheadConfig
-from trt_lookahead.lookahead.decoder import LookaheadDecoder, Switches, acceptance_counts
+from trt_lookahead.lookahead.decoder import acceptance_counts
 from trt_lookahead.lookahead.tree import TREE_DEPTH, Acceptance, TreeTemplate, chain_template, tree_template
 from trt_lookahead.model.checkpoint import load_llama
 from trt_lookahead.model.fetch import resolve_model
 from trt_lookahead.tuning.tune import TUNE_ROW_OFFSET, tuned_tree
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test support, not in the package
+from support.ablation import LookaheadDecoder, Switches
 
 # a set that is not MT-Bench, HumanEval or GSM8K: rewriting, extraction and editing tasks that quote their input
 ASSEMBLED = [

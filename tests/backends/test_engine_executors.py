@@ -352,8 +352,7 @@ def test_concurrent_requests_on_an_engine_equal_their_solo_runs(engines, tmp_pat
     import threading
 
     from trt_lookahead.lookahead.policy import StepCost
-    from trt_lookahead.runtime import LookaheadRuntime
-    from trt_lookahead.tuning import file as tuning_file
+    from trt_lookahead.runtime import LookaheadRuntime, tuning_file
 
     tuning = tmp_path / "tuning.json"  # `auto` reads the step cost from here instead of tuning first
     cost = StepCost({1: [(1, 2.0), (16, 3.0), (64, 8.0)], 4: [(4, 3.0), (64, 10.0)]})

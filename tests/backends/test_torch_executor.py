@@ -9,14 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.ablation import LookaheadDecoder
+from support.torch_executor import TorchExecutor, layout_config
 from transformers import LlamaForCausalLM
 
 from trt_lookahead.backends.devices import gpu_count
-from trt_lookahead.backends.torch import BatchedTorchExecutor, RowAttention, TorchExecutor, layout_config
+from trt_lookahead.backends.torch import BatchedTorchExecutor, RowAttention
+from trt_lookahead.engine.format import batch_buckets
 from trt_lookahead.kernels.mask import CAUSAL, step_mask
 from trt_lookahead.kernels.sampling_torch import select_rows_torch, select_tokens_torch, vocab_salts
 from trt_lookahead.lookahead.config import LookaheadConfig
-from trt_lookahead.lookahead.decoder import LookaheadDecoder
 from trt_lookahead.lookahead.executor import StepBatch
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.sampling import SamplingParams, select_tokens
@@ -279,6 +281,11 @@ def test_row_attention_makes_a_rows_logits_bit_identical_alone_and_batched(model
         assert torch.equal(run([r]), together[start : start + t]), (which, r)
         start += t
     assert rng is not None
+
+
+def test_padded_buckets_are_the_engine_formats_batch_buckets(model):
+    """One batch-bucket formula (engine/format.py) for TensorRT plans, the padded torch step and tune's rows."""
+    assert BatchedTorchExecutor(model, 6, 32, 4, padded=True).buckets == batch_buckets(6) == [1, 2, 4, 6]
 
 
 def test_padded_path_gives_the_packed_tokens_and_survives_releases(model):

@@ -19,8 +19,8 @@ from trt_lookahead.bench.bench import RunRecord, aggregate, format_markdown, mar
 from trt_lookahead.cli import main
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.policy import StepCost
-from trt_lookahead.runtime import LookaheadRuntime, checkpoint_tuning_key
-from trt_lookahead.tuning import file as tuning_file
+from trt_lookahead.runtime import LookaheadRuntime, checkpoint_tuning_key, tuning_file
+from trt_lookahead.runtime.scheduler import SchedulerClosed
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 DATA = Path(datasets.__file__).parent / "data"
@@ -361,6 +361,27 @@ def test_bench_runs_a_config_wider_than_the_cached_engine_as_generate_does(stori
     assert not (cache / "engines").exists()  # no engine built only to be refused
 
 
+def test_run_bench_closes_the_runtime_it_opened_also_when_the_run_fails(stories_set, tuning):
+    """run_bench opens its runtime through `open_runtime` and closes that one, done or failing: it is never handed
+    a caller's runtime to close (it used to close the one it was given)."""
+    plan = bench.plan_bench(str(STORIES), datasets=str(stories_set), limit=1, max_new_tokens=4, configs="greedy")
+    opened: list[LookaheadRuntime] = []
+
+    def open_runtime(max_seq_len: int | None = plan.max_seq_len) -> LookaheadRuntime:
+        opened.append(LookaheadRuntime.from_pretrained(STORIES, backend="torch", max_seq_len=max_seq_len,
+                                                       tuning_file=tuning))
+        return opened[-1]
+
+    result = bench.run_bench(open_runtime, plan, progress=False, warmup=False)
+    assert [r["config"] for r in result["results"]] == ["greedy"] and len(opened) == 1
+    with pytest.raises(SchedulerClosed):
+        opened[0].generate("Once", max_new_tokens=2)
+    with pytest.raises(UserError, match="max_seq_len"):  # the prompt does not fit: the run fails
+        bench.run_bench(lambda: open_runtime(max_seq_len=4), plan, progress=False, warmup=False)
+    with pytest.raises(SchedulerClosed):
+        opened[1].generate("Once", max_new_tokens=2)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -389,9 +410,8 @@ def test_bench_smollm2_chat_sets_and_peers(tuning):
         "smollm2-135m-instruct", datasets="mt_bench,humaneval", limit=1, max_new_tokens=32,
         configs="greedy,4/3/4,auto", peers="hf-greedy,hf-prompt-lookup",
     )
-    rt = LookaheadRuntime.from_pretrained(plan.model_path, lookahead=None, max_seq_len=plan.max_seq_len,
-                                          tuning_file=tuning)
-    result = bench.run_bench(rt, plan, progress=False)
+    result = bench.run_bench(lambda: LookaheadRuntime.from_pretrained(
+        plan.model_path, lookahead="greedy", max_seq_len=plan.max_seq_len, tuning_file=tuning), plan, progress=False)
     rows = {(r["dataset"], r["config"]): r for r in result["results"]}
     assert result["stop_token_ids"] == [2]
     for dataset in ("mt_bench", "humaneval"):

@@ -1,8 +1,12 @@
-"""Tuning: the tuning file, the policy an entry gives `auto`, the measurements on stories260K, `tune`.
+"""Tuning: the tuning file, the policy an entry gives `auto`, the built-in priors without one, the measurements on
+stories260K, `tune`; the runtime reads the file and never imports trt_lookahead.tuning.
 
 Every test reads and writes a tuning file of its own (tmp_path), given to the runtime or the CLI."""
 
 import json
+import os
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -10,15 +14,26 @@ import pytest
 
 from trt_lookahead.cli import main
 from trt_lookahead.errors import UserError
-from trt_lookahead.lookahead.config import AUTO, LookaheadConfig
-from trt_lookahead.lookahead.policy import LookaheadPolicy, Priors, StepCost
+from trt_lookahead.lookahead.config import AUTO, GREEDY, Lookahead, LookaheadConfig
+from trt_lookahead.lookahead.policy import (
+    PRIORS,
+    TUNED,
+    AutoPolicy,
+    LookaheadPolicy,
+    Priors,
+    StepCost,
+    choose_ceiling,
+    prior_policy,
+    single_request_speed,
+    widest,
+)
 from trt_lookahead.lookahead.tree import TREE_DEPTH, TreeTemplate, tree_template
-from trt_lookahead.runtime import LookaheadRuntime, checkpoint_tuning_key
-from trt_lookahead.tuning import file as tuning_file
+from trt_lookahead.runtime import LookaheadRuntime, checkpoint_tuning_key, tuning_file
+from trt_lookahead.runtime.load import loaded_tuning_key
 from trt_lookahead.tuning import tune
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
-PRIORS = {"1/3/1": 1.4, "2/3/2": 1.7, "4/3/4": 2.0, "1/4/1": 1.5, "2/4/2": 1.9, "4/4/4": 2.3, "8/4/8": 2.5}
+COMPRESSION = {"1/3/1": 1.4, "2/3/2": 1.7, "4/3/4": 2.0, "1/4/1": 1.5, "2/4/2": 1.9, "4/4/4": 2.3, "8/4/8": 2.5}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the tuning key names the thread count
@@ -31,7 +46,7 @@ def tuning(tmp_path):
 
 def entry(config="8/4/8", cost=None, priors=None):
     cost = cost or StepCost({1: [(1, 10.0), (32, 11.0), (256, 60.0)], 8: [(8, 12.0), (256, 70.0)]})
-    return {"config": config, "step_cost": cost.to_dict(), "priors": priors or PRIORS}
+    return {"config": config, "step_cost": cost.to_dict(), "priors": priors or COMPRESSION}
 
 
 def test_tuning_file_round_trip(tuning):
@@ -63,19 +78,21 @@ def test_unreadable_or_older_tuning_files_are_ignored(tuning, capsys):
 
 
 def test_an_entry_gives_auto_its_largest_config_and_policy():
-    config, policy = tune.policy_from_entry(entry())
-    assert config == LookaheadConfig(8, 4, 8)
-    assert policy.priors.extra(LookaheadConfig(2, 4, 2)) == pytest.approx(0.9)
-    assert policy.cost(32, 1) == pytest.approx(11.0)
-    assert tune.policy_from_entry(entry("greedy"))[0].is_greedy
+    auto = AutoPolicy.from_entry(entry())
+    assert auto.ceiling == LookaheadConfig(8, 4, 8) and auto.source == TUNED
+    assert auto.policy.priors.extra(LookaheadConfig(2, 4, 2)) == pytest.approx(0.9)
+    assert auto.policy.cost(32, 1) == pytest.approx(11.0)
+    assert AutoPolicy.from_entry(entry("greedy")).ceiling.is_greedy
 
 
-def test_auto_runs_the_tuned_policy_and_keeps_greedy_tokens(tuning):
+def test_auto_runs_the_tuned_policy_and_keeps_greedy_tokens(tuning, capsys):
     key = checkpoint_tuning_key(STORIES, "float32")  # the default: a cached engine, with a draft tree
     tuning_file.write_tuning_entry(key, entry("4/3/4"), tuning)
     with LookaheadRuntime.from_pretrained(STORIES, lookahead=AUTO, max_seq_len=256, tuning_file=tuning) as rt:
-        assert tune.runtime_tuning_key(rt) == key and rt.backend == "onnxruntime" and rt.tree is not None
-        assert rt.request_config(None) == (LookaheadConfig(4, 3, 4), False)
+        assert loaded_tuning_key(rt.model) == key and rt.backend == "onnxruntime" and rt.tree is not None
+        assert rt.auto.source == TUNED and rt.auto.ceiling == LookaheadConfig(4, 3, 4)  # the entry's, not the priors'
+        assert rt.lookahead == Lookahead(LookaheadConfig(4, 3, 4), auto=True)
+        assert rt.scheduler.policy is rt.auto.policy
         out = rt.generate("Once upon a time", max_new_tokens=60)
         assert out.token_ids == rt.generate("Once upon a time", max_new_tokens=60, lookahead="greedy").token_ids
         assert out.config == AUTO
@@ -84,18 +101,85 @@ def test_auto_runs_the_tuned_policy_and_keeps_greedy_tokens(tuning):
             assert c.is_greedy or (c.N == 3 and c.W <= 4 and c.G <= 4), label
         assert out.stats.configs.get("greedy", 0) < out.steps - 1  # a cheap step: it used lookahead
         assert isinstance(rt.scheduler.policy, LookaheadPolicy)
+    assert "built-in priors" not in capsys.readouterr().err
+
+
+def test_auto_without_an_entry_runs_on_the_priors_says_so_once_and_keeps_greedy_tokens(tuning, capsys):
+    with LookaheadRuntime.from_pretrained(STORIES, backend="torch", lookahead=AUTO, max_seq_len=256,
+                                          tuning_file=tuning) as rt:
+        said = capsys.readouterr().err
+        assert rt.auto.source == PRIORS and rt.scheduler.policy is rt.auto.policy
+        # the ladder's widest config at the N the priors predict fastest, within the executor's step
+        assert rt.auto.ceiling == AutoPolicy.untuned(rt.executor.step_tokens).ceiling == widest(3, 128)
+        assert rt.lookahead == Lookahead(rt.auto.ceiling, auto=True)
+        ids = rt.encode("Once upon a time")
+        outs = [rt.generate(ids, 60) for _ in range(2)]
+        assert outs[0].config == AUTO and sum(c != GREEDY for c in outs[0].stats.configs)  # it ran lookahead steps
+        assert all(o.token_ids == rt.generate(ids, 60, lookahead=GREEDY).token_ids for o in outs)
+        rt.auto.announce()  # what a runtime calls when it narrows an `auto` request
+    for text in ("built-in priors (up to 5/3/11)", "`trt-lookahead tune`", "`trt-lookahead serve --tune`"):
+        assert text in said
+    assert capsys.readouterr().err.count("built-in priors") == 0  # once per runtime: said at load, not again
+    assert not list(tuning.parent.glob("tuning.json"))  # nothing was tuned or written
+    with LookaheadRuntime.from_pretrained(STORIES, backend="torch", lookahead=GREEDY, max_seq_len=256,
+                                          tuning_file=tuning) as rt:
+        assert rt.auto.source == PRIORS and "built-in priors" not in capsys.readouterr().err  # greedy: not said
+
+
+def test_an_auto_request_on_a_runtime_serving_a_config_says_the_priors_once(tuning, capsys):
+    with LookaheadRuntime.from_pretrained(STORIES, backend="torch", lookahead="4,3,4", max_seq_len=256,
+                                          tuning_file=tuning) as rt:
+        assert "built-in priors" not in capsys.readouterr().err  # nothing asked for `auto` yet
+        ids = rt.encode("Once upon a time")
+        outs = [rt.generate(ids, 24, lookahead=AUTO) for _ in range(2)]
+        assert outs[0].token_ids == outs[1].token_ids == rt.generate(ids, 24, lookahead=GREEDY).token_ids
+    assert capsys.readouterr().err.count("`auto` runs on built-in priors") == 1
+
+
+def test_the_priors_never_predict_auto_slower_than_greedy():
+    policy = prior_policy()
+    greedy = 1000.0 / policy.cost(1, 1)
+    for step_tokens, engine in ((128, None), (64, LookaheadConfig(8, 5, 8)), (16, LookaheadConfig(4, 3, 4))):
+        auto = AutoPolicy.untuned(step_tokens, engine)
+        assert auto.source == PRIORS and auto.ceiling.step_tokens <= step_tokens
+        if engine is not None:
+            auto.ceiling.check_fits(engine)
+        assert single_request_speed(policy, auto.ceiling) > greedy
+        # a lone fresh request's first step: the policy's choice is predicted at least as fast as greedy
+        state = policy.start(Lookahead(auto.ceiling, auto=True))
+        (chosen,) = policy.choose([state], [auto.ceiling.G])
+        assert 1000.0 * policy.expected(state, chosen) / policy.cost(chosen.step_tokens, 1) >= greedy
+    # where no lookahead step fits (T = 1), auto is greedy
+    assert AutoPolicy.untuned(1).ceiling.is_greedy
+
+
+def test_importing_and_running_the_runtime_never_loads_tuning(tmp_path):
+    code = (
+        "import sys, torch\n"
+        "torch.set_num_threads(1)\n"
+        "from trt_lookahead.runtime import LookaheadRuntime\n"
+        f"with LookaheadRuntime.from_pretrained({str(STORIES)!r}, backend='torch', lookahead='auto', max_seq_len=128,"
+        f" tuning_file={str(tmp_path / 'tuning.json')!r}) as rt:\n"
+        "    rt.generate('Once upon a time', 16)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('trt_lookahead.')))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    loaded = run.stdout.strip().splitlines()[-1]
+    assert "trt_lookahead.runtime.tuning_file" in loaded and "trt_lookahead.tuning" not in loaded
+    assert run.stderr.count("built-in priors") == 1
 
 
 def test_the_ceiling_is_the_n_predicted_fastest_for_one_request():
-    cheap = LookaheadPolicy(StepCost.linear(10.0, 0.01), Priors(PRIORS))
-    config, predicted = tune.choose_ceiling(cheap, step_tokens=128)
+    cheap = LookaheadPolicy(StepCost.linear(10.0, 0.01), Priors(COMPRESSION))
+    config, predicted = choose_ceiling(cheap, step_tokens=128)
     assert config == LookaheadConfig(5, 4, 11) and predicted["4"] > predicted["3"]  # 16 columns: 1.2 x 4 window
-    narrow = tune.choose_ceiling(cheap, step_tokens=16)[0]
+    narrow = choose_ceiling(cheap, step_tokens=16)[0]
     # 16 tokens are 8 columns at N = 3 (1.2 sqrt(8) = 3.4 of them window), 5 at N = 4 and 4 at N = 5
     assert narrow in (LookaheadConfig(3, 3, 5), LookaheadConfig(3, 4, 2), LookaheadConfig(2, 5, 2))
     # an engine dir built for 8/3/8 runs no N = 4 or 5 (tune once asked it for 1/4/1 and failed)
-    assert tune.choose_ceiling(cheap, step_tokens=32, engine=LookaheadConfig(8, 3, 8))[0] == LookaheadConfig(8, 3, 8)
-    assert tune.choose_ceiling(cheap, step_tokens=48, engine=LookaheadConfig(2, 5, 4))[0].W == 2
+    assert choose_ceiling(cheap, step_tokens=32, engine=LookaheadConfig(8, 3, 8))[0] == LookaheadConfig(8, 3, 8)
+    assert choose_ceiling(cheap, step_tokens=48, engine=LookaheadConfig(2, 5, 4))[0].W == 2
 
 
 @pytest.fixture(scope="module")
@@ -147,19 +231,21 @@ def test_priors_are_measured_compression(stories):
 
 
 @pytest.mark.slow  # tunes for its 4 s budget
-def test_auto_tunes_when_the_file_has_no_entry_and_then_reads_it(tuning, capsys):
+def test_tune_on_its_own_runtimes_stores_the_entry_the_next_runtime_reads(tuning, capsys):
     with LookaheadRuntime.from_pretrained(STORIES, lookahead=None, max_batch=2, max_seq_len=256,
+                                          tuning_file=tuning) as loaded:
+        assert loaded.auto.source == PRIORS
+    stored = tune.tune_and_store(loaded.model, tuning, budget_seconds=4)  # tune's runtimes, once this one closed
+    assert stored == tuning_file.read_tuning_file(tuning)["entries"].get(checkpoint_tuning_key(STORIES, "float32"))
+    assert stored["version"] == tuning_file.TUNING_VERSION and stored["machine"]["cpu"]
+    assert "1" in stored["step_cost"] and stored["priors"] and stored["verified"]["prompts"] >= 1
+    with LookaheadRuntime.from_pretrained(STORIES, lookahead=AUTO, max_batch=2, max_seq_len=256,
                                           tuning_file=tuning) as rt:
-        config, _ = tune.auto_tuning(rt, budget_seconds=4)  # what the first `auto` request calls
-        assert f"tuning now, about 4 s, result cached in {tuning}" in capsys.readouterr().err
-        stored = tuning_file.read_tuning_file(tuning)["entries"].get(checkpoint_tuning_key(STORIES, "float32"))
-        assert stored is not None and stored["version"] == tuning_file.TUNING_VERSION and stored["machine"]["cpu"]
-        assert "1" in stored["step_cost"] and stored["priors"] and stored["verified"]["prompts"] >= 1
-        assert config == tune.policy_from_entry(stored)[0]
-        # the stored entry, no second tuning; where tuning found greedy best (a loaded machine can), the
-        # request runs greedy steps only (explicit), else the policy chooses each step
-        assert rt.request_config(AUTO) == (config, config.is_greedy)
-        assert "tuning now" not in capsys.readouterr().err
+        assert rt.auto.source == TUNED and rt.auto.ceiling == AutoPolicy.from_entry(stored).ceiling
+        # where tuning found greedy best (a loaded machine can), `auto` is greedy; else the policy chooses each step
+        assert rt.lookahead == (Lookahead.greedy() if rt.auto.ceiling.is_greedy else
+                                Lookahead(rt.auto.ceiling, auto=True))
+    assert "built-in priors" not in capsys.readouterr().err
 
 
 def test_a_tuned_tree_by_hand():
@@ -208,3 +294,18 @@ def test_tune_cli_writes_the_tuning_file_and_a_tree_that_decodes_exactly(tuning,
         assert rt.tree == template
         ids = rt.encode(prompt)
         assert rt.generate(ids, 48).token_ids == rt.generate(ids, 48, lookahead="greedy").token_ids
+
+
+def test_triton_repo_with_auto_tunes_nothing(tmp_path):
+    """The repository records `auto`; its instances read the tuning entry when they load (it once tuned here, for
+    minutes, through the runtime's first-use tuning). bfloat16 runs on torch: no engine to build either."""
+    cache = tmp_path / "cache"
+    run = subprocess.run(
+        [sys.executable, "-m", "trt_lookahead.cli", "triton-repo", "--model", str(STORIES), "--output",
+         str(tmp_path / "repo"), "--lookahead_config", "auto", "--dtype", "bfloat16"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "TRT_LOOKAHEAD_CACHE": str(cache)},
+    )
+    assert run.returncode == 0, run.stderr
+    config = (tmp_path / "repo" / "lookahead" / "config.pbtxt").read_text()
+    assert 'key: "lookahead_config" value: { string_value: "auto" }' in config
+    assert "tune:" not in run.stderr and not list(cache.rglob("tuning.json"))

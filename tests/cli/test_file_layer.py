@@ -116,7 +116,7 @@ def test_a_read_only_cache_without_the_engine_names_the_fix(tmp_path):
 
 @pytest.mark.export
 def test_a_file_where_the_cached_engine_belongs_is_rebuilt(built, tmp_path):
-    # issue 39 item 8: NotADirectoryError; the README says a damaged cached engine is rebuilt
+    # issue 39 item 8: NotADirectoryError; docs/engine-format.md says a damaged cached engine is rebuilt
     cache = copy_of(built[0], tmp_path)
     engine = engine_of(cache)
     shutil.rmtree(engine)

@@ -3,6 +3,7 @@
 Each build exports the model once (about 10 s for stories260K), so builds are shared where possible.
 """
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -234,6 +235,21 @@ def test_engine_from_another_format_version_is_refused(engine, tmp_path, capsys,
     code = main(["generate", "--engine", str(copy), "--prompt", "Once", "--max-new-tokens", "4"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and f"format version {version}" in err[0] and "--force" in err[0]
+
+
+def test_config_json_is_written_by_to_raw_and_read_back_by_from_raw(engine):
+    """The build writes config.json through EngineConfig.to_raw: the file is to_raw of what it loads as, byte for
+    byte (keys in the format's order), and from_raw(to_raw(c)) == c, also for a config with other typed fields."""
+    config = format.load_engine_config(engine)
+    assert json.dumps(config.to_raw(), indent=2) + "\n" == (engine / format.CONFIG_FILE).read_text()
+    assert format.EngineConfig.from_raw(config.path, config.to_raw()) == config
+    changed = dataclasses.replace(config, max_batch=3, max_seq_len=128, cache_rows=128 + 16, exact=True,
+                                  tree=tree_template(8, 2))
+    again = format.EngineConfig.from_raw(changed.path, changed.to_raw())
+    assert again.to_raw() == changed.to_raw() and again.raw["max_batch"] == 3 and again.raw["tree"] == list(
+        tree_template(8, 2).parents)
+    assert (again.max_batch, again.max_seq_len, again.exact, again.tree) == (3, 128, True, tree_template(8, 2))
+    assert again.raw["files"] == config.raw["files"]  # the fields it does not type are kept as recorded
 
 
 def test_plan_profiles_give_prefill_one_row_and_each_step_bucket_its_own_fixed_shape(engine):

@@ -4,11 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from trt_lookahead.lookahead.config import LookaheadConfig
-from trt_lookahead.lookahead.decoder import GREEDY_STEP, BatchStepper, RequestDecoder, Row
-from trt_lookahead.lookahead.executor import StepBatch, check_batch
-from trt_lookahead.lookahead.oracles import (
+from support.oracles import (
     ORACLES,
     OracleExecutor,
     decode_together,
@@ -17,7 +13,12 @@ from trt_lookahead.lookahead.oracles import (
     reference_generate,
     warmed_shared_pool,
 )
+
+from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.decoder import GREEDY_STEP, RequestDecoder
+from trt_lookahead.lookahead.executor import StepBatch, check_batch
 from trt_lookahead.lookahead.sampling import SamplingParams
+from trt_lookahead.lookahead.stepper import BatchStepper, Row
 
 
 @st.composite

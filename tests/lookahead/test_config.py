@@ -39,12 +39,17 @@ def test_tokens_per_step(cfg, T):
     assert LookaheadConfig(*cfg).step_tokens == T
 
 
+def trtllm_max_decoding_tokens(W: int, N: int, G: int) -> int:
+    """TensorRT-LLM's `maxDecodingTokens` (golden token + maxDraftTokens = (N-2) + (W-1+G)(N-1))."""
+    return 1 + (N - 2) + (W - 1 + G) * (N - 1)
+
+
 def test_derived_sizes_and_trtllm_equivalents():
     cfg = LookaheadConfig(7, 7, 7)
     assert cfg.levels == 6 and cfg.max_accepted_per_step == 7
-    # TensorRT-LLM: maxDraftTokens = (N-2) + (W-1+G)(N-1) = 83 here, max_draft_len in its lookahead README
-    assert cfg.trtllm_max_draft_len == 83
-    assert cfg.trtllm_max_decoding_tokens == 84 == cfg.step_tokens
+    # TensorRT-LLM: maxDraftTokens = 83 here, max_draft_len in its lookahead README; its decoding tokens are our T
+    assert trtllm_max_decoding_tokens(7, 7, 7) - 1 == 83
+    assert trtllm_max_decoding_tokens(7, 7, 7) == 84 == cfg.step_tokens
     assert LookaheadConfig.greedy().is_greedy and not cfg.is_greedy
 
 

@@ -1,13 +1,14 @@
-"""LookaheadDecoder against model-free oracles: exactness, verification rules, stop handling, bad input."""
+"""LookaheadDecoder (tests/support) on model-free oracles: exactness, verification rules, stops, bad input."""
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.ablation import LookaheadDecoder, Switches
+from support.oracles import ORACLES, OracleExecutor, induction_logits, markov_logits
 
 from trt_lookahead.lookahead.config import LookaheadConfig
-from trt_lookahead.lookahead.decoder import CHAIN, LookaheadDecoder, Switches
-from trt_lookahead.lookahead.oracles import ORACLES, OracleExecutor, induction_logits, markov_logits
+from trt_lookahead.lookahead.decoder import CHAIN
 from trt_lookahead.lookahead.pool import PROMPT
 from trt_lookahead.lookahead.sampling import SamplingParams
 

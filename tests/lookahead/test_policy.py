@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.config import Lookahead, LookaheadConfig
 from trt_lookahead.lookahead.decoder import GREEDY_STEP
 from trt_lookahead.lookahead.policy import LookaheadPolicy, Priors, StepCost, ladder
 
@@ -55,7 +55,7 @@ def test_priors_are_the_measured_extra_tokens_and_interpolate_by_step_tokens():
 
 
 def choose(policy, n, config=None, supply=4, explicit=False, ratio=1.0):
-    states = [policy.start(config or C(4, 3, 4), explicit) for _ in range(n)]
+    states = [policy.start(Lookahead(config or C(4, 3, 4), auto=not explicit)) for _ in range(n)]
     for s in states:
         s.ratio = ratio
     return states, policy.choose(states, [supply] * n)
@@ -81,7 +81,7 @@ def test_lookahead_shrinks_as_the_batch_grows():
 
 def test_a_request_whose_drafts_fail_runs_greedy_and_a_repetitive_one_climbs():
     policy = LookaheadPolicy(StepCost.linear(20.0, 1.0), PRIORS)
-    failing, repetitive = policy.start(C(4, 3, 4), False), policy.start(C(4, 3, 4), False)
+    failing, repetitive = policy.start(Lookahead(C(4, 3, 4), auto=True)), policy.start(Lookahead(C(4, 3, 4), auto=True))
     first = policy.choose([failing, repetitive], [4, 4])
     assert first[0] == first[1] != GREEDY_STEP
     greedy_steps = 0
@@ -109,7 +109,7 @@ def decode(policy, state, supply, steps, emitted):
 
 def test_a_greedy_request_is_probed_again_later():
     policy = LookaheadPolicy(StepCost.linear(20.0, 1.0), PRIORS)
-    state = policy.start(C(4, 3, 4), False)
+    state = policy.start(Lookahead(C(4, 3, 4), auto=True))
     state.ratio = 0.0
     configs = decode(policy, state, 4, 60, lambda config: 1 if config == GREEDY_STEP else config.N)
     assert configs[0] == GREEDY_STEP and any(c != GREEDY_STEP for c in configs)
@@ -119,7 +119,7 @@ def test_a_request_the_priors_keep_greedy_probes_its_cheapest_rung_and_climbs_if
     """On a steep step cost every rung is predicted slower than greedy: only probes can show that a request's
     drafts match. Every 8th greedy step in a row is one; a request whose drafts all match then stays on lookahead."""
     policy = LookaheadPolicy(STEEP, PRIORS)
-    state = policy.start(C(4, 3, 4), False)
+    state = policy.start(Lookahead(C(4, 3, 4), auto=True))
     configs = decode(policy, state, 4, 20, lambda config: config.N)  # every draft accepted
     # greedy costs 28 ms and 1/3/1 52 ms for 1 + ratio x 0.5 tokens. The first probe (2 extra tokens against the
     # prior's 0.5) takes the ratio from 1 to 0.8 + 0.2 x 4 = 1.6: 1.8 tokens / 52 ms, still below greedy's 1 / 28;
@@ -130,7 +130,7 @@ def test_a_request_the_priors_keep_greedy_probes_its_cheapest_rung_and_climbs_if
 
 def test_probes_of_a_request_whose_drafts_fail_come_ever_more_rarely():
     policy = LookaheadPolicy(STEEP, PRIORS)
-    state = policy.start(C(4, 3, 4), False)
+    state = policy.start(Lookahead(C(4, 3, 4), auto=True))
     configs = decode(policy, state, 4, 200, lambda config: 1)  # nothing accepted
     probes = [step for step, config in enumerate(configs) if config != GREEDY_STEP]
     # after 8 greedy steps, then 16, 32 and 64: the wait doubles after each failed probe
@@ -139,7 +139,7 @@ def test_probes_of_a_request_whose_drafts_fail_come_ever_more_rarely():
 
 def test_no_probe_without_drafts_to_verify():
     policy = LookaheadPolicy(STEEP, PRIORS)
-    state = policy.start(C(4, 3, 4), False)
+    state = policy.start(Lookahead(C(4, 3, 4), auto=True))
     assert decode(policy, state, 0, 30, lambda config: 1) == [GREEDY_STEP] * 30
     assert state.draftless_run == 30 and policy.choose([state], [2]) == [C(1, 3, 1)]
 
@@ -152,7 +152,7 @@ def test_window_only_steps_learn_their_own_ratio_and_leave_the_drafts_one():
     # 2/3/0 .05021 > 1/3/0 .05011; r = .328: 1/3/0 1.082 / 22 = .0492 > 1.02 / 21 = .0486 (greedy with the margin);
     # r = .262: 1.066 / 22 = .0484, greedy; then r drifts back towards 1 (.299) and 1/3/0 is tried again
     policy = LookaheadPolicy(StepCost.linear(20.0, 1.0), PRIORS)
-    state = policy.start(C(4, 3, 4), False)
+    state = policy.start(Lookahead(C(4, 3, 4), auto=True))
     state.ratio = 0.5
     configs = decode(policy, state, 0, 8, lambda config: 1)
     assert configs == [C(4, 3, 0)] * 2 + [C(2, 3, 0)] * 3 + [C(1, 3, 0), GREEDY_STEP, C(1, 3, 0)]
@@ -165,7 +165,7 @@ def test_window_only_steps_learn_their_own_ratio_and_leave_the_drafts_one():
 
 def test_explicit_configs_are_honoured():
     policy = LookaheadPolicy(STEEP, PRIORS)
-    explicit, auto = policy.start(C(7, 5, 7), True), policy.start(C(7, 5, 7), False)
+    explicit, auto = policy.start(Lookahead(C(7, 5, 7), auto=False)), policy.start(Lookahead(C(7, 5, 7), auto=True))
     chosen = policy.choose([explicit, auto], [7, 7])
     assert chosen[0] == C(7, 5, 7) and chosen[1].step_tokens < C(7, 5, 7).step_tokens
 
@@ -188,7 +188,7 @@ def test_the_chosen_step_is_never_predicted_slower_than_batched_greedy(requests,
     policy = LookaheadPolicy(StepCost.linear(base, per_token, per_row), PRIORS)
     states, supplies = [], []
     for W, N, G, ratio, explicit, supply in requests:
-        state = policy.start(C(W, N, G), explicit)
+        state = policy.start(Lookahead(C(W, N, G), auto=not explicit))
         state.ratio = ratio
         states.append(state)
         supplies.append(supply)
@@ -199,10 +199,10 @@ def test_the_chosen_step_is_never_predicted_slower_than_batched_greedy(requests,
         expected = sum(policy.expected(s, c) for s, c in zip(states, chosen, strict=True))
         return expected / policy.cost(tokens, len(states))
 
-    baseline = [s.config if s.explicit else GREEDY_STEP for s in states]
+    baseline = [GREEDY_STEP if s.auto else s.config for s in states]
     assert speed(configs) >= speed(baseline) - 1e-9
     for state, supply, config in zip(states, supplies, configs, strict=True):
-        assert config == state.config if state.explicit else (
+        assert config == state.config if not state.auto else (
             config == GREEDY_STEP or (config.N == state.config.N and config.W <= state.config.W
                                       and min(state.config.G, supply) >= config.G)
         )

@@ -5,21 +5,16 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.ablation import AblatedDecoder, LookaheadDecoder, Switches
+from support.oracles import ORACLES, OracleExecutor, markov_logits, reference_generate
 
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import LookaheadConfig
-from trt_lookahead.lookahead.decoder import (
-    BatchStepper,
-    LookaheadDecoder,
-    RequestDecoder,
-    Row,
-    Switches,
-    step_tables,
-)
+from trt_lookahead.lookahead.decoder import RequestDecoder, step_tables
 from trt_lookahead.lookahead.executor import StepBatch, check_batch
-from trt_lookahead.lookahead.oracles import ORACLES, OracleExecutor, markov_logits, reference_generate
 from trt_lookahead.lookahead.recycle import RECYCLE, SuccessorMap, fill_recycled
 from trt_lookahead.lookahead.sampling import SamplingParams
+from trt_lookahead.lookahead.stepper import BatchStepper, Row
 from trt_lookahead.lookahead.tree import TreeTemplate, resolve_tree, tree_template
 
 RECYCLE_ONLY = Switches(pool=False, suffix=False, chain=False)
@@ -52,7 +47,7 @@ def test_recycled_chains_compete_with_pool_candidates_in_the_trie():
     """x_t = 2 has pool candidates (4, 5) and (6, 7) (newest first) and recycled successors 8 (then 9) and 3: the
     rank-0 chain (8, 9) scores as the rank-0 candidate, above (6, 7), so it takes x_t's second child."""
     tree, cfg = TreeTemplate((-1, -1, 0, 1)), LookaheadConfig(1, 3, 2)
-    d = RequestDecoder(cfg, [2, 6, 7, 2, 4, 5, 1], 8, (), 0, Switches(suffix=False, chain=False), tree,
+    d = AblatedDecoder(cfg, [2, 6, 7, 2, 4, 5, 1], 8, (), 0, Switches(suffix=False, chain=False), tree,
                        successors=successors({2: [8, 3], 8: [9]}))
     d.setup(2)
     tab = step_tables(cfg, tree)
@@ -140,7 +135,7 @@ def test_a_shared_map_carries_successors_to_the_next_request():
     shared = SuccessorMap()
 
     def run(m: SuccessorMap | None) -> RequestDecoder:
-        d = RequestDecoder(LookaheadConfig(2, 2, 8), prompt, 30, switches=RECYCLE_ONLY, tree=tree, successors=m)
+        d = AblatedDecoder(LookaheadConfig(2, 2, 8), prompt, 30, switches=RECYCLE_ONLY, tree=tree, successors=m)
         d.setup(ex.prefill(0, d.prompt, SamplingParams()))
         stepper = BatchStepper(ex)
         while not d.finished:

@@ -5,13 +5,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from trt_lookahead.kernels.mask import step_mask
-from trt_lookahead.lookahead.config import LookaheadConfig
-from trt_lookahead.lookahead.decoder import BatchStepper, RequestDecoder, Row, Switches, step_tables, verify
-from trt_lookahead.lookahead.drafts import SUFFIX, SuffixIndex, lay_tree
-from trt_lookahead.lookahead.layout import StepLayout, mask_from_positions
-from trt_lookahead.lookahead.oracles import (
+from support.ablation import AblatedDecoder, Switches, request_decoder
+from support.oracles import (
     ORACLES,
     OracleExecutor,
     decode_together,
@@ -19,8 +14,15 @@ from trt_lookahead.lookahead.oracles import (
     reference_generate,
     warmed_shared_pool,
 )
+
+from trt_lookahead.kernels.mask import step_mask
+from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.decoder import match_drafts, step_tables
+from trt_lookahead.lookahead.drafts import SUFFIX, SuffixIndex, lay_tree
+from trt_lookahead.lookahead.layout import StepLayout, mask_from_positions
 from trt_lookahead.lookahead.recycle import SuccessorMap
 from trt_lookahead.lookahead.sampling import SamplingParams
+from trt_lookahead.lookahead.stepper import BatchStepper, Row
 from trt_lookahead.lookahead.tree import Acceptance, TreeTemplate, chain_template, covers, tree_template
 
 
@@ -107,7 +109,7 @@ def test_the_decoder_counts_acceptance_by_depth_and_rank_by_hand():
     # x_t -> n0 -> {n1, n2}; x_t -> n3 -> n4. The model confirms n0, then n0's rank-1 child n2
     tree = TreeTemplate((-1, 0, 0, -1, 3))
     cfg = LookaheadConfig(2, 2, 5)  # 5 verification slots, no column-0 chain (N = 2)
-    d = RequestDecoder(cfg, [1, 2, 3], 8, (), 0, Switches(pool=False, suffix=False, recycle=False), tree)
+    d = AblatedDecoder(cfg, [1, 2, 3], 8, (), 0, Switches(pool=False, suffix=False, recycle=False), tree)
     d.setup(7)
     tab = step_tables(cfg, tree)
     T = len(tab.rel_positions)
@@ -115,7 +117,7 @@ def test_the_decoder_counts_acceptance_by_depth_and_rank_by_hand():
     d._drafts[:] = [10, 11, 12, 13, 14]
     out = np.full(T, 99, np.int64)
     out[0], out[tab.node_slots[0]] = 10, 12  # after x_t the model says n0's token, after n0 n2's
-    assert d.accept(out)[:2] == [10, 12]
+    assert d.verify(out)[:2] == [10, 12]
     assert d.stats.tree_accepted == {(1, 0): 1, (2, 1): 1}
     # offered: x_t's children (n0, n3) and n0's (n1, n2); n3 was refused, so n4 was not offered
     assert d.stats.tree_offered == {(1, 0): 1, (1, 1): 1, (2, 0): 1, (2, 1): 1}
@@ -168,9 +170,9 @@ def test_verify_a_tree_by_hand():
     drafts = np.array([a, b, c, d, a])
     # model: after x_t -> a, after node 0 (a) -> c, after node 2 (a c) -> e
     out = np.array([a, -1, c, 99, e, 99])
-    assert verify(drafts, out, tab) == (2, 2)  # path x_t -> a -> c, then the bonus out[4] = e
-    assert verify(drafts, np.array([d, -1, c, 99, e, 99]), tab) == (3, 1)  # only node 3 (d) matches
-    assert verify(drafts, np.array([b, -1, c, 99, e, 99]), tab)[1] == 0
+    assert match_drafts(drafts, out, tab) == (2, 2)  # path x_t -> a -> c, then the bonus out[4] = e
+    assert match_drafts(drafts, np.array([d, -1, c, 99, e, 99]), tab) == (3, 1)  # only node 3 (d) matches
+    assert match_drafts(drafts, np.array([b, -1, c, 99, e, 99]), tab)[1] == 0
 
 
 def test_suffix_index_longest_match_newest_first():
@@ -243,7 +245,7 @@ def test_suffix_drafts_are_accepted_deeper_than_n_on_repetitive_text():
     results = {}
     for name, t, switches in (("tree", tree, Switches(pool=False)), ("linear", None, Switches())):
         executor = OracleExecutor(logits, 12, max_batch=1, tree=t)
-        d = RequestDecoder(cfg, prompt, 40, (), 0, switches, t)
+        d = request_decoder(cfg, prompt, 40, (), 0, switches, t)
         tokens = list(d.setup(executor.prefill(0, d.prompt, SamplingParams())))
         while not d.finished:
             BatchStepper(executor).run([Row(0, d, cfg)])
@@ -261,7 +263,7 @@ def test_a_draft_tree_supplies_every_row_where_recycled_successors_or_a_suffix_m
     cfg, tree = LookaheadConfig(2, 3, 4), tree_template(8, 4)
 
     def supply(prompt, x, tree=tree, switches=None, successors=None):
-        d = RequestDecoder(cfg, prompt, 8, (), 0, switches or Switches(), tree, successors=successors)
+        d = request_decoder(cfg, prompt, 8, (), 0, switches or Switches(), tree, successors=successors)
         d.setup(x)
         return d.draft_supply()
 

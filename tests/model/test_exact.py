@@ -178,7 +178,7 @@ def test_exact_needs_row_invariant_projections():
 
 
 def test_exact_is_on_by_default_where_it_is_cheap_and_the_projections_are_row_invariant(models):
-    """On by default in bfloat16 (measured within 10% of the fast step), asked for in float32 (README); off by
+    """On by default in bfloat16 (where it is cheap, docs/design.md section 4.2), asked for in float32; off by
     default, and refused when asked for, where a probe finds a row count that changes a row's bits."""
     for dtype, model in models.items():
         reason = step_variance(model)
@@ -191,8 +191,9 @@ def test_exact_is_on_by_default_where_it_is_cheap_and_the_projections_are_row_in
 
 
 def test_the_padded_step_is_exact_by_default_in_bfloat16_on_cuda_only():
-    """The padded step's Triton kernels: by default on CUDA in bfloat16 (0.83-0.86x the fast step at batch 1, T <= 16 on
-    an H200, README); never by default on the CPU, where they run interpreted (tests only); asked for, they run."""
+    """The padded step's Triton kernels: by default on CUDA in bfloat16 (docs/design.md section 4.2; cost:
+    docs/results/2026-11-27-h200.md); never by default on the CPU, where they run interpreted (tests only);
+    asked for, they run."""
     on_gpu = bool(gpu_count())
     device = "cuda" if on_gpu else "cpu"
     for dtype in (torch.float32, torch.bfloat16):

@@ -14,14 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from trt_lookahead.lookahead.config import AUTO, LookaheadConfig
+from trt_lookahead.lookahead.config import AUTO, Lookahead, LookaheadConfig
 from trt_lookahead.lookahead.decoder import RequestDecoder
 from trt_lookahead.lookahead.policy import StepCost
 from trt_lookahead.lookahead.sampling import SamplingParams
-from trt_lookahead.runtime import LookaheadRuntime, checkpoint_tuning_key
+from trt_lookahead.runtime import LookaheadRuntime, checkpoint_tuning_key, tuning_file
 from trt_lookahead.runtime import scheduler as sched
 from trt_lookahead.runtime.scheduler import SEPARATE, QueueFull, SchedulerClosed
-from trt_lookahead.tuning import file as tuning_file
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 PROMPTS = [
@@ -242,11 +241,11 @@ class Faulty(RequestDecoder):
         super().__init__(*args, **kwargs)
         self.fail_at = fail_at
 
-    def accept(self, out):
+    def verify(self, out):
         self.fail_at -= 1
         if self.fail_at < 0:
             raise RuntimeError("injected host fault")
-        return super().accept(out)
+        return super().verify(out)
 
 
 @pytest.mark.parametrize("requests", [120, pytest.param(500, marks=pytest.mark.slow)])
@@ -297,7 +296,7 @@ def test_requests_with_faults_leave_every_slot_free_and_the_next_batch_exact(tun
                 elif case == "host_fault":
                     ids = stories.encode(prompt)
                     decoder = Faulty(local.randint(0, 4), LookaheadConfig(4, 3, 4), ids, 40, stories.stop_token_ids)
-                    handle = stories.scheduler.submit(sched.Request(decoder, SamplingParams()))
+                    handle = stories.scheduler.submit(sched.Job(decoder, Lookahead(decoder.config), SamplingParams()))
                     with pytest.raises(RuntimeError, match="injected host fault"):
                         list(handle)
                 else:  # the consumer's own code fails while reading the stream

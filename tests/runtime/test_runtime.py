@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.config import Lookahead, LookaheadConfig
 from trt_lookahead.lookahead.tree import TREE_DEPTH, tree_template
 from trt_lookahead.runtime import LookaheadRuntime
 
@@ -79,9 +79,15 @@ def test_stop_string_ends_generation_and_is_cut(stories):
     assert streamed == out.text
 
 
-def test_request_config_and_token_id_prompts(stories):
-    assert stories.request_config(None) == (LookaheadConfig(4, 3, 4), True)
-    assert stories.request_config("greedy")[0].is_greedy
+def test_the_lookahead_choice_and_token_id_prompts(stories):
+    assert stories.lookahead == Lookahead(LookaheadConfig(4, 3, 4))  # a checkpoint's default
+    assert stories.check_request([1, 2], 4, lookahead="greedy").lookahead == Lookahead.greedy()
+    assert stories.check_request([1, 2], 4).lookahead == stories.lookahead
+    auto = stories.check_request([1, 2], 4, lookahead="auto").lookahead
+    assert auto == stories.narrow(Lookahead.parse("auto"))  # the runtime's ceiling, or greedy where auto is greedy
+    assert auto.auto or auto == Lookahead.greedy()
+    with pytest.raises(ValueError, match="lookahead must be 'greedy', 'auto'"):
+        stories.check_request([1, 2], 4, lookahead=7)
     ids = stories.encode("Once upon a time")
     assert ids[0] == 1  # stories260K prompts start with BOS
     assert stories.generate(ids, max_new_tokens=10).token_ids == stories.generate("Once upon a time", 10).token_ids
@@ -108,7 +114,7 @@ def test_every_config_runs_on_the_one_executor_and_frees_its_slot(stories):
 
 
 def test_incremental_detokenizer_matches_a_full_decode(stories):
-    from trt_lookahead.runtime import _Detokenizer
+    from trt_lookahead.runtime.text import Detokenizer
 
     texts = ["Once upon a time, Lily saw a café. 🎈 She said “héllo” — and ran.", "Tom    had 12 dogs. Ünïcödé ✓ ok"]
     rng = np.random.default_rng(0)
@@ -116,7 +122,7 @@ def test_incremental_detokenizer_matches_a_full_decode(stories):
         ids = stories.encode(text)[1:]  # no BOS; multi-byte characters become byte-fallback pieces
         assert len(ids) > len(text) // 3
         for _ in range(10):
-            detokenizer, start, pushed = _Detokenizer(stories.decode), 0, []
+            detokenizer, start, pushed = Detokenizer(stories.decode), 0, []
             while start < len(ids):
                 size = int(rng.integers(1, 5))
                 pushed.append(detokenizer.push(ids[start : start + size]))

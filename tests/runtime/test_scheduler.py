@@ -10,20 +10,19 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.oracles import ORACLES, OracleExecutor, induction_logits, markov_logits, reference_generate
 
 from trt_lookahead.errors import UserError
-from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.config import Lookahead, LookaheadConfig
 from trt_lookahead.lookahead.decoder import GREEDY_STEP, RequestDecoder
-from trt_lookahead.lookahead.oracles import (
-    ORACLES,
-    OracleExecutor,
-    induction_logits,
-    markov_logits,
-    reference_generate,
-)
 from trt_lookahead.lookahead.policy import LookaheadPolicy, Priors, StepCost
 from trt_lookahead.lookahead.sampling import SamplingParams
-from trt_lookahead.runtime.scheduler import CHUNKED, SEPARATE, QueueFull, Request, Scheduler, SchedulerClosed
+from trt_lookahead.runtime.scheduler import CHUNKED, SEPARATE, Job, QueueFull, Scheduler, SchedulerClosed
+
+
+def job(decoder: RequestDecoder, sampling: SamplingParams | None = None, explicit: bool = True) -> Job:
+    """A scheduler job: the decoder's config every step (`explicit`), or `auto` up to it."""
+    return Job(decoder, Lookahead(decoder.config, auto=not explicit), sampling or SamplingParams())
 
 PREFILLS = [SEPARATE, 3]  # 3: prompts of up to 14 tokens take up to five chunks
 
@@ -41,8 +40,8 @@ class RandomPolicy(LookaheadPolicy):
         out = []
         for state in states:
             cfg = state.config
-            if state.explicit or self.rng.random() < 0.2:
-                out.append(cfg if state.explicit else GREEDY_STEP)
+            if not state.auto or self.rng.random() < 0.2:
+                out.append(GREEDY_STEP if state.auto else cfg)
             else:
                 out.append(LookaheadConfig(self.rng.randint(1, cfg.W), cfg.N, self.rng.randint(0, cfg.G)))
         return out
@@ -101,7 +100,7 @@ def test_every_request_emits_its_plain_decoding_whatever_shares_its_steps(prefil
             i = pending.pop(0)
             r = w["requests"][i]
             decoder = RequestDecoder(r["config"], r["prompt"], r["max_new"], r["stop"], r["seed"])
-            handles[i] = scheduler.submit(Request(decoder, r["sampling"], r["explicit"]))
+            handles[i] = scheduler.submit(job(decoder, r["sampling"], r["explicit"]))
         for i, handle in handles.items():
             if w["requests"][i]["cancel_after"] == step - w["requests"][i]["arrival"]:
                 handle.cancel()
@@ -143,13 +142,13 @@ class Faulty(RequestDecoder):
         self._maybe("prepare")
         return super().prepare(*args)
 
-    def accept(self, out):
-        self._maybe("accept")
-        return super().accept(out)
+    def verify(self, out):
+        self._maybe("verify")
+        return super().verify(out)
 
-    def update(self, out, top=None):
-        self._maybe("update")
-        return super().update(out, top)
+    def harvest(self, out, top=None):
+        self._maybe("harvest")
+        return super().harvest(out, top)
 
     def draft_supply(self):
         self._maybe("draft_supply")
@@ -157,16 +156,16 @@ class Faulty(RequestDecoder):
 
 
 @pytest.mark.parametrize("prefill", PREFILLS)
-@pytest.mark.parametrize(("phase", "after"), [("setup", 0), ("prepare", 2), ("accept", 2), ("update", 2),
+@pytest.mark.parametrize(("phase", "after"), [("setup", 0), ("prepare", 2), ("verify", 2), ("harvest", 2),
                                               ("draft_supply", 2)])
 def test_a_fault_in_one_requests_host_code_fails_that_request_only(phase, after, prefill):
     logits = induction_logits(20, 1)
     executor = OracleExecutor(logits, 20, max_batch=3)
     scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS), prefill=prefill)
     prompt = [1, 2, 3, 4, 1, 2]
-    good = [scheduler.submit(Request(RequestDecoder(LookaheadConfig(3, 3, 3), prompt, 25), explicit=e))
+    good = [scheduler.submit(job(RequestDecoder(LookaheadConfig(3, 3, 3), prompt, 25), explicit=e))
             for e in (True, False)]
-    bad = scheduler.submit(Request(Faulty(phase, after, LookaheadConfig(2, 3, 2), prompt, 25), explicit=False))
+    bad = scheduler.submit(job(Faulty(phase, after, LookaheadConfig(2, 3, 2), prompt, 25), explicit=False))
     while not scheduler.idle:
         scheduler.run_once()
     with pytest.raises(RuntimeError, match=f"injected fault in {phase}"):
@@ -194,8 +193,8 @@ def test_a_failing_step_fails_its_requests_and_the_next_ones_run_exactly():
     logits = markov_logits(20, 2, 4)
     executor = BrokenStep(logits, 20, max_batch=2, fail_at=3)
     scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS))
-    first = [scheduler.submit(Request(RequestDecoder(LookaheadConfig(2, 3, 2), [i, 2, 3], 20))) for i in range(2)]
-    later = scheduler.submit(Request(RequestDecoder(LookaheadConfig(2, 3, 2), [5, 6], 20)))
+    first = [scheduler.submit(job(RequestDecoder(LookaheadConfig(2, 3, 2), [i, 2, 3], 20))) for i in range(2)]
+    later = scheduler.submit(job(RequestDecoder(LookaheadConfig(2, 3, 2), [5, 6], 20)))
     while not scheduler.idle:
         scheduler.run_once()
     for handle in first:
@@ -208,19 +207,19 @@ def test_a_failing_step_fails_its_requests_and_the_next_ones_run_exactly():
 def test_a_full_queue_is_refused_with_the_limit_and_the_fix():
     executor = OracleExecutor(markov_logits(10, 1, 0), 10, max_batch=2)
     scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS), max_queue=3)
-    handles = [scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [1], 5))) for _ in range(5)]  # 2 slots + 3
+    handles = [scheduler.submit(job(RequestDecoder(GREEDY_STEP, [1], 5))) for _ in range(5)]  # 2 slots + 3
     with pytest.raises(QueueFull, match=r"max_queue=3\); retry later, or raise max_queue or max_batch"):
-        scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [1], 5)))
+        scheduler.submit(job(RequestDecoder(GREEDY_STEP, [1], 5)))
     while not scheduler.idle:
         scheduler.run_once()
     assert all(h.result.finish_reason == "length" for h in handles for _ in [list(h)])
-    scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [1], 5)))  # room again
+    scheduler.submit(job(RequestDecoder(GREEDY_STEP, [1], 5)))  # room again
 
 
 def test_admission_is_first_come_first_served_and_every_request_is_in_every_step():
     executor = OracleExecutor(markov_logits(10, 1, 0), 10, max_batch=2)
     scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS))
-    handles = [scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [i + 1], 4))) for i in range(6)]
+    handles = [scheduler.submit(job(RequestDecoder(GREEDY_STEP, [i + 1], 4))) for i in range(6)]
     order = []
     while not scheduler.idle:
         scheduler.run_once()
@@ -232,8 +231,8 @@ def test_admission_is_first_come_first_served_and_every_request_is_in_every_step
 def test_close_ends_waiting_and_running_requests_and_frees_their_slots():
     executor = OracleExecutor(markov_logits(10, 1, 0), 10, max_batch=1)
     scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS))
-    running = scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [1], 50)))
-    waiting = scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [2], 50)))
+    running = scheduler.submit(job(RequestDecoder(GREEDY_STEP, [1], 50)))
+    waiting = scheduler.submit(job(RequestDecoder(GREEDY_STEP, [2], 50)))
     scheduler.run_once()
     scheduler.close()
     for handle in (running, waiting):
@@ -241,7 +240,7 @@ def test_close_ends_waiting_and_running_requests_and_frees_their_slots():
             list(handle)
     assert scheduler.free_slots == 1 and executor.cache_len(0) == 0
     with pytest.raises(SchedulerClosed, match="closed"):
-        scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [1], 5)))
+        scheduler.submit(job(RequestDecoder(GREEDY_STEP, [1], 5)))
 
 
 def test_threads_and_asyncio_consumers_share_one_scheduler_thread():
@@ -254,7 +253,7 @@ def test_threads_and_asyncio_consumers_share_one_scheduler_thread():
 
     def worker(i):
         decoder = RequestDecoder(LookaheadConfig(3, 4, 3), prompts[i], 30)
-        handle = scheduler.submit(Request(decoder, explicit=i % 2 == 0))
+        handle = scheduler.submit(job(decoder, explicit=i % 2 == 0))
         results[i] = [t for b in handle for t in b]
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
@@ -263,7 +262,7 @@ def test_threads_and_asyncio_consumers_share_one_scheduler_thread():
 
     async def consume(i):
         loop = asyncio.get_running_loop()
-        handle = scheduler.submit(Request(RequestDecoder(LookaheadConfig(2, 3, 2), prompts[i], 30)), loop)
+        handle = scheduler.submit(job(RequestDecoder(LookaheadConfig(2, 3, 2), prompts[i], 30)), loop)
         return [t async for b in handle for t in b]
 
     async def main():
@@ -294,7 +293,7 @@ def test_blocks_are_handed_over_while_the_next_step_runs_and_all_when_the_batch_
     logits = markov_logits(10, 1, 0)
     executor = QueueWatcher(logits, 10, max_batch=2)
     scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS))
-    executor.handles = [scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [i + 1], 4))) for i in range(2)]
+    executor.handles = [scheduler.submit(job(RequestDecoder(GREEDY_STEP, [i + 1], 4))) for i in range(2)]
     scheduler.run_once()  # prefill (1 block each) and the first decode step
     assert executor.seen == [[1, 1]]  # the prefill's blocks reached the consumers before that step ran
     assert [h._queue.qsize() for h in executor.handles] == [1, 1]  # the step's own blocks wait for the next
@@ -311,10 +310,10 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_the_decode_steps_and_gives_
     executor = OracleExecutor(logits, 30, max_batch=2, step_tokens=16)
     scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS), prefill=4)
     sampled = SamplingParams(0.8, 4, 0.9, 11)
-    running = scheduler.submit(Request(RequestDecoder(LookaheadConfig(2, 3, 2), [1, 2, 3], 20)))
+    running = scheduler.submit(job(RequestDecoder(LookaheadConfig(2, 3, 2), [1, 2, 3], 20)))
     scheduler.run_once()  # the three-token prompt: one chunk, alone in the step, whose output is the first token
     prompt = np.random.default_rng(0).integers(0, 30, 10).tolist()
-    joining = scheduler.submit(Request(RequestDecoder(LookaheadConfig(2, 3, 2), prompt, 12), sampled))
+    joining = scheduler.submit(job(RequestDecoder(LookaheadConfig(2, 3, 2), prompt, 12), sampled))
     for _ in range(3):  # 10 tokens in chunks of 4, 4, 2, each a causal row beside the running request's row
         assert joining.result is None and joining._queue.empty()
         scheduler.run_once()
@@ -331,8 +330,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_the_decode_steps_and_gives_
 def test_a_request_cancelled_while_its_prompt_is_prefilled_frees_its_slot():
     executor = OracleExecutor(markov_logits(20, 2, 3), 20, max_batch=1, step_tokens=8)
     scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS), prefill=CHUNKED)
-    handle = scheduler.submit(Request(RequestDecoder(GREEDY_STEP, list(range(20)), 5)))
-    waiting = scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [3, 4], 5)))
+    handle = scheduler.submit(job(RequestDecoder(GREEDY_STEP, list(range(20)), 5)))
+    waiting = scheduler.submit(job(RequestDecoder(GREEDY_STEP, [3, 4], 5)))
     scheduler.run_once()  # the first chunk of 8 of the 20 prompt tokens
     assert executor.cache_len(0) == 8 and scheduler.free_slots == 0
     handle.cancel()
@@ -357,11 +356,11 @@ def test_a_waiting_request_that_is_cancelled_leaves_the_queue_at_once():
     logits = markov_logits(10, 1, 0)
     executor = OracleExecutor(logits, 10, max_batch=1)
     scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS), max_queue=2)
-    running = scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [1], 20)))
+    running = scheduler.submit(job(RequestDecoder(GREEDY_STEP, [1], 20)))
     scheduler.run_once()  # admitted: it holds the only slot
-    queued = [scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [i], 20))) for i in (2, 3)]
+    queued = [scheduler.submit(job(RequestDecoder(GREEDY_STEP, [i], 20))) for i in (2, 3)]
     with pytest.raises(QueueFull):
-        scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [4], 5)))
+        scheduler.submit(job(RequestDecoder(GREEDY_STEP, [4], 5)))
     assert running.wait_dequeued(0) and not any(h.wait_dequeued(0) for h in queued)
     for handle in queued:
         handle.cancel()
@@ -369,11 +368,11 @@ def test_a_waiting_request_that_is_cancelled_leaves_the_queue_at_once():
     assert all(h.wait_dequeued(0) for h in queued)
     for handle in queued:
         assert list(handle) == [] and handle.result.finish_reason == "cancelled"  # told at once: no hang
-    late = scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [4], 5)))  # the two places are free again
+    late = scheduler.submit(job(RequestDecoder(GREEDY_STEP, [4], 5)))  # the two places are free again
     late.cancel()
     late.cancel()  # idempotent: counted once
     assert scheduler.stats.cancelled == 3
-    after = scheduler.submit(Request(RequestDecoder(GREEDY_STEP, [5], 5)))
+    after = scheduler.submit(job(RequestDecoder(GREEDY_STEP, [5], 5)))
     while not scheduler.idle:
         scheduler.run_once()
     assert [t for b in running for t in b] == reference_generate(logits, [1], 20)
@@ -390,7 +389,7 @@ def test_cancel_racing_admission_ends_each_request_exactly_once():
     scheduler.start()
     rng = random.Random(7)
     lengths = [2000] + [rng.randint(1, 30) for _ in range(149)]  # the first is still running when cancelled
-    handles = scheduler.submit_many([Request(RequestDecoder(GREEDY_STEP, [i % 9 + 1], n))
+    handles = scheduler.submit_many([job(RequestDecoder(GREEDY_STEP, [i % 9 + 1], n))
                                      for i, n in enumerate(lengths)])
     deadline = time.monotonic() + 30
     while scheduler.free_slots:  # both slots taken before the cancels start

@@ -3,30 +3,19 @@ parsing, and the one-line failure where no GPU exists. The GPU sections themselv
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from support.scripts import load_script, run_script
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "gpu_check.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def run_script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT)
+    return load_script("gpu_check")
 
 
 def latency_rows() -> list[dict]:
@@ -69,7 +58,7 @@ def test_readme_compression_table(gpu_check):
     parsed = gpu_check.readme_compression(text)
     assert parsed["compression"] == {"4/3/4": 1.70, "15/5/15": 2.18}
     assert "Measured so (2026-11-22)" in parsed["source"]
-    real = gpu_check.readme_compression((ROOT / "README.md").read_text(encoding="utf-8"))["compression"]
+    real = gpu_check.readme_compression(gpu_check.RESULTS.read_text(encoding="utf-8"))["compression"]
     assert {"4/3/4", "7/5/7", "15/5/15"} <= set(real) and all(v > 1 for v in real.values())
     with pytest.raises(ValueError, match="overall"):
         gpu_check.readme_compression("| config | A |\n|---|---|\n| 4/3/4 | 1 |\n")
@@ -115,7 +104,7 @@ def test_summarize_writes_plots_table_and_a_valid_report(gpu_check, tmp_path):
     report["latency"] = {"status": "ok", "seconds": 3.0, "rows": latency_rows()}
     source = tmp_path / "in.json"
     source.write_text(json.dumps(report))
-    done = run_script("--summarize", str(source), "--out", str(tmp_path / "out"))
+    done = run_script("gpu_check", "--summarize", str(source), "--out", str(tmp_path / "out"))
     assert done.returncode == 0, done.stderr[-2000:]
     written = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert written == ["gpu_check.json", "latency.png", "projection.png", "readme_table.md"]
@@ -136,7 +125,7 @@ def test_without_a_gpu_it_fails_with_one_clear_line(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device: the real check would run")
-    done = run_script("--out", str(tmp_path / "out"), "--quick")
+    done = run_script("gpu_check", "--out", str(tmp_path / "out"), "--quick")
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
     assert lines[0].startswith("error: no CUDA device") and "GPU machine" in lines[0]

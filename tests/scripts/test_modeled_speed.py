@@ -15,7 +15,7 @@ import pytest
 
 from trt_lookahead.lookahead.policy import StepCost
 from trt_lookahead.runtime import LookaheadRuntime
-from trt_lookahead.tuning.file import TUNING_VERSION
+from trt_lookahead.runtime.tuning_file import TUNING_VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "modeled_speed.py"

@@ -492,9 +492,10 @@ def test_the_server_runs_the_package_that_wrote_the_repository(server):
 
 @pytest.mark.server
 def test_generate_with_stream_true_is_answered_by_tritonservers_front_end(server, runtime):
-    """Issue 10 asked for a 400 here; tritonserver decides this status itself (README, "What tritonserver
-    answers"): it takes the HTTP status from the first response and only then counts them, and /generate and
-    /generate_stream hand the model identical requests. So: 200 with tritonserver's error body, documented."""
+    """Issue 10 asked for a 400 here; tritonserver decides this status itself (docs/triton.md, "What
+    tritonserver answers before model.py runs"): it takes the HTTP status from the first response and only then
+    counts them, and /generate and /generate_stream hand the model identical requests. So: 200 with
+    tritonserver's error body, documented."""
     code, text = http_post(server, "generate", {"text_input": PROMPTS[0], "max_tokens": 8, "stream": True})
     assert code == 200 and "generate expects model to produce exactly 1 response" in json.loads(text)["error"]
     status, events = generate_stream(server, text_input=PROMPTS[0], max_tokens=8, stream=True)
@@ -719,7 +720,7 @@ BODIES = st.fixed_dictionaries(
         "extra_key": JSON_SCALAR,  # not an input: tritonserver passes it on as a request parameter
     },
 )
-FRONT_END = "generate expects model to produce exactly 1 response"  # /generate with several responses (README)
+FRONT_END = "generate expects model to produce exactly 1 response"  # /generate with several responses (docs/triton.md)
 
 
 def answered(status: int, text: str, endpoint: str) -> str:

@@ -45,9 +45,10 @@ class OnnxRuntimeUnsupported(UserError):
 
 @dataclass(frozen=True)
 class SessionSettings:
-    """How onnxruntime runs an engine's graph; the defaults were measured with scripts/bench_onnxruntime.py
-    --variants (README, "Compiled engines"): on a busy 2-core CPU, workers that spin between parallel
-    sections took half the step time from the thread doing the work, so they sleep."""
+    """How onnxruntime runs an engine's graph; the defaults are what measured fastest with
+    scripts/bench_onnxruntime.py --variants: workers that spin between parallel sections take time from the thread
+    doing the work, so they sleep (docs/design.md section 6.6; figures: docs/results/2026-11-23-cpu.md,
+    "onnxruntime session settings")."""
 
     threads: int | None = None  # intra-op threads; None: torch's thread count
     spinning: bool = False  # intra-op workers spin between parallel sections instead of sleeping

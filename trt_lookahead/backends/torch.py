@@ -28,8 +28,7 @@ slot), allocated once; nothing is allocated per request. Two step paths, one con
 
 Token choice: argmax, or the seeded Gumbel-max draw with each slot's temperature, top-k, top-p and seed
 (kernels/sampling_torch.py `select_rows_torch`), keyed by the position of the output slot (docs/design.md
-section 4.3). `TorchExecutor` is the older single-request contract of one layout over slot 0 of this
-executor, which scripts/bench_executor.py and scripts/gpu_check.py still time.
+section 4.3).
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ import torch
 from torch import Tensor
 
 from trt_lookahead.backends.row_probe import row_invariant_ops, step_variance
+from trt_lookahead.engine.format import batch_buckets
 from trt_lookahead.kernels.mask import CAUSAL, step_mask, step_visible, tree_ends, tree_step_visible
 from trt_lookahead.kernels.reference import BlockedAttention
 from trt_lookahead.kernels.sampling_torch import first_max_ids, select_rows_torch, top_k_ids, vocab_salts
@@ -68,9 +68,9 @@ from trt_lookahead.model.llama import (
 )
 
 DEFAULT_STEP_TOKENS = 128  # the largest row a runtime's torch executor takes (15/5/15 is 120)
-# dtypes where the exact step is on by default: bfloat16, whose fast step disagrees with greedy on most prompts,
-# for 1.09-1.16x the fast step's cost at batch 1, T <= 16 on the CPU and 0.83-0.86x on an H200 (README, "Exact
-# by construction")
+# dtypes where the exact step is on by default: bfloat16, whose fast step can round a near-tie otherwise than
+# greedy, and where the exact step costs little (docs/design.md section 4.2; figures: docs/results/2026-11-26-cpu.md,
+# "Exact step on an Intel Xeon with AMX", and docs/results/2026-11-27-h200.md)
 EXACT_BY_DEFAULT = (torch.bfloat16,)
 # the most prompt tokens an exact prefill feeds in one causal row: BlockedAttention holds every query row's scores
 # over every key block, memory rows x keys, so a long prompt runs as rows of this many (any size gives the same bits)
@@ -183,7 +183,7 @@ class BatchedTorchExecutor:
             self._graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
             # the tree template's table as a [2T] device tensor (the closed form reads it per query and key slot)
             self._ends = torch.from_numpy(tree_ends(np.zeros(0) if tree is None else tree.table, T)).to(dev)
-            self.buckets = sorted({min(1 << i, B) for i in range(B.bit_length() + 1)})
+            self.buckets = batch_buckets(B)
 
     def _exact(self, model: Llama, exact: bool | None) -> bool:
         """Whether steps run row-invariant: asked for, or by default where it is cheap and the projections are."""
@@ -584,67 +584,3 @@ def invariant_ops() -> Ops:
     from trt_lookahead.kernels import invariant
 
     return Ops(linear=invariant.linear, rms_norm=invariant.rms_norm)
-
-
-def layout_config(mask: np.ndarray) -> tuple[int, int, int]:
-    """The step_config whose closed-form mask (kernels/mask.py) is `mask`: a lookahead layout, else CAUSAL."""
-    mask = np.asarray(mask, bool)
-    T = len(mask)
-    for levels in (d for d in range(1, T + 1) if T % d == 0):
-        for W in range(1, T // levels + 1):
-            config = (W, levels + 1, T // levels - W)
-            if np.array_equal(step_mask(T, config), mask):
-                return config
-    if np.array_equal(step_mask(T, CAUSAL), mask):
-        return CAUSAL
-    raise ValueError(f"step_mask of shape {mask.shape} is neither a lookahead layout's mask nor causal")
-
-
-class TorchExecutor:
-    """The single-request contract of one layout (reset/prefill/step/commit) over slot 0 of a batched executor,
-    for the scripts that time one request's steps (scripts/bench_executor.py, scripts/gpu_check.py)."""
-
-    def __init__(
-        self,
-        model: Llama,
-        step_mask: np.ndarray,
-        max_seq_len: int,
-        output_slots: np.ndarray | None = None,
-        device: str | torch.device = "cpu",
-        *,
-        static_attention: bool | None = None,
-        cuda_graph: bool | None = None,
-    ) -> None:
-        self.config = layout_config(step_mask)
-        T = len(step_mask)
-        self.batched = BatchedTorchExecutor(
-            model, 1, max_seq_len, T, device, padded=static_attention, cuda_graph=cuda_graph
-        )
-        self.vocab_size, self.max_seq_len, self.step_tokens = model.cfg.vocab_size, int(max_seq_len), T
-        slots = np.arange(T) if output_slots is None else np.unique(np.asarray(output_slots, np.int64))
-        if len(slots) == 0 or slots[0] < 0 or slots[-1] >= T:
-            raise ValueError(f"output_slots must be non-empty step slots in [0, {T}), got {output_slots}")
-        self.output_slots = slots
-        self.sampling = SamplingParams()
-
-    @property
-    def cache_len(self) -> int:
-        return self.batched.cache_len(0)
-
-    def reset(self, sampling: SamplingParams | None = None) -> None:
-        self.sampling = sampling or SamplingParams()
-        self.batched.release(0)
-
-    def prefill(self, prompt_ids: np.ndarray) -> int:
-        return self.batched.prefill(0, prompt_ids, self.sampling)
-
-    def step(self, input_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        batch = StepBatch(
-            np.zeros(1, np.int64), np.asarray(input_ids, np.int64)[None], np.asarray(positions, np.int64)[None],
-            np.array([self.config], np.int32), self.output_slots[None],
-        )
-        return self.batched.step(batch)[0]
-
-    def commit(self, slots: np.ndarray) -> None:
-        self.batched.commit(0, slots)
-

@@ -1,8 +1,8 @@
 """`trt-lookahead bench`: greedy and lookahead side by side on prompt sets, one process, one machine.
 
     plan = plan_bench("smollm2-135m-instruct", datasets="mt_bench,humaneval", configs="greedy,auto,15/5/15")
-    rt = LookaheadRuntime.from_pretrained(plan.model_path, lookahead=None, max_seq_len=plan.max_seq_len)
-    result = run_bench(rt, plan)         # the `bench --json` object; write_outputs(result, "bench-out")
+    opener = lambda: LookaheadRuntime.from_pretrained(plan.model_path, lookahead=None, max_seq_len=plan.max_seq_len)
+    result = run_bench(opener, plan)     # the `bench --json` object; write_outputs(result, "bench-out")
 
 Per dataset, every prompt runs every config back to back (greedy first on even prompts, last on odd
 ones) after one warm-up generation per config, so load drift hits all configs alike. All methods get
@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,7 +52,7 @@ from trt_lookahead.bench.machine import (
 )
 from trt_lookahead.bench.peers import PEERS, HFPeers, describe
 from trt_lookahead.errors import UserError
-from trt_lookahead.lookahead.config import AUTO, GREEDY, LookaheadConfig
+from trt_lookahead.lookahead.config import AUTO, GREEDY, Lookahead, LookaheadConfig
 from trt_lookahead.model.checkpoint import weight_bytes
 
 if TYPE_CHECKING:
@@ -71,16 +71,16 @@ class ConfigSpec:
     """One `--configs` entry: its label, and the config it runs."""
 
     label: str  # "greedy", "W/N/G" or "auto"
-    config: LookaheadConfig  # what it runs; for auto, the largest config the policy may use
-    explicit: bool = True  # False: auto, the policy chooses each step
+    lookahead: Lookahead  # as the runtime narrowed it: for auto, up to the largest config the policy may use
 
     @property
     def resolved(self) -> str:
-        return self.config.label if self.explicit else f"{AUTO} (up to {self.config.label})"
+        ceiling = self.lookahead.ceiling.label
+        return f"{AUTO} (up to {ceiling})" if self.lookahead.auto else ceiling
 
     @property
     def step_tokens(self) -> int:
-        return self.config.step_tokens
+        return self.lookahead.ceiling.step_tokens
 
 
 def parse_configs(text: str) -> list[str]:
@@ -327,7 +327,7 @@ def format_markdown(result: dict[str, Any]) -> str:
 
 def _runtime_generate(rt: LookaheadRuntime, ids: Sequence[int], max_new_tokens: int,
                       spec: ConfigSpec) -> GenerationOutput:
-    return rt.generate(list(ids), max_new_tokens=max_new_tokens, lookahead=spec.config if spec.explicit else AUTO)
+    return rt.generate(list(ids), max_new_tokens=max_new_tokens, lookahead=spec.lookahead)
 
 
 def run_ours(
@@ -473,53 +473,65 @@ def memory_limit(model_path: Path, dtype: str) -> dict[str, float]:
             "ms_per_step": round(weights / bandwidth / 1e6, 2)}
 
 
-def run_bench(rt: LookaheadRuntime, plan: BenchPlan, *, progress: bool = True, warmup: bool = True) -> dict[str, Any]:
-    """Run the plan on `rt` (then the peers, after closing `rt`); returns the `bench --json` object."""
+def run_bench(
+    open_runtime: Callable[[], LookaheadRuntime], plan: BenchPlan, *, progress: bool = True, warmup: bool = True
+) -> dict[str, Any]:
+    """Open a runtime with `open_runtime`, run the plan on it, close it, then run the peers; returns the `bench
+    --json` object. The runtime is closed before the peers run (their peak RSS is theirs alone), and on any error:
+    run_bench closes the runtime it opened, never one of the caller's."""
     machine = machine_info()
-    memory = memory_limit(plan.model_path, rt.dtype)
-    specs = [ConfigSpec(label, *rt.request_config(label)) for label in plan.labels]  # auto: tuned on rt
-
-    # an `auto` that resolved to a config already in the list reuses those runs
-    runs_of: dict[str, ConfigSpec] = {}
-    aliases: dict[str, str] = {}
-    for spec in specs:
-        same = next((s for s in runs_of.values() if s.resolved == spec.resolved), None)
-        if same is not None:
-            aliases[spec.label] = same.label
-        else:
-            runs_of[spec.label] = spec
-    unique = list(runs_of.values())
-
-    prompts, sets, max_new_tokens = plan.prompts, plan.sets, plan.max_new_tokens
-    first = next(iter(prompts.values()))[0]
-    total = sum(len(p) for p in prompts.values()) * (len(unique) + len(plan.peers))
-    bar = _progress(total, progress)
-    records: list[RunRecord] = []
-    started = time.perf_counter()
-    stop_ids, dtype, backend, exact_step = list(rt.stop_token_ids), rt.dtype, rt.backend, rt.exact
-    tree = None if rt.tree is None else str(rt.tree)  # the draft tree's parents (None: linear)
+    rt = open_runtime()
     try:
-        if warmup:
-            for spec in unique:
-                bar.set_postfix_str(f"warm-up {spec.label}")
-                _runtime_generate(rt, first, min(16, max_new_tokens), spec)
-        for ds in sets:
-            for i, (row, ids) in enumerate(zip(ds.rows, prompts[ds.name], strict=True)):
-                order = unique if i % 2 == 0 else unique[::-1]
-                for spec in order:
-                    bar.set_postfix_str(f"{ds.name} #{i} {spec.label}")
-                    records.append(run_ours(rt, spec, ds.name, i, row.id, ids, max_new_tokens))
-                    bar.update(1)
-        for label, target in aliases.items():
-            spec = next(s for s in specs if s.label == label)
-            records.extend(
-                RunRecord(**{**r.__dict__, "config": label, "resolved": spec.resolved})
-                for r in list(records)
-                if r.config == target
-            )
+        memory = memory_limit(plan.model_path, rt.dtype)
+        specs = [ConfigSpec(label, rt.narrow(Lookahead.parse(label))) for label in plan.labels]
+
+        # an `auto` that resolved to a config already in the list reuses those runs
+        runs_of: dict[str, ConfigSpec] = {}
+        aliases: dict[str, str] = {}
+        for spec in specs:
+            same = next((s for s in runs_of.values() if s.resolved == spec.resolved), None)
+            if same is not None:
+                aliases[spec.label] = same.label
+            else:
+                runs_of[spec.label] = spec
+        unique = list(runs_of.values())
+
+        prompts, sets, max_new_tokens = plan.prompts, plan.sets, plan.max_new_tokens
+        first = next(iter(prompts.values()))[0]
+        total = sum(len(p) for p in prompts.values()) * (len(unique) + len(plan.peers))
+        bar = _progress(total, progress)
+        records: list[RunRecord] = []
+        started = time.perf_counter()
+        stop_ids, dtype, backend, exact_step = list(rt.stop_token_ids), rt.dtype, rt.backend, rt.exact
+        tree = None if rt.tree is None else str(rt.tree)  # the draft tree's parents (None: linear)
+        try:
+            if warmup:
+                for spec in unique:
+                    bar.set_postfix_str(f"warm-up {spec.label}")
+                    _runtime_generate(rt, first, min(16, max_new_tokens), spec)
+            for ds in sets:
+                for i, (row, ids) in enumerate(zip(ds.rows, prompts[ds.name], strict=True)):
+                    order = unique if i % 2 == 0 else unique[::-1]
+                    for spec in order:
+                        bar.set_postfix_str(f"{ds.name} #{i} {spec.label}")
+                        records.append(run_ours(rt, spec, ds.name, i, row.id, ids, max_new_tokens))
+                        bar.update(1)
+            for label, target in aliases.items():
+                spec = next(s for s in specs if s.label == label)
+                records.extend(
+                    RunRecord(**{**r.__dict__, "config": label, "resolved": spec.resolved})
+                    for r in list(records)
+                    if r.config == target
+                )
+        except BaseException:
+            bar.close()
+            raise
+    finally:
+        rt.close()
+    del rt
+    gc.collect()
+    try:
         if plan.peers:
-            rt.close()  # the peers' peak RSS is theirs alone
-            gc.collect()
             hf = HFPeers(plan.model_path, dtype, stop_ids)
             if warmup:
                 for peer in plan.peers:

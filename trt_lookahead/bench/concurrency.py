@@ -34,7 +34,7 @@ import numpy as np
 from trt_lookahead.bench.machine import load_average, machine_info, peak_rss_mb, reset_peak_rss, utc_now
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import AUTO, GREEDY
-from trt_lookahead.lookahead.decoder import Prefill, parse_prefill
+from trt_lookahead.lookahead.stepper import Prefill, parse_prefill
 
 if TYPE_CHECKING:
     from trt_lookahead.runtime import LookaheadRuntime
@@ -190,7 +190,7 @@ def run_concurrency(
         "max_batch": rt.max_batch, "levels": [],
     }
     if AUTO in modes or "serial" in modes:
-        result["auto_up_to"] = rt.request_config(AUTO)[0].label  # tunes on first use, before any timing
+        result["auto_up_to"] = rt.auto.ceiling.label
     rt.generate(list(prompts[0]), min(8, max_new_tokens), lookahead=GREEDY)  # warm-up
     reference: dict[int, list[int]] = {}
     runs = [(prefill, mode) for prefill in (prefills or [rt.scheduler.prefill]) for mode in modes]

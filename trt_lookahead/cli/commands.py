@@ -7,7 +7,6 @@ runs, prints its result and returns the exit code.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 from pathlib import Path
@@ -15,26 +14,33 @@ from pathlib import Path
 from trt_lookahead.bench.bench import DEFAULT_CONFIGS
 from trt_lookahead.bench.concurrency import MODES as CONCURRENCY_MODES
 from trt_lookahead.errors import UserError
-from trt_lookahead.lookahead.config import AUTO, DEFAULT, DEFAULT_LOOKAHEAD, GREEDY, MAX_STEP_TOKENS, LookaheadConfig
-from trt_lookahead.lookahead.decoder import parse_prefill
+from trt_lookahead.lookahead.config import (
+    DEFAULT,
+    DEFAULT_LOOKAHEAD,
+    GREEDY,
+    MAX_STEP_TOKENS,
+    Lookahead,
+    LookaheadConfig,
+)
+from trt_lookahead.lookahead.policy import LEAST_COLUMNS, NGRAMS
 from trt_lookahead.lookahead.sampling import SamplingParams
+from trt_lookahead.lookahead.stepper import parse_prefill
 from trt_lookahead.model.fetch import DEFAULT_MODEL
 from trt_lookahead.runtime import DEFAULT_MAX_NEW_TOKENS
 from trt_lookahead.serving import MAX_SHUTDOWN_GRACE
-from trt_lookahead.tuning.tune import DEFAULT_BUDGET, DEFAULT_TUNE_DATASETS, LEAST_COLUMNS, NGRAMS
+from trt_lookahead.tuning.tune import DEFAULT_BUDGET, DEFAULT_TUNE_DATASETS
 
 __all__ = ["CONCURRENCY_MODES", "DEFAULT_BUDGET", "DEFAULT_CONFIGS", "DEFAULT_MAX_NEW_TOKENS", "DEFAULT_TUNE_DATASETS"]
 
 
-def lookahead_choice(args: argparse.Namespace) -> LookaheadConfig | str:
-    """--greedy, --lookahead_config auto|W,N,G, or the runtime's default; validated before loading."""
+def lookahead_choice(args: argparse.Namespace) -> Lookahead | None:
+    """--greedy or --lookahead_config greedy|auto|W,N,G as a choice, None for what the model or engine serves
+    (its built config, else DEFAULT_LOOKAHEAD); validated before loading."""
     if getattr(args, "greedy", False):
-        return GREEDY
+        return Lookahead.greedy()
     if args.lookahead_config is None:
-        return DEFAULT
-    if args.lookahead_config.strip() == AUTO:
-        return AUTO
-    return LookaheadConfig.parse(args.lookahead_config)
+        return None
+    return Lookahead.parse(args.lookahead_config)
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -148,7 +154,7 @@ def bench_model(
     from trt_lookahead.engine.format import is_engine_dir
     from trt_lookahead.files import check_output_dir
     from trt_lookahead.runtime import LookaheadRuntime, engine_cover
-    from trt_lookahead.tuning.file import tuned_step_cost
+    from trt_lookahead.runtime.tuning_file import tuned_step_cost
 
     if out is not None:
         check_output_dir(out, "--out")  # before the benchmark, not after it
@@ -157,13 +163,13 @@ def bench_model(
     widest = None if is_engine_dir(plan.model_path) else plan.widest
     # `generate`'s rule (runtime.checkpoint_backend): configs wider than the standard cached engine run on torch
     asked = widest if widest is not None and engine_cover(widest) != engine_cover() else None
-    rt = LookaheadRuntime.from_pretrained(plan.model_path, backend=backend, dtype=dtype, lookahead=asked,
-                                          max_seq_len=plan.max_seq_len, threads=threads, verify=verify,
-                                          tuning_file=tuning_file, exact=exact, pool_scope=pool_scope, tree=tree)
-    result = run_bench(rt, plan)
-    rt.close()
-    del rt
-    gc.collect()
+
+    def open_runtime() -> LookaheadRuntime:
+        return LookaheadRuntime.from_pretrained(plan.model_path, backend=backend, dtype=dtype, lookahead=asked,
+                                                max_seq_len=plan.max_seq_len, threads=threads, verify=verify,
+                                                tuning_file=tuning_file, exact=exact, pool_scope=pool_scope, tree=tree)
+
+    result = run_bench(open_runtime, plan)  # it opens the runtime and closes it
     if out is None:
         return result, []
     step_cost = tuned_step_cost(result["model"], result["dtype"], result["backend"], result["machine"]["threads"],
@@ -196,7 +202,7 @@ def bench_concurrency(args: argparse.Namespace) -> int:
                       configs=GREEDY, max_seq_len=args.max_seq_len)
     prompts = [p for ps in plan.prompts.values() for p in ps]
     with LookaheadRuntime.from_pretrained(
-        plan.model_path, backend=args.backend, dtype=args.dtype, lookahead=None, max_seq_len=plan.max_seq_len,
+        plan.model_path, backend=args.backend, dtype=args.dtype, lookahead=GREEDY, max_seq_len=plan.max_seq_len,
         threads=args.threads, verify=args.verify, max_batch=max(levels), max_queue=max(levels),
         tuning_file=args.tuning_file, exact=args.exact, pool_scope=args.pool_scope, tree=args.tree,
     ) as rt:
@@ -216,7 +222,7 @@ def bench_concurrency(args: argparse.Namespace) -> int:
 
 def tune(args: argparse.Namespace) -> int:
     from trt_lookahead.files import check_output_file, write_text_atomic
-    from trt_lookahead.tuning.file import tuning_path
+    from trt_lookahead.runtime.tuning_file import tuning_path
     from trt_lookahead.tuning.tune import budget_config, format_report, tuned_tree
 
     check_output_file(args.tuning_file or tuning_path(), "--tuning-file")  # before minutes of measuring
@@ -268,21 +274,22 @@ def tune_model(
     model: str, *, backend: str | None = None, dtype: str = "float32", datasets: str = DEFAULT_TUNE_DATASETS,
     budget_seconds: float = DEFAULT_BUDGET, max_seq_len: int | None = None, threads: int | None = None,
     tuning_file: str | None = None, exact: bool | None = None, tree: str | None = DEFAULT,
+    max_batch: int | None = None, asked: LookaheadConfig | None = None,
 ) -> dict:
-    """Load the model greedy-only with small KV buffers, tune, store and return the tuning entry."""
+    """Load the model with small KV buffers (as a runtime defaulting to `asked` would: the same backend, tree and
+    engine, so the same tuning key), tune on runtimes of tune's own over it, store and return the tuning entry."""
     from trt_lookahead.model.fetch import resolve_model
     from trt_lookahead.runtime import LookaheadRuntime
     from trt_lookahead.tuning.tune import check_budget, tune_and_store, tuning_seq_len
 
     check_budget(budget_seconds)
     path = resolve_model(model)
-    rt = LookaheadRuntime.from_pretrained(
-        path, backend=backend, dtype=dtype, lookahead=None,
-        max_seq_len=max_seq_len or tuning_seq_len(path), threads=threads, tuning_file=tuning_file, exact=exact,
-        tree=tree,
-    )
-    with rt:
-        return tune_and_store(rt, datasets=datasets, budget_seconds=budget_seconds, progress=True)
+    with LookaheadRuntime.from_pretrained(
+        path, backend=backend, dtype=dtype, lookahead=asked or GREEDY, max_batch=max_batch,
+        max_seq_len=max_seq_len or tuning_seq_len(path), threads=threads, exact=exact, tree=tree,
+    ) as loaded:  # loads (and sets the threads); closed before tune's own runtimes run on its model
+        model_loaded = loaded.model
+    return tune_and_store(model_loaded, tuning_file, datasets=datasets, budget_seconds=budget_seconds, progress=True)
 
 
 def build(args: argparse.Namespace) -> int:
@@ -340,14 +347,48 @@ def serve(args: argparse.Namespace) -> int:
     if not 1 <= args.shutdown_grace <= MAX_SHUTDOWN_GRACE:
         raise UserError(f"--shutdown-grace must be 1 to {MAX_SHUTDOWN_GRACE} seconds, got "
                         f"{args.shutdown_grace}")
+    if args.tune:
+        check_serve_tune(args)
     sock = listen(args.host, args.port)
+    if args.tune:
+        tune_for_serve(args, source, lookahead)
     with LookaheadRuntime.from_pretrained(
         source, backend=args.backend, dtype=args.dtype, lookahead=lookahead, max_seq_len=args.max_seq_len,
         threads=args.threads, verify=args.verify, tuning_file=args.tuning_file, max_batch=args.max_batch,
         max_queue=args.max_queue, exact=args.exact, pool_scope=args.pool_scope, prefill=prefill, tree=args.tree,
     ) as runtime:
-        for config in (None, GREEDY):  # the served and the greedy paths' first-call costs now, not on a request
-            runtime.generate("Hello", max_new_tokens=2, lookahead=config)
+        for choice in (runtime.lookahead, Lookahead.greedy()):  # both paths' first-call costs now, not on a request
+            runtime.generate("Hello", max_new_tokens=2, lookahead=choice)
         serve(runtime, sock, model_name=args.served_model_name or runtime.model_path.name,
               max_body_bytes=args.max_body_bytes, shutdown_grace=args.shutdown_grace)
     return 0
+
+
+def check_serve_tune(args: argparse.Namespace) -> None:
+    """`serve --tune`'s budget and tuning file, checked before the port is taken and minutes of measuring."""
+    from trt_lookahead.files import check_output_file
+    from trt_lookahead.runtime.tuning_file import tuning_path
+    from trt_lookahead.tuning.tune import check_budget
+
+    check_budget(args.tune_budget_seconds, "--tune-budget-seconds")
+    check_output_file(args.tuning_file or tuning_path(), "--tuning-file")
+
+
+def tune_for_serve(args: argparse.Namespace, source: str, lookahead: Lookahead | None) -> None:
+    """`serve --tune`: tune `auto` for what this server runs (its model, backend, dtype, tree, threads and max
+    batch) before it serves, and store the entry where the server's runtime then reads it; says what and how long
+    on stderr."""
+    import time
+
+    from trt_lookahead.runtime.tuning_file import tuning_path
+
+    budget = args.tune_budget_seconds
+    print(f"trt-lookahead serve: --tune: tuning `auto` for {Path(source).name} on this machine before serving, "
+          f"about {budget:.0f} s", file=sys.stderr, flush=True)
+    start = time.monotonic()
+    entry = tune_model(source, backend=args.backend, dtype=args.dtype, budget_seconds=budget,
+                       max_seq_len=args.max_seq_len, threads=args.threads, tuning_file=args.tuning_file,
+                       exact=args.exact, tree=args.tree, max_batch=args.max_batch,
+                       asked=None if lookahead is None or lookahead.auto else lookahead.ceiling)
+    print(f"trt-lookahead serve: --tune: tuned in {time.monotonic() - start:.0f} s ({entry['reason']}); stored in "
+          f"{args.tuning_file or tuning_path()}", file=sys.stderr, flush=True)

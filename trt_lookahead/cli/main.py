@@ -215,6 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "event, then [DONE])")
     _add_pool_scope_argument(p)
     _add_tree_argument(p)
+    p.add_argument("--tune", action="store_true",
+                   help="before serving, tune `auto` for this model, backend and machine (as `trt-lookahead tune` "
+                        "does) and store the entry in the tuning file; the server then runs `auto` on it")
+    p.add_argument("--tune-budget-seconds", "--tune_budget_seconds", dest="tune_budget_seconds", type=float,
+                   default=commands.DEFAULT_BUDGET, help=f"with --tune: seconds to tune for (default "
+                                                         f"{commands.DEFAULT_BUDGET:.0f})")
 
     p = sub.add_parser("triton-serve", help="run tritonserver (from nvidia-pytriton) on a repository")
     p.add_argument("--repo", required=True)

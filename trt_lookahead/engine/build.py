@@ -34,7 +34,6 @@ from trt_lookahead.engine.format import (
     DEFAULT_BUILD_SEQ_LEN,
     DEFAULT_MAX_BATCH,
     DTYPES,
-    FORMAT_KEY,
     FORMAT_VERSION,
     GRAPH_FILE,
     INPUTS,
@@ -43,6 +42,7 @@ from trt_lookahead.engine.format import (
     TARGETS,
     TOKENIZER_FILES,
     WEIGHTS_FILE,
+    EngineConfig,
     cache_names,
     file_checksums,
     is_engine_dir,
@@ -296,35 +296,32 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
         shutil.copyfile(request.model_dir / name, out / name)
     onnx.checker.check_model(str(out / GRAPH_FILE), full_check=False)
 
-    config = {
-        FORMAT_KEY: FORMAT_VERSION,
-        "model": {"source": str(request.model_dir), "weights_sha256": weights_sha, **cfg.to_dict()},
-        "eos_token_id": list(cfg.eos_token_ids),
-        "dtype": request.dtype,
-        "max_seq_len": request.max_seq_len,
-        "max_input_len": request.max_input_len,
-        "max_batch": request.max_batch,
-        "lookahead": {"W": lookahead.W, "N": lookahead.N, "G": lookahead.G},
-        "step_tokens": T,
-        "output_slots": layout.output_slots.tolist(),
-        "cache_rows": rows,
-        "cache_layout": "[batch, num_kv_heads, cache_rows, head_dim] per layer; an executor keeps max_batch slots "
-                        "and binds the first B",
-        "attention": request.attention,
-        "exact": request.exact,
-        "tree": None if request.tree is None else list(request.tree.parents),
-        "plugin": plugin_contract() if request.attention == "plugin" else None,
-        "graphs": {"model": GRAPH_FILE},
-        "weights": WEIGHTS_FILE,
-        "inputs": [*INPUTS, f"key_cache_0..{cfg.num_layers - 1}", f"value_cache_0..{cfg.num_layers - 1}"],
-        "outputs": list(OUTPUTS),
-        "dims": {"batch": f"1..{request.max_batch}", "tokens": f"1..{tokens}", "rows": "output rows per batch row"},
-        "opset": OPSET,
-        "tokenizer_files": tokenizer_files,
-        "build_key": key,
-        "built_with": {"trt_lookahead": __version__, "torch": torch.__version__, "onnx": onnx.__version__},
-        "targets": {"onnx": {"built": True}},
-    }
+    engine = EngineConfig(
+        path=out, lookahead=lookahead, step_tokens=T, max_batch=request.max_batch, max_seq_len=request.max_seq_len,
+        max_input_len=request.max_input_len, cache_rows=rows, dtype=request.dtype, attention=request.attention,
+        vocab_size=cfg.vocab_size, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        exact=request.exact, tree=request.tree,
+        raw={  # what config.json records beyond the typed fields
+            "model": {"source": str(request.model_dir), "weights_sha256": weights_sha, **cfg.to_dict()},
+            "eos_token_id": list(cfg.eos_token_ids),
+            "output_slots": layout.output_slots.tolist(),
+            "cache_layout": "[batch, num_kv_heads, cache_rows, head_dim] per layer; an executor keeps max_batch "
+                            "slots and binds the first B",
+            "plugin": plugin_contract() if request.attention == "plugin" else None,
+            "graphs": {"model": GRAPH_FILE},
+            "weights": WEIGHTS_FILE,
+            "inputs": [*INPUTS, f"key_cache_0..{cfg.num_layers - 1}", f"value_cache_0..{cfg.num_layers - 1}"],
+            "outputs": list(OUTPUTS),
+            "dims": {"batch": f"1..{request.max_batch}", "tokens": f"1..{tokens}",
+                     "rows": "output rows per batch row"},
+            "opset": OPSET,
+            "tokenizer_files": tokenizer_files,
+            "build_key": key,
+            "built_with": {"trt_lookahead": __version__, "torch": torch.__version__, "onnx": onnx.__version__},
+            "targets": {"onnx": {"built": True}},
+        },
+    )
+    config = engine.to_raw()
     write_engine_config(out, config)
 
     _progress(4, steps, "smoke check under onnxruntime (batched rows) against the torch model row by row")

@@ -35,6 +35,7 @@ hashes; the fields of config.json are checked for type, range and consistency ei
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -64,6 +65,13 @@ ATTENTION_MODES = ("plugin", "native")
 TARGETS = ("onnx", "tensorrt")
 INPUTS = ("input_ids", "positions", "cache_len", "step_config", "output_slots")
 OUTPUTS = ("next_ids", "logits", "present_keys", "present_values")
+# config.json's keys in the order a build writes them (`EngineConfig.to_raw`); the ones a build adds later
+# (CONFIG_DIGEST, files, build_seconds) follow in the order they were added
+CONFIG_ORDER = (
+    FORMAT_KEY, "model", "eos_token_id", "dtype", "max_seq_len", "max_input_len", "max_batch", "lookahead",
+    "step_tokens", "output_slots", "cache_rows", "cache_layout", "attention", "exact", "tree", "plugin", "graphs",
+    "weights", "inputs", "outputs", "dims", "opset", "tokenizer_files", "build_key", "built_with", "targets",
+)
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
     "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json",
@@ -137,6 +145,28 @@ class EngineConfig:
         for eos in _field(raw, "eos_token_id") if isinstance(_field(raw, "eos_token_id"), list) else [None]:
             as_int("eos_token_id", eos)
         return config
+
+    def to_raw(self) -> dict[str, Any]:
+        """config.json's fields, the inverse of `from_raw`: the typed fields from this config, every other field as
+        `raw` records it (copied), in CONFIG_ORDER and then raw's other keys in their order."""
+        typed: dict[str, Any] = {
+            FORMAT_KEY: FORMAT_VERSION,
+            "model": {**self.raw.get("model", {}), "vocab_size": self.vocab_size, "num_layers": self.num_layers,
+                      "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim},
+            "dtype": self.dtype,
+            "max_seq_len": self.max_seq_len,
+            "max_input_len": self.max_input_len,
+            "max_batch": self.max_batch,
+            "lookahead": {"W": self.lookahead.W, "N": self.lookahead.N, "G": self.lookahead.G},
+            "step_tokens": self.step_tokens,
+            "cache_rows": self.cache_rows,
+            "attention": self.attention,
+            "exact": self.exact,
+            "tree": None if self.tree is None else list(self.tree.parents),
+        }
+        fields = {**copy.deepcopy(self.raw), **typed}
+        ordered = {key: fields.pop(key) for key in CONFIG_ORDER if key in fields}
+        return {**ordered, **fields}
 
     @property
     def source(self) -> str | None:
@@ -269,7 +299,10 @@ def _listed_files(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def batch_buckets(max_batch: int) -> list[int]:
-    """The batch sizes a TensorRT step runs at (a batch of B rows is padded up to the next): 1, 2, 4, .., max_batch."""
+    """The batch sizes a padded step runs at (a batch of B rows is padded up to the next): 1, 2, 4, .., max_batch.
+
+    The one formula for the TensorRT plan's step profiles, the padded torch executor's buckets and the row
+    counts `tune` measures."""
     sizes = [1 << k for k in range(max_batch.bit_length()) if 1 << k < max_batch]
     return [*sizes, max_batch]
 

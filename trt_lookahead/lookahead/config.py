@@ -1,4 +1,6 @@
-"""LookaheadConfig: the (W, N, G) triple, its validation and the sizes derived from it; the config labels."""
+"""LookaheadConfig: the (W, N, G) triple, its validation and the sizes derived from it; the config labels.
+Lookahead: what a request asks for (greedy, a fixed config, or `auto` up to a ceiling), parsed once at each edge.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +8,17 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 _SEPARATORS = re.compile(r"[,/\s]+")
 _INTEGER = re.compile(r"-?[0-9]{1,30}")  # ASCII digits only (str.isdigit also takes other scripts' digits)
 MAX_STEP_TOKENS = 1024  # the largest T = (W+G)(N-1) a step may feed; so W, G <= 1024 and N <= 1025
 GREEDY = "greedy"  # the label of the (1, 2, 0) config: plain greedy (or sampled) decoding
-AUTO = "auto"  # the label of the config tuned for this machine, model and workload (trt_lookahead.tuning)
-DEFAULT = "default"  # the runtime's default: DEFAULT_LOOKAHEAD, or an engine's built config
+AUTO = "auto"  # the label of `auto`: the policy chooses each step's config, up to a ceiling
+DEFAULT = "default"  # the input word for "what was loaded serves": an engine's built config, else DEFAULT_LOOKAHEAD
 # `LookaheadConfig.split` gives the window WINDOW_SCALE x sqrt(W + G) of a step's columns: harvesting wants a few
-# columns at any budget, while a draft tree fed by the pool, suffix matches and recycled top-k keeps paying for more
-# nodes; fitted to the best measured splits of T = 28, 56 and 120 at N = 5, shared scope (docs/design.md section 9)
+# columns at any budget, while a draft tree keeps paying for more nodes (docs/design.md section 9; the fit to the
+# best measured splits of T = 28, 56 and 120: docs/results/2026-11-27-cpu.md, "Splitting a step budget")
 WINDOW_SCALE = 1.2
 
 
@@ -104,15 +107,6 @@ class LookaheadConfig:
         """A full candidate match yields N - 1 tokens plus the bonus token."""
         return self.N
 
-    @property
-    def trtllm_max_decoding_tokens(self) -> int:
-        """TensorRT-LLM's `maxDecodingTokens` (golden token + drafts); it equals T."""
-        return 1 + (self.N - 2) + (self.W - 1 + self.G) * (self.N - 1)
-
-    @property
-    def trtllm_max_draft_len(self) -> int:
-        return self.trtllm_max_decoding_tokens - 1
-
     def check_fits(self, engine: LookaheadConfig) -> None:
         """Raise ValueError naming what differs if this request cannot run on `engine`'s shapes."""
         if self.is_greedy:
@@ -133,3 +127,94 @@ class LookaheadConfig:
 
 
 DEFAULT_LOOKAHEAD = LookaheadConfig(4, 3, 4)
+
+
+@dataclass(frozen=True)
+class Lookahead:
+    """What a request asks for: greedy, one config every step (`auto` False), or `auto` up to a ceiling.
+
+    Each edge parses its own spelling once into this type (`parse`: CLI and Python text; `from_parts`: the W, N, G
+    of an OpenAI body or Triton inputs); a runtime narrows it against what it serves (`narrow`), and the scheduler,
+    the policy and the decoder take it as it is (docs/design.md section 9).
+
+        Lookahead.parse("greedy")    Lookahead(1/2/0)            greedy: one token a step
+        Lookahead.parse("4,3,4")     Lookahead(4/3/4)            4/3/4 every step
+        Lookahead.parse("auto")      Lookahead(None, auto=True)  the policy chooses, up to the runtime's ceiling
+        _.narrow(ceiling=7/5/7, ...) Lookahead(7/5/7, auto=True)
+    """
+
+    config: LookaheadConfig | None  # the config every step runs; for `auto` the largest (None: the runtime's)
+    auto: bool = False
+
+    def __post_init__(self) -> None:
+        if self.config is None and not self.auto:
+            raise ValueError("a fixed lookahead needs its config")
+
+    @classmethod
+    def greedy(cls) -> Lookahead:
+        return cls(LookaheadConfig.greedy())
+
+    @classmethod
+    def parse(cls, value: Any) -> Lookahead:
+        """A Lookahead, a LookaheadConfig, or text: "greedy", "auto", or W,N,G (ValueError naming the forms)."""
+        if isinstance(value, Lookahead):
+            return value
+        if isinstance(value, LookaheadConfig):
+            return cls(value)
+        if not isinstance(value, str):
+            raise ValueError(f"lookahead must be {GREEDY!r}, {AUTO!r}, 'W,N,G' text or a LookaheadConfig, got "
+                             f"{value!r}")
+        word = value.strip().lower()
+        if word == GREEDY:
+            return cls.greedy()
+        if word == AUTO:
+            return cls(None, auto=True)
+        return cls(LookaheadConfig.parse(value))
+
+    @classmethod
+    def from_parts(cls, values: Sequence[int | None], served: LookaheadConfig, names: Sequence[str]) -> Lookahead:
+        """A fixed config from a request's (W, N, G): omitted (None) values from `served`, each at most `served`'s
+        (ValueError naming the request's `names` for W, N and G otherwise). (1, 2, 0) is greedy and always fits."""
+        limits = (served.W, served.N, served.G)
+        W, N, G = (limit if value is None else value for value, limit in zip(values, limits, strict=True))
+        config = LookaheadConfig(W, N, G)
+        if not config.is_greedy and (config.W > served.W or config.N > served.N or config.G > served.G):
+            at_most = ", ".join(f"{name}={limit}" for name, limit in zip(names, limits, strict=True))
+            raise ValueError(
+                f"lookahead (W, N, G) = ({W}, {N}, {G}) exceeds the served config ({served.W}, {served.N}, "
+                f"{served.G}); ask for at most {at_most}"
+            )
+        return cls(config)
+
+    @property
+    def ceiling(self) -> LookaheadConfig:
+        """The largest config a step of the request may use (set once narrowed)."""
+        if self.config is None:
+            raise ValueError("`auto` has no ceiling until a runtime narrows it")
+        return self.config
+
+    @property
+    def label(self) -> str:
+        """AUTO, GREEDY or W/N/G, as results and stats report the choice."""
+        return AUTO if self.auto else self.ceiling.label
+
+    def narrow(self, auto_ceiling: LookaheadConfig, built: LookaheadConfig | None, step_tokens: int) -> Lookahead:
+        """This choice as a runtime runs it: `auto` up to `auto_ceiling` (its own ceiling, if any, within it;
+        `auto` whose ceiling is greedy is plain greedy); a config must fit the engine's `built` config and the
+        executor's `step_tokens` (ValueError naming the limit and the fix)."""
+        if self.auto:
+            mine = self.config or auto_ceiling
+            ceiling = LookaheadConfig(*(min(getattr(mine, k), getattr(auto_ceiling, k)) for k in ("W", "N", "G")))
+            return Lookahead.greedy() if ceiling.is_greedy else Lookahead(ceiling, auto=True)
+        config = self.ceiling
+        if built is not None:
+            config.check_fits(built)
+        if config.step_tokens > step_tokens:
+            raise ValueError(
+                f"lookahead config {config} feeds {config.step_tokens} tokens per step; this runtime's executor "
+                f"takes at most {step_tokens}: ask for a smaller W, N or G"
+            )
+        return self
+
+    def __str__(self) -> str:
+        return self.label

@@ -2,49 +2,34 @@
 
     setup(x)                     after prefill: emit x, seed the window and the n-gram pool          (once)
     prepare(config, row views)   write this step's row: ids, positions, step_config, output slots
-    accept(out_row)              verify the drafts against the row's outputs, emit under the stop and
+    verify(out_row)              match the drafts against the row's outputs, emit under the stop and
                                  length rules, set `commit_slots` and `finished`
-    update(out_row)              harvest the window columns used, shift them, replace stop tokens, add
+    (executor.commit)            the stepper commits `commit_slots` to the request's KV slot
+    harvest(out_row)             harvest the window columns used, shift them, replace stop tokens, add
                                  the new tokens' n-grams
 
 `RequestDecoder` holds one request's state. Each step may use a smaller config than the request's own
 (W, N, G): fewer window columns W' <= W and candidates G' <= G at the same N, or GREEDY_STEP (1, 2, 0).
 Columns a step does not use keep their state; a step of another N (greedy under N > 2) uses no column.
 Which config a step uses never changes the tokens (docs/design.md section 4), only how many are accepted.
-
-`BatchStepper.run` is the one decode-loop body: prepare every row, one executor.step, then per row
-accept -> executor.commit(commit_slots) -> update. A row is a `StepRow`: a request's decode step (`Row`)
-or a chunk of a prompt being prefilled in steps (`PrefillChunk`, a causal row), so chunked prefill and
-decoding share one step and one loop. The scheduler (runtime/scheduler.py) calls it for all active
-requests; `LookaheadDecoder`, the single-request driver, calls it with one row.
+lookahead/stepper.py runs these phases for every row of a batched step.
 """
 
 from __future__ import annotations
 
-import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Protocol
 
 import numpy as np
 
 from trt_lookahead.errors import UserError, as_int
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.drafts import SUFFIX, Branch, SuffixIndex, lay_tree
-from trt_lookahead.lookahead.executor import CAUSAL, Executor, StepBatch
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.pool import OUTPUT, PROMPT, SHARED, WINDOW, Continuation, NgramPool, SharedPool
-from trt_lookahead.lookahead.recycle import (
-    NO_CONTEXT,
-    RECYCLE,
-    RECYCLE_CHAINS,
-    RECYCLE_K,
-    SuccessorMap,
-    fill_recycled,
-)
-from trt_lookahead.lookahead.sampling import SamplingParams
+from trt_lookahead.lookahead.recycle import RECYCLE, RECYCLE_CHAINS, SuccessorMap, fill_recycled
 from trt_lookahead.lookahead.tree import ROOT, TreeTemplate, covers
 
 CHAIN = "chain"
@@ -119,26 +104,6 @@ def acceptance_counts(accepted: Counter, offered: Counter) -> dict[str, list[int
     return {f"{d}/{r}": [accepted[d, r], n] for (d, r), n in sorted(offered.items())}
 
 
-@dataclass
-class DecodeResult:
-    token_ids: list[int]
-    finish_reason: str  # "stop" (a stop token was emitted, and is the last id) or "length"
-    stats: DecodeStats
-
-
-@dataclass(frozen=True)
-class Switches:
-    """Our additions to lookahead decoding and the draft sources, each switchable for ablations (design 3.8)."""
-
-    bonus: bool = True  # emit the model's token after the last accepted draft
-    prompt_pool: bool = True  # seed the pool from the prompt and the accepted output
-    chain: bool = True  # verify the window's column-0 chain as an extra candidate
-    pool: bool = True  # the n-gram pool's candidates fill the verification branch
-    suffix: bool = True  # suffix-matched continuations of the text so far fill the draft tree (tree only)
-    recycle: bool = True  # recycled top-k successors fill the tree nodes the other sources left empty (tree only)
-    pairs: bool = True  # recycled successors keyed by (previous token, token) first, then by token (tree only)
-
-
 def verify_nodes(layout: StepLayout) -> tuple[np.ndarray, np.ndarray]:
     """(slots [M], parents [M]) of the verifiable nodes: the verification branch's, then the column-0 chain's.
 
@@ -151,7 +116,7 @@ def verify_nodes(layout: StepLayout) -> tuple[np.ndarray, np.ndarray]:
     return slots, np.concatenate([np.asarray(template.parents, np.int64), chain_parents])
 
 
-def verify(drafts: Sequence[int], out: Sequence[int], tables: StepTables) -> tuple[int, int]:
+def match_drafts(drafts: Sequence[int], out: Sequence[int], tables: StepTables) -> tuple[int, int]:
     """(best node, accepted drafts k): the deepest node whose path from x_t matches the model, first on ties.
 
     drafts [M] (-1 = no draft, never matches), out [T] the step's next tokens. Node v matches when
@@ -165,8 +130,8 @@ def verify(drafts: Sequence[int], out: Sequence[int], tables: StepTables) -> tup
         out        = [cat, ., sat, the, sat, on]            out[i]: the model's token after slot i
         match      = [T, T, T]   depth [1, 2, 1]  ->  best 1, k 2, emitted [cat, sat] + [out[5]] = [.., on]
 
-    A plain loop over lists (accept passes them): it runs right after the model step, when numpy's code is
-    out of the CPU's caches and each numpy call costs ~10 us (docs/design.md 9).
+    A plain loop over lists (RequestDecoder.verify passes them): it runs right after the model step, when
+    numpy's code is out of the CPU's caches and each numpy call costs ~10 us (docs/design.md 9).
     """
     best = k = 0
     reach = [0] * len(drafts)  # accepted drafts on the path to each node, 0 if it or an ancestor fails
@@ -185,9 +150,9 @@ class StepTables:
     config: LookaheadConfig
     step_config: np.ndarray  # [3] int32 (W, N, G)
     rel_positions: np.ndarray  # [T] offsets from x_t's position
-    output_slots: np.ndarray  # [K] increasing: the slots whose outputs accept/update read
+    output_slots: np.ndarray  # [K] increasing: the slots whose outputs verify/harvest read
     output_previous: tuple[int, ...]  # [K] the slot of the token before each output slot's, -1: x_t's (layout)
-    # plain ints, read per node by `verify` and `accept` (numpy is slow right after the step)
+    # plain ints, read per node by `match_drafts` and `verify` (numpy is slow right after the step)
     node_slots: tuple[int, ...]  # [M] the verifiable nodes' slots (`verify_nodes`)
     expect_slots: tuple[int, ...]  # [M] the slot whose output checks each node: its parent's, x_t's = 0
     parents: tuple[int, ...]  # [M] each node's parent (ROOT = x_t)
@@ -259,7 +224,12 @@ def check_request(prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int, v
 
 
 class RequestDecoder:
-    """One request's decoding state (window, pool, position), advanced by setup / prepare / accept / update."""
+    """One request's decoding state (window, pool, position), advanced by setup / prepare / verify / harvest.
+
+    The ablations of docs/design.md 3.8 (tests/support/ablation.py) subclass it: the draft sources are the
+    attributes `pool`, `shared`, `suffix` and `successors` and the methods `_pool_candidates`, `_lay_drafts`
+    and `_previous`.
+    """
 
     def __init__(
         self,
@@ -268,7 +238,6 @@ class RequestDecoder:
         max_new_tokens: int,
         stop_tokens: Iterable[int] = (),
         seed: int = 0,
-        switches: Switches = Switches(),
         tree: TreeTemplate | None = None,
         shared: SharedPool | None = None,
         successors: SuccessorMap | None = None,
@@ -278,7 +247,6 @@ class RequestDecoder:
         self.prompt = np.asarray(prompt, np.int64).reshape(-1)
         self.max_new_tokens = max_new_tokens
         self.stop_tokens = frozenset(int(t) for t in stop_tokens)
-        self.switches = switches
         self.stats = DecodeStats()
         self.rng = np.random.default_rng(seed)
         prompt_list = self.prompt.tolist()
@@ -286,11 +254,10 @@ class RequestDecoder:
         self.window = np.zeros((config.levels, config.W), np.int64)  # row l = level l, row 0 = B0 = [x_t, L0]
         self.pool = NgramPool(config.N, config.G)
         # other requests' n-grams (None: request scope); fed with text only, read after the own pool
-        self.shared = shared if switches.pool and switches.prompt_pool and config.G else None
-        self.suffix = SuffixIndex(SUFFIX_MATCH) if tree is not None and switches.suffix else None
+        self.shared = shared if config.G else None
+        self.suffix = SuffixIndex(SUFFIX_MATCH) if tree is not None else None
         # token -> top-k successors: this request's own, falling back to the runtime's shared map (if given)
-        recycle = tree is not None and switches.recycle
-        self.successors = SuccessorMap(successors) if recycle else None
+        self.successors = SuccessorMap(successors) if tree is not None else None
         self._tree_rows = covers(tree, config) is not None  # its G(N-1) slots are the tree's (draft_supply)
         self._ids = np.zeros(0, np.int64)  # this step's row of input ids (a view into the stepper's buffer)
         self.candidates: list[tuple[Continuation, str]] = []
@@ -298,11 +265,11 @@ class RequestDecoder:
         self.tokens: list[int] = []  # emitted so far
         self.x = NO_DRAFT  # x_t: the last emitted token, whose KV is not cached yet
         self.cache_len = len(self.prompt)  # x_t's position
-        self.block: list[int] = []  # this step's verified tokens (drafts + bonus), set by accept
+        self.block: list[int] = []  # this step's verified tokens (drafts + bonus), set by verify
         self.emitted: list[int] = []  # what this step emitted: the block, cut at a stop token or the length
         self.commit_slots = np.zeros(0, np.int64)
         self.finished = False
-        self._tables: StepTables | None = None  # of the step in flight (prepare .. update)
+        self._tables: StepTables | None = None  # of the step in flight (prepare .. harvest)
         nodes = config.G * config.levels + config.levels - 1  # verification nodes, then the chain's
         self._drafts_buffer = np.empty(nodes, np.int64)
         self._drafts = self._drafts_buffer[:0]
@@ -322,8 +289,7 @@ class RequestDecoder:
             return [x]
         self.x = x
         self.sequence = [*self.prompt.tolist(), x]
-        if self.switches.prompt_pool:
-            self.pool.insert_sequence(self.sequence, PROMPT)
+        self.pool.insert_sequence(self.sequence, PROMPT)
         if self.shared is not None:
             self.shared.insert_sequence(self.sequence, self.config.N)
         if self.suffix is not None:
@@ -350,7 +316,7 @@ class RequestDecoder:
         if self._tree_rows and ((self.successors is not None and self.successors.get(self.x))
                      or (self.suffix is not None and self.suffix.continuations(1, 1))):
             return G
-        return len(self._pool_candidates(G)) if self.switches.pool else 0
+        return len(self._pool_candidates(G))
 
     def _pool_candidates(self, limit: int) -> list[tuple[Continuation, str]]:
         """x_t's own pool candidates, then the shared pool's (other than those) up to `limit`, newest first each."""
@@ -376,25 +342,9 @@ class RequestDecoder:
         if not self.fits(config):
             raise ValueError(f"a step of config {config} does not fit this request's {self.config}")
         tab = self._tables = step_tables(config, self.tree)
-        W, levels, G = config.W, config.levels, config.G
-        V = G * levels
-        self.candidates = self._pool_candidates(G) if G and self.switches.pool else []
-        drafts = self._drafts = self._drafts_buffer[: V + levels - 1]  # verification nodes, then the chain
-        drafts.fill(NO_DRAFT)
-        if tab.linear:  # candidate k in nodes k(N-1) ..
-            for k, (continuation, origin) in enumerate(self.candidates):
-                drafts[k * levels : (k + 1) * levels] = continuation
-                self._origins[k * levels : (k + 1) * levels] = [origin] * levels
-        elif V:
-            lay_tree(tab.template, tab.ranks, self._branches(tab.template.max_depth), drafts, self._origins)
-            if self.successors is not None:
-                fill_recycled(tab.template.parents, drafts[:V], self._origins, self.successors, self.x,
-                              self._previous)
-        if self.switches.chain:
-            drafts[V:] = self.window[1:levels, 0]
-            self._origins[V : V + levels - 1] = [CHAIN] * (levels - 1)
-        if not self.switches.bonus:
-            drafts[tab.depth >= levels] = NO_DRAFT  # a step then yields at most N - 1 tokens, as in LADE
+        W, levels = config.W, config.levels
+        V = config.G * levels
+        drafts = self._drafts = self._lay_drafts(tab)
         T, n = len(tab.rel_positions), tab.window_size
         self._ids = input_ids
         input_ids[:n].reshape(levels, W)[:] = self.window[:levels, :W]
@@ -407,6 +357,28 @@ class RequestDecoder:
         output_slots[:k] = tab.output_slots
         output_slots[k:] = tab.output_slots[-1]
 
+    def _lay_drafts(self, tab: StepTables) -> np.ndarray:
+        """This step's drafts [M] (NO_DRAFT: none) and their origins: the verification branch's nodes from the
+        pool, suffix and recycled sources, then the column-0 chain."""
+        config = tab.config
+        levels, G = config.levels, config.G
+        V = G * levels
+        self.candidates = self._pool_candidates(G) if G else []
+        drafts = self._drafts_buffer[: V + levels - 1]  # verification nodes, then the chain
+        drafts.fill(NO_DRAFT)
+        if tab.linear:  # candidate k in nodes k(N-1) ..
+            for k, (continuation, origin) in enumerate(self.candidates):
+                drafts[k * levels : (k + 1) * levels] = continuation
+                self._origins[k * levels : (k + 1) * levels] = [origin] * levels
+        elif V:
+            lay_tree(tab.template, tab.ranks, self._branches(tab.template.max_depth), drafts, self._origins)
+            if self.successors is not None:
+                fill_recycled(tab.template.parents, drafts[:V], self._origins, self.successors, self.x,
+                              self._previous)
+        drafts[V:] = self.window[1:levels, 0]
+        self._origins[V : V + levels - 1] = [CHAIN] * (levels - 1)
+        return drafts
+
     def _branches(self, depth: int) -> list[Branch]:
         """This step's draft branches for the tree: pool candidates (newest first), suffix matches, then recycled
         chains; a rank-r recycled chain scores as the rank-r pool candidate does (docs/design.md 3.9)."""
@@ -418,12 +390,12 @@ class RequestDecoder:
             branches.extend((c, RECYCLE, 1.0 / (1 + rank)) for rank, c in enumerate(chains))
         return branches
 
-    def accept(self, out: np.ndarray) -> list[int]:
-        """Verify against the step's outputs and return the tokens emitted (cut at a stop token or the length)."""
+    def verify(self, out: np.ndarray) -> list[int]:
+        """Match the drafts against the step's outputs; return the tokens emitted (cut at a stop or the length)."""
         tab = self._tables
-        assert tab is not None, "accept() needs a prepared step"
+        assert tab is not None, "verify() needs a prepared step"
         drafts, got = self._drafts.tolist(), out.tolist()
-        best, k = verify(drafts, got, tab)
+        best, k = match_drafts(drafts, got, tab)
         path = tab.path_to(best) if k else []
         self.block = [*(drafts[v] for v in path), got[tab.node_slots[best] if k else 0]]
         emitted: list[int] = []
@@ -458,28 +430,27 @@ class RequestDecoder:
 
     @property
     def _previous(self) -> int:
-        """The token before x_t, the context its recycled successors are looked up after (NO_CONTEXT: switched off)."""
-        return self.sequence[-2] if self.switches.pairs else NO_CONTEXT
+        """The token before x_t, the context its recycled successors are looked up after."""
+        return self.sequence[-2]
 
     @property
     def recycles(self) -> bool:
         """Whether this request's steps need the executor's top-k ids (StepBatch.top_ids)."""
         return self.successors is not None
 
-    def update(self, out: np.ndarray, top: np.ndarray | None = None) -> None:
+    def harvest(self, out: np.ndarray, top: np.ndarray | None = None) -> None:
         """After the commit: harvest and shift the window columns this step used, extend the sequence and the pool.
 
         top [T, k]: the step's top-k ids at the output slots, recorded as successors of the tokens fed there.
         """
         tab, cfg = self._tables, self.config
-        assert tab is not None, "update() needs an accepted step"
+        assert tab is not None, "harvest() needs a verified step"
         if self.successors is not None and top is not None:
             slots = np.concatenate((tab.output_slots, self.commit_slots))  # the accepted path last: its context wins
-            previous = None
-            if self.switches.pairs:  # plain lists: numpy calls are slow right after the step (verify's docstring)
-                ids, before, commit = self._ids.tolist(), self._previous, self.commit_slots.tolist()
-                previous = [ids[s] if s >= 0 else before for s in tab.output_previous]
-                previous += [before, *(ids[s] for s in commit[:-1])]  # x_t's, then each path node's parent
+            # plain lists: numpy calls are slow right after the step (match_drafts' docstring)
+            ids, before, commit = self._ids.tolist(), self._previous, self.commit_slots.tolist()
+            previous = [ids[s] if s >= 0 else before for s in tab.output_previous]
+            previous += [before, *(ids[s] for s in commit[:-1])]  # x_t's, then each path node's parent
             self.successors.record(self._ids[slots], top[slots], previous)
         self.cache_len += len(self.commit_slots)
         self.x = self.block[-1]
@@ -499,7 +470,7 @@ class RequestDecoder:
         self.sequence.extend(self.block)
         if self.suffix is not None:
             self.suffix.extend(self.block)
-        if self.switches.prompt_pool and cfg.G:
+        if cfg.G:
             self.pool.insert_sequence(self.sequence, OUTPUT, start=before)
         if self.shared is not None:
             self.shared.insert_sequence(self.sequence, cfg.N, start=before)
@@ -511,268 +482,3 @@ class RequestDecoder:
             if token in self.stop_tokens:
                 level[i] = self.fillers[self.rng.integers(len(self.fillers))]
 
-
-class StepRow(Protocol):
-    """One row of a step as BatchStepper drives it."""
-
-    slot: int
-
-    @property
-    def recycles(self) -> bool:
-        """Whether the row needs the step's top-k ids at its output slots (then passed to `update`)."""
-        ...
-
-    def shape(self) -> tuple[int, int]:
-        """(tokens, output slots) the row needs; the step's views are as wide as its widest row."""
-        ...
-
-    def prepare(
-        self, input_ids: np.ndarray, positions: np.ndarray, step_config: np.ndarray, output_slots: np.ndarray
-    ) -> None: ...
-
-    def accept(self, out: np.ndarray) -> np.ndarray | None:
-        """Read the step's outputs; -> the step slots to commit, or None when the request ended (no commit)."""
-        ...
-
-    def update(self, out: np.ndarray, top: np.ndarray | None) -> None: ...
-
-    def timed(self, executor_seconds: float) -> None:
-        """The step's executor seconds (step and commits), counted whole for every row."""
-        ...
-
-
-@dataclass
-class Row:
-    """One request in one step: its KV slot, its decoder, and the config this step uses."""
-
-    slot: int
-    decoder: RequestDecoder
-    config: LookaheadConfig
-
-    def shape(self) -> tuple[int, int]:
-        return self.config.step_tokens, len(step_tables(self.config, self.decoder.tree).output_slots)
-
-    def prepare(
-        self, input_ids: np.ndarray, positions: np.ndarray, step_config: np.ndarray, output_slots: np.ndarray
-    ) -> None:
-        self.decoder.prepare(self.config, input_ids, positions, step_config, output_slots)
-
-    def accept(self, out: np.ndarray) -> np.ndarray | None:
-        self.decoder.accept(out)
-        return None if self.decoder.finished else self.decoder.commit_slots
-
-    @property
-    def recycles(self) -> bool:
-        return self.decoder.recycles
-
-    def update(self, out: np.ndarray, top: np.ndarray | None) -> None:
-        self.decoder.update(out, top)
-
-    def timed(self, executor_seconds: float) -> None:
-        self.decoder.stats.executor_seconds += executor_seconds
-
-
-SEPARATE, CHUNKED = "separate", "chunked"  # how a scheduler prefills a joining request (runtime/scheduler.py)
-Prefill = str | int  # SEPARATE, CHUNKED, or chunked with this many prompt tokens per chunk
-
-
-def parse_prefill(text: str) -> Prefill:
-    """`separate`, `chunked` or a chunk size in tokens, from a command line; UserError otherwise."""
-    word = text.strip().lower()
-    if word in (SEPARATE, CHUNKED):
-        return word
-    if word.isdigit() and int(word) > 0:
-        return int(word)
-    raise UserError(f"prefill takes {SEPARATE}, {CHUNKED} or a chunk size in tokens (a positive integer); got {text!r}")
-
-
-@dataclass
-class PrefillChunk:
-    """Prompt tokens start .. start+tokens-1 of a claimed slot as one causal row (chunked prefill).
-
-    Pads past the chunk continue its positions and are never committed (lookahead/executor.py). After the
-    last chunk, `first` is the step's output at the chunk's last token: the request's first token.
-    """
-
-    slot: int
-    prompt: np.ndarray
-    start: int
-    tokens: int
-    first: int | None = None
-
-    @property
-    def last(self) -> bool:
-        return self.start + self.tokens == len(self.prompt)
-
-    def shape(self) -> tuple[int, int]:
-        return self.tokens, 1
-
-    def prepare(
-        self, input_ids: np.ndarray, positions: np.ndarray, step_config: np.ndarray, output_slots: np.ndarray
-    ) -> None:
-        n = self.tokens
-        input_ids[:n] = self.prompt[self.start : self.start + n]
-        input_ids[n:] = 0
-        positions[:] = np.arange(self.start, self.start + len(positions))
-        step_config[:] = CAUSAL
-        output_slots[:] = n - 1
-
-    def accept(self, out: np.ndarray) -> np.ndarray:
-        if self.last:
-            self.first = int(out[self.tokens - 1])
-        return np.arange(self.tokens)
-
-    recycles = False  # a prompt chunk's outputs are not drafts' context yet
-
-    def update(self, out: np.ndarray, top: np.ndarray | None) -> None:
-        """Nothing to do: the scheduler sets the request up from `first`."""
-
-    def timed(self, executor_seconds: float) -> None:
-        """Not counted: the scheduler times a prefilling request's steps as its prefill."""
-
-
-class BatchStepper:
-    """The decode-loop body for any number of requests; buffers are allocated once (max_batch x step_tokens)."""
-
-    def __init__(self, executor: Executor) -> None:
-        self.executor = executor
-        B, T = executor.max_batch, executor.step_tokens
-        self._ids = np.zeros((B, T), np.int64)
-        self._positions = np.zeros((B, T), np.int64)
-        self._config = np.zeros((B, 3), np.int32)
-        self._outputs = np.zeros((B, T), np.int64)
-        self._slots = np.zeros(B, np.int64)
-        # top-k ids, filled only in steps with recycling rows (k: at most the vocabulary)
-        self._top = np.zeros((B, T, min(RECYCLE_K, executor.vocab_size)), np.int64)
-        self.executor_seconds = 0.0  # inside executor.step / commit, over the stepper's life
-
-    def run(
-        self, rows: Sequence[StepRow], while_stepping: Callable[[], None] = lambda: None
-    ) -> list[BaseException | None]:
-        """One step for `rows` (distinct slots). Returns per row None, or the error that ended that request.
-
-        An error in one request's host code (prepare, accept, commit, update) ends that row only; a failing
-        executor step ends the rows of the step. Each row is timed with the whole step's executor seconds.
-        `while_stepping` runs after the rows are prepared, just before the executor step (the scheduler hands
-        blocks to consumers there).
-        """
-        errors: list[BaseException | None] = [None] * len(rows)
-        shapes = [row.shape() for row in rows]
-        T, K = max(t for t, _ in shapes), max(k for _, k in shapes)
-        live: list[int] = []
-        for i, row in enumerate(rows):
-            b = len(live)
-            try:
-                row.prepare(self._ids[b, :T], self._positions[b, :T], self._config[b], self._outputs[b, :K])
-            except Exception as exc:
-                errors[i] = exc
-                continue
-            self._slots[b] = row.slot
-            live.append(i)
-        while_stepping()
-        if not live:
-            return errors
-        B = len(live)
-        top = self._top[:B, :T] if any(rows[i].recycles for i in live) else None
-        batch = StepBatch(
-            self._slots[:B], self._ids[:B, :T], self._positions[:B, :T], self._config[:B], self._outputs[:B, :K], top
-        )
-        start = time.perf_counter()
-        try:
-            out = self.executor.step(batch)
-        except Exception as exc:
-            for i in live:
-                errors[i] = exc
-            return errors
-        seconds = time.perf_counter() - start
-        for b, i in enumerate(live):
-            row = rows[i]
-            try:
-                commit = row.accept(out[b])
-                if commit is not None:
-                    start = time.perf_counter()
-                    self.executor.commit(row.slot, commit)
-                    seconds += time.perf_counter() - start
-                    row.update(out[b], None if top is None else top[b])
-            except Exception as exc:
-                errors[i] = exc
-        for i in live:
-            rows[i].timed(seconds)
-        self.executor_seconds += seconds
-        return errors
-
-
-class LookaheadDecoder:
-    """Drives one request at a time on slot 0 of `executor` at one config; `switches` exist for ablations."""
-
-    def __init__(
-        self,
-        executor: Executor,
-        layout: StepLayout | LookaheadConfig,
-        *,
-        stop_tokens: Iterable[int] = (),
-        seed: int = 0,
-        switches: Switches = Switches(),
-        tree: TreeTemplate | None = None,
-    ) -> None:
-        self.layout = layout if isinstance(layout, StepLayout) else StepLayout(layout, tree=tree)
-        self.executor = executor
-        if self.config.step_tokens > self.executor.step_tokens:
-            raise ValueError(
-                f"the {self.config} layout needs {self.config.step_tokens} tokens per step but the executor "
-                f"takes at most {self.executor.step_tokens}; build it with step_tokens >= {self.config.step_tokens}"
-            )
-        self.stop_tokens = frozenset(int(t) for t in stop_tokens)
-        self.seed = seed
-        self.switches = switches
-        self.stats = DecodeStats()
-        self._stepper = BatchStepper(self.executor)
-
-    @property
-    def config(self) -> LookaheadConfig:
-        return self.layout.config
-
-    def check_request(self, prompt_ids: Sequence[int], max_new_tokens: int) -> np.ndarray:
-        """Validate a request before any work; returns the prompt as an int64 array."""
-        return check_request(prompt_ids, max_new_tokens, self.executor.vocab_size, self.executor.max_seq_len)
-
-    def generate(
-        self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None = None
-    ) -> DecodeResult:
-        tokens: list[int] = []
-        for block in self.stream(prompt_ids, max_new_tokens, sampling):
-            tokens.extend(block)
-        finish = "stop" if tokens and tokens[-1] in self.stop_tokens else "length"
-        return DecodeResult(tokens, finish, self.stats)
-
-    def stream(
-        self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None = None
-    ) -> Iterator[list[int]]:
-        """Yield each step's accepted tokens as soon as the step is verified; self.stats is live.
-
-        Decode time excludes the consumer's time between yields; executor time is inside step and commit.
-        """
-        prompt = self.check_request(prompt_ids, max_new_tokens)
-        request = RequestDecoder(
-            self.config, prompt, max_new_tokens, self.stop_tokens, self.seed, self.switches, self.layout.tree
-        )
-        stats = self.stats = request.stats
-        start = time.perf_counter()
-        first_token = self.executor.prefill(0, prompt, sampling or SamplingParams())
-        stats.prefill_seconds = time.perf_counter() - start
-        try:
-            start = time.perf_counter()
-            block = request.setup(first_token)
-            if not request.finished:
-                stats.decode_seconds += time.perf_counter() - start  # seeding the window and the pool
-            yield block
-            row = [Row(0, request, self.config)]
-            while not request.finished:
-                start = time.perf_counter()
-                (error,) = self._stepper.run(row)
-                stats.decode_seconds += time.perf_counter() - start
-                if error is not None:
-                    raise error
-                yield request.emitted
-        finally:
-            self.executor.release(0)

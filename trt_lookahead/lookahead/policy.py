@@ -1,7 +1,7 @@
 """Load- and acceptance-aware lookahead: how much of the step each request uses, chosen every step.
 
     policy = LookaheadPolicy(StepCost(...), Priors({...}))       # both measured by `trt-lookahead tune`
-    state = policy.start(LookaheadConfig(4, 3, 4), explicit=False)            # per request
+    state = policy.start(Lookahead(LookaheadConfig(4, 3, 4), auto=True))      # per request
     configs = policy.choose([state, ...], supplies=[3, 0, ...])                # per step
     policy.observe(state, configs[0], emitted=2)                               # after the step
 
@@ -26,19 +26,27 @@ concave hull; all requests' upgrades are taken in order of extra tokens per extr
 speed grows. All-greedy is always a candidate, so the prediction never falls below batched greedy but for the
 probes. Explicit configs run every step as asked. The policy changes how fast a request decodes, never its tokens
 (docs/design.md section 4).
+
+`auto` runs an AutoPolicy: a ceiling (its largest config) and a policy, from the tuning entry `trt-lookahead tune`
+measured for the model, dtype, backend and machine (`AutoPolicy.from_entry`), else from the built-in priors
+(`AutoPolicy.untuned`: PRIOR_STEP_COST and PRIOR_COMPRESSION, up to the ladder's widest config that fits the
+executor, said once on stderr). The ladder's constants (NGRAMS, TOP, COLUMNS, `widest`, `auto_cover`) live here
+too: the runtime sizes engines and trees by them, and tune measures along them.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import sys
+import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
 
-from trt_lookahead.lookahead.config import LookaheadConfig
+from trt_lookahead.lookahead.config import MAX_STEP_TOKENS, Lookahead, LookaheadConfig
 from trt_lookahead.lookahead.decoder import GREEDY_STEP
 
 EMA = 0.2  # weight of the newest observation in a request's acceptance ratio
@@ -47,6 +55,18 @@ MAX_RATIO = 4.0
 MARGIN = 0.02  # lookahead must be predicted this much faster than all-greedy to be chosen
 PROBE_EVERY = 8  # steps without drafts in a row after which a request with drafts probes its cheapest rung with them
 MAX_PROBE_EVERY = 256  # the longest wait between probes, reached by doubling after failed lookahead steps
+# the `auto` ladder (docs/design.md section 8): the N it may use, and how wide its steps get
+NGRAMS = (3, 4, 5)  # the N `auto` may use
+TOP = 8  # the most window columns and candidates of tune's cost ladder and of the standard cached engine (8/5/8)
+COLUMNS = 2 * TOP  # W + G of the widest step `auto` uses, split by LookaheadConfig.split: 5/N/11
+LEAST_COLUMNS = 2  # the fewest a step budget is split into: a window column and a tree column
+# Built-in priors: what `auto` runs on without a tuning entry for its model, dtype, backend and machine. The
+# conservative end of what `tune` measured on a CPU (docs/design.md section 8): a step's cost in units of a
+# one-token step by step tokens M (one curve for any number of rows: M counts every row's tokens), and the
+# compression of linear candidates (a draft tree compresses more at every rung)
+PRIOR_STEP_COST = ((1, 1.0), (4, 1.13), (32, 2.62))
+PRIOR_COMPRESSION = {"1/3/1": 1.31, "2/3/2": 1.34, "4/3/4": 1.45, "8/3/8": 1.59, "8/5/8": 1.63}
+TUNED, PRIORS = "tuned", "priors"  # where an AutoPolicy comes from
 
 
 class StepCost:
@@ -136,7 +156,7 @@ class RequestState:
     """What the policy knows about one request."""
 
     config: LookaheadConfig  # the request's largest config
-    explicit: bool  # run `config` every step
+    auto: bool  # the policy chooses each step up to `config` (False: `config` every step)
     ladder: tuple[LookaheadConfig, ...]
     ratio: float = 1.0  # observed / prior extra tokens of its steps with drafts (EMA)
     window_ratio: float = 1.0  # the same of its window-only steps
@@ -158,6 +178,23 @@ def ladder(config: LookaheadConfig) -> tuple[LookaheadConfig, ...]:
     return tuple(rungs)
 
 
+def budget_split(step_tokens: int, n: int, engine: LookaheadConfig | None = None) -> LookaheadConfig:
+    """A step of at most `step_tokens` tokens at N = n: its T // (N - 1) columns (at least LEAST_COLUMNS) split into
+    window and tree by LookaheadConfig.split, within an engine's W and G (56 at N = 5: 4/5/10)."""
+    return LookaheadConfig.split(max(LEAST_COLUMNS, step_tokens // (n - 1)), n, engine)
+
+
+def widest(n: int, step_tokens: int, engine: LookaheadConfig | None = None) -> LookaheadConfig:
+    """The largest config of N = n `auto` may use: `budget_split` of COLUMNS columns (fewer where `step_tokens` is
+    smaller)."""
+    return budget_split(min(step_tokens, COLUMNS * (n - 1)), n, engine)
+
+
+def auto_cover() -> LookaheadConfig:
+    """The W, N and G every config `auto` may use fits, where no engine limits them (5/5/11)."""
+    return LookaheadConfig.cover([widest(n, MAX_STEP_TOKENS) for n in NGRAMS])
+
+
 Rung = tuple[int, float, LookaheadConfig]  # (step tokens, prior extra tokens, config)
 Upgrade = tuple[float, int, int, float, LookaheadConfig]  # (extra tokens per extra step token, owner, dT, dE, rung)
 
@@ -170,8 +207,9 @@ class LookaheadPolicy:
         self.priors = priors
         self.rungs = lru_cache(maxsize=4096)(self._rungs)
 
-    def start(self, config: LookaheadConfig, explicit: bool) -> RequestState:
-        return RequestState(config, explicit, ladder(config))
+    def start(self, lookahead: Lookahead) -> RequestState:
+        """A request's state from its narrowed choice: a fixed config runs as asked, `auto` climbs its ladder."""
+        return RequestState(lookahead.ceiling, lookahead.auto, ladder(lookahead.ceiling))
 
     def expected(self, state: RequestState, config: LookaheadConfig) -> float:
         """Expected tokens of one step of `config` for this request."""
@@ -181,7 +219,7 @@ class LookaheadPolicy:
         """Each request's config for the coming step (states[i] with supplies[i] pool candidates)."""
         chosen = self._fastest(states, supplies)
         for i, (state, supply) in enumerate(zip(states, supplies, strict=True)):
-            if chosen[i].is_greedy and not state.explicit and state.draftless_run >= state.probe_every:
+            if chosen[i].is_greedy and state.auto and state.draftless_run >= state.probe_every:
                 rungs = self.rungs(state.ladder, min(supply, state.config.G))
                 probe = next((cfg for _, _, cfg in rungs if cfg.G), None)  # the cheapest rung with drafts
                 if probe is not None:
@@ -190,12 +228,12 @@ class LookaheadPolicy:
 
     def _fastest(self, states: Sequence[RequestState], supplies: Sequence[int]) -> list[LookaheadConfig]:
         """Each request's config in the step predicted fastest (all-greedy unless a step beats it by MARGIN)."""
-        chosen = [s.config if s.explicit else GREEDY_STEP for s in states]
+        chosen = [GREEDY_STEP if s.auto else s.config for s in states]
         tokens = sum(c.step_tokens for c in chosen)
         expected = sum(self.expected(s, c) for s, c in zip(states, chosen, strict=True))
         upgrades: list[Upgrade] = []
         for owner, (state, supply) in enumerate(zip(states, supplies, strict=True)):
-            if not state.explicit:
+            if state.auto:
                 upgrades.extend(self._upgrades(owner, state, supply))
         if not upgrades:
             return chosen
@@ -270,3 +308,65 @@ def _expected(ratio: float, extra: float, ngram: int) -> float:
 def _below(a: tuple, b: tuple, c: tuple) -> bool:
     """Whether b lies on or below the segment from a to c (so b is not on the upper hull)."""
     return (b[0] - a[0]) * (c[1] - a[1]) - (b[1] - a[1]) * (c[0] - a[0]) >= 0
+
+
+def single_request_speed(policy: LookaheadPolicy, config: LookaheadConfig) -> float:
+    """Predicted tokens per second of one request alone with `config` as its largest (its best rung)."""
+    state = policy.start(Lookahead(config, auto=True))
+    return max(1000.0 * policy.expected(state, c) / policy.cost(c.step_tokens, 1) for c in state.ladder)
+
+
+def choose_ceiling(policy: LookaheadPolicy, step_tokens: int, engine: LookaheadConfig | None = None
+                   ) -> tuple[LookaheadConfig, dict[str, float]]:
+    """The largest config `auto` may use: `widest` within `step_tokens` (and an engine's W, N, G), for the N
+    predicted fastest; and each N's predicted tokens per second."""
+    predicted = {}
+    best = LookaheadConfig.greedy()
+    for n in (n for n in NGRAMS if engine is None or n <= engine.N):
+        top = widest(n, step_tokens, engine)
+        predicted[str(n)] = round(single_request_speed(policy, top), 4)
+        if best.is_greedy or predicted[str(n)] > predicted[str(best.N)]:
+            best = top
+    return best, predicted
+
+
+def prior_policy() -> LookaheadPolicy:
+    """The policy of the built-in priors (PRIOR_STEP_COST, PRIOR_COMPRESSION)."""
+    return LookaheadPolicy(StepCost({1: PRIOR_STEP_COST}), Priors(PRIOR_COMPRESSION))
+
+
+@dataclass(frozen=True)
+class AutoPolicy:
+    """What `auto` requests run on: the largest config they may use, the policy that chooses up to it, and where
+    both came from (TUNED: a tuning entry; PRIORS: the built-in priors), for the start-up line and /v1/models."""
+
+    ceiling: LookaheadConfig
+    policy: LookaheadPolicy
+    source: str
+    _untold: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+
+    @classmethod
+    def from_entry(cls, entry: Mapping) -> AutoPolicy:
+        """A tuning entry's (runtime/tuning_file.py): its largest config (greedy where `auto` is greedy) and policy."""
+        policy = LookaheadPolicy(StepCost.from_dict(entry["step_cost"]), Priors(entry["priors"]))
+        return cls(LookaheadConfig.from_label(entry["config"]), policy, TUNED)
+
+    @classmethod
+    def untuned(cls, step_tokens: int, engine: LookaheadConfig | None = None) -> AutoPolicy:
+        """The built-in priors, up to the ladder's widest config that fits an executor of `step_tokens` (and an
+        engine's W, N, G) at the N they predict fastest; greedy if none fits or it is not predicted faster than
+        greedy."""
+        policy = prior_policy()
+        ceiling, predicted = choose_ceiling(policy, step_tokens, engine)
+        if (ceiling.is_greedy or ceiling.step_tokens > step_tokens
+                or predicted[str(ceiling.N)] <= (1 + MARGIN) * 1000.0 / policy.cost(1, 1)):
+            ceiling = LookaheadConfig.greedy()
+        return cls(ceiling, policy, PRIORS)
+
+    def announce(self) -> None:
+        """Say on stderr that `auto` runs on the built-in priors: once per AutoPolicy (a runtime holds one), from
+        any thread; nothing for a tuned one."""
+        if self.source == PRIORS and self._untold.acquire(blocking=False):  # never released: said once
+            print(f"trt-lookahead: `auto` runs on built-in priors (up to {self.ceiling.label}): no tuning entry for "
+                  "this model, dtype, backend and machine; `trt-lookahead tune` (or `trt-lookahead serve --tune`) "
+                  "measures them", file=sys.stderr, flush=True)

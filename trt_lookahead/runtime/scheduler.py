@@ -1,7 +1,7 @@
 """In-flight batching: one thread owns the executor and runs every admitted request in every step.
 
     scheduler = Scheduler(executor, policy, max_queue=64); scheduler.start()
-    handle = scheduler.submit(Request(decoder, sampling, explicit))   # QueueFull when the queue is full
+    handle = scheduler.submit(Job(decoder, lookahead, sampling))   # QueueFull when the queue is full
     for block in handle: ...                                          # token blocks as steps accept them
     handle.cancel()                                   # waiting: leaves the queue now; running: at the next step
 
@@ -16,7 +16,7 @@ request's prompt is prefilled (`prefill`):
   chunked    executor.claim, then one causal row of the next `prefill_chunk` prompt tokens in each step,
              beside the other requests' decode rows (lookahead/executor.py); the last chunk's output is the
              first token. A prefilling request holds its slot, is in every step and can be cancelled.
-An exception in one request's host code (prefill, setup, prepare, accept, update) fails that request
+An exception in one request's host code (prefill, setup, prepare, verify, harvest) fails that request
 only, its handle raising it; a failing executor step fails the requests of that step only. Blocks are
 buffered per request, so a slow or absent consumer never stalls the loop, and handed over while the next
 step's executor runs (or at once when no step follows): a consumer woken earlier would contend for the GIL
@@ -36,20 +36,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trt_lookahead.errors import UserError
-from trt_lookahead.lookahead.decoder import (
-    CHUNKED,
-    SEPARATE,
-    BatchStepper,
-    DecodeStats,
-    Prefill,
-    PrefillChunk,
-    RequestDecoder,
-    Row,
-    StepRow,
-)
+from trt_lookahead.lookahead.config import Lookahead
+from trt_lookahead.lookahead.decoder import DecodeStats, RequestDecoder
 from trt_lookahead.lookahead.executor import Executor
 from trt_lookahead.lookahead.policy import LookaheadPolicy, RequestState
 from trt_lookahead.lookahead.sampling import SamplingParams
+from trt_lookahead.lookahead.stepper import CHUNKED, SEPARATE, BatchStepper, Prefill, PrefillChunk, Row, StepRow
 
 CANCELLED = "cancelled"
 STEP_LOG = 4096  # steps kept in Scheduler.steps
@@ -65,12 +57,13 @@ class SchedulerClosed(RuntimeError):
 
 
 @dataclass
-class Request:
-    """A request as the scheduler runs it: its decoder (prompt, limits, stop tokens, largest config)."""
+class Job:
+    """A request as the scheduler runs it: its decoder (prompt, limits, stop tokens, largest config) and its
+    lookahead choice as the runtime narrowed it (`auto`: the policy chooses each step up to decoder.config)."""
 
     decoder: RequestDecoder
+    lookahead: Lookahead
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    explicit: bool = True  # run decoder.config every step; False lets the policy choose up to it
 
 
 @dataclass
@@ -83,7 +76,7 @@ class Result:
 class RequestHandle:
     """The caller's side of one request: its token blocks (or its error) in order, and cancel()."""
 
-    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop | None,
+    def __init__(self, request: Job, loop: asyncio.AbstractEventLoop | None,
                  withdraw: Callable[[RequestHandle], None], outbox: list[tuple[RequestHandle, Any]]) -> None:
         self.request = request
         self.result: Result | None = None
@@ -197,7 +190,7 @@ class SchedulerStats:
 
     @property
     def host_ms_per_row(self) -> float:
-        """Host milliseconds per request per decode step: policy, prepare, accept, update, delivery."""
+        """Host milliseconds per request per decode step: policy, prepare, verify, harvest, delivery."""
         return 1000.0 * (self.step_seconds - self.executor_seconds) / self.rows if self.rows else 0.0
 
     @property
@@ -223,12 +216,12 @@ def prefill_chunk(executor: Executor, prefill: Prefill) -> int:
     return prefill
 
 
-def default_prefill(backend: str) -> Prefill:
-    """The prefill a runtime of `backend` uses unless asked (the one place it is decided): separate.
+def default_prefill() -> Prefill:
+    """The prefill a runtime uses unless asked (the one place it is decided): separate, on every backend.
 
-    Measured on onnxruntime (README, "Separate or chunked prefill"): chunked gave 0.74x the tokens/s of separate
-    at 8 streams and 1.5x its TTFT p50, because a padded step of B rows pays B x T for one chunk row. The packed
-    CPU torch executor pays only real tokens but is not measured yet, so it keeps separate too.
+    A padded step of B rows (engines, CUDA torch) pays B x T for one chunk row, so chunked prefill widens every
+    step it shares (docs/design.md section 9; figures: docs/results/2026-11-24-cpu.md, "Separate or chunked
+    prefill"). The packed CPU torch executor pays only real tokens but is not measured yet, so it keeps separate too.
     """
     return SEPARATE
 
@@ -261,12 +254,12 @@ class Scheduler:
 
     # -- callers ------------------------------------------------------------------------------------
 
-    def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+    def submit(self, request: Job, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
         """Queue a request (blocks go to `loop`'s asyncio queue if given); QueueFull if the queue is full."""
         return self.submit_many([request], loop)[0]
 
     def submit_many(
-        self, requests: Sequence[Request], loop: asyncio.AbstractEventLoop | None = None
+        self, requests: Sequence[Job], loop: asyncio.AbstractEventLoop | None = None
     ) -> list[RequestHandle]:
         """Queue requests together (admitted in the same iteration when slots allow); all or none."""
         handles = [RequestHandle(request, loop, self._withdraw, self._outbox) for request in requests]
@@ -418,7 +411,7 @@ class Scheduler:
         decoder = request.decoder
         try:
             block = decoder.setup(first)
-            handle.policy_state = self.policy.start(decoder.config, request.explicit)
+            handle.policy_state = self.policy.start(request.lookahead)
         except Exception as exc:  # this request's setup failed: it alone ends
             self._end(slot, error=exc)
             return
@@ -437,7 +430,7 @@ class Scheduler:
                 chunks.append(PrefillChunk(slot, prompt, handle.prefilled, tokens))
                 continue
             try:
-                supply = 0 if handle.request.explicit else handle.request.decoder.draft_supply()
+                supply = handle.request.decoder.draft_supply() if handle.request.lookahead.auto else 0
             except Exception as exc:  # this request's host state is broken: it alone ends
                 self._end(slot, error=exc)
                 continue

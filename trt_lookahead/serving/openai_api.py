@@ -43,7 +43,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive
 
 from trt_lookahead.errors import UserError
-from trt_lookahead.lookahead.config import AUTO, GREEDY, LookaheadConfig
+from trt_lookahead.lookahead.config import AUTO, Lookahead
 from trt_lookahead.runtime import ChatTemplateError, GenerationOutput, LookaheadRuntime, StreamChunk
 from trt_lookahead.runtime.scheduler import QueueFull
 from trt_lookahead.serving import DEFAULT_MAX_BODY_BYTES, GRACEFUL_SHUTDOWN_SECONDS
@@ -61,7 +61,6 @@ from trt_lookahead.serving.openai_protocol import (
     sse,
     usage,
 )
-from trt_lookahead.serving.schema import request_lookahead
 
 BODY_TIMEOUT_SECONDS = 30  # a request body must arrive whole within this (408 otherwise): no upload is held forever
 SHUTDOWN_MARGIN_SECONDS = 2  # waiting requests are answered this long before the grace ends (half a grace under 4 s)
@@ -74,7 +73,7 @@ T = TypeVar("T")
 
 
 @dataclass
-class Job:
+class ApiCall:
     """One parsed request: the runtime's arguments, and what its response reports."""
 
     body: GenerationRequest
@@ -95,8 +94,7 @@ class OpenAIServer:
         self.body_timeout = body_timeout
         self.closing = False  # shutdown began: new requests are answered 503
         self.aborted = asyncio.Event()  # the grace is nearly over: every waiting request ends with a 503
-        self.served = runtime.request_config(None)[0]  # a request's ceiling: the default config (auto: its largest)
-        self.auto = runtime.lookahead == AUTO
+        self.served = runtime.lookahead.ceiling  # a request's ceiling: the default config (auto: its largest)
         self.chat_template = bool(getattr(runtime.tokenizer, "chat_template", None))
         self.created = int(time.time())
         scheduler = runtime.scheduler
@@ -120,7 +118,7 @@ class OpenAIServer:
     @property
     def label(self) -> str:
         """The served lookahead: W/N/G, greedy, or auto up to W/N/G."""
-        return f"{AUTO} (up to {self.served.label})" if self.auto else self.served.label
+        return f"{AUTO} (up to {self.served.label})" if self.runtime.lookahead.auto else self.served.label
 
     def app(self) -> FastAPI:
         app = FastAPI(title="trt-lookahead", docs_url=None, redoc_url=None, openapi_url=None)
@@ -246,7 +244,7 @@ class OpenAIServer:
             raise ApiError(503, SHUTTING_DOWN, code="shutting_down")
         return cast(T, result)
 
-    def _job(self, raw: bytes, kind: type[GenerationRequest]) -> Job:
+    def _job(self, raw: bytes, kind: type[GenerationRequest]) -> ApiCall:
         """The body parsed, the model name and the lookahead extension checked here, the prompt tokenized;
         every value by the runtime (in astream). Runs in a thread: its work grows with the body."""
         body = parse_request(raw, kind)
@@ -255,7 +253,7 @@ class OpenAIServer:
         if isinstance(body, ChatRequest) and not self.chat_template:
             raise ApiError(400, f"the model {self.name!r} has no chat template; send a text prompt to /v1/completions",
                            param="messages")
-        config = self._config(body.lookahead)
+        lookahead = self._lookahead(body.lookahead)
         seed = secrets.randbits(32) if body.seed is None else body.seed  # reported, so any answer can be replayed
         try:
             prompt_ids = self.runtime.encode(body.runtime_prompt())
@@ -265,22 +263,24 @@ class OpenAIServer:
         except ValueError as exc:  # UserError: a prompt that cannot fit
             raise ApiError(400, str(exc), param=body.PROMPT_PARAM) from None
         room = self.runtime.max_seq_len - len(prompt_ids)
-        arguments = dict(max_new_tokens=body.requested_tokens(room), lookahead=config, seed=seed,
+        arguments = dict(max_new_tokens=body.requested_tokens(room), lookahead=lookahead, seed=seed,
                          stop=list(body.stop), pool_scope=body.pool_scope, **body.sampling())
-        return Job(body, prompt_ids, arguments, seed)
+        return ApiCall(body, prompt_ids, arguments, seed)
 
-    def _config(self, option: LookaheadOption | bool | None) -> LookaheadConfig | str | None:
-        """The runtime's `lookahead` argument: None (the served default, auto included), GREEDY or a config."""
+    def _lookahead(self, option: LookaheadOption | bool | None) -> Lookahead:
+        """The body's `lookahead` extension as a choice: false greedy, absent or true the served default, an object
+        a fixed config, its omitted values the served config's."""
         if option is False:
-            return GREEDY
+            return Lookahead.greedy()
         if option is None or option is True:
-            return None
+            return self.runtime.lookahead
         try:
-            return request_lookahead(self.served, (option.window, option.ngram, option.verification), LOOKAHEAD_NAMES)
+            return Lookahead.from_parts((option.window, option.ngram, option.verification), self.served,
+                                        LOOKAHEAD_NAMES)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="lookahead") from None
 
-    async def _run(self, job: Job, trace: RequestTrace) -> AsyncGenerator[StreamChunk, None]:
+    async def _run(self, job: ApiCall, trace: RequestTrace) -> AsyncGenerator[StreamChunk, None]:
         """The runtime's chunks for `job`; errors before the first chunk are ApiErrors (the handler counts them).
 
         Closing this generator (a client that went away) closes the runtime's stream: the request is
@@ -311,7 +311,7 @@ class OpenAIServer:
             if started:
                 trace.finish(outcome)
 
-    async def _events(self, job: Job, chunks: AsyncGenerator[StreamChunk, None], first: StreamChunk, rid: str,
+    async def _events(self, job: ApiCall, chunks: AsyncGenerator[StreamChunk, None], first: StreamChunk, rid: str,
                       created: int) -> AsyncIterator[str]:
         """The SSE body: a chunk per block with text, the last with finish_reason (and usage if asked), [DONE]."""
         body = job.body
@@ -351,7 +351,7 @@ class OpenAIServer:
         s = self.served
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "trt-lookahead",
                 "max_model_len": self.runtime.max_seq_len,
-                "lookahead": {"window": s.W, "ngram": s.N, "verification": s.G, "auto": self.auto}}
+                "lookahead": {"window": s.W, "ngram": s.N, "verification": s.G, "auto": self.runtime.lookahead.auto}}
 
     def _unknown_model(self, name: str) -> ApiError:
         return ApiError(404, f"the model {name!r} does not exist on this server; it serves {self.name!r} "

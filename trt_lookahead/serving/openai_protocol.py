@@ -20,7 +20,7 @@ from pydantic_core import PydanticCustomError
 
 from trt_lookahead.errors import UserError
 from trt_lookahead.runtime import GenerationOutput, Prompt
-from trt_lookahead.runtime import _stop_strings as check_stop_strings
+from trt_lookahead.runtime.text import check_stop_strings
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: a request without temperature samples (send 0 for greedy)
 DEFAULT_TOP_P = 1.0  # OpenAI's default: no nucleus filter

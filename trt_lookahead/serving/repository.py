@@ -97,9 +97,8 @@ def write_repository(
         check_max_seq_len(max_seq_len, read_config(model_dir).max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
         params["model"] = str(model_dir)
         asked = None
-        if (lookahead_config or "").strip().lower() == AUTO:  # the policy, tuned now for this machine
-            _tune(model_dir, dtype, backend)
-            lookahead = AUTO
+        if (lookahead_config or "").strip().lower() == AUTO:  # the policy: each instance reads this machine's
+            lookahead = AUTO  # tuning entry when it loads (`trt-lookahead tune`), else runs on the built-in priors
         else:
             asked = LookaheadConfig.parse(lookahead_config) if lookahead_config else None
             served = asked or DEFAULT_LOOKAHEAD
@@ -129,15 +128,3 @@ def write_repository(
     write_text_atomic(model_root / "config.pbtxt", config)
     write_text_atomic(model_root / "1" / "model.py", (TEMPLATES / "model.py").read_text())
     return model_root
-
-
-def _tune(model_dir: Path, dtype: str, backend: str | None) -> LookaheadConfig:
-    """`auto` for a checkpoint on this machine and backend (tuned now if the tuning file has no entry): its
-    largest config."""
-    from trt_lookahead.runtime import LookaheadRuntime
-    from trt_lookahead.tuning.tune import tuning_seq_len
-
-    with LookaheadRuntime.from_pretrained(
-        model_dir, backend=backend, dtype=dtype, lookahead=None, max_seq_len=tuning_seq_len(model_dir)
-    ) as rt:
-        return rt.request_config(AUTO)[0]

@@ -6,17 +6,16 @@ input but text_input is optional, and each may also be sent as a request paramet
 Numbers travel as 64-bit types (TensorRT-LLM declares several as INT32/FP32): tritonserver converts a JSON
 number into a narrower input with wrap-around (top_k 2**32+1 arrived as 1, temperature 1e39 as inf), so
 model.py range-checks the 64-bit values (through SamplingParams and LookaheadConfig) instead.
-`request_lookahead` is the rule both servers (Triton's model and `serve`) apply to a request's (W, N, G).
+`Lookahead.from_parts` (lookahead/config.py) is the rule both servers (Triton's model and `serve`) apply to a
+request's (W, N, G).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.sampling import SamplingParams
 
 _SAMPLING = SamplingParams()
@@ -76,18 +75,3 @@ RESERVED_PARAMETERS = ("id",)
 def pbtxt_list(fields: tuple[Field, ...]) -> str:
     """The body of config.pbtxt's `input [...]` or `output [...]` list."""
     return ",\n".join(f"  {f.pbtxt()}" for f in fields)
-
-
-def request_lookahead(served: LookaheadConfig, values: Sequence[int | None], names: Sequence[str]) -> LookaheadConfig:
-    """A request's (W, N, G): omitted (None) values from `served`, each at most `served`'s (ValueError naming
-    the request's `names` for W, N and G otherwise). (1, 2, 0) is greedy and always fits."""
-    limits = (served.W, served.N, served.G)
-    W, N, G = (limit if value is None else value for value, limit in zip(values, limits, strict=True))
-    config = LookaheadConfig(W, N, G)
-    if config.W > served.W or config.N > served.N or config.G > served.G:
-        at_most = ", ".join(f"{name}={limit}" for name, limit in zip(names, limits, strict=True))
-        raise ValueError(
-            f"lookahead (W, N, G) = ({W}, {N}, {G}) exceeds the served config ({served.W}, {served.N}, {served.G}); "
-            f"ask for at most {at_most}"
-        )
-    return config

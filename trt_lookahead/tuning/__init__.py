@@ -1,7 +1,9 @@
-"""`auto`: choosing (W, N, G) for this machine, model, dtype, backend and workload. file.py is the tuning
-file (a leaf); tune.py measures a runtime and chooses.
+"""`auto`'s measurements: `trt-lookahead tune` and `serve --tune` choose (W, N, G) and the policy's step cost and
+priors for this machine, model, dtype, backend and workload (tune.py), and store them in the tuning file.
 
-Takes a runtime object from its caller: tuning imports trt_lookahead.runtime only under TYPE_CHECKING
-(for precise types), never at run time; it may import bench, engine, backends, model, lookahead, files
-and errors.
+Above the runtime, never inside a request: tune builds runtimes of its own over a loaded model and measures on
+them. The tuning file itself (runtime/tuning_file.py) and the auto ladder's constants and built-in priors
+(lookahead/policy.py) live below the runtime, which reads them without importing this package. May import
+runtime, bench, engine, backends, model, lookahead, files and errors; never serving or cli (pyproject.toml's
+import-linter contracts).
 """

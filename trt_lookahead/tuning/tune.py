@@ -1,8 +1,8 @@
-"""`auto` and `trt-lookahead tune`: measure what the load- and acceptance-aware policy needs on this machine.
+"""`trt-lookahead tune` and `serve --tune`: measure what the load- and acceptance-aware policy needs here.
 
 The policy (lookahead/policy.py) chooses every step how much of the step each request uses, from the
-step's predicted cost and each request's expected tokens. Both are measured here, on the runtime its
-caller built, for its model, dtype and backend on this machine (docs/design.md section 8):
+step's predicted cost and each request's expected tokens. Both are measured here, on runtimes of tune's own
+over a loaded model (`tune(model)`), for its model, dtype and backend on this machine (docs/design.md section 8):
 
   1. step cost c(M, B): batches of B identical requests (B = 1, 2, 4, ... max_batch) at each config of a
      ladder (greedy, 1/3/1, 2/3/2, 3/3/5, 8/3/8: M = B T real tokens), steps timed by the scheduler, rounds
@@ -12,15 +12,16 @@ caller built, for its model, dtype and backend on this machine (docs/design.md s
      on a few prompts of the workload (rows past the first 16 of each set, so the bench's prompts are not
      the ones tuned on), cheapest first, the prompts of a config run together as one batch;
   3. the largest config `auto` may use: the N whose best rung is predicted fastest for one request;
-  4. verification: `auto` against greedy one request at a time, interleaved per prompt; if `auto` is not
-     faster, `auto` is greedy here (it never runs slower on purpose).
+  4. verification: `auto` against greedy one request at a time, interleaved per prompt, on a second runtime
+     whose AutoPolicy is the measured one (built when the first has closed: one scheduler on the executor at a
+     time, and nothing else shares their steps); if `auto` is not faster, `auto` is greedy here (it never runs
+     slower on purpose).
 
 The priors' runs also count the draft tree's acceptance by depth and rank; `tuned_tree` shapes a template for
 any T budget from them (`tune --tree-out FILE`, then `build --tree FILE`).
 
-`tune(rt)` measures on a runtime; `auto_tuning(rt)` is what the runtime calls the first time a request asks
-for `auto`: the stored entry for this model, dtype, backend and machine (tuning/file.py), tuning now if
-there is none (saying so on stderr) and storing it (in the runtime's tuning file: the cache's by default).
+`tune_and_store` writes the entry to the tuning file (runtime/tuning_file.py), which runtimes read when they
+load: nothing is tuned inside a request. Without an entry `auto` runs on the built-in priors (policy.py).
 """
 
 from __future__ import annotations
@@ -33,40 +34,48 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
-from trt_lookahead.bench.machine import load_average, machine_info, machine_key, utc_now
+from trt_lookahead.bench.machine import load_average, machine_info, utc_now
+from trt_lookahead.engine.format import batch_buckets
 from trt_lookahead.errors import UserError
-from trt_lookahead.lookahead.config import AUTO, GREEDY, MAX_STEP_TOKENS, LookaheadConfig
+from trt_lookahead.lookahead.config import AUTO, GREEDY, Lookahead, LookaheadConfig
 from trt_lookahead.lookahead.decoder import acceptance_counts
-from trt_lookahead.lookahead.policy import LookaheadPolicy, Priors, StepCost, ladder
+from trt_lookahead.lookahead.policy import (
+    NGRAMS,
+    TOP,
+    TUNED,
+    AutoPolicy,
+    LookaheadPolicy,
+    Priors,
+    StepCost,
+    budget_split,
+    choose_ceiling,
+    ladder,
+    widest,
+)
 from trt_lookahead.lookahead.tree import Acceptance, TreeTemplate, tree_template
-from trt_lookahead.tuning.file import TUNING_VERSION, model_key, read_tuning_file, tuning_key, tuning_path
-from trt_lookahead.tuning.file import write_tuning_entry as _write_entry
-
-if TYPE_CHECKING:
-    from trt_lookahead.runtime import GenerationOutput, LookaheadRuntime
-    from trt_lookahead.runtime.scheduler import Result
+from trt_lookahead.runtime import GenerationOutput, LookaheadRuntime
+from trt_lookahead.runtime.load import LoadedModel, loaded_tuning_key
+from trt_lookahead.runtime.scheduler import Result
+from trt_lookahead.runtime.tuning_file import TUNING_VERSION, model_key, write_tuning_entry
 
 DEFAULT_TUNE_DATASETS = "mt_bench,humaneval,gsm8k"
-DEFAULT_BUDGET = 300.0  # seconds, `trt-lookahead tune`
-DEFAULT_AUTO_BUDGET = 240.0  # seconds, when `auto` tunes on first use ($TRT_LOOKAHEAD_TUNE_BUDGET)
+DEFAULT_BUDGET = 300.0  # seconds, `trt-lookahead tune` and `serve --tune`
 TUNE_ROW_OFFSET = 16  # tune on rows after the ones `bench --limit 8/16` measures
 TUNING_MAX_SEQ_LEN = 1024  # KV buffers for tuning: the prompts are a few hundred tokens
-NGRAMS = (3, 4, 5)  # the N `auto` may use
-TOP = 8  # the most window columns and candidates of the cost ladder and of the standard cached engine (8/5/8)
-COLUMNS = 2 * TOP  # W + G of the widest step `auto` uses, split by LookaheadConfig.split: 5/N/11
-LEAST_COLUMNS = 2  # the fewest a step budget is split into: a window column and a tree column
 COST_LADDER = ladder(LookaheadConfig(TOP, 3, TOP))  # step tokens 1, 4, 8, 16, 32
 COST_STEPS = 4  # timed decode steps per (rows, config) point and round
-# rounds of the one-row points: a lone request's choices rest on them, and they are cheap (about 1.5 s a round
-# on a 2-core CPU); at 2 rounds a VM's drift moved c(32) / c(1) between 2.35 and 3.10, at 8 between 2.53 and 2.62
+# rounds of the one-row points: a lone request's choices rest on them and they are cheap, while fewer rounds
+# leave their ratios c(M) / c(1) too spread on a VM whose speed drifts (docs/design.md section 8; figures:
+# docs/results/2026-11-27-cpu.md, "tune's one-row rounds")
 ONE_ROW_ROUNDS = 8
 
 
-def check_budget(budget_seconds: float) -> float:
+def check_budget(budget_seconds: float, flag: str = "--budget-seconds") -> float:
     if not 0 < budget_seconds < math.inf:
-        raise UserError(f"--budget-seconds must be a finite number of seconds > 0, got {budget_seconds}")
+        raise UserError(f"{flag} must be a finite number of seconds > 0, got {budget_seconds}")
     return budget_seconds
 
 
@@ -80,45 +89,13 @@ def tuning_seq_len(path: str | os.PathLike) -> int | None:
     return min(read_config(path).max_position_embeddings, TUNING_MAX_SEQ_LEN)
 
 
-def policy_from_entry(entry: dict[str, Any]) -> tuple[LookaheadConfig, LookaheadPolicy]:
-    """The largest config `auto` may use (greedy when auto is greedy here) and the policy of a tuning entry."""
-    policy = LookaheadPolicy(StepCost.from_dict(entry["step_cost"]), Priors(entry["priors"]))
-    return LookaheadConfig.from_label(entry["config"]), policy
-
-
-def runtime_tuning_key(rt: LookaheadRuntime) -> str:
-    """The tuning file's key for a runtime: its model, dtype, backend, this machine and its draft tree."""
-    return tuning_key(rt.model_path, rt.dtype, rt.backend, tree=rt.tree)
-
-
-def auto_tuning(
-    rt: LookaheadRuntime, *, budget_seconds: float | None = None
-) -> tuple[LookaheadConfig, LookaheadPolicy]:
-    """`auto` for the runtime's model/dtype/backend on this machine: (its largest config, the tuned policy).
-
-    Without a tuning entry, tunes now on `rt` (on stderr: what and for how long) and stores the result.
-    """
-    key = runtime_tuning_key(rt)
-    entry = read_tuning_file(rt.tuning_file)["entries"].get(key)
-    if entry is None:
-        budget = budget_seconds or float(os.environ.get("TRT_LOOKAHEAD_TUNE_BUDGET", DEFAULT_AUTO_BUDGET))
-        print(
-            f"trt-lookahead: no tuning for {model_key(rt.model_path)} ({rt.dtype}, {rt.backend}) on this machine "
-            f"({machine_key()}); tuning now, about {budget:.0f} s, result cached in {rt.tuning_file or tuning_path()}",
-            file=sys.stderr,
-            flush=True,
-        )
-        entry = tune_and_store(rt, budget_seconds=budget)
-    return policy_from_entry(entry)
-
-
 def tune_and_store(
-    rt: LookaheadRuntime, *, datasets: str = DEFAULT_TUNE_DATASETS, budget_seconds: float = DEFAULT_BUDGET,
-    progress: bool = True,
+    model: LoadedModel, tuning_file: str | os.PathLike | None = None, *, datasets: str = DEFAULT_TUNE_DATASETS,
+    budget_seconds: float = DEFAULT_BUDGET, progress: bool = True,
 ) -> dict[str, Any]:
-    """Tune on `rt`, write the entry to the tuning file and return it."""
-    entry = tune(rt, datasets=datasets, budget_seconds=budget_seconds, progress=progress).to_entry()
-    path = _write_entry(runtime_tuning_key(rt), entry, rt.tuning_file)
+    """Tune on `model` (`tune`), write the entry to the tuning file (None: the cache's) and return it."""
+    entry = tune(model, datasets=datasets, budget_seconds=budget_seconds, progress=progress).to_entry()
+    path = write_tuning_entry(loaded_tuning_key(model), entry, None if tuning_file is None else Path(tuning_file))
     _say(progress, f"wrote {path}")
     return entry
 
@@ -175,7 +152,7 @@ def measure_step_cost(
     the one-row points have `one_row_rounds` of them. Past the deadline only one row count and two configs are
     sure to be measured.
     """
-    rows = rows or sorted({min(1 << i, rt.max_batch) for i in range(rt.max_batch.bit_length() + 1)})
+    rows = rows or batch_buckets(rt.max_batch)
     points = [(b, c) for b in rows for c in configs]
     points.sort(key=lambda p: p[0] * p[1].step_tokens)
     times: dict[tuple[int, int], list[float]] = {}
@@ -268,47 +245,10 @@ def tuned_tree(acceptance: Mapping[str, Sequence[int]], config: LookaheadConfig)
     return tree_template(config.G * config.levels, max(d for d, _ in counts), Acceptance.fit(counts))
 
 
-def budget_split(step_tokens: int, n: int, engine: LookaheadConfig | None = None) -> LookaheadConfig:
-    """A step of at most `step_tokens` tokens at N = n: its T // (N - 1) columns (at least LEAST_COLUMNS) split into
-    window and tree by LookaheadConfig.split, within an engine's W and G (56 at N = 5: 4/5/10)."""
-    return LookaheadConfig.split(max(LEAST_COLUMNS, step_tokens // (n - 1)), n, engine)
-
-
 def budget_config(step_tokens: int, predicted: Mapping[str, float]) -> LookaheadConfig:
     """`budget_split` at the N tune predicted fastest (`predicted`: N -> tokens per second)."""
     n = int(max(predicted, key=lambda k: predicted[k])) if predicted else NGRAMS[-1]
     return budget_split(step_tokens, n)
-
-
-def single_request_speed(policy: LookaheadPolicy, config: LookaheadConfig) -> float:
-    """Predicted tokens per second of one request alone with `config` as its largest (its best rung)."""
-    state = policy.start(config, explicit=False)
-    return max(1000.0 * policy.expected(state, c) / policy.cost(c.step_tokens, 1) for c in state.ladder)
-
-
-def widest(n: int, step_tokens: int, engine: LookaheadConfig | None = None) -> LookaheadConfig:
-    """The largest config of N = n `auto` may use: `budget_split` of COLUMNS columns (fewer where `step_tokens` is
-    smaller)."""
-    return budget_split(min(step_tokens, COLUMNS * (n - 1)), n, engine)
-
-
-def auto_cover() -> LookaheadConfig:
-    """The W, N and G every config `auto` may use fits, where no engine limits them (5/5/11)."""
-    return LookaheadConfig.cover([widest(n, MAX_STEP_TOKENS) for n in NGRAMS])
-
-
-def choose_ceiling(policy: LookaheadPolicy, step_tokens: int, engine: LookaheadConfig | None = None
-                   ) -> tuple[LookaheadConfig, dict[str, float]]:
-    """The largest config `auto` may use: `widest` within `step_tokens` (and an engine's W, N, G), for the N
-    predicted fastest."""
-    predicted = {}
-    best = LookaheadConfig.greedy()
-    for n in (n for n in NGRAMS if engine is None or n <= engine.N):
-        top = widest(n, step_tokens, engine)
-        predicted[str(n)] = round(single_request_speed(policy, top), 4)
-        if best.is_greedy or predicted[str(n)] > predicted[str(best.N)]:
-            best = top
-    return best, predicted
 
 
 def _decode_ms_per_token(outs: Sequence[GenerationOutput]) -> float:
@@ -319,7 +259,7 @@ def _decode_ms_per_token(outs: Sequence[GenerationOutput]) -> float:
 def _runs_on(rt: LookaheadRuntime, config: LookaheadConfig) -> bool:
     """Whether `config` fits the runtime's executor (its step tokens, and an engine dir's W, N and G)."""
     try:
-        rt.request_config(config)
+        rt.narrow(Lookahead(config))
     except ValueError:  # UserError is one
         return False
     return True
@@ -331,7 +271,7 @@ def _say(progress: bool, msg: str) -> None:
 
 
 def tune(
-    rt: LookaheadRuntime,
+    model: LoadedModel,
     *,
     datasets: str = DEFAULT_TUNE_DATASETS,
     budget_seconds: float = DEFAULT_BUDGET,
@@ -341,51 +281,50 @@ def tune(
     prompt_ids: Sequence[Sequence[int]] | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> TuneReport:
-    """Measure and choose on a loaded runtime; see the module docstring. Does not write the file."""
+    """Measure and choose on runtimes of tune's own over `model`, one after the other (see the module docstring);
+    no other runtime may be running on its executor meanwhile. Does not write the file."""
     start = clock()
-    named = ([("custom", list(p)) for p in prompt_ids] if prompt_ids is not None
-             else tuning_prompts(rt.tokenizer, datasets, prompts))
-    keep = rt.max_seq_len - max_new_tokens - 1
-    named = [(name, p[-keep:]) for name, p in named if p and keep > 0]
-    if not named:
-        raise UserError("no tuning prompts: give a dataset with at least one row (and max_seq_len above 64)")
-    report = TuneReport(
-        model=model_key(rt.model_path), dtype=rt.dtype, backend=rt.backend, machine=machine_info(),
-        dataset=datasets if prompt_ids is None else "custom", prompts=len(named), max_new_tokens=max_new_tokens,
-        budget_seconds=budget_seconds,
-    )
-    context = sorted((p for _, p in named), key=len)[len(named) // 2]
-    fitting = [c for c in COST_LADDER if _runs_on(rt, c)]
-    _say(progress, f"step cost for rows up to {rt.max_batch} x step tokens {[c.step_tokens for c in fitting]}")
-    cost = measure_step_cost(rt, context, configs=fitting, deadline=start + 0.35 * budget_seconds, clock=clock)
-    report.step_cost = cost.to_dict()
-    _say(progress, "ms per step, one row: " + ", ".join(f"M={m}: {ms:.1f}" for m, ms in cost.points[1]))
+    untuned = AutoPolicy.untuned(model.executor.step_tokens, model.max_lookahead)  # never used: greedy and configs
+    with LookaheadRuntime(model, lookahead=Lookahead.greedy(), auto=untuned) as rt:
+        named = ([("custom", list(p)) for p in prompt_ids] if prompt_ids is not None
+                 else tuning_prompts(rt.tokenizer, datasets, prompts))
+        keep = rt.max_seq_len - max_new_tokens - 1
+        named = [(name, p[-keep:]) for name, p in named if p and keep > 0]
+        if not named:
+            raise UserError("no tuning prompts: give a dataset with at least one row (and max_seq_len above 64)")
+        report = TuneReport(
+            model=model_key(rt.model_path), dtype=rt.dtype, backend=rt.backend, machine=machine_info(),
+            dataset=datasets if prompt_ids is None else "custom", prompts=len(named), max_new_tokens=max_new_tokens,
+            budget_seconds=budget_seconds,
+        )
+        context = sorted((p for _, p in named), key=len)[len(named) // 2]
+        fitting = [c for c in COST_LADDER if _runs_on(rt, c)]
+        _say(progress, f"step cost for rows up to {rt.max_batch} x step tokens {[c.step_tokens for c in fitting]}")
+        cost = measure_step_cost(rt, context, configs=fitting, deadline=start + 0.35 * budget_seconds, clock=clock)
+        report.step_cost = cost.to_dict()
+        _say(progress, "ms per step, one row: " + ", ".join(f"M={m}: {ms:.1f}" for m, ms in cost.points[1]))
 
-    tops = [widest(n, rt.executor.step_tokens, rt.max_lookahead) for n in NGRAMS]
-    rungs = sorted({rung for top in tops for rung in ladder(top)[1:] if _runs_on(rt, rung)},
-                   key=lambda c: (c.step_tokens, c.N))
-    report.priors, report.set_compression, report.acceptance = measure_priors(
-        rt, named, rungs, max_new_tokens, deadline=start + 0.8 * budget_seconds, clock=clock
-    )
+        tops = [widest(n, rt.executor.step_tokens, rt.max_lookahead) for n in NGRAMS]
+        rungs = sorted({rung for top in tops for rung in ladder(top)[1:] if _runs_on(rt, rung)},
+                       key=lambda c: (c.step_tokens, c.N))
+        report.priors, report.set_compression, report.acceptance = measure_priors(
+            rt, named, rungs, max_new_tokens, deadline=start + 0.8 * budget_seconds, clock=clock
+        )
     _say(progress, "compression: " + ", ".join(f"{c} {v:.2f}" for c, v in report.priors.items()))
     policy = LookaheadPolicy(cost, Priors(report.priors))
-    ceiling, report.predicted = choose_ceiling(policy, rt.executor.step_tokens, rt.max_lookahead)
+    ceiling, report.predicted = choose_ceiling(policy, model.executor.step_tokens, model.max_lookahead)
 
-    # verify, one request at a time: auto (this policy, up to the ceiling) against greedy, interleaved
-    previous = rt.scheduler.policy
-    rt.scheduler.policy = policy
-    rt.auto_config = ceiling
+    # verify, one request at a time: auto (this policy, up to the ceiling) against greedy, interleaved, on a
+    # runtime of its own whose `auto` is the measured one
     greedy_outs: list[GenerationOutput] = []
     auto_outs: list[GenerationOutput] = []
-    try:
+    with LookaheadRuntime(model, lookahead=Lookahead.greedy(), auto=AutoPolicy(ceiling, policy, TUNED)) as rt:
         for i, (_, p) in enumerate(named):
             order = [(GREEDY, greedy_outs), (AUTO, auto_outs)][:: 1 if i % 2 == 0 else -1]
             for mode, outs in order:
                 outs.append(rt.generate(list(p), max_new_tokens, lookahead=mode, pool_scope="request"))
             if clock() > start + budget_seconds:
                 break
-    finally:
-        rt.scheduler.policy, rt.auto_config = previous, None
     greedy_ms, auto_ms = _decode_ms_per_token(greedy_outs), _decode_ms_per_token(auto_outs)
     speedup = greedy_ms / auto_ms if auto_ms > 0 else 0.0
     steps: dict[str, int] = {}

@@ -59,12 +59,12 @@ class TritonPythonModel:
         params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
         _find_trt_lookahead(params.get("trt_lookahead_path"))
         import trt_lookahead
-        from trt_lookahead.lookahead.config import DEFAULT, GREEDY
+        from trt_lookahead.lookahead.config import Lookahead
         from trt_lookahead.runtime import DEFAULT_MAX_NEW_TOKENS, LookaheadRuntime
         from trt_lookahead.runtime.scheduler import QueueFull
         from trt_lookahead.serving import schema
 
-        self._greedy = GREEDY
+        self._lookahead_type = Lookahead
         self._queue_full = QueueFull
         self.schema = schema
         self.batched = model_config.get("max_batch_size", 0) > 0
@@ -76,13 +76,13 @@ class TritonPythonModel:
             source,
             backend=params.get("backend") or None,
             dtype=params.get("dtype") or "float32",
-            lookahead=params.get("lookahead_config") or DEFAULT,
+            lookahead=params.get("lookahead_config") or None,  # None: what the model or engine serves
             max_seq_len=int(max_seq_len) if max_seq_len else None,
             verify=params.get("verify") != "false",
             max_batch=int(max_batch) if max_batch else None,
             pool_scope=params.get("pool_scope") or "shared",
         )
-        self.served = self.runtime.request_config(None)[0]  # per-request lookahead inputs fit inside it
+        self.served = self.runtime.lookahead.ceiling  # per-request lookahead inputs fit inside it
         self.runtime.generate([1], max_new_tokens=2)  # warm the executor now, not on the first request
         self.name = f"{args['model_name']}[{args['model_instance_name']}]"
         pb_utils.Logger.log_info(
@@ -165,13 +165,14 @@ class TritonPythonModel:
         return prompt, max_tokens, self._value(tensors, parameters, "stream"), kwargs
 
     def _lookahead(self, tensors, parameters):
+        """The request's lookahead inputs as a choice (trt_lookahead.lookahead.config.Lookahead)."""
         values = [self._value(tensors, parameters, name) for name in self.schema.LOOKAHEAD_INPUTS]
         if all(v is None for v in values):
-            return None  # the served default: W,N,G, or `auto`
+            return self.runtime.lookahead  # the served default: W,N,G, or `auto`
         if values[0] == 0:
-            return self._greedy  # window size 0: no lookahead for this request
+            return self._lookahead_type.greedy()  # window size 0: no lookahead for this request
         try:
-            return self.schema.request_lookahead(self.served, values, self.schema.LOOKAHEAD_INPUTS)
+            return self._lookahead_type.from_parts(values, self.served, self.schema.LOOKAHEAD_INPUTS)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
 

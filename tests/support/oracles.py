@@ -1,4 +1,5 @@
-"""Model-free executors for tests and scripts: next-token logits are a pure function of the prefix.
+"""Model-free executors for tests and scripts: next-token logits are a pure function of the prefix (test support:
+no production code imports it).
 
 `OracleExecutor` implements the batched contract (lookahead/executor.py). For every slot of every row
 it rebuilds the sequence that slot can see (its own KV slot's cache + the step tokens its mask row
@@ -16,13 +17,15 @@ from functools import lru_cache
 
 import numpy as np
 
+from support.ablation import Switches, request_decoder
 from trt_lookahead.lookahead.config import LookaheadConfig
-from trt_lookahead.lookahead.decoder import BatchStepper, RequestDecoder, Row, Switches
+from trt_lookahead.lookahead.decoder import RequestDecoder
 from trt_lookahead.lookahead.executor import StepBatch, check_batch, check_commit, check_prompt, check_slot
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.pool import SharedPool
 from trt_lookahead.lookahead.recycle import SuccessorMap
 from trt_lookahead.lookahead.sampling import SamplingParams, select_tokens
+from trt_lookahead.lookahead.stepper import BatchStepper, Row
 from trt_lookahead.lookahead.tree import TreeTemplate
 
 LogitsFn = Callable[[tuple[int, ...]], np.ndarray]
@@ -257,8 +260,8 @@ def decode_together(
     stepper = BatchStepper(executor)
     decoders, emitted = [], []
     for slot, s in enumerate(specs):
-        d = RequestDecoder(s["config"], s["prompt"], s["max_new"], s["stop"], s["seed"],
-                           s.get("switches", Switches()), tree, shared, successors)
+        d = request_decoder(s["config"], s["prompt"], s["max_new"], s["stop"], s["seed"],
+                            s.get("switches", Switches()), tree, shared, successors)
         emitted.append(list(d.setup(executor.prefill(slot, d.prompt, s["sampling"]))))
         decoders.append(d)
     while rows := [Row(slot, d, config_for(d)) for slot, d in enumerate(decoders) if not d.finished]:

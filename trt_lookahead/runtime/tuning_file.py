@@ -2,12 +2,15 @@
 
     <cache dir>/tuning.json   {"version": 2, "entries": {key: entry}}   (or the file a runtime was given)
     entry: step_cost (c(M, B) points), priors (compression per config), config (the largest `auto` uses),
-           and how they were measured (tuning/tune.py TuneReport)
-    key = model=<resolved model dir>|dtype=<dtype>|backend=<backend>|machine=<cpu model xcores tthreads>
+           and how they were measured (tuning/tune.py TuneReport); AutoPolicy.from_entry reads it
+    key = model=<resolved model dir>|dtype=<dtype>|backend=<backend>|machine=<cpu model xcores tthreads>[|tree=<hash>]
 
 The cache dir is trt_lookahead.files.cache_dir() ($TRT_LOOKAHEAD_CACHE, else $XDG_CACHE_HOME/trt-lookahead,
 else ~/.cache/trt-lookahead), shared with fetched models. Writes are read-modify-write under a lock with an
 atomic rename; an unreadable file or one of another version is ignored (with a note on stderr).
+
+Below the runtime, which reads it at load (runtime/load.py `auto_policy`); `trt-lookahead tune` and `serve --tune`
+(tuning/tune.py, above the runtime) write it. Imports bench.machine, files, lookahead and model only.
 """
 
 from __future__ import annotations
