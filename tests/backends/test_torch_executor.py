@@ -48,9 +48,8 @@ def model():
     return load_llama(STORIES, weight_layout="auto")[0]
 
 
-@pytest.fixture(scope="module")
-def gqa():
-    """A random-weight Llama with grouped-query attention (4 query heads share 2 KV heads)."""
+def random_gqa(layout: str) -> Llama:
+    """A random-weight Llama with grouped-query attention (4 query heads share 2 KV heads), weights in `layout`."""
     torch.manual_seed(0)
     cfg = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
                       vocab_size=97, max_position_embeddings=512)
@@ -58,7 +57,12 @@ def gqa():
     with torch.no_grad():
         for p in m.parameters():
             p.normal_(0, 0.5)
-    return m.set_weight_layout("auto")
+    return m.set_weight_layout(layout)
+
+
+@pytest.fixture(scope="module")
+def gqa():
+    return random_gqa("auto")
 
 
 def row(config: tuple[int, int, int], ids, positions, tokens: int | None = None):
@@ -506,18 +510,20 @@ CUDA_OK, CUDA_REASON = has_cuda_device()
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA_OK, reason=CUDA_REASON)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_graph_batches_match_the_cpu(dtype):
-    """The padded step captured per batch-size bucket: one-token, lookahead and sampled rows vs the CPU."""
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_cuda_graph_batches_match_the_cpu(dtype, compile):
+    """The padded step captured per batch-size bucket (compiled: the compiled step captured): one-token, lookahead
+    and sampled rows vs the CPU."""
     cpu_model, _ = load_llama(STORIES, dtype=dtype)
     gpu_model, _ = load_llama(STORIES, dtype=dtype, device="cuda")
     ref = greedy_decode(BatchedTorchExecutor(cpu_model, 1, 256, 1), 0, PROMPT, 60)
-    ex = BatchedTorchExecutor(gpu_model, 8, 256, 16)
+    ex = BatchedTorchExecutor(gpu_model, 8, 256, 16, compile=compile)
     assert ex.cuda_graph and ex.padded and ex.buckets == [1, 2, 4, 8]
     got = greedy_decode(ex, 3, PROMPT, 60)
     assert got == ref if dtype == "float32" else got[:3] == ref[:3]
     rng = np.random.default_rng(0)
     cpu = BatchedTorchExecutor(cpu_model, 8, 256, 16)
-    gpu = BatchedTorchExecutor(gpu_model, 8, 256, 16)
+    gpu = BatchedTorchExecutor(gpu_model, 8, 256, 16, compile=compile)
     prompts = {s: rng.integers(0, 512, 4 + s) for s in range(5)}
     for e in (cpu, gpu):
         for s in range(5):
@@ -535,3 +541,96 @@ def test_cuda_graph_batches_match_the_cpu(dtype):
         for s in live:
             cpu.commit(s, np.array([0]))
             gpu.commit(s, np.array([0]))
+
+
+# -- the compiled padded step (compile=True) --------------------------------------------------------------------
+
+
+def graph_counts() -> tuple[int, int]:
+    """(graph breaks, graphs) torch._dynamo counted so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture(scope="module")
+def dense_models():
+    """stories260K and the random GQA Llama in nn.Linear's dense layout (compile=True refuses oneDNN's packing)."""
+    return {"stories260K": load_llama(STORIES, weight_layout="out_in")[0], "gqa": random_gqa("out_in")}
+
+
+def lookahead_batches(ex: BatchedTorchExecutor, rng: np.random.Generator):
+    """Prefill three slots, then -> a step of lookahead rows (linear, tree-free) and a causal chunk over them."""
+    vocab = ex.vocab_size
+    prompts = [rng.integers(3, vocab, n) for n in (16, 5, 9)]
+    configs = [(4, 3, 4), (2, 2, 1), CAUSAL]
+    rows = []
+    for slot, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
+        x = ex.prefill(slot, prompt, SamplingParams())
+        if config == CAUSAL:
+            ids, rel = np.concatenate([[x], rng.integers(3, vocab, 5)]), np.arange(6)
+        else:
+            layout = StepLayout(LookaheadConfig(*config))
+            ids, rel = rng.integers(3, vocab, layout.step_tokens), layout.rel_positions
+            ids[0] = x
+        rows.append(row(config, ids, len(prompt) + rel))
+    return make_batch([2, 0, 1], [rows[2], rows[0], rows[1]])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["stories260K", "gqa"])
+def test_the_compiled_step_is_one_graph_with_the_eager_steps_logits(dense_models, name, capfd):
+    """compile=True: each bucket's step body is one graph (no graph break), compiled once and said once on stderr;
+    its logits equal the eager padded step's to float32 rounding, its tokens equal them, steps after steps."""
+    model = dense_models[name]
+    breaks, graphs = graph_counts()
+    compiled = BatchedTorchExecutor(model, 4, 64, 16, compile=True)
+    eager = BatchedTorchExecutor(model, 4, 64, 16, padded=True)
+    assert compiled.padded and compiled.compile and not compiled.exact
+    for step in range(3):
+        batches = [lookahead_batches(ex, np.random.default_rng(step)) for ex in (compiled, eager)]
+        a, b = compiled.step_logits(batches[0]), eager.step_logits(batches[1])
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), step
+        assert np.array_equal(compiled.step(batches[0]), eager.step(batches[1])), step
+    assert graph_counts() == (breaks, graphs + 1)  # bucket 4: one graph, no break, never compiled again
+    assert capfd.readouterr().err.count("trt-lookahead: compiling the step for batch bucket 4 (once)") == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [GREEDY, LookaheadConfig(4, 3, 4), LookaheadConfig(5, 4, 3)], ids=str)
+def test_compiled_lookahead_is_greedy_on_stories260K(dense_models, config):
+    """stories260K decoded through the compiled padded step emits exactly the eager packed step's greedy tokens."""
+    model = dense_models["stories260K"]
+    reference = greedy_decode(BatchedTorchExecutor(model, 1, 256, 1), 0, PROMPT, 80)
+    ex = BatchedTorchExecutor(model, 2, 256, StepLayout(config).step_tokens, compile=True)
+    assert LookaheadDecoder(ex, config).generate(PROMPT, 80).token_ids == reference
+
+
+def test_a_step_without_top_ids_runs_no_top_k(model):
+    """The padded step computes top-k ids only for a batch that asks for them (StepBatch.top_ids): no topk kernel
+    runs otherwise (it used to run topk(k=0) every step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ex = BatchedTorchExecutor(model, 2, 64, 4, padded=True)
+    x = ex.prefill(0, PROMPT, SamplingParams())
+    batch = make_batch([0], [row((1, 2, 0), np.array([x]), np.array([len(PROMPT)]))])
+
+    def ops(batch: StepBatch) -> set[str]:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            ex.step(batch)
+        return {event.name for event in prof.events()}
+
+    assert "aten::topk" not in ops(batch)
+    batch.top_ids = np.full((1, 1, 3), -1, np.int64)
+    assert "aten::topk" in ops(batch) and batch.top_ids[0, 0, 0] == ex.step(batch)[0, 0]
+
+
+def test_compile_refuses_what_it_cannot_compile(model, dense_models):
+    """compile=True: the padded step (its default) and dense weights; each refusal says what to change."""
+    with pytest.raises(ValueError, match="use padded=True"):
+        BatchedTorchExecutor(dense_models["gqa"], 1, 16, 4, padded=False, compile=True)
+    if model.weight_layout == "onednn":
+        with pytest.raises(ValueError, match="set_weight_layout\\('out_in'\\)"):
+            BatchedTorchExecutor(model, 1, 16, 4, compile=True)
+    ex = BatchedTorchExecutor(dense_models["gqa"], 1, 16, 4, compile=True)  # nothing compiles before a step
+    assert ex.padded and not ex.exact

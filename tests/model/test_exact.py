@@ -372,3 +372,20 @@ def test_the_padded_exact_prefill_runs_the_steps_kernels(dtype):
     (k0, v0), (k1, v1) = slot_kv(ex, 0), slot_kv(ex, 1)
     assert torch.allclose(k0.float(), k1.float(), atol=tolerance) and torch.allclose(v0.float(), v1.float(),
                                                                                        atol=tolerance)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,seed", DTYPE_SEEDS[:2])
+def test_the_compiled_padded_exact_step_gives_a_slot_the_same_bits(dtype, seed, interpreted_float32_dot):
+    """compile=True on the exact step: a slot's bits alone, batched and in plain decoding, compiled 1-token and
+    T-token steps against each other (the prompts prefilled through the compiled step too). On a GPU only: without
+    one the padded exact step runs interpreted Triton, over ten minutes for this test (gpu_check runs it)."""
+    if not gpu_count():
+        pytest.skip("the compiled padded exact step runs interpreted Triton without a GPU (over ten minutes)")
+    interpreted_float32_dot(dtype)
+    device = "cuda"
+    model = random_gqa_llama(dtype, "out_in", **({} if device == "cuda" else TINY_GQA))
+    ex = BatchedTorchExecutor(model.to(device), 4, 300, STEP_TOKENS, device, padded=True, cuda_graph=False,
+                              exact=True, compile=True)
+    assert ex.exact and ex.compile
+    assert_slot_bits(ex, seed)

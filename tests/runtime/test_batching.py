@@ -9,11 +9,13 @@ import math
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, contextmanager
 from pathlib import Path
 
 import pytest
 
+from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import AUTO, Lookahead, LookaheadConfig
 from trt_lookahead.lookahead.decoder import RequestDecoder
 from trt_lookahead.lookahead.policy import StepCost
@@ -347,3 +349,19 @@ def test_smollm2_eight_mixed_concurrent_requests_equal_their_solo_runs():
         together = run_concurrently(rt, jobs)
     for (prompt, kw), a, b in zip(jobs, alone, together, strict=True):
         assert b.token_ids == a.token_ids, (prompt, kw)
+
+
+@pytest.mark.slow
+def test_a_compiled_runtime_gives_the_eager_runtimes_tokens(stories):
+    """compile=True (experimental): the torch executor's compiled padded step, two requests at once (buckets 1 and
+    2), lookahead and greedy, the eager runtime's tokens; it runs a checkpoint on the torch backend only."""
+    with pytest.raises(UserError, match="drop --compile"):
+        LookaheadRuntime.from_pretrained(STORIES, backend="onnxruntime", compile=True)
+    with LookaheadRuntime.from_pretrained(STORIES, lookahead="4,3,4", max_batch=2, max_seq_len=256,
+                                          compile=True) as rt:
+        for lookahead in ("4,3,4", "greedy"):
+            with ThreadPoolExecutor(2) as pool:
+                futures = [pool.submit(rt.generate, p, max_new_tokens=40, lookahead=lookahead) for p in PROMPTS[:2]]
+                got = [f.result(timeout=300).token_ids for f in futures]
+            assert got == [stories.generate(p, max_new_tokens=40, lookahead=lookahead).token_ids
+                           for p in PROMPTS[:2]], lookahead

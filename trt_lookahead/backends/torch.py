@@ -24,7 +24,14 @@ slot), allocated once; nothing is allocated per request. Two step paths, one con
     row sampled) pair is captured once as a CUDA graph and replayed. It also runs eagerly on the CPU.
     With `exact` (asked for, or by default in EXACT_BY_DEFAULT's dtypes on CUDA) the projections, norms and
     attention are the row-invariant Triton kernels of kernels/invariant.py (on CUDA; on the CPU only under
-    TRITON_INTERPRET=1, for tests).
+    TRITON_INTERPRET=1, for tests). The attention and those kernels are kernels/step_ops.py's custom ops.
+  compiled (`compile=True`, experimental, off by default: not yet measured on a GPU): the padded step's
+    forward under torch.compile (inductor, fullgraph), one graph per bucket compiled on its first step (said
+    once on stderr) and captured in that bucket's CUDA graph; eager-but-compiled on the CPU. Inductor fuses
+    the pointwise work (RoPE, KV writes, SiLU * mul, residuals, the mask) around the opaque custom ops; the
+    token choice (argmax, sampling, top-k) stays eager. It needs a dense weight layout (not 'onednn'). Exact and
+    compiled, the prompt is prefilled through the compiled step too (the steps' bits), and inductor splits no
+    reduction.
 
 Token choice: argmax, or the seeded Gumbel-max draw with each slot's temperature, top-k, top-p and seed
 (kernels/sampling_torch.py `select_rows_torch`), keyed by the position of the output slot (docs/design.md
@@ -34,8 +41,11 @@ section 4.3).
 from __future__ import annotations
 
 import functools
+import inspect
 import os
+import sys
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,6 +53,7 @@ from torch import Tensor
 
 from trt_lookahead.backends.row_probe import row_invariant_ops, step_variance
 from trt_lookahead.engine.format import batch_buckets
+from trt_lookahead.kernels import step_ops
 from trt_lookahead.kernels.mask import CAUSAL, step_mask, step_visible, tree_ends, tree_step_visible
 from trt_lookahead.kernels.reference import BlockedAttention
 from trt_lookahead.kernels.sampling_torch import first_max_ids, select_rows_torch, top_k_ids, vocab_salts
@@ -98,19 +109,14 @@ class RowAttention:
 
 
 class PaddedAttention:
-    """Attention of a padded step: row b's T queries over its slot's S cache rows under mask[b] [T, S]."""
+    """Attention of a padded step: row b's T queries over its slot's S cache rows under mask[b] [T, S]
+    (kernels/step_ops.py `padded_sdpa`: one op, opaque to a compiled step)."""
 
-    def __init__(self, mask: Tensor, rows_per_slot: int) -> None:
-        self.mask = mask[:, None]  # [Bb, 1, T, S]: one mask for every head
-        self.S = rows_per_slot
+    def __init__(self, mask: Tensor) -> None:
+        self.mask = mask  # [Bb, T, S]: one mask for every head
 
     def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, step_mask: Tensor) -> Tensor:
-        B, S = self.mask.shape[0], self.S
-        qb = q.view(B, -1, *q.shape[1:]).transpose(1, 2)  # [Bb, Hq, T, D]
-        kb = k_cache[: B * S].view(B, S, *k_cache.shape[1:]).transpose(1, 2)  # [Bb, Hkv, S, D]
-        vb = v_cache[: B * S].view(B, S, *v_cache.shape[1:]).transpose(1, 2)
-        o = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=self.mask, enable_gqa=True)
-        return o.transpose(1, 2).reshape(q.shape)
+        return step_ops.padded_sdpa(q, k_cache, v_cache, self.mask)
 
 
 class BatchedTorchExecutor:
@@ -128,6 +134,7 @@ class BatchedTorchExecutor:
         cuda_graph: bool | None = None,
         tree: TreeTemplate | None = None,
         exact: bool | None = None,
+        compile: bool = False,
     ) -> None:
         self.device = model.device if device is None else torch.device(device)
         self.tree = tree  # every lookahead row's verification slots are this template's nodes (fixed, like an engine's)
@@ -139,7 +146,15 @@ class BatchedTorchExecutor:
             if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         is_cuda = self.device.type == "cuda"
-        self.padded = is_cuda if padded is None else padded
+        self.padded = (is_cuda or compile) if padded is None else padded
+        if compile and not self.padded:
+            raise ValueError("compile=True compiles the padded step; use padded=True (the default with compile)")
+        if compile and model.weight_layout == "onednn":  # inductor cannot lower oneDNN's packed weights
+            raise ValueError(
+                "compile=True needs the model's projections in a dense layout, got 'onednn': load it with "
+                "load_llama(..., weight_layout='out_in') or call model.set_weight_layout('out_in')"
+            )
+        self.compile = compile
         self.cuda_graph = (is_cuda and self.padded) if cuda_graph is None else cuda_graph
         if self.cuda_graph and not (is_cuda and self.padded):
             raise ValueError("cuda_graph needs device='cuda' and the padded step")
@@ -180,10 +195,12 @@ class BatchedTorchExecutor:
             # W, N, G]; the host fills a (pinned on CUDA) staging copy and never freezes values into a graph
             self._d_in = torch.zeros(B, 3 * T + 4, dtype=torch.int64, device=dev)
             self._h_in = torch.zeros(B, 3 * T + 4, dtype=torch.int64, pin_memory=is_cuda)
-            self._graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
+            self._graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor | None]]] = {}
             # the tree template's table as a [2T] device tensor (the closed form reads it per query and key slot)
             self._ends = torch.from_numpy(tree_ends(np.zeros(0) if tree is None else tree.table, T)).to(dev)
             self.buckets = batch_buckets(B)
+            self._forward = self._compiled_forward() if compile else self._padded_forward
+            self._compiled_buckets: set[int] = set()  # buckets whose compile was announced
 
     def _exact(self, model: Llama, exact: bool | None) -> bool:
         """Whether steps run row-invariant: asked for, or by default where it is cheap and the projections are."""
@@ -236,9 +253,12 @@ class BatchedTorchExecutor:
 
         Exact: the prompt runs as causal step rows (`_causal_logits`) of at most EXACT_PREFILL_CHUNK tokens, so its
         KV and first token have the bits of chunked prefill or plain decoding (docs/design.md 4.2); else one call.
+        Exact and compiled: as causal rows of the compiled step itself (`_compiled_prefill`).
         """
         ids = check_prompt(prompt_ids, self.max_seq_len, self.vocab_size)
         self.claim(slot, sampling)
+        if self.compile and self.exact:
+            return self._compiled_prefill(slot, ids)
         chunk = EXACT_PREFILL_CHUNK if self.exact else len(ids)
         for start in range(0, len(ids), chunk):
             part = ids[start : start + chunk]
@@ -261,6 +281,20 @@ class BatchedTorchExecutor:
             )
         batch = StepBatch(np.array([slot]), ids[None], positions, np.array([CAUSAL], np.int32), np.array([[c - 1]]))
         return self._packed_logits(batch, np.array([c]))[0]
+
+    def _compiled_prefill(self, slot: int, ids: np.ndarray) -> Tensor:
+        """[1, vocab] at the last of `ids`, fed as causal rows of step_tokens (the last padded) through the compiled
+        step, each committed: a compiled graph may round pointwise work (RoPE's fused multiply-adds) otherwise than
+        the eager prefill would, so the prompt's KV and first token take the bits of the steps that decode it."""
+        T = self.step_tokens
+        for start in range(0, len(ids), T):
+            part = ids[start : start + T]
+            c, cache_len = len(part), int(self._cache_len[slot])
+            batch = StepBatch(np.array([slot]), np.pad(part, (0, T - c))[None], cache_len + np.arange(T)[None],
+                              np.array([CAUSAL], np.int32), np.array([[c - 1]]))
+            logits = self.step_logits(batch)[0]
+            self.commit(slot, np.arange(c))
+        return logits
 
     @torch.inference_mode()
     def step(self, batch: StepBatch) -> np.ndarray:
@@ -456,7 +490,7 @@ class BatchedTorchExecutor:
         result = np.full((B, T), -1, np.int64)
         rows = np.arange(B)[:, None]
         result[rows, batch.output_slots] = chosen[phys, :K]
-        if batch.top_ids is not None:
+        if batch.top_ids is not None and top is not None:
             batch.top_ids[rows, batch.output_slots] = top.cpu().numpy()[phys, :K]
         return result
 
@@ -479,15 +513,16 @@ class BatchedTorchExecutor:
         self._d_in[:bucket].copy_(self._h_in[:bucket], non_blocking=True)
         return phys, bucket
 
-    def _run_padded(self, bucket: int, sampled: bool, k: int) -> tuple[Tensor, Tensor]:
+    def _run_padded(self, bucket: int, sampled: bool, k: int) -> tuple[Tensor, Tensor | None]:
         """The fixed-shape step of physical slots 0 .. bucket-1 (no host synchronisation: capturable).
 
-        -> tokens [bucket, T] at each output slot entry, and their top-k next ids [bucket, T, k].
+        -> tokens [bucket, T] at each output slot entry, and their top-k next ids [bucket, T, k] (None: k = 0).
         """
         T, dev = self.step_tokens, self.device
         logits = self._padded_logits(bucket)
         positions, outputs = self._d_in[:bucket, T : 2 * T], self._d_in[:bucket, 2 * T : 3 * T]
-        top = torch.topk(logits, k, dim=-1).indices.view(bucket, T, k)
+        # top-k only where a row asked for it (k = 0: no top-k kernel in the step at all)
+        top = torch.topk(logits, k, dim=-1).indices.view(bucket, T, k) if k else None
         if not sampled:
             return torch.argmax(logits, dim=-1).view(bucket, T), top
         each = torch.arange(bucket, device=dev).repeat_interleave(T)  # the physical slot of each output row
@@ -499,9 +534,27 @@ class BatchedTorchExecutor:
     def _padded_logits(self, bucket: int) -> Tensor:
         """[bucket * T, vocab]: the logits at each physical slot's T output slot entries (capturable)."""
         T = self.step_tokens
+        if self.compile and bucket not in self._compiled_buckets:
+            self._compiled_buckets.add(bucket)
+            print(f"trt-lookahead: compiling the step for batch bucket {bucket} (once) ...", file=sys.stderr,
+                  flush=True)
         d = self._d_in[:bucket]
-        return self._padded_forward(self.k_cache, self.v_cache, d[:, :T], d[:, T : 2 * T], d[:, 2 * T : 3 * T],
-                                    d[:, 3 * T], d[:, 3 * T + 1 :])
+        return self._forward(self.k_cache, self.v_cache, d[:, :T], d[:, T : 2 * T], d[:, 2 * T : 3 * T], d[:, 3 * T],
+                             d[:, 3 * T + 1 :])
+
+    def _compiled_forward(self) -> Callable[..., Tensor]:
+        """`_padded_forward` under torch.compile (inductor, default mode, one graph: fullgraph=True), static shapes:
+        one graph per bucket, compiled on the bucket's first step (before its CUDA graph is captured, by
+        `_graph`'s warm-up) and reused by every later one. Inductor fuses the pointwise work around
+        kernels/step_ops.py's opaque ops; the exact step's graph keeps every reduction in one piece."""
+        options: dict[str, str | int | bool | Callable[..., Any]] | None = (
+            {"split_reductions": False} if self.exact else None)
+        # its own graphs (isolated from other executors'), one per bucket and no more: a recompile beyond them fails
+        # (fullgraph); a torch without these arguments (< 2.13) counts every executor's graphs toward one limit
+        limits = {"recompile_limit": len(self.buckets), "isolate_recompiles": True}
+        supported = inspect.signature(torch.compile).parameters
+        kwargs: dict[str, Any] = {name: value for name, value in limits.items() if name in supported}
+        return torch.compile(self._padded_forward, fullgraph=True, dynamic=False, options=options, **kwargs)
 
     def _padded_forward(self, k_cache: Tensor, v_cache: Tensor, ids: Tensor, positions: Tensor, outputs: Tensor,
                         cache_len: Tensor, config: Tensor) -> Tensor:
@@ -520,7 +573,7 @@ class BatchedTorchExecutor:
         own = own & (rel >= 0) & (rel < T)
         mask = (rel < 0) | own  # [Bb, T, S]: the cached prefix, then the row's step mask
         rows = (torch.arange(bucket, device=dev)[:, None] * S + cache_len[:, None]) + i[None, :]
-        attention: AttentionFn = PaddedAttention(mask, S)
+        attention: AttentionFn = PaddedAttention(mask)
         if self.exact:
             attention = invariant_attention(mask, cache_len, positions)
         logits = self.model(
@@ -537,7 +590,7 @@ class BatchedTorchExecutor:
         )
         return logits
 
-    def _graph(self, bucket: int, sampled: bool, k: int) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]:
+    def _graph(self, bucket: int, sampled: bool, k: int) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor | None]]:
         """The CUDA graph of `_run_padded` for (bucket, sampled, k), captured on first use."""
         entry = self._graphs.get((bucket, sampled, k))
         if entry is None:
@@ -567,20 +620,18 @@ def invariant_kernels_reason(device: torch.device) -> str | None:
 
 def invariant_attention(mask: Tensor, cache_len: Tensor, positions: Tensor) -> AttentionFn:
     """The exact padded step's attention seam for mask [Bb, T, S] over each slot's rows: kernels/invariant.py over
-    each query's keys in position order."""
+    each query's keys in position order (through kernels/step_ops.py: one op, opaque to a compiled step)."""
     from trt_lookahead.kernels import invariant
 
     key_rows = invariant.key_rows(mask, cache_len, positions)  # [Bb, T, S], once per step for every layer
     lengths = cache_len.to(torch.int32)
 
     def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, step_mask: Tensor) -> Tensor:
-        return invariant.padded_attention(q, k_cache, v_cache, key_rows, lengths)
+        return step_ops.invariant_padded_attention(q, k_cache, v_cache, key_rows, lengths)
 
     return attention
 
 
 def invariant_ops() -> Ops:
-    """The exact padded step's projections and norms: kernels/invariant.py."""
-    from trt_lookahead.kernels import invariant
-
-    return Ops(linear=invariant.linear, rms_norm=invariant.rms_norm)
+    """The exact padded step's projections and norms: kernels/invariant.py, as kernels/step_ops.py's ops."""
+    return Ops(linear=step_ops.invariant_linear, rms_norm=step_ops.invariant_rms_norm)

@@ -98,7 +98,7 @@ def generate(args: argparse.Namespace) -> int:
     runtime = LookaheadRuntime.from_pretrained(
         source, backend=args.backend, dtype=args.dtype, lookahead=lookahead, max_seq_len=args.max_seq_len,
         threads=args.threads, verify=args.verify, tuning_file=args.tuning_file, exact=args.exact,
-        pool_scope=args.pool_scope, tree=args.tree,
+        pool_scope=args.pool_scope, tree=args.tree, compile=args.compile,
     )
     request = dict(max_new_tokens=args.max_new_tokens, chat=args.chat, **sampling)
     if args.json:
@@ -130,7 +130,7 @@ def bench(args: argparse.Namespace) -> int:
         limit=args.limit, max_new_tokens=args.max_new_tokens, configs=args.configs, peers=args.peers,
         backend=args.backend, dtype=args.dtype, max_seq_len=args.max_seq_len, threads=args.threads, out=args.out,
         verify=args.verify, tuning_file=args.tuning_file, exact=args.exact, pool_scope=args.pool_scope,
-        tree=args.tree,
+        tree=args.tree, compile=args.compile,
     )
     if paths:
         print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
@@ -148,6 +148,7 @@ def bench_model(
     exact: bool | None = None,
     pool_scope: str = "shared",
     tree: str | None = DEFAULT,
+    compile: bool = False,
 ) -> tuple[dict, list[Path]]:
     """Plan, load the runtime, run; with `out`, write the result files (step cost overlay from tuning)."""
     from trt_lookahead.bench.bench import plan_bench, run_bench, write_outputs
@@ -167,7 +168,8 @@ def bench_model(
     def open_runtime() -> LookaheadRuntime:
         return LookaheadRuntime.from_pretrained(plan.model_path, backend=backend, dtype=dtype, lookahead=asked,
                                                 max_seq_len=plan.max_seq_len, threads=threads, verify=verify,
-                                                tuning_file=tuning_file, exact=exact, pool_scope=pool_scope, tree=tree)
+                                                tuning_file=tuning_file, exact=exact, pool_scope=pool_scope, tree=tree,
+                                                compile=compile)
 
     result = run_bench(open_runtime, plan)  # it opens the runtime and closes it
     if out is None:
@@ -205,6 +207,7 @@ def bench_concurrency(args: argparse.Namespace) -> int:
         plan.model_path, backend=args.backend, dtype=args.dtype, lookahead=GREEDY, max_seq_len=plan.max_seq_len,
         threads=args.threads, verify=args.verify, max_batch=max(levels), max_queue=max(levels),
         tuning_file=args.tuning_file, exact=args.exact, pool_scope=args.pool_scope, tree=args.tree,
+        compile=args.compile,
     ) as rt:
         result = run_concurrency(rt, prompts, levels=levels, modes=modes, requests=args.requests,
                                  max_new_tokens=args.max_new_tokens, seed=args.seed, prefills=prefills)
@@ -356,6 +359,7 @@ def serve(args: argparse.Namespace) -> int:
         source, backend=args.backend, dtype=args.dtype, lookahead=lookahead, max_seq_len=args.max_seq_len,
         threads=args.threads, verify=args.verify, tuning_file=args.tuning_file, max_batch=args.max_batch,
         max_queue=args.max_queue, exact=args.exact, pool_scope=args.pool_scope, prefill=prefill, tree=args.tree,
+        compile=args.compile,
     ) as runtime:
         for choice in (runtime.lookahead, Lookahead.greedy()):  # both paths' first-call costs now, not on a request
             runtime.generate("Hello", max_new_tokens=2, lookahead=choice)

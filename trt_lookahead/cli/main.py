@@ -85,6 +85,13 @@ def _add_model_arguments(p: argparse.ArgumentParser, engine: bool = True) -> Non
                    help="what `tune` measured, read by `auto` (default: tuning.json in the cache dir)")
 
 
+def _add_compile_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", action="store_true",
+                   help="experimental, not yet the default (unmeasured on a GPU): the torch executor's padded step "
+                        "under torch.compile, each batch bucket compiled once on its first step (implies "
+                        "--backend torch)")
+
+
 def _add_lookahead_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookahead_config", "--lookahead-config", dest="lookahead_config", default=None,
                    help=f"W,N,G (also W/N/G or [W,N,G]) or `auto` (tuned); default {DEFAULT}")
@@ -100,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text with lookahead (or greedy) decoding")
     _add_model_arguments(p)
+    _add_compile_argument(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-file", "--prompt_file", dest="prompt_file")
@@ -120,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="measure greedy and lookahead side by side on a prompt set")
     _add_model_arguments(p, engine=True)
+    _add_compile_argument(p)
     p.add_argument("--dataset", required=True, help="mt_bench, humaneval, gsm8k or a JSONL path (comma list ok)")
     p.add_argument("--limit", type=int, default=8)
     p.add_argument("--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=int,
@@ -191,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     _add_model_arguments(p)
+    _add_compile_argument(p)
     _add_lookahead_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port, printed at start)")

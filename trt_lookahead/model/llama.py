@@ -50,6 +50,10 @@ from torch import Tensor, nn
 from trt_lookahead.errors import UserError
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+# a layer's caches: the whole stacked K and V caches [layers, S, kv_heads, head_dim], the layer, and the layer as a
+# 0-dim long tensor (an index of the caches' first dim); or one layer's own caches [S, ..], None, None (per-layer
+# caches, as the ONNX export passes them)
+LayerCache = tuple[Tensor, Tensor, int | None, Tensor | None]
 LinearFn = Callable[[Tensor, Tensor, Tensor | None], Tensor]  # (x [.., in], weight [out, in], bias) -> [.., out]
 NormFn = Callable[[Tensor, Tensor, float], Tensor]  # (x [.., H], weight [H], eps) -> [.., H]
 
@@ -350,15 +354,23 @@ class Attention(nn.Module):
         self.wqkv = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias, dtype=dtype)
         self.wo = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.attention_bias, dtype=dtype)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, rows, cache_len, step_mask, attention: AttentionFn,
+    def forward(self, x, cache: LayerCache, cos, sin, rows, cache_len, step_mask, attention: AttentionFn,
                 ops: Ops = MODULE_OPS) -> Tensor:
         cfg = self.cfg
         T = x.shape[0]
         Hq, Hkv = cfg.num_heads, cfg.num_kv_heads
         qkv = ops.project(self.wqkv, x).view(T, Hq + 2 * Hkv, cfg.head_dim)
         qk = apply_rope(qkv[:, : Hq + Hkv], cos, sin)  # q and k heads rotated together
-        k_cache.index_copy_(0, rows, qk[:, Hq:])
-        v_cache.index_copy_(0, rows, qkv[:, Hq + Hkv :])
+        k_cache, v_cache, layer, index = cache
+        if layer is None or index is None:  # one layer's own caches (the export's): written as they are
+            k_cache.index_copy_(0, rows, qk[:, Hq:])
+            v_cache.index_copy_(0, rows, qkv[:, Hq + Hkv :])
+        else:
+            # the whole stacked caches written at (layer, row) with index_put_, not through the layer's view:
+            # inductor (torch.compile) writes that in place, and a view's write or an index_copy_ as a cache copy
+            k_cache.index_put_((index, rows), qk[:, Hq:])
+            v_cache.index_put_((index, rows), qkv[:, Hq + Hkv :])
+            k_cache, v_cache = k_cache[layer], v_cache[layer]
         o = attention(qk[:, :Hq], k_cache, v_cache, cache_len, step_mask)
         return ops.project(self.wo, o.reshape(T, cfg.q_size))
 
@@ -385,10 +397,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.feed_forward = FeedForward(cfg, dtype)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, rows, cache_len, step_mask, attention,
+    def forward(self, x, cache: LayerCache, cos, sin, rows, cache_len, step_mask, attention,
                 ops: Ops = MODULE_OPS) -> Tensor:
         h = x + self.attention(
-            ops.norm(self.attention_norm, x), cos, sin, k_cache, v_cache, rows, cache_len, step_mask, attention, ops
+            ops.norm(self.attention_norm, x), cache, cos, sin, rows, cache_len, step_mask, attention, ops
         )
         return h + self.feed_forward(ops.norm(self.ffn_norm, h), ops)
 
@@ -518,8 +530,11 @@ class Llama(nn.Module):
         x = self.tok_embeddings(input_ids)
         cos, sin = self.rope(positions)
         rows = torch.arange(T, device=input_ids.device) + cache_len if cache_rows is None else cache_rows
+        # stacked caches: each layer's index as a 0-dim tensor (LayerCache); per-layer caches (a list): None
+        index = torch.arange(len(self.layers), device=input_ids.device) if isinstance(k_cache, Tensor) else None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_cache[i], v_cache[i], rows, cache_len, step_mask, attention, ops)
+            cache = (k_cache[i], v_cache[i], None, None) if index is None else (k_cache, v_cache, i, index[i])
+            x = layer(x, cache, cos, sin, rows, cache_len, step_mask, attention, ops)
         if output_slots is not None:
             x = x.index_select(0, output_slots)
         return ops.project(self.output, ops.norm(self.norm, x))

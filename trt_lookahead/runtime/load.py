@@ -26,6 +26,8 @@ from trt_lookahead.runtime.tuning_file import read_tuning_file, tuning_key
 
 DEFAULT_MAX_SEQ_LEN = 4096
 BACKEND_CHOICES = ("torch", "onnxruntime", "tensorrt")
+COMPILE_ON_ENGINE = ("compile=True compiles the torch executor's step (experimental): it runs a checkpoint on "
+                     "--backend torch, not an engine dir or another backend; drop --compile or the backend")
 EXACT_ON_ENGINE = ("exact=True runs a checkpoint on the torch executor; onnxruntime runs exact steps only on an "
                    "engine dir built with `trt-lookahead build --exact`: drop --backend onnxruntime, or pass such an "
                    "engine")
@@ -51,7 +53,7 @@ class LoadedModel:
 def load_model(
     path_or_name: str | Path, *, backend: str | None, dtype: str, asked: LookaheadConfig | None,
     max_seq_len: int | None, max_batch: int | None, verify: bool, exact: bool | None,
-    tree: str | TreeTemplate | None,
+    tree: str | TreeTemplate | None, compile: bool = False,
 ) -> LoadedModel:
     """Load a HF Llama checkpoint dir, a known model name, or an engine dir (arguments as
     LookaheadRuntime.from_pretrained documents them; `asked`: the fixed config the runtime will default to, if
@@ -62,29 +64,32 @@ def load_model(
     path = resolve_model(str(path_or_name))
     if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
         raise UserError(f"max_batch must be a positive integer (request slots), got {max_batch!r}")
+    if compile and (is_engine_dir(path) or backend not in (None, "torch")):
+        raise UserError(COMPILE_ON_ENGINE)
     if is_engine_dir(path):
         if tree not in (None, "off", DEFAULT):
             raise UserError(TREE_ON_ENGINE)
         return _from_engine(path, backend or "onnxruntime", dtype, max_seq_len, max_batch, verify, exact=exact)
-    backend, why = checkpoint_backend(backend, dtype, asked, exact)
+    backend, why = checkpoint_backend("torch" if compile else backend, dtype, asked, exact)
     template = checkpoint_tree(tree, asked, backend)
     if backend == "onnxruntime":
         cached = cached_checkpoint_engine(path, dtype, max_seq_len, max_batch, asked, template)
         model = _from_engine(cached, backend, dtype, max_seq_len, max_batch, verify, model_path=path)
     else:
-        model = _from_checkpoint(path, dtype, max_seq_len, max_batch or DEFAULT_MAX_BATCH, exact, template)
+        model = _from_checkpoint(path, dtype, max_seq_len, max_batch or DEFAULT_MAX_BATCH, exact, template, compile)
     return dataclasses.replace(model, why=why)
 
 
 def _from_checkpoint(path: Path, dtype: str, max_seq_len: int | None, max_batch: int, exact: bool | None,
-                     tree: TreeTemplate | None) -> LoadedModel:
+                     tree: TreeTemplate | None, compile: bool = False) -> LoadedModel:
     from trt_lookahead.backends.torch import BatchedTorchExecutor
     from trt_lookahead.model.checkpoint import check_max_seq_len, load_llama, load_tokenizer
 
-    model, config = load_llama(path, dtype=dtype, weight_layout="auto")
+    # compile: nn.Linear's dense weights, which inductor lowers (it cannot lower oneDNN's packed ones)
+    model, config = load_llama(path, dtype=dtype, weight_layout="out_in" if compile else "auto")
     seq_len = check_max_seq_len(max_seq_len, config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
     try:
-        executor = BatchedTorchExecutor(model, max_batch, seq_len, exact=exact, tree=tree)
+        executor = BatchedTorchExecutor(model, max_batch, seq_len, exact=exact, tree=tree, compile=compile)
     except ValueError as exc:  # exact=True where the build has no row-invariant projections
         raise UserError(str(exc)) from exc
     return LoadedModel(load_tokenizer(path), executor, seq_len, _stop_token_ids(path), "torch", dtype, path,

@@ -281,6 +281,7 @@ class LookaheadRuntime:
         pool_scope: str = "shared",
         prefill: Prefill | None = None,
         tree: str | TreeTemplate | None = DEFAULT,
+        compile: bool = False,
     ) -> LookaheadRuntime:
         """Load a HF Llama checkpoint dir, a known model name, or an engine dir from `trt-lookahead build`.
 
@@ -298,7 +299,9 @@ class LookaheadRuntime:
         "separate", "chunked" or a chunk size (runtime/scheduler.py); default `default_prefill`. tree: the
         verification branch as a draft tree (docs/design.md 2.7, 3.9): "default" (an engine dir's built tree; for
         a checkpoint "auto"), "auto" (a template for the G(N-1) slots of `engine_cover`), a parent list, or
-        None/"off" (G linear candidates); requests with a smaller G(N-1) use its first nodes.
+        None/"off" (G linear candidates); requests with a smaller G(N-1) use its first nodes. compile: the torch
+        executor's padded step under torch.compile (experimental, not yet the default: unmeasured on a GPU; each
+        batch bucket compiles once, on its first step; backends/torch.py).
         """
         choice = _default_choice(lookahead)
         check_pool_scope(pool_scope)
@@ -306,7 +309,7 @@ class LookaheadRuntime:
             _set_threads(threads)
         asked = None if choice is None or choice.auto else choice.ceiling
         model = load_model(path_or_name, backend=backend, dtype=dtype, asked=asked, max_seq_len=max_seq_len,
-                           max_batch=max_batch, verify=verify, exact=exact, tree=tree)
+                           max_batch=max_batch, verify=verify, exact=exact, tree=tree, compile=compile)
         auto = auto_policy(model, tuning_file, announce=choice is not None and choice.auto)
         # nothing to undo if this raises: the scheduler thread starts last, once every argument is checked
         runtime = cls(model, lookahead=choice or Lookahead(model.default), auto=auto, max_queue=max_queue,

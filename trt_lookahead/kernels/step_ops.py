@@ -1,0 +1,82 @@
+"""The padded step's attention and row-invariant kernels as `torch.library` custom ops, opaque to torch.compile.
+
+A compiled step (backends/torch.py, `BatchedTorchExecutor(compile=True)`) lets inductor fuse the pointwise work
+of the step body (RoPE, the KV writes, SiLU * mul, residual adds, the mask's closed form) and nothing else: the
+attention (SDPA on the fast step, kernels/invariant.py's Triton kernel on the exact one) and the exact step's
+projections and norms are each one call that inductor neither looks into nor splits, so no reduction of theirs
+is reordered and the exact step keeps its bits compiled or eager. Each op has a fake (meta) implementation
+giving its output's shape, dtype and (contiguous) layout, which is all inductor sees of it.
+
+The ops run eagerly too (the padded step always calls them), so eager and compiled steps run the same kernels.
+The schemas are written out: inferring them reads the annotations, which are strings under
+`from __future__ import annotations` (so this module does without it).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+NAMESPACE = "trt_lookahead"
+
+
+@torch.library.custom_op(f"{NAMESPACE}::padded_sdpa", mutates_args=(),
+                         schema="(Tensor q, Tensor k_cache, Tensor v_cache, Tensor mask) -> Tensor")
+def padded_sdpa(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor) -> Tensor:
+    """The fast padded step's attention: q [Bb*T, Hq, D], row b's T queries over slot b's S cache rows
+    (k/v_cache [>= Bb*S, Hkv, D], slot b at rows b*S ..) under mask [Bb, T, S] -> [Bb*T, Hq, D] (contiguous)."""
+    B, T, S = mask.shape
+    qb = q.view(B, T, *q.shape[1:]).transpose(1, 2)  # [Bb, Hq, T, D]
+    kb = k_cache[: B * S].view(B, S, *k_cache.shape[1:]).transpose(1, 2)  # [Bb, Hkv, S, D]
+    vb = v_cache[: B * S].view(B, S, *v_cache.shape[1:]).transpose(1, 2)
+    o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask[:, None], enable_gqa=True)
+    return o.transpose(1, 2).reshape(q.shape).contiguous()
+
+
+@padded_sdpa.register_fake
+def _padded_sdpa_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor) -> Tensor:
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::invariant_linear", mutates_args=(),
+                         schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+def invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """kernels/invariant.py `linear`: F.linear(x, weight, bias), row-invariant."""
+    from trt_lookahead.kernels import invariant
+
+    return invariant.linear(x, weight, bias)
+
+
+@invariant_linear.register_fake
+def _invariant_linear_fake(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::invariant_rms_norm", mutates_args=(),
+                         schema="(Tensor x, Tensor weight, float eps) -> Tensor")
+def invariant_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """kernels/invariant.py `rms_norm`: RMSNorm, one program per row."""
+    from trt_lookahead.kernels import invariant
+
+    return invariant.rms_norm(x, weight, eps)
+
+
+@invariant_rms_norm.register_fake
+def _invariant_rms_norm_fake(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::invariant_padded_attention", mutates_args=(),
+                         schema="(Tensor q, Tensor k_cache, Tensor v_cache, Tensor key_rows, Tensor cache_len) "
+                                "-> Tensor")
+def invariant_padded_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, key_rows: Tensor,
+                               cache_len: Tensor) -> Tensor:
+    """kernels/invariant.py `padded_attention`: the exact padded step's attention, row-invariant."""
+    from trt_lookahead.kernels import invariant
+
+    return invariant.padded_attention(q, k_cache, v_cache, key_rows, cache_len)
+
+
+@invariant_padded_attention.register_fake
+def _invariant_padded_attention_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, key_rows: Tensor,
+                                     cache_len: Tensor) -> Tensor:
+    return q.new_empty(q.shape)
