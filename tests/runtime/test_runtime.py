@@ -83,9 +83,16 @@ def test_the_lookahead_choice_and_token_id_prompts(stories):
     assert stories.lookahead == Lookahead(LookaheadConfig(4, 3, 4))  # a checkpoint's default
     assert stories.check_request([1, 2], 4, lookahead="greedy").lookahead == Lookahead.greedy()
     assert stories.check_request([1, 2], 4).lookahead == stories.lookahead
-    auto = stories.check_request([1, 2], 4, lookahead="auto").lookahead
-    assert auto == stories.narrow(Lookahead.parse("auto"))  # the runtime's ceiling, or greedy where auto is greedy
-    assert auto.auto or auto == Lookahead.greedy()
+    # `auto` takes the runtime's ceiling, its own within it (min per W, N, G); an `auto` capped to greedy is greedy
+    ceiling = LookaheadConfig(3, 3, 2)
+    assert Lookahead.parse("auto").narrow(ceiling, None, 128) == Lookahead(ceiling, auto=True)
+    assert Lookahead(LookaheadConfig(7, 2, 7), auto=True).narrow(ceiling, None, 128) == Lookahead(
+        LookaheadConfig(3, 2, 2), auto=True)
+    assert Lookahead(LookaheadConfig(1, 2, 0), auto=True).narrow(ceiling, None, 128) == Lookahead.greedy()
+    with pytest.raises(ValueError, match="does not fit the engine built for 4/3/4"):
+        Lookahead.parse("5,3,4").narrow(ceiling, LookaheadConfig(4, 3, 4), 128)
+    with pytest.raises(ValueError, match="feeds 140 tokens per step"):  # (15 + 20) x 4 > the executor's 128
+        stories.check_request([1, 2], 4, lookahead="15,5,20")
     with pytest.raises(ValueError, match="lookahead must be 'greedy', 'auto'"):
         stories.check_request([1, 2], 4, lookahead=7)
     ids = stories.encode("Once upon a time")
