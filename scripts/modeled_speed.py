@@ -53,7 +53,7 @@ def main() -> None:
     torch.set_num_threads(1)
     model = load_model(args.model, backend=args.backend, dtype="float32", asked=None, max_seq_len=None,
                        max_batch=None, verify=True, exact=None, tree=DEFAULT)
-    with LookaheadRuntime(model, lookahead=Lookahead.greedy(), auto=AutoPolicy.from_entry(entry)) as rt:
+    with LookaheadRuntime(model, lookahead=Lookahead.greedy(), auto=AutoPolicy.from_entry(entry, learn=False)) as rt:
         print(f"{args.model} float32 on {rt.backend}, auto up to {entry['config']}, "
               f"{'flat' if args.flat else 'the entry'}'s step cost: c(1) = {cost(1, 1):.1f} ms\n")
         print("| set | steps | greedy / window-only steps | modeled speedup (median, slowest prompt) | steps per "

@@ -15,9 +15,15 @@ Per variant x T in STEP_TOKENS x batch in BATCHES, one cell of profile_step.json
                    its attention is SDPA (PaddedAttention)
     fast_compiled  the same step compiled (torch.compile), once the executor takes COMPILE_PARAMETER;
                    "not available" until then
+    fast_triton    the fast step with attention="triton": its Triton attention kernel reads only each slot's keys
+                   (CUDA; "skipped" with the reason on the CPU unless TRITON_INTERPRET=1)
+    fast_compiled_triton  both: the compiled step around the Triton attention (CUDA only)
     exact          exact=True: the padded step on kernels/invariant.py's row-invariant Triton kernels on a GPU; on
                    the CPU the packed exact step (the padded one runs interpreted Triton there, seconds a step)
-    sdpa           "not available": the executor has no attention choice (its fast step is the SDPA step)
+    sdpa           "not available": variant fast is the SDPA step (the executor's default attention="sdpa")
+Then `seq_len`: the same context (cache_len SEQ_LEN_CACHE tokens) read by the fast steps (SEQ_LEN_VARIANTS) at
+two max_seq_len (SEQ_LEN_PAIRS: 8192 and 512 on CUDA, where the issue's goal is step times within 5%; small ones
+on the CPU, its plumbing), B = 1, T in SEQ_LEN_STEP_TOKENS: ms at each and their ratio.
 Each cell: ms per step (CUDA events around the bucket's CUDA-graph replay on a GPU, plus the wall time of the
 whole `step` call; perf_counter medians on the CPU), the limit = (weight bytes + KV bytes of cache_len + T rows)
 / the bandwidth measured by a large device copy on the same device, ms / limit, graph breaks and compile seconds
@@ -63,7 +69,16 @@ SHAPES = cast(dict[str, dict[str, Any]], {"tiny": gpu_check.SMALL_GQA, **gpu_che
 STEP_TOKENS = (1, 16, 56, 120)
 CONFIGS = {1: "1,2,0", 16: "4,3,4", 56: "7,5,7", 120: "15,5,15"}  # the W,N,G layout of each T = (W + G)(N - 1)
 BATCHES = gpu_check.BATCHES
-VARIANTS = ("fast", "fast_compiled", "exact", "sdpa")
+VARIANTS = ("fast", "fast_compiled", "fast_triton", "fast_compiled_triton", "exact", "sdpa")
+TRITON_ATTENTION = "triton"  # the executor's `attention` choice of the *_triton variants (default "sdpa")
+COMPILED_VARIANTS = ("fast_compiled", "fast_compiled_triton")
+TRITON_VARIANTS = ("fast_triton", "fast_compiled_triton")
+# the same context at a long and a short max_seq_len (the fast step must read the context, not max_seq_len)
+SEQ_LEN_VARIANTS = ("fast", "fast_triton")
+SEQ_LEN_PAIRS = {"cuda": (8192, 512), "cpu": (256, 64)}
+SEQ_LEN_CACHE = {"cuda": 384, "cpu": 32}
+SEQ_LEN_STEP_TOKENS = (1, 16)
+SEQ_LEN_GOAL = 1.05  # the issue's goal: the long max_seq_len's step within 5% of the short one's
 COMPILE_PARAMETER = "compile"  # the BatchedTorchExecutor argument that would turn the compiled step on
 DEFAULTS = {  # per device: dtype, budget (s), timed iterations, warm-up iterations
     "cuda": {"dtype": "bfloat16", "budget": 330.0, "iters": 20, "warmup": 3},
@@ -213,6 +228,8 @@ def new_report(args: argparse.Namespace) -> dict[str, Any]:
                    " medians" if args.device == "cuda" else "perf_counter around step(), median"),
         "started": gpu_check._utc(), "finished": None, "machine": {}, "bandwidth": dict(not_asked),
         "variants": {}, "steps": {**not_asked, "cells": []}, "peer": {**not_asked, "cells": []},
+        "seq_len": {**not_asked, "max_seq_lens": list(SEQ_LEN_PAIRS[args.device]),
+                    "cache_len": SEQ_LEN_CACHE[args.device], "cells": []},
     }
 
 
@@ -285,11 +302,22 @@ def step_batch(B: int, T: int, cache_len: int):
 
 def variant_status(device: str) -> dict[str, dict[str, Any]]:
     """Which variants this checkout and device can run, and how each cell is stepped."""
-    from trt_lookahead.backends.torch import BatchedTorchExecutor
+    import torch
+
+    from trt_lookahead.backends.torch import BatchedTorchExecutor, invariant_kernels_reason
 
     compiled = COMPILE_PARAMETER in inspect.signature(BatchedTorchExecutor).parameters
     cuda = device == "cuda"
+    triton_reason = invariant_kernels_reason(torch.device(device))
+    triton = {"status": "ok", "what": f"BatchedTorchExecutor(attention={TRITON_ATTENTION!r}), padded step, "
+                                      f"{'CUDA graph' if cuda else 'eager, interpreted Triton'}"} \
+        if triton_reason is None else {"status": "skipped", "error": f"attention={TRITON_ATTENTION!r} {triton_reason}"}
     return {
+        "fast_triton": triton,
+        "fast_compiled_triton": {"status": "ok", "what": f"BatchedTorchExecutor({COMPILE_PARAMETER}=True, "
+                                                         f"attention={TRITON_ATTENTION!r}), CUDA graph"} if cuda
+        else {"status": "skipped", "error": "CUDA only: the compiled step around interpreted Triton would take "
+                                            "minutes on the CPU"},
         "fast": {"status": "ok", "what": f"BatchedTorchExecutor(exact=False), padded step, SDPA attention, "
                                          f"{'CUDA graph' if cuda else 'eager'}"},
         "fast_compiled": {"status": "ok", "what": f"BatchedTorchExecutor({COMPILE_PARAMETER}=True)"} if compiled
@@ -299,8 +327,8 @@ def variant_status(device: str) -> dict[str, dict[str, Any]]:
                                           "CUDA graph" if cuda else
                   "BatchedTorchExecutor(exact=True, padded=False): the CPU's packed exact step (the padded exact "
                   "step runs interpreted Triton on the CPU, seconds a step)"},
-        "sdpa": {"status": "not available", "error": "BatchedTorchExecutor takes no attention choice: its fast step "
-                                                     "(variant fast) is the SDPA step (PaddedAttention)"},
+        "sdpa": {"status": "not available", "error": "the same cells as variant fast: the executor's default "
+                                                     "attention='sdpa' is the SDPA step (PaddedAttention)"},
     }
 
 
@@ -311,8 +339,10 @@ def make_executor(model, variant: str, B: int, T: int, args: argparse.Namespace,
     cuda = device == "cuda"
     kwargs: dict[str, Any] = {"padded": cuda or variant != "exact", "cuda_graph": cuda and graph,
                               "exact": variant == "exact"}
-    if variant == "fast_compiled":
+    if variant in COMPILED_VARIANTS:
         kwargs[COMPILE_PARAMETER] = True
+    if variant in TRITON_VARIANTS:
+        kwargs["attention"] = TRITON_ATTENTION
     return BatchedTorchExecutor(model, B, args.max_seq_len, T, device, **kwargs)
 
 
@@ -350,7 +380,7 @@ def time_cell(model, variant: str, B: int, T: int, args: argparse.Namespace) -> 
     step()  # the first step of a bucket captures its CUDA graph (and compiles, where compiled)
     cell["first_step_s"] = round(time.monotonic() - start, 3)
     cell["wall_ms"] = wall_ms(step, args.iters, args.warmup)
-    if variant == "fast_compiled":  # compile seconds: the first step less a steady one
+    if variant in COMPILED_VARIANTS:  # compile seconds: the first step less a steady one
         cell["graph_breaks"] = graph_breaks() - breaks
         cell["compile_seconds"] = round(cell["first_step_s"] - cell["wall_ms"] / 1e3, 2)
     if args.device == "cuda":
@@ -487,7 +517,7 @@ def profile_cell(model, variant: str, B: int, T: int, args: argparse.Namespace, 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     # the compiled step is profiled without the annotations: a torch-function mode and layer hooks around a
     # compiled graph make dynamo recompile (or fail under fullgraph), so its kernels are counted per step only
-    compiled = variant == "fast_compiled"
+    compiled = variant in COMPILED_VARIANTS
     with profile(activities=activities) as prof, contextlib.nullcontext() if compiled else scoped(model):
         executor.step(batch)
         if args.device == "cuda":
@@ -561,6 +591,49 @@ def section_steps(args: argparse.Namespace, report: dict[str, Any], budget: Budg
         torch.cuda.empty_cache()
     if failures:
         steps.update(status="failed", error=f"{len(failures)} cells failed: {', '.join(failures)}")
+
+
+def section_seq_len(args: argparse.Namespace, report: dict[str, Any], budget: Budget, emit: Emit) -> None:
+    """The same context read at a long and a short max_seq_len (SEQ_LEN_PAIRS): ms of each, and long / short."""
+    import torch
+
+    section = report["seq_len"]
+    section.update(status="ok", error=None)
+    start = time.monotonic()
+    cells: list[dict[str, Any]] = section["cells"]
+    lengths = SEQ_LEN_PAIRS[args.device]
+    reserve = HF_COMPILE_GUESS_S if args.device == "cuda" else 0.0
+    model = build_model(args, "fast")
+    failures = []
+    for variant in SEQ_LEN_VARIANTS:
+        state = report["variants"][variant]
+        for T in SEQ_LEN_STEP_TOKENS:
+            cell: dict[str, Any] = {"variant": variant, "T": T, "B": 1, "config": CONFIGS[T], "ms": {}}
+            cells.append(cell)
+            if state["status"] != "ok":
+                cell.update(status=state["status"], error=state["error"])
+                continue
+            for length in lengths:
+                reason = budget.skip_reason("seq_len step", reserve=reserve)
+                if reason:
+                    cell.update(status="skipped", error=reason)
+                    break
+                at = argparse.Namespace(**{**vars(args), "max_seq_len": length, "cache_len": section["cache_len"]})
+                try:
+                    with budget.timed("seq_len step"), torch.inference_mode():
+                        cell["ms"][str(length)] = time_cell(model, variant, 1, T, at)[0]["ms"]
+                except Exception as exc:  # one failed timing is data; the next one runs
+                    cell.update(status="error", error=f"{type(exc).__name__}: {exc}"[:500])
+                    failures.append(f"{variant} T={T} max_seq_len {length}")
+                    break
+            else:
+                long, short = (cell["ms"][str(length)] for length in lengths)
+                cell.update(status="ok", ratio=round(long / short, 3), within_goal=long / short <= SEQ_LEN_GOAL)
+            section["seconds"] = round(time.monotonic() - start, 1)
+            emit()
+    del model
+    if failures:
+        section.update(status="failed", error=f"{len(failures)} timings failed: {', '.join(failures)}")
 
 
 # -- the peer: transformers' Llama ----------------------------------------------------------------------
@@ -705,7 +778,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report["bandwidth"]["seconds"] = round(time.monotonic() - start, 1)
     report["variants"] = variant_status(args.device)
     emit()
-    for name, section in (("steps", section_steps), ("peer", section_peer)):
+    for name, section in (("steps", section_steps), ("seq_len", section_seq_len), ("peer", section_peer)):
         try:
             section(args, report, budget, emit)
         except Exception as exc:  # a section's failure is recorded; the next section runs
@@ -737,6 +810,10 @@ def summary(report: dict[str, Any]) -> str:
     if fast:
         lines.append(f"fast T={fast['T']} B={fast['B']} kernels per layer: {fast['kernels_per_layer']}; "
                      f"outside the layers: {fast['kernels_outside_layers']}")
+    for cell in report["seq_len"]["cells"]:
+        if cell.get("status") == "ok":
+            lines.append(f"seq_len {cell['variant']} T={cell['T']}: " + ", ".join(
+                f"max_seq_len {k} {v:.3f} ms" for k, v in cell["ms"].items()) + f"; long/short {cell['ratio']}")
     peer = report["peer"]
     ok = [c for c in peer.get("cells", []) if c.get("status") == "ok"]
     skipped = sum(c.get("status") == "skipped" for c in peer.get("cells", []))
@@ -762,7 +839,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)  # these runs share their cores: one thread unless asked
     report = run(args)
     print(summary(report))
-    bad = [name for name in ("bandwidth", "steps", "peer") if report[name]["status"] in ("failed", "error")]
+    bad = [name for name in ("bandwidth", "steps", "seq_len", "peer") if report[name]["status"] in ("failed", "error")]
     print(f"[profile_step] wrote {args.out / REPORT}; {'not ok: ' + ', '.join(bad) if bad else 'ok'}")
     return 1 if bad else 0
 

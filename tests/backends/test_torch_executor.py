@@ -130,15 +130,20 @@ def sequential_argmax(model, prefix: list[int]) -> int:
     return _SEQUENTIAL[key]
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["packed", "padded"])
+# the step paths: packed (the CPU's), padded with SDPA over every row, padded with the Triton attention over each
+# slot's own keys (interpreted on the CPU)
+STEP_PATHS = {"packed": dict(padded=False), "padded": dict(padded=True), "triton": dict(attention="triton")}
+
+
+@pytest.mark.parametrize("path", STEP_PATHS)
 @pytest.mark.parametrize("tree", [None, tree_template(6, 3)], ids=["linear", "tree"])
-def test_each_row_slot_sees_exactly_its_own_prefix(model, padded, tree):
+def test_each_row_slot_sees_exactly_its_own_prefix(model, path, tree):
     """A batch of rows with different configs and cache lengths: every output slot == greedy on its prefix. With
     a 6-node tree, 2/2/1 verifies its first node and 4/3/4 (8 slots) linear candidates (tree.covers)."""
     rng = np.random.default_rng(0)
     prompts = [PROMPT, PROMPT[:5], PROMPT[3:12]]
     configs = [(4, 3, 4), (2, 2, 1), CAUSAL]
-    ex = BatchedTorchExecutor(model, 4, 128, 16, padded=padded, tree=tree)
+    ex = BatchedTorchExecutor(model, 4, 128, 16, tree=tree, **STEP_PATHS[path])
     rows, contexts = [], []
     for slot, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
         x = ex.prefill(slot, prompt, SamplingParams())
@@ -193,12 +198,11 @@ def test_commit_keeps_the_accepted_rows(model, padded):
     assert produced[: len(reference)] == reference
 
     # the committed KV rows equal a fresh prefill of the same sequence (slot 1's rows of the flat cache)
-    n, S = ex.cache_len(1), ex.rows_per_slot
+    n = ex.cache_len(1)
     fresh = BatchedTorchExecutor(model, 1, 256, 1)
     fresh.prefill(0, np.array([*PROMPT.tolist(), *produced])[:n], SamplingParams())
-    first = ex._physical[1] * S
-    assert torch.allclose(ex.k_cache[:, first : first + n], fresh.k_cache[:, :n], atol=1e-5)
-    assert torch.allclose(ex.v_cache[:, first : first + n], fresh.v_cache[:, :n], atol=1e-5)
+    for got, want in zip(ex.slot_kv(1), fresh.slot_kv(0), strict=True):
+        assert torch.allclose(got, want, atol=1e-5)
 
 
 def random_rows(rng, vocab, slots, cache_lens, step_tokens):
@@ -398,15 +402,15 @@ def test_sampled_lookahead_row_slots_equal_the_draw_on_their_visible_prefix(mode
         assert out[i] == seq.prefill(0, np.array([*PROMPT.tolist(), *ids[visible].tolist()]), params), f"slot {i}"
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["packed", "padded"])
-def test_top_ids_are_the_likeliest_next_tokens_of_each_output_slots_prefix(model, padded):
+@pytest.mark.parametrize("path", STEP_PATHS)
+def test_top_ids_are_the_likeliest_next_tokens_of_each_output_slots_prefix(model, path):
     """StepBatch.top_ids: at every output slot, the k ids of the largest logits of the one-token forward pass on
     that slot's visible prefix (the model called directly), largest first; other entries untouched."""
     tree = TreeTemplate((-1, 0, 1, 0, -1, 4, -1))
     config = (2, 3, 2)
     layout = StepLayout(LookaheadConfig(*config), tree=tree)
     ids = np.random.default_rng(5).integers(3, 512, layout.step_tokens)
-    ex = BatchedTorchExecutor(model, 2, 128, 16, padded=padded, tree=tree)
+    ex = BatchedTorchExecutor(model, 2, 128, 16, tree=tree, **STEP_PATHS[path])
     ids[0] = ex.prefill(1, PROMPT, SamplingParams())
     batch = make_batch([1], [row(config, ids, len(PROMPT) + layout.rel_positions)])
     batch.top_ids = np.full((1, batch.tokens, 4), -7, np.int64)
@@ -543,6 +547,82 @@ def test_cuda_graph_batches_match_the_cpu(dtype, compile):
             gpu.commit(s, np.array([0]))
 
 
+# -- the padded step's widths and commits ----------------------------------------------------------------------
+
+
+def linear_rows(ex: BatchedTorchExecutor, batch: StepBatch) -> set[int]:
+    """The row counts (M) of the projections the step `batch` runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        ex.step(batch)
+    return {event.input_shapes[0][0] for event in prof.events() if "linear" in event.name and event.input_shapes}
+
+
+def test_a_padded_step_runs_at_the_narrowest_width_that_holds_its_rows(model):
+    """A greedy row on a padded executor built for 16-token rows runs its projections on 1 row, not 16; a lookahead
+    row of 6 tokens on 8 (the widths are 1, 2, 4, .. step_tokens); a batch of two slots on bucket 2 x its width."""
+    ex = BatchedTorchExecutor(model, 2, 64, 16, padded=True)
+    assert ex.widths == [1, 2, 4, 8, 16]
+    x = ex.prefill(0, PROMPT, SamplingParams())
+    greedy = make_batch([0], [row((1, 2, 0), np.array([x]), np.array([len(PROMPT)]))])
+    assert linear_rows(ex, greedy) == {1}
+    layout = StepLayout(LookaheadConfig(2, 3, 1))
+    ids = np.full(layout.step_tokens, x)
+    lookahead = make_batch([0], [row((2, 3, 1), ids, len(PROMPT) + layout.rel_positions)])
+    assert layout.step_tokens == 6 and linear_rows(ex, lookahead) == {8}
+    ex.prefill(1, PROMPT[:5], SamplingParams())
+    both = make_batch([0, 1], [row((2, 3, 1), ids, len(PROMPT) + layout.rel_positions),
+                               row((1, 2, 0), np.array([x]), np.array([5]))])
+    assert linear_rows(ex, both) == {16}
+
+
+def commit_runs_no_torch_op(ex: BatchedTorchExecutor, slot: int, rows: np.ndarray) -> bool:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        ex.commit(slot, rows)
+    return not [event.name for event in prof.events() if event.name.startswith("aten::")]
+
+
+@pytest.mark.parametrize("then", ["step", "release another slot", "restart"])
+def test_a_padded_commit_moves_its_rows_with_the_next_step(model, then):
+    """The padded step's commit does no device work (its rows move inside the next step's staging, with that step's
+    inputs in one copy); a slot's committed KV is then what an immediate move gives (the packed executor's), also
+    when another slot's release moves this slot to another physical slot first, and a restart of the slot in place
+    drops the moves it had not made yet."""
+    layout = StepLayout(LookaheadConfig(3, 4, 2))
+    T, draft = layout.step_tokens, layout.candidate_slots[1]
+    executors = [BatchedTorchExecutor(model, 2, 96, T, padded=padded) for padded in (True, False)]
+    for ex in executors:
+        ex.prefill(0, PROMPT[:7], SamplingParams())
+        x = ex.prefill(1, PROMPT, SamplingParams())
+        ids = np.random.default_rng(3).integers(3, 512, T)
+        ids[0] = x
+        ex.step(make_batch([1], [row((3, 4, 2), ids, len(PROMPT) + layout.rel_positions)]))
+        rows = np.array([0, *draft[:2]])  # accepted rows 0, draft[0], draft[1]: two move down
+    padded, packed = executors
+    assert commit_runs_no_torch_op(padded, 1, rows)
+    packed.commit(1, rows)
+    longer = np.concatenate([PROMPT, PROMPT[:8]])  # past the old cache_len: a stale move would land inside it
+    for ex in executors:
+        if then == "release another slot":
+            ex.release(0)  # slot 1 moves into physical slot 0
+        if then == "restart":
+            ex.prefill(1, longer, SamplingParams())
+        n = ex.cache_len(1)
+        y = ex.step(make_batch([1], [row((1, 2, 0), np.array([5]), np.array([n]))]))[0, 0]
+        ex.commit(1, np.array([0]))
+        ex.last = y  # type: ignore[attr-defined]
+    assert padded.last == packed.last  # type: ignore[attr-defined]
+    for got, want in zip(padded.slot_kv(1), packed.slot_kv(1), strict=True):
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+    if then == "restart":
+        fresh = BatchedTorchExecutor(model, 1, 96, T, padded=True)
+        fresh.prefill(0, longer, SamplingParams())
+        assert torch.allclose(padded.slot_kv(1)[0][:, : len(longer)], fresh.slot_kv(0)[0], atol=1e-5)
+
+
 # -- the compiled padded step (compile=True) --------------------------------------------------------------------
 
 
@@ -593,7 +673,7 @@ def test_the_compiled_step_is_one_graph_with_the_eager_steps_logits(dense_models
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), step
         assert np.array_equal(compiled.step(batches[0]), eager.step(batches[1])), step
     assert graph_counts() == (breaks, graphs + 1)  # bucket 4: one graph, no break, never compiled again
-    assert capfd.readouterr().err.count("trt-lookahead: compiling the step for batch bucket 4 (once)") == 1
+    assert capfd.readouterr().err.count("trt-lookahead: compiling the step for batch bucket 4, width 16 (once)") == 1
 
 
 @pytest.mark.slow

@@ -62,6 +62,8 @@ def test_the_installed_entry_point_prints_no_usage_block():
         (["--tree", "0,1"], "parents must be -1 (x_t) or an earlier node"),
         (["--tree=-1,0", "--lookahead_config", "4,3,4", "--backend", "torch"], "cannot fill the 8 verification slots"),
         (["--tree=-1,0"], "cannot fill the 32 verification slots"),  # the default: the cached engine's 8/5/8
+        (["--attention", "flash"], "attention must be one of sdpa, triton, got 'flash'"),
+        (["--attention", "triton", "--backend", "onnxruntime"], "drop them or the backend"),
     ],
 )
 def test_generate_refuses_bad_values_naming_them(capsys, extra, words):
@@ -117,6 +119,17 @@ def test_exact_on_the_onnxruntime_backend_of_a_checkpoint_is_refused(capsys, com
     exact (an engine dir built with --exact is: tests/backends/test_engine_exact.py)."""
     line = one_error_line(capsys, [*command, "--model", str(STORIES), "--backend", "onnxruntime", "--exact"])
     assert "onnxruntime runs exact steps only on an engine dir built with `trt-lookahead build --exact`" in line
+
+
+def test_triton_attention_without_cuda_says_so():
+    """--attention triton reaches the torch executor (`generate`, `bench` and `serve` share the loading path);
+    without CUDA (or TRITON_INTERPRET=1, which this test suite sets) it is refused in one line naming the fix."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "trt_lookahead.cli", "generate", "--model", str(STORIES), "--prompt",
+                          "Once", "--attention", "triton"], capture_output=True, text=True, env=env, timeout=300)
+    lines = [x for x in out.stderr.strip().splitlines() if not x.startswith("trt-lookahead: ")]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert "attention='triton' runs Triton kernels, on CUDA" in lines[0] and "use attention='sdpa'" in lines[0]
 
 
 @pytest.mark.parametrize("budget", ["nan", "inf", "0", "-5"])

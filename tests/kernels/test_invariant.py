@@ -1,5 +1,6 @@
-"""kernels/invariant.py: each op gives a row the same bits whatever else the call holds, and computes what
-the model's op computes. Compiled on a GPU; interpreted (TRITON_INTERPRET=1, tests/conftest.py) without one.
+"""kernels/invariant.py and kernels/padded_attention.py's exact mode: each op gives a row the same bits whatever
+else the call holds, and computes what the model's op computes. Compiled on a GPU; interpreted (TRITON_INTERPRET=1,
+tests/conftest.py) without one.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from trt_lookahead.backends.devices import gpu_count
-from trt_lookahead.kernels import invariant, reference
+from trt_lookahead.kernels import invariant, padded_attention, reference
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.model.llama import RMSNorm
@@ -104,7 +105,7 @@ def test_key_rows_lays_each_querys_keys_at_their_positions():
     T, S = 16, 60
     mask, positions = padded_step(configs, T, S)
     cache_len = torch.tensor([c for _, c in configs], device=DEVICE)
-    table = invariant.key_rows(mask, cache_len, positions).cpu().numpy()
+    table = padded_attention.key_rows(mask, cache_len, positions).cpu().numpy()
     m, pos = mask.cpu().numpy(), positions.cpu().numpy()
     for b, (_, p) in enumerate(configs):
         for t in range(T):
@@ -128,9 +129,9 @@ def test_padded_attention_is_attention_over_the_keys_each_query_sees(dtype, tole
               for t in (k, v))
     want = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask.cpu()[:, None])
     want = want.transpose(1, 2).reshape(q.shape)
-    table = invariant.key_rows(mask, cache_len, positions)
+    table = padded_attention.key_rows(mask, cache_len, positions)
     for chunk in (128, 32):  # one program per slot's positions; one per 32 of them, merged in order
-        out = invariant.padded_attention(q, k, v, table, cache_len, chunk=chunk).cpu()
+        out = padded_attention.padded_attention(q, k, v, table, cache_len, chunk=chunk).cpu()
         assert reference.relative_error(out, want) <= tolerance, chunk
 
 
@@ -148,8 +149,8 @@ def test_padded_attention_gives_a_query_the_bits_of_plain_decoding(dtype, tolera
     cache_len = torch.tensor([c for _, c in configs], device=DEVICE)
     q = randn(len(configs) * T, Hq, D, dtype=dtype)
     k, v = randn(len(configs) * S, Hkv, D, dtype=dtype, seed=1), randn(len(configs) * S, Hkv, D, dtype=dtype, seed=2)
-    table = invariant.key_rows(mask, cache_len, positions)
-    out = invariant.padded_attention(q, k, v, table, cache_len, chunk=chunk)
+    table = padded_attention.key_rows(mask, cache_len, positions)
+    out = padded_attention.padded_attention(q, k, v, table, cache_len, chunk=chunk)
     for b, (config, _) in enumerate(configs):
         for t in range(StepLayout(config).step_tokens):
             seen = table[b, t].cpu()
@@ -157,6 +158,6 @@ def test_padded_attention_gives_a_query_the_bits_of_plain_decoding(dtype, tolera
             assert torch.equal(keys, torch.arange(len(keys))), (b, t)
             rows = b * S + seen[keys].to(DEVICE)
             plain = torch.arange(len(keys), dtype=torch.int32, device=DEVICE)  # cached keys, then its own
-            alone = invariant.padded_attention(q[b * T + t : b * T + t + 1], k[rows], v[rows], plain[None, None],
+            alone = padded_attention.padded_attention(q[b * T + t : b * T + t + 1], k[rows], v[rows], plain[None, None],
                                                torch.tensor([len(keys) - 1], device=DEVICE), chunk=chunk)
             assert torch.equal(alone[0], out[b * T + t]), (b, t)

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from trt_lookahead.lookahead.config import Lookahead, LookaheadConfig
 from trt_lookahead.lookahead.decoder import GREEDY_STEP
-from trt_lookahead.lookahead.policy import LookaheadPolicy, Priors, StepCost, ladder
+from trt_lookahead.lookahead.policy import GREEDY_PROBE_EVERY, LookaheadPolicy, Priors, StepCost, ladder
 
 C = LookaheadConfig
 PRIORS = Priors({"1/3/1": 1.5, "2/3/2": 1.8, "4/3/4": 2.1})  # compression (tokens per step) as tune measures it
@@ -207,3 +207,99 @@ def test_the_chosen_step_is_never_predicted_slower_than_batched_greedy(requests,
                                       and min(state.config.G, supply) >= config.G)
         )
     assert np.isfinite(speed(configs))
+
+
+def run_on(policy, real, steps, n=1, supply=4, outlier_at=None):
+    """`steps` steps of n `auto` requests on an executor whose step of M tokens in B rows takes real(M, B) ms (10x
+    that at step `outlier_at`); a request's drafts match as the priors say (its emitted tokens add up to its configs'
+    compression). The configs chosen, and for each step whether it was a request's probe (chosen whatever the
+    prediction)."""
+    states = [policy.start(Lookahead(C(4, 3, 4), auto=True)) for _ in range(n)]
+    extra = [0.0] * n  # each request's prior extra tokens so far: it emits their whole part
+    chosen, probes = [], []
+    for step in range(steps):
+        probes.append(any(s.draftless_run >= s.probe_every for s in states))
+        configs = policy.choose(states, [supply] * n)
+        tokens = sum(c.step_tokens for c in configs)
+        policy.observe_step(tokens, n, real(tokens, n) * (10 if step == outlier_at else 1) / 1000.0)
+        for i, (state, config) in enumerate(zip(states, configs, strict=True)):
+            before, extra[i] = extra[i], extra[i] + PRIORS.extra(config)
+            policy.observe(state, config, 1 + int(extra[i]) - int(before))
+        chosen.append(configs)
+    return chosen, probes
+
+
+def speed(real, configs):
+    """Real tokens per ms of a step of `configs` whose drafts match as the priors say."""
+    return sum(1 + PRIORS.extra(c) for c in configs) / real(sum(c.step_tokens for c in configs), len(configs))
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_tuning_that_calls_lookahead_cheap_where_it_is_dear_costs_a_few_steps(n):
+    """Tuned: tokens nearly free (FLAT); real: every token costs 40% of a one-token step (STEEP). The policy
+    starts on 4/3/4, sees its steps cost far more than tuned, steps down the ladder and runs greedy (but for its
+    requests' probes) from then on."""
+    policy = LookaheadPolicy(FLAT, PRIORS)
+    chosen, probes = run_on(policy, STEEP, 80, n)
+    assert chosen[0] == [C(4, 3, 4)] * n
+    settled = next(i for i, c in enumerate(chosen) if c == [GREEDY_STEP] * n)
+    assert settled <= 10  # one step per rung down the ladder (requests stepping down apart under load)
+    # a rung timed in one step only is tried once more UNCONFIRMED steps later (one slow step must not ban it)
+    retries = [i for i in range(settled, 80) if chosen[i] != [GREEDY_STEP] * n and not probes[i]]
+    assert len(retries) <= 3 and all(i < 40 for i in retries)
+    assert speed(STEEP, [GREEDY_STEP] * n) > speed(STEEP, chosen[0])  # the cheaper choice indeed
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_tuning_that_calls_lookahead_dear_where_it_is_cheap_is_corrected_by_the_probes(n):
+    """Tuned: STEEP; real: FLAT. Greedy runs until the first probe times a step with drafts: from then on the
+    corrected cost keeps lookahead, faster than greedy on the real executor."""
+    policy = LookaheadPolicy(STEEP, PRIORS)
+    chosen, _ = run_on(policy, FLAT, 80, n)
+    assert chosen[0] == [GREEDY_STEP] * n
+    settled = next(i for i, c in enumerate(chosen) if GREEDY_STEP not in c)
+    assert settled <= 10  # the first probe comes after PROBE_EVERY = 8 greedy steps
+    # but for one all-greedy step GREEDY_PROBE_EVERY steps on, which times greedy again
+    assert sum(GREEDY_STEP in c for c in chosen[settled:]) == 1 == sum(c == [GREEDY_STEP] * n for c in chosen[settled:])
+    assert all(speed(FLAT, c) > speed(FLAT, [GREEDY_STEP] * n) for c in chosen[settled:] if GREEDY_STEP not in c)
+    assert chosen[-1] == [C(4, 3, 4)] * n  # each rung timed showed the next one cheaper too: it climbed to the top
+
+
+def test_without_tuning_errors_the_choices_are_tunes():
+    """Observed costs equal to the tuned ones change nothing."""
+    for cost, settled in ((FLAT, [C(4, 3, 4)] * 2), (STEEP, [GREEDY_STEP] * 2)):
+        chosen, probes = run_on(LookaheadPolicy(cost, PRIORS), cost, 40, 2)
+        assert all(c == settled for c, probe in zip(chosen, probes, strict=True) if not probe)
+
+
+@pytest.mark.parametrize(("tuned", "real"), [(FLAT, FLAT), (STEEP, STEEP), (FLAT, STEEP), (STEEP, FLAT)])
+def test_one_slow_step_changes_the_choice_for_a_step_or_two_at_most(tuned, real):
+    steady, _ = run_on(LookaheadPolicy(tuned, PRIORS), real, 60, 2)
+    noisy, _ = run_on(LookaheadPolicy(tuned, PRIORS), real, 60, 2, outlier_at=30)
+    assert sum(a != b for a, b in zip(steady, noisy, strict=True)) <= 2
+
+
+def test_a_greedy_step_dearer_in_the_tuning_than_in_fact_is_timed_again():
+    """Tuned on a busy machine: a one-token step 61 ms, and tokens cheap, so lookahead is chosen; in fact greedy
+    costs 32 ms and lookahead steps far more. The lookahead steps are corrected as they run but the greedy step,
+    never run, stays at the tuned cost until the greedy probe times it; then greedy is kept."""
+    tuned, real = StepCost.linear(60.0, 1.0), StepCost.linear(20.0, 12.0)
+    chosen, probes = run_on(LookaheadPolicy(tuned, PRIORS), real, 120)
+    assert chosen[0] == [C(4, 3, 4)]
+    settled = next(i for i, c in enumerate(chosen) if c == [GREEDY_STEP])
+    assert settled <= GREEDY_PROBE_EVERY + 4
+    assert all(c == [GREEDY_STEP] for c, probe in zip(chosen[settled:], probes[settled:], strict=True) if not probe)
+
+
+def test_the_learnt_cost_is_tunes_until_observed_and_per_row_count():
+    policy = LookaheadPolicy(STEEP, PRIORS)
+    assert policy.cost(16, 1) == STEEP(16, 1) and policy.cost.observations == 0
+    for _ in range(3):
+        policy.observe_step(16, 1, 2 * STEEP(16, 1) / 1000.0)
+    assert policy.cost(16, 1) == pytest.approx(2 * STEEP(16, 1))
+    assert policy.cost(16, 2) == STEEP(16, 2)  # another row count learns on its own
+    assert policy.cost(4, 1) == STEEP(4, 1)  # far below the observed steps: tune's
+    assert policy.cost.observations == 3 and policy.cost.last == (16, 1, pytest.approx(2 * STEEP(16, 1)))
+    fixed = LookaheadPolicy(STEEP, PRIORS, learn=False)  # a replay of a tuning entry: its cost only
+    fixed.observe_step(16, 1, 2 * STEEP(16, 1) / 1000.0)
+    assert fixed.cost(16, 1) == STEEP(16, 1) and fixed.cost.observations == 0

@@ -315,11 +315,6 @@ def feed_steps(ex: BatchedTorchExecutor, slot: int, prompt: np.ndarray, rng: np.
     return logits
 
 
-def slot_kv(ex: BatchedTorchExecutor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The slot's committed K and V rows [layers, cache_len, kv_heads, head_dim]."""
-    first = int(ex._physical[slot]) * ex.rows_per_slot
-    rows = slice(first, first + ex.cache_len(slot))
-    return ex.k_cache[:, rows].clone(), ex.v_cache[:, rows].clone()
 
 
 def assert_prefill_bits(ex: BatchedTorchExecutor, P: int, seed: int) -> None:
@@ -330,7 +325,7 @@ def assert_prefill_bits(ex: BatchedTorchExecutor, P: int, seed: int) -> None:
     feeds = {"whole": lambda slot: feed_whole(ex, slot, prompt),
              **{f"chunks of {c}": lambda slot, c=c: feed_chunks(ex, slot, prompt, c) for c in PREFILL_CHUNKS},
              "prefix + accepted steps": lambda slot: feed_steps(ex, slot, prompt, rng)}
-    results = {name: (feed(slot), *slot_kv(ex, slot)) for slot, (name, feed) in enumerate(feeds.items())}
+    results = {name: (feed(slot), *ex.slot_kv(slot)) for slot, (name, feed) in enumerate(feeds.items())}
     logits, k, v = results.pop("whole")
     assert int(torch.argmax(logits)) == ex.prefill(len(feeds), prompt, SamplingParams())
     for name, (other_logits, other_k, other_v) in results.items():
@@ -369,7 +364,7 @@ def test_the_padded_exact_prefill_runs_the_steps_kernels(dtype):
     assert ex.cache_len(0) == ex.cache_len(1) == 40
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     assert torch.allclose(whole.float().cpu(), chunked.float().cpu(), atol=tolerance)
-    (k0, v0), (k1, v1) = slot_kv(ex, 0), slot_kv(ex, 1)
+    (k0, v0), (k1, v1) = ex.slot_kv(0), ex.slot_kv(1)
     assert torch.allclose(k0.float(), k1.float(), atol=tolerance) and torch.allclose(v0.float(), v1.float(),
                                                                                        atol=tolerance)
 

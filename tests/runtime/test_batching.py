@@ -351,17 +351,31 @@ def test_smollm2_eight_mixed_concurrent_requests_equal_their_solo_runs():
         assert b.token_ids == a.token_ids, (prompt, kw)
 
 
+def assert_two_at_once_give_the_default_tokens(rt: LookaheadRuntime, stories: LookaheadRuntime, tokens: int) -> None:
+    """Two requests at once on `rt` (buckets 1 and 2), lookahead and greedy: the default runtime's tokens."""
+    for lookahead in ("4,3,4", "greedy"):
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(rt.generate, p, max_new_tokens=tokens, lookahead=lookahead) for p in PROMPTS[:2]]
+            got = [f.result(timeout=300).token_ids for f in futures]
+        assert got == [stories.generate(p, max_new_tokens=tokens, lookahead=lookahead).token_ids
+                       for p in PROMPTS[:2]], lookahead
+
+
+def test_a_runtime_on_the_triton_attention_gives_the_default_runtimes_tokens(stories):
+    """attention='triton' (experimental): the padded step with the Triton attention over each slot's own keys
+    (interpreted on the CPU), two requests at once, lookahead and greedy: the default runtime's tokens."""
+    with LookaheadRuntime.from_pretrained(STORIES, lookahead="4,3,4", max_batch=2, max_seq_len=256,
+                                          attention="triton") as rt:
+        assert rt.executor.attention == "triton" and rt.executor.padded and not rt.executor.exact
+        assert_two_at_once_give_the_default_tokens(rt, stories, 12)
+
+
 @pytest.mark.slow
 def test_a_compiled_runtime_gives_the_eager_runtimes_tokens(stories):
     """compile=True (experimental): the torch executor's compiled padded step, two requests at once (buckets 1 and
     2), lookahead and greedy, the eager runtime's tokens; it runs a checkpoint on the torch backend only."""
-    with pytest.raises(UserError, match="drop --compile"):
+    with pytest.raises(UserError, match="drop them or the backend"):
         LookaheadRuntime.from_pretrained(STORIES, backend="onnxruntime", compile=True)
     with LookaheadRuntime.from_pretrained(STORIES, lookahead="4,3,4", max_batch=2, max_seq_len=256,
                                           compile=True) as rt:
-        for lookahead in ("4,3,4", "greedy"):
-            with ThreadPoolExecutor(2) as pool:
-                futures = [pool.submit(rt.generate, p, max_new_tokens=40, lookahead=lookahead) for p in PROMPTS[:2]]
-                got = [f.result(timeout=300).token_ids for f in futures]
-            assert got == [stories.generate(p, max_new_tokens=40, lookahead=lookahead).token_ids
-                           for p in PROMPTS[:2]], lookahead
+        assert_two_at_once_give_the_default_tokens(rt, stories, 40)

@@ -73,6 +73,33 @@ def test_the_backend_of_a_checkpoint():
         checkpoint_backend("onnxruntime", "bfloat16")
     with pytest.raises(UserError, match="runs engine dirs"):
         checkpoint_backend("tensorrt", "float32")
+    # on CUDA a checkpoint runs on the torch executor, float32 too; onnxruntime (a CPU engine) is refused
+    backend, why = checkpoint_backend(None, "float32", device="cuda")
+    assert backend == "torch" and "CUDA graphs" in why
+    with pytest.raises(UserError, match="runs on CUDA through the torch executor, not onnxruntime"):
+        checkpoint_backend("onnxruntime", "float32", device="cuda")
+
+
+def test_the_device_of_a_checkpoint(tmp_path):
+    """--device: by default CUDA where a GPU is visible, else the CPU; each refusal names the fix; a loaded model's
+    tuning key says its device (a step costs otherwise on a GPU)."""
+    from dataclasses import replace
+
+    from trt_lookahead.backends.devices import gpu_count
+    from trt_lookahead.runtime import LookaheadRuntime
+    from trt_lookahead.runtime.load import checkpoint_device, loaded_tuning_key
+
+    assert checkpoint_device(None) == ("cuda" if gpu_count() else "cpu") and checkpoint_device("cpu") == "cpu"
+    with pytest.raises(UserError, match="device must be one of cpu, cuda, got 'tpu'"):
+        checkpoint_device("tpu")
+    if not gpu_count():
+        with pytest.raises(UserError, match="sees no CUDA device; use --device cpu"):
+            checkpoint_device("cuda")
+    with LookaheadRuntime.from_pretrained(STORIES, backend="torch", device="cpu", max_batch=1) as rt:
+        assert rt.model.device == "cpu" and next(rt.model.executor.model.parameters()).device.type == "cpu"
+        on_gpu = replace(rt.model, device="cuda")
+        assert loaded_tuning_key(on_gpu) != loaded_tuning_key(rt.model)
+        assert loaded_tuning_key(replace(on_gpu, device="cpu")) == loaded_tuning_key(rt.model)
 
 
 def test_a_torch_checkpoint_tree_covers_every_config_auto_may_use():

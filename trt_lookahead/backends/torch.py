@@ -17,17 +17,21 @@ slot), allocated once; nothing is allocated per request. Two step paths, one con
     `BlockedAttention`, so every token's logits are bit-identical whatever shares its step: other
     requests, or its own lookahead slots (the 1-token greedy step gives the same bits; docs/design.md
     section 4.2). Prefill keeps SDPA: a prompt is prefilled by one call of its own, alone or batched.
-  padded (CUDA): rows padded to [Bb, step_tokens], Bb the batch-size bucket (1, 2, 4, ..., max_batch);
-    masks come from cache_len [Bb] and step_config [Bb, 3] device tensors through the one closed form
-    (kernels/mask.py); the active slots are kept in physical slots 0 .. n-1 (a release moves the last one
-    into the hole), so bucket Bb attends over the cache view of the first Bb slots; each (bucket, any
-    row sampled) pair is captured once as a CUDA graph and replayed. It also runs eagerly on the CPU.
-    With `exact` (asked for, or by default in EXACT_BY_DEFAULT's dtypes on CUDA) the projections, norms and
-    attention are the row-invariant Triton kernels of kernels/invariant.py (on CUDA; on the CPU only under
-    TRITON_INTERPRET=1, for tests). The attention and those kernels are kernels/step_ops.py's custom ops.
+  padded (CUDA): rows padded to [Bb, Tw], Bb the batch-size bucket (1, 2, 4, ..., max_batch) and Tw the step
+    width (1, 2, 4, ..., step_tokens: a greedy step runs at 1); masks come from cache_len [Bb] and step_config
+    [Bb, 3] device tensors through the one closed form (kernels/mask.py); the active slots are kept in physical
+    slots 0 .. n-1 (a release moves the last one into the hole), so bucket Bb attends over the cache view of the
+    first Bb slots; each (bucket, width, any row sampled, top-k) is captured once as a CUDA graph (all in one
+    memory pool) and replayed. A step is one host-to-device copy (its inputs, and the KV moves of the commits
+    before it, which `commit` only records) and one device-to-host copy (its tokens and top-k ids). It also
+    runs eagerly on the CPU. Attention (`attention`, ATTENTIONS): SDPA over each slot's S rows under the mask, or
+    the Triton kernel of kernels/padded_attention.py over each slot's own cache_len + Tw keys, the mask in
+    registers. With `exact` (asked for, or by default in EXACT_BY_DEFAULT's dtypes on CUDA) the projections,
+    norms and attention are the row-invariant Triton kernels of kernels/invariant.py (on CUDA; on the CPU only
+    under TRITON_INTERPRET=1, for tests). The attentions and those kernels are kernels/step_ops.py's custom ops.
   compiled (`compile=True`, experimental, off by default: not yet measured on a GPU): the padded step's
-    forward under torch.compile (inductor, fullgraph), one graph per bucket compiled on its first step (said
-    once on stderr) and captured in that bucket's CUDA graph; eager-but-compiled on the CPU. Inductor fuses
+    forward under torch.compile (inductor, fullgraph), one graph per (bucket, width) compiled on its first step
+    (said once on stderr) and captured in its CUDA graphs; eager-but-compiled on the CPU. Inductor fuses
     the pointwise work (RoPE, KV writes, SiLU * mul, residuals, the mask) around the opaque custom ops; the
     token choice (argmax, sampling, top-k) stays eager. It needs a dense weight layout (not 'onednn'). Exact and
     compiled, the prompt is prefilled through the compiled step too (the steps' bits), and inductor splits no
@@ -86,6 +90,10 @@ EXACT_BY_DEFAULT = (torch.bfloat16,)
 # the most prompt tokens an exact prefill feeds in one causal row: BlockedAttention holds every query row's scores
 # over every key block, memory rows x keys, so a long prompt runs as rows of this many (any size gives the same bits)
 EXACT_PREFILL_CHUNK = DEFAULT_STEP_TOKENS
+# the fast padded step's attention: SDPA over each slot's S rows under the closed-form mask (the default until the
+# other is measured on a GPU), or kernels/padded_attention.py's Triton kernel over each slot's own keys, the mask
+# evaluated in registers (docs/design.md section 6.4)
+ATTENTIONS = ("sdpa", "triton")
 
 
 RowAttend = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q [t, Hq, D], k, v [keys, Hkv, D]) -> [t, Hq, D]
@@ -119,6 +127,18 @@ class PaddedAttention:
         return step_ops.padded_sdpa(q, k_cache, v_cache, self.mask)
 
 
+class StepAttention:
+    """Attention of a padded step over each slot's own cache_len + T keys, the step mask evaluated in registers
+    (kernels/step_ops.py `padded_attention`: one op, opaque to a compiled step; no [Bb, T, S] mask at all)."""
+
+    def __init__(self, cache_len: Tensor, config: Tensor, tree_ends: Tensor, rows_per_slot: int) -> None:
+        self.cache_len, self.config, self.tree_ends, self.rows_per_slot = cache_len, config, tree_ends, rows_per_slot
+
+    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, step_mask: Tensor) -> Tensor:
+        return step_ops.padded_attention(q, k_cache, v_cache, self.cache_len, self.config, self.tree_ends,
+                                         self.rows_per_slot)
+
+
 class BatchedTorchExecutor:
     """The batched executor contract on a torch `Llama`; see the module docstring."""
 
@@ -135,6 +155,7 @@ class BatchedTorchExecutor:
         tree: TreeTemplate | None = None,
         exact: bool | None = None,
         compile: bool = False,
+        attention: str = "sdpa",
     ) -> None:
         self.device = model.device if device is None else torch.device(device)
         self.tree = tree  # every lookahead row's verification slots are this template's nodes (fixed, like an engine's)
@@ -146,7 +167,9 @@ class BatchedTorchExecutor:
             if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         is_cuda = self.device.type == "cuda"
-        self.padded = (is_cuda or compile) if padded is None else padded
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+        self.padded = (is_cuda or compile or attention == "triton") if padded is None else padded
         if compile and not self.padded:
             raise ValueError("compile=True compiles the padded step; use padded=True (the default with compile)")
         if compile and model.weight_layout == "onednn":  # inductor cannot lower oneDNN's packed weights
@@ -155,6 +178,16 @@ class BatchedTorchExecutor:
                 "load_llama(..., weight_layout='out_in') or call model.set_weight_layout('out_in')"
             )
         self.compile = compile
+        if attention == "triton":  # the fast padded step's own kernel
+            if reason := invariant_kernels_reason(self.device):
+                raise ValueError(f"attention='triton' {reason}; use attention='sdpa'")
+            if not self.padded:
+                raise ValueError("attention='triton' is the padded step's attention; use padded=True (its default)")
+            if exact:
+                raise ValueError("attention='triton' is the fast step's attention, and the exact step has its own "
+                                 "(kernels/invariant.py): use exact=False, or attention='sdpa'")
+            exact = False  # asking for the fast step's kernel is asking for the fast step
+        self.attention = attention
         self.cuda_graph = (is_cuda and self.padded) if cuda_graph is None else cuda_graph
         if self.cuda_graph and not (is_cuda and self.padded):
             raise ValueError("cuda_graph needs device='cuda' and the padded step")
@@ -191,16 +224,24 @@ class BatchedTorchExecutor:
         self._sampled = np.zeros(B, bool)  # host copy: does the physical slot sample?
         if self.padded:
             T = self.step_tokens
-            # per-step inputs of every physical slot in one device buffer [ids | positions | outputs | cache_len,
-            # W, N, G]; the host fills a (pinned on CUDA) staging copy and never freezes values into a graph
-            self._d_in = torch.zeros(B, 3 * T + 4, dtype=torch.int64, device=dev)
-            self._h_in = torch.zeros(B, 3 * T + 4, dtype=torch.int64, pin_memory=is_cuda)
-            self._graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor | None]]] = {}
+            # one host-to-device copy a step: every physical slot's inputs [ids | positions | outputs | cache_len,
+            # W, N, G] (B rows of 3T + 4), then the (source, destination) cache rows of the KV moves that the
+            # commits since the last step left (at most T per slot); the host fills a (pinned on CUDA) staging copy
+            # and never freezes values into a graph
+            self._row_width = 3 * T + 4
+            self._h_in = torch.zeros(B * self._row_width + 2 * B * T, dtype=torch.int64, pin_memory=is_cuda)
+            self._d_in = torch.zeros(self._h_in.shape, dtype=torch.int64, device=dev)
+            self._moves: dict[int, np.ndarray] = {}  # logical slot -> [k, 2] its commit's (source, destination) rows
+            self._graphs: dict[tuple[int, int, bool, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+            self._graph_pool: Any = None  # one memory pool for every graph: they replay one at a time
             # the tree template's table as a [2T] device tensor (the closed form reads it per query and key slot)
             self._ends = torch.from_numpy(tree_ends(np.zeros(0) if tree is None else tree.table, T)).to(dev)
+            self._no_tree = torch.zeros(0, dtype=torch.int64, device=dev)  # the Triton attention's "no tree"
             self.buckets = batch_buckets(B)
+            # a step runs at the narrowest width that holds its rows (a greedy step at 1, not step_tokens)
+            self.widths = batch_buckets(T)
             self._forward = self._compiled_forward() if compile else self._padded_forward
-            self._compiled_buckets: set[int] = set()  # buckets whose compile was announced
+            self._compiled_shapes: set[tuple[int, int]] = set()  # (bucket, width) whose compile was announced
 
     def _exact(self, model: Llama, exact: bool | None) -> bool:
         """Whether steps run row-invariant: asked for, or by default where it is cheap and the projections are."""
@@ -239,6 +280,8 @@ class BatchedTorchExecutor:
         slot = check_slot(slot, self.max_batch)
         self._claim(slot)
         self._cache_len[slot] = self._step_real[slot] = 0
+        if self.padded:
+            self._moves.pop(slot, None)  # a restart in place: the old request's accepted rows never move
         self._set_sampling(int(self._physical[slot]), sampling)
 
     @torch.inference_mode()
@@ -291,7 +334,7 @@ class BatchedTorchExecutor:
             part = ids[start : start + T]
             c, cache_len = len(part), int(self._cache_len[slot])
             batch = StepBatch(np.array([slot]), np.pad(part, (0, T - c))[None], cache_len + np.arange(T)[None],
-                              np.array([CAUSAL], np.int32), np.array([[c - 1]]))
+                              np.array([CAUSAL], np.int32), np.array([[c - 1]]))  # every chunk at width T
             logits = self.step_logits(batch)[0]
             self.commit(slot, np.arange(c))
         return logits
@@ -308,8 +351,8 @@ class BatchedTorchExecutor:
         """[B, K, vocab] the logits `step` chooses from at each row's output slots; KV as `step`."""
         real = self._check_step(batch)
         if self.padded:
-            phys, bucket = self._stage_padded(batch)
-            logits = self._padded_logits(bucket).view(bucket, self.step_tokens, -1)
+            phys, bucket, width = self._stage_padded(batch)
+            logits = self._padded_logits(bucket, width).view(bucket, width, -1)
             chosen = logits[torch.from_numpy(phys).to(self.device), : batch.output_slots.shape[1]]
         else:
             logits, distinct = self._packed_logits(batch, real)
@@ -338,11 +381,35 @@ class BatchedTorchExecutor:
         k = len(rows)
         if k and not np.array_equal(rows, np.arange(k)):  # rows already in place otherwise (greedy: [0])
             base = int(self._physical[slot]) * self.rows_per_slot + cache_len
-            src = torch.from_numpy(rows + base).to(self.device)
-            dst = torch.arange(base, base + k, device=self.device)
-            for cache in (self.k_cache, self.v_cache):
-                cache.index_copy_(1, dst, cache.index_select(1, src))
+            moves = np.stack([rows + base, np.arange(base, base + k)], axis=1)  # [k, 2] (source, destination)
+            if self.padded:  # the next step moves them, its inputs and the moves in one copy: no device work here
+                self._moves[slot] = moves
+            else:
+                self._move_rows(torch.from_numpy(moves).to(self.device))
         self._cache_len[slot] = cache_len + k
+
+    def _move_rows(self, moves: Tensor) -> None:
+        """Copy each layer's K and V cache row moves[i, 0] to row moves[i, 1] (moves [k, 2] on the device; a commit
+        moves a slot's accepted step rows down to its cache_len, never onto a row another move reads)."""
+        src, dst = moves[:, 0], moves[:, 1]
+        for cache in (self.k_cache, self.v_cache):
+            cache.index_copy_(1, dst, cache.index_select(1, src))
+
+    def _flush_moves(self) -> None:
+        """Make every pending commit's moves now (before slots' rows are copied elsewhere; not once per step)."""
+        if self._moves:
+            self._move_rows(torch.from_numpy(np.concatenate(list(self._moves.values()))).to(self.device))
+            self._moves.clear()
+
+    @torch.inference_mode()
+    def slot_kv(self, slot: int) -> tuple[Tensor, Tensor]:
+        """Copies of the slot's committed K and V rows [layers, cache_len, kv_heads, head_dim] (for inspection)."""
+        slot = check_slot(slot, self.max_batch)
+        if self.padded:
+            self._flush_moves()
+        first = int(self._physical[slot]) * self.rows_per_slot
+        rows = slice(first, first + int(self._cache_len[slot]))
+        return self.k_cache[:, rows].clone(), self.v_cache[:, rows].clone()
 
     @torch.inference_mode()
     def release(self, slot: int) -> None:
@@ -350,6 +417,7 @@ class BatchedTorchExecutor:
         if not self._live[slot]:
             return
         if self.padded:
+            self._moves.pop(slot, None)
             self._compact(slot)
         self._live[slot] = False
         self._active -= 1
@@ -376,6 +444,7 @@ class BatchedTorchExecutor:
             return
         moved = int(self._logical[last])
         S, n = self.rows_per_slot, int(self._cache_len[moved])
+        self._flush_moves()  # the moved slot's committed rows in place before they are copied
         for cache in (self.k_cache, self.v_cache):
             cache[:, hole * S : hole * S + n] = cache[:, last * S : last * S + n]
         for params in (self._temperature, self._top_k, self._top_p, self._seed):
@@ -478,29 +547,31 @@ class BatchedTorchExecutor:
     def _step_padded(self, batch: StepBatch) -> np.ndarray:
         B, T = batch.input_ids.shape
         K = batch.output_slots.shape[1]
-        phys, bucket = self._stage_padded(batch)
+        phys, bucket, width = self._stage_padded(batch)
         sampled = bool(self._sampled[:bucket].any())
         k = 0 if batch.top_ids is None else batch.top_ids.shape[2]
         if self.cuda_graph:
-            graph, (tokens, top) = self._graph(bucket, sampled, k)
+            graph, chosen = self._graph(bucket, width, sampled, k)
             graph.replay()
         else:
-            tokens, top = self._run_padded(bucket, sampled, k)
-        chosen = tokens.cpu().numpy()  # [bucket, TT]: the token at each output slot entry
+            chosen = self._run_padded(bucket, width, sampled, k)
+        out = chosen.cpu().numpy()  # the step's one device-to-host copy: [bucket, width, 1 + k]
         result = np.full((B, T), -1, np.int64)
         rows = np.arange(B)[:, None]
-        result[rows, batch.output_slots] = chosen[phys, :K]
-        if batch.top_ids is not None and top is not None:
-            batch.top_ids[rows, batch.output_slots] = top.cpu().numpy()[phys, :K]
+        result[rows, batch.output_slots] = out[phys, :K, 0]
+        if batch.top_ids is not None:
+            batch.top_ids[rows, batch.output_slots] = out[phys, :K, 1:]
         return result
 
-    def _stage_padded(self, batch: StepBatch) -> tuple[np.ndarray, int]:
-        """Copy `batch` into the device inputs of its bucket's physical slots -> (each row's physical slot, bucket)."""
+    def _stage_padded(self, batch: StepBatch) -> tuple[np.ndarray, int, int]:
+        """Copy `batch` into the device inputs of its bucket's physical slots, with the pending commits' KV moves, in
+        one copy, and make those moves -> (each row's physical slot, bucket, width)."""
         T, K = batch.input_ids.shape[1], batch.output_slots.shape[1]
-        TT = self.step_tokens
+        TT, row = self.step_tokens, self._row_width
         phys = self._physical[np.asarray(batch.slots, np.int64)]
         bucket = next(b for b in self.buckets if b >= self._active)
-        h = self._h_in.numpy()
+        width = next(w for w in self.widths if w >= T)
+        h = self._h_in.numpy()[: self.max_batch * row].reshape(self.max_batch, row)
         idle = self._cache_len[self._logical[:bucket]]  # rows not in this step: causal pads at cache_len
         h[:bucket] = 0
         h[:bucket, TT : 2 * TT] = idle[:, None]
@@ -510,48 +581,62 @@ class BatchedTorchExecutor:
         h[phys, 2 * TT : 3 * TT] = batch.output_slots[:, -1:]
         h[phys, 2 * TT : 2 * TT + K] = batch.output_slots
         h[phys, 3 * TT + 1 :] = batch.step_config
-        self._d_in[:bucket].copy_(self._h_in[:bucket], non_blocking=True)
-        return phys, bucket
+        moves = np.concatenate(list(self._moves.values())) if self._moves else np.zeros((0, 2), np.int64)
+        self._moves.clear()
+        n, rows_end = len(moves), self.max_batch * row
+        self._h_in.numpy()[rows_end : rows_end + 2 * n] = moves.reshape(-1)
+        end = rows_end + 2 * n if n else bucket * row  # the inputs of the bucket's slots (and the moves, if any)
+        self._d_in[:end].copy_(self._h_in[:end], non_blocking=True)
+        if n:
+            self._move_rows(self._d_in[rows_end : rows_end + 2 * n].view(n, 2))
+        return phys, bucket, width
 
-    def _run_padded(self, bucket: int, sampled: bool, k: int) -> tuple[Tensor, Tensor | None]:
-        """The fixed-shape step of physical slots 0 .. bucket-1 (no host synchronisation: capturable).
-
-        -> tokens [bucket, T] at each output slot entry, and their top-k next ids [bucket, T, k] (None: k = 0).
-        """
-        T, dev = self.step_tokens, self.device
-        logits = self._padded_logits(bucket)
-        positions, outputs = self._d_in[:bucket, T : 2 * T], self._d_in[:bucket, 2 * T : 3 * T]
-        # top-k only where a row asked for it (k = 0: no top-k kernel in the step at all)
-        top = torch.topk(logits, k, dim=-1).indices.view(bucket, T, k) if k else None
-        if not sampled:
-            return torch.argmax(logits, dim=-1).view(bucket, T), top
-        each = torch.arange(bucket, device=dev).repeat_interleave(T)  # the physical slot of each output row
-        return select_rows_torch(
-            logits, positions.gather(1, outputs).reshape(-1), self._temperature[each], self._top_k[each],
-            self._top_p[each], self._seed[each], self._salts,
-        ).view(bucket, T), top
-
-    def _padded_logits(self, bucket: int) -> Tensor:
-        """[bucket * T, vocab]: the logits at each physical slot's T output slot entries (capturable)."""
+    def _inputs(self, bucket: int, width: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Device views of the staged inputs of slots 0 .. bucket-1 at `width`: ids, positions, outputs [bucket,
+        width], cache_len [bucket], step_config [bucket, 3]."""
         T = self.step_tokens
-        if self.compile and bucket not in self._compiled_buckets:
-            self._compiled_buckets.add(bucket)
-            print(f"trt-lookahead: compiling the step for batch bucket {bucket} (once) ...", file=sys.stderr,
-                  flush=True)
-        d = self._d_in[:bucket]
-        return self._forward(self.k_cache, self.v_cache, d[:, :T], d[:, T : 2 * T], d[:, 2 * T : 3 * T], d[:, 3 * T],
-                             d[:, 3 * T + 1 :])
+        d = self._d_in[: self.max_batch * self._row_width].view(self.max_batch, self._row_width)[:bucket]
+        return d[:, :width], d[:, T : T + width], d[:, 2 * T : 2 * T + width], d[:, 3 * T], d[:, 3 * T + 1 :]
+
+    def _run_padded(self, bucket: int, width: int, sampled: bool, k: int) -> Tensor:
+        """The fixed-shape step of physical slots 0 .. bucket-1 at `width` (no host synchronisation: capturable).
+
+        -> [bucket, width, 1 + k]: the token at each output slot entry, then its top-k next ids (k = 0: no top-k
+        kernel in the step at all), one tensor so that the host reads the step back in one copy.
+        """
+        logits = self._padded_logits(bucket, width)
+        _, positions, outputs, _, _ = self._inputs(bucket, width)
+        if not sampled:
+            tokens = torch.argmax(logits, dim=-1)
+        else:
+            each = torch.arange(bucket, device=self.device).repeat_interleave(width)  # each output row's slot
+            tokens = select_rows_torch(
+                logits, positions.gather(1, outputs).reshape(-1), self._temperature[each], self._top_k[each],
+                self._top_p[each], self._seed[each], self._salts,
+            )
+        chosen = tokens[:, None]  # [bucket * width, 1]
+        if k:  # top-k only where a row asked for it
+            chosen = torch.cat((chosen, torch.topk(logits, k, dim=-1).indices), dim=1)
+        return chosen.view(bucket, width, 1 + k)
+
+    def _padded_logits(self, bucket: int, width: int) -> Tensor:
+        """[bucket * width, vocab]: the logits at each physical slot's output slot entries (capturable)."""
+        if self.compile and (bucket, width) not in self._compiled_shapes:
+            self._compiled_shapes.add((bucket, width))
+            print(f"trt-lookahead: compiling the step for batch bucket {bucket}, width {width} (once) ...",
+                  file=sys.stderr, flush=True)
+        return self._forward(self.k_cache, self.v_cache, *self._inputs(bucket, width))
 
     def _compiled_forward(self) -> Callable[..., Tensor]:
         """`_padded_forward` under torch.compile (inductor, default mode, one graph: fullgraph=True), static shapes:
-        one graph per bucket, compiled on the bucket's first step (before its CUDA graph is captured, by
-        `_graph`'s warm-up) and reused by every later one. Inductor fuses the pointwise work around
+        one graph per (bucket, width), compiled on its first step (before its CUDA graph is captured, by `_graph`'s
+        warm-up) and reused by every later one. Inductor fuses the pointwise work around
         kernels/step_ops.py's opaque ops; the exact step's graph keeps every reduction in one piece."""
         options: dict[str, str | int | bool | Callable[..., Any]] | None = (
             {"split_reductions": False} if self.exact else None)
-        # its own graphs (isolated from other executors'), one per bucket and no more: a recompile beyond them fails
+        # its own graphs (isolated from other executors'), one per shape and no more: a recompile beyond them fails
         # (fullgraph); a torch without these arguments (< 2.13) counts every executor's graphs toward one limit
-        limits = {"recompile_limit": len(self.buckets), "isolate_recompiles": True}
+        limits = {"recompile_limit": len(self.buckets) * len(self.widths), "isolate_recompiles": True}
         supported = inspect.signature(torch.compile).parameters
         kwargs: dict[str, Any] = {name: value for name, value in limits.items() if name in supported}
         return torch.compile(self._padded_forward, fullgraph=True, dynamic=False, options=options, **kwargs)
@@ -563,19 +648,13 @@ class BatchedTorchExecutor:
         S, dev = self.rows_per_slot, self.device
         bucket, T = ids.shape
         i = torch.arange(T, device=dev)
-        rel = torch.arange(S, device=dev)[None, None, :] - cache_len[:, None, None]  # [Bb, 1, S] key - cache_len
-        W, N, G = (config[:, c, None, None] for c in range(3))
-        j = rel.clamp(0, T - 1)
-        own = step_visible(i[None, :, None], j, W, N, G)
-        if self.tree is not None:  # rows whose G(N-1) slots the tree covers (tree.covers; causal rows too)
-            covered = self.tree.nodes >= G * (N - 1)
-            own = torch.where(covered, tree_step_visible(i[None, :, None], j, W, N, G, self._ends), own)
-        own = own & (rel >= 0) & (rel < T)
-        mask = (rel < 0) | own  # [Bb, T, S]: the cached prefix, then the row's step mask
         rows = (torch.arange(bucket, device=dev)[:, None] * S + cache_len[:, None]) + i[None, :]
-        attention: AttentionFn = PaddedAttention(mask)
-        if self.exact:
-            attention = invariant_attention(mask, cache_len, positions)
+        attention: AttentionFn
+        if self.attention == "triton":
+            attention = StepAttention(cache_len, config, self._no_tree if self.tree is None else self._ends, S)
+        else:
+            mask = self._step_mask(cache_len, config, T)
+            attention = invariant_attention(mask, cache_len, positions) if self.exact else PaddedAttention(mask)
         logits = self.model(
             ids.reshape(-1),
             positions.reshape(-1),
@@ -590,20 +669,38 @@ class BatchedTorchExecutor:
         )
         return logits
 
-    def _graph(self, bucket: int, sampled: bool, k: int) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor | None]]:
-        """The CUDA graph of `_run_padded` for (bucket, sampled, k), captured on first use."""
-        entry = self._graphs.get((bucket, sampled, k))
+    def _step_mask(self, cache_len: Tensor, config: Tensor, T: int) -> Tensor:
+        """[Bb, T, S]: row b's T queries over its slot's S rows, its cached prefix then its step mask (closed form)."""
+        S, dev = self.rows_per_slot, self.device
+        i = torch.arange(T, device=dev)
+        rel = torch.arange(S, device=dev)[None, None, :] - cache_len[:, None, None]  # [Bb, 1, S] key - cache_len
+        W, N, G = (config[:, c, None, None] for c in range(3))
+        j = rel.clamp(0, T - 1)
+        own = step_visible(i[None, :, None], j, W, N, G)
+        if self.tree is not None:  # rows whose G(N-1) slots the tree covers (tree.covers; causal rows too)
+            covered = self.tree.nodes >= G * (N - 1)
+            own = torch.where(covered, tree_step_visible(i[None, :, None], j, W, N, G, self._ends), own)
+        own = own & (rel >= 0) & (rel < T)
+        return (rel < 0) | own
+
+    def _graph(self, bucket: int, width: int, sampled: bool, k: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        """The CUDA graph of `_run_padded` for (bucket, width, sampled, k), captured on first use. Every graph shares
+        one memory pool: they replay one at a time, and each step's output is read back before the next replay."""
+        key = (bucket, width, sampled, k)
+        entry = self._graphs.get(key)
         if entry is None:
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: writes only scratch rows at or past each slot's cache_len
-                    self._run_padded(bucket, sampled, k)
+                    self._run_padded(bucket, width, sampled, k)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outputs = self._run_padded(bucket, sampled, k)
-            entry = self._graphs[(bucket, sampled, k)] = (graph, outputs)
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                chosen = self._run_padded(bucket, width, sampled, k)
+            entry = self._graphs[key] = (graph, chosen)
         return entry
 
 
@@ -619,11 +716,11 @@ def invariant_kernels_reason(device: torch.device) -> str | None:
 
 
 def invariant_attention(mask: Tensor, cache_len: Tensor, positions: Tensor) -> AttentionFn:
-    """The exact padded step's attention seam for mask [Bb, T, S] over each slot's rows: kernels/invariant.py over
-    each query's keys in position order (through kernels/step_ops.py: one op, opaque to a compiled step)."""
-    from trt_lookahead.kernels import invariant
+    """The exact padded step's attention seam for mask [Bb, T, S] over each slot's rows: kernels/padded_attention.py
+    over each query's keys in position order (through kernels/step_ops.py: one op, opaque to a compiled step)."""
+    from trt_lookahead.kernels import padded_attention
 
-    key_rows = invariant.key_rows(mask, cache_len, positions)  # [Bb, T, S], once per step for every layer
+    key_rows = padded_attention.key_rows(mask, cache_len, positions)  # [Bb, T, S], once per step for every layer
     lengths = cache_len.to(torch.int32)
 
     def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, step_mask: Tensor) -> Tensor:

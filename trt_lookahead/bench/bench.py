@@ -503,6 +503,7 @@ def run_bench(
         records: list[RunRecord] = []
         started = time.perf_counter()
         stop_ids, dtype, backend, exact_step = list(rt.stop_token_ids), rt.dtype, rt.backend, rt.exact
+        device = str(getattr(rt.executor, "device", "cpu"))  # the peers run where our executor ran
         tree = None if rt.tree is None else str(rt.tree)  # the draft tree's parents (None: linear)
         try:
             if warmup:
@@ -532,7 +533,7 @@ def run_bench(
     gc.collect()
     try:
         if plan.peers:
-            hf = HFPeers(plan.model_path, dtype, stop_ids)
+            hf = HFPeers(plan.model_path, dtype, stop_ids, device)
             if warmup:
                 for peer in plan.peers:
                     hf.generate(first, min(16, max_new_tokens), peer)

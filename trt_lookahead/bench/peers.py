@@ -24,7 +24,8 @@ def describe(peer: str) -> str:
 class HFPeers:
     """transformers' LlamaForCausalLM on the same checkpoint: greedy and prompt-lookup `generate`."""
 
-    def __init__(self, path: Path, dtype: str, stop_token_ids: Sequence[int]) -> None:
+    def __init__(self, path: Path, dtype: str, stop_token_ids: Sequence[int], device: str = "cpu") -> None:
+        """`device`: where transformers runs, the device our runtime ran on (so both are timed on one processor)."""
         import torch
         from transformers import LlamaForCausalLM
 
@@ -39,7 +40,7 @@ class HFPeers:
 
         self.torch = torch
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-        self.model = CountingLlama.from_pretrained(str(path), dtype=torch_dtype).eval()
+        self.model = CountingLlama.from_pretrained(str(path), dtype=torch_dtype, device_map=device).eval()
         self.stop = [int(t) for t in stop_token_ids]
         self.pad = self.stop[0] if self.stop else 0
 
@@ -62,7 +63,7 @@ class HFPeers:
         kwargs: dict[str, Any] = {}
         if peer == "hf-prompt-lookup":
             kwargs["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
-        input_ids = torch.tensor([list(ids)], dtype=torch.long)
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.model.device)
         self.model.forward_calls = 0
         start = time.perf_counter()
         with torch.inference_mode():

