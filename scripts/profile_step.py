@@ -16,7 +16,7 @@ Per variant x T in STEP_TOKENS x batch in BATCHES, one cell of profile_step.json
     fast_compiled  the same step compiled (torch.compile), once the executor takes COMPILE_PARAMETER;
                    "not available" until then
     fast_triton    the fast step with attention="triton": its Triton attention kernel reads only each slot's keys
-                   (CUDA; "skipped" with the reason on the CPU unless TRITON_INTERPRET=1)
+                   (CUDA only; "skipped" with the reason on the CPU, where it would time the interpreter)
     fast_compiled_triton  both: the compiled step around the Triton attention (CUDA only)
     exact          exact=True: the padded step on kernels/invariant.py's row-invariant Triton kernels on a GPU; on
                    the CPU the packed exact step (the padded one runs interpreted Triton there, seconds a step)
@@ -308,10 +308,13 @@ def variant_status(device: str) -> dict[str, dict[str, Any]]:
 
     compiled = COMPILE_PARAMETER in inspect.signature(BatchedTorchExecutor).parameters
     cuda = device == "cuda"
-    triton_reason = invariant_kernels_reason(torch.device(device))
-    triton = {"status": "ok", "what": f"BatchedTorchExecutor(attention={TRITON_ATTENTION!r}), padded step, "
-                                      f"{'CUDA graph' if cuda else 'eager, interpreted Triton'}"} \
-        if triton_reason is None else {"status": "skipped", "error": f"attention={TRITON_ATTENTION!r} {triton_reason}"}
+    # on the CPU the Triton kernel runs only interpreted (TRITON_INTERPRET=1), seconds a step: that times the
+    # interpreter, not the step, and would spend the budget the other variants need
+    triton_reason = "CUDA only: interpreted on the CPU it times the Triton interpreter, not the step" if not cuda \
+        else invariant_kernels_reason(torch.device(device))
+    triton = {"status": "ok", "what": f"BatchedTorchExecutor(attention={TRITON_ATTENTION!r}), padded step, CUDA "
+                                      "graph"} \
+        if triton_reason is None else {"status": "skipped", "error": f"attention={TRITON_ATTENTION!r}: {triton_reason}"}
     return {
         "fast_triton": triton,
         "fast_compiled_triton": {"status": "ok", "what": f"BatchedTorchExecutor({COMPILE_PARAMETER}=True, "
