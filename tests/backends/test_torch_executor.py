@@ -4,6 +4,7 @@ commit, sampling, the padded (CUDA) path on the CPU, and the single-request adap
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -550,13 +551,18 @@ def test_cuda_graph_batches_match_the_cpu(dtype, compile):
 # -- the padded step's widths and commits ----------------------------------------------------------------------
 
 
-def linear_rows(ex: BatchedTorchExecutor, batch: StepBatch) -> set[int]:
-    """The row counts (M) of the projections the step `batch` runs."""
+def profiled(run: Callable[[], object]) -> list:
+    """The torch.profiler events (names, input shapes) of the ops `run()` calls."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        ex.step(batch)
-    return {event.input_shapes[0][0] for event in prof.events() if "linear" in event.name and event.input_shapes}
+        run()
+    return list(prof.events())
+
+
+def linear_rows(ex: BatchedTorchExecutor, batch: StepBatch) -> set[int]:
+    """The row counts (M) of the projections the step `batch` runs."""
+    return {e.input_shapes[0][0] for e in profiled(lambda: ex.step(batch)) if "linear" in e.name and e.input_shapes}
 
 
 def test_a_padded_step_runs_at_the_narrowest_width_that_holds_its_rows(model):
@@ -578,11 +584,7 @@ def test_a_padded_step_runs_at_the_narrowest_width_that_holds_its_rows(model):
 
 
 def commit_runs_no_torch_op(ex: BatchedTorchExecutor, slot: int, rows: np.ndarray) -> bool:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        ex.commit(slot, rows)
-    return not [event.name for event in prof.events() if event.name.startswith("aten::")]
+    return not [e.name for e in profiled(lambda: ex.commit(slot, rows)) if e.name.startswith("aten::")]
 
 
 @pytest.mark.parametrize("then", ["step", "release another slot", "restart"])
@@ -689,16 +691,12 @@ def test_compiled_lookahead_is_greedy_on_stories260K(dense_models, config):
 def test_a_step_without_top_ids_runs_no_top_k(model):
     """The padded step computes top-k ids only for a batch that asks for them (StepBatch.top_ids): no topk kernel
     runs otherwise (it used to run topk(k=0) every step)."""
-    from torch.profiler import ProfilerActivity, profile
-
     ex = BatchedTorchExecutor(model, 2, 64, 4, padded=True)
     x = ex.prefill(0, PROMPT, SamplingParams())
     batch = make_batch([0], [row((1, 2, 0), np.array([x]), np.array([len(PROMPT)]))])
 
     def ops(batch: StepBatch) -> set[str]:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            ex.step(batch)
-        return {event.name for event in prof.events()}
+        return {event.name for event in profiled(lambda: ex.step(batch))}
 
     assert "aten::topk" not in ops(batch)
     batch.top_ids = np.full((1, 1, 3), -1, np.int64)

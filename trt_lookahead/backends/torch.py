@@ -395,11 +395,16 @@ class BatchedTorchExecutor:
         for cache in (self.k_cache, self.v_cache):
             cache.index_copy_(1, dst, cache.index_select(1, src))
 
+    def _take_moves(self) -> np.ndarray:
+        """[n, 2] every pending commit's (source, destination) rows, which are no longer pending."""
+        moves = np.concatenate(list(self._moves.values())) if self._moves else np.zeros((0, 2), np.int64)
+        self._moves.clear()
+        return moves
+
     def _flush_moves(self) -> None:
         """Make every pending commit's moves now (before slots' rows are copied elsewhere; not once per step)."""
         if self._moves:
-            self._move_rows(torch.from_numpy(np.concatenate(list(self._moves.values()))).to(self.device))
-            self._moves.clear()
+            self._move_rows(torch.from_numpy(self._take_moves()).to(self.device))
 
     @torch.inference_mode()
     def slot_kv(self, slot: int) -> tuple[Tensor, Tensor]:
@@ -581,8 +586,7 @@ class BatchedTorchExecutor:
         h[phys, 2 * TT : 3 * TT] = batch.output_slots[:, -1:]
         h[phys, 2 * TT : 2 * TT + K] = batch.output_slots
         h[phys, 3 * TT + 1 :] = batch.step_config
-        moves = np.concatenate(list(self._moves.values())) if self._moves else np.zeros((0, 2), np.int64)
-        self._moves.clear()
+        moves = self._take_moves()
         n, rows_end = len(moves), self.max_batch * row
         self._h_in.numpy()[rows_end : rows_end + 2 * n] = moves.reshape(-1)
         end = rows_end + 2 * n if n else bucket * row  # the inputs of the bucket's slots (and the moves, if any)
@@ -605,10 +609,10 @@ class BatchedTorchExecutor:
         kernel in the step at all), one tensor so that the host reads the step back in one copy.
         """
         logits = self._padded_logits(bucket, width)
-        _, positions, outputs, _, _ = self._inputs(bucket, width)
         if not sampled:
             tokens = torch.argmax(logits, dim=-1)
         else:
+            _, positions, outputs, _, _ = self._inputs(bucket, width)
             each = torch.arange(bucket, device=self.device).repeat_interleave(width)  # each output row's slot
             tokens = select_rows_torch(
                 logits, positions.gather(1, outputs).reshape(-1), self._temperature[each], self._top_k[each],
