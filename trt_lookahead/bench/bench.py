@@ -51,6 +51,7 @@ from trt_lookahead.bench.machine import (
     utc_now,
 )
 from trt_lookahead.bench.peers import PEERS, HFPeers, describe
+from trt_lookahead.bench.servers import LLAMA_SERVER
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import AUTO, GREEDY, Lookahead, LookaheadConfig
 from trt_lookahead.model.checkpoint import weight_bytes
@@ -106,10 +107,12 @@ def parse_configs(text: str) -> list[str]:
 
 
 def parse_peers(text: str | None) -> list[str]:
+    """`--peers`: the in-process transformers peers (peers.PEERS) and llama-server (served.py, over HTTP)."""
+    known = (*PEERS, LLAMA_SERVER)
     peers = list(dict.fromkeys(p.strip().lower() for p in (text or "").split(",") if p.strip()))
-    unknown = [p for p in peers if p not in PEERS]
+    unknown = [p for p in peers if p not in known]
     if unknown:
-        raise UserError(f"unknown peer(s) {', '.join(unknown)}; known: {', '.join(PEERS)}")
+        raise UserError(f"unknown peer(s) {', '.join(unknown)}; known: {', '.join(known)}")
     return peers
 
 
@@ -419,7 +422,7 @@ class BenchPlan:
     sets: tuple[Dataset, ...]
     prompts: dict[str, list[list[int]]]  # dataset name -> token ids of its rows
     labels: list[str]  # greedy first, then W/N/G and auto
-    peers: list[str]
+    peers: list[str]  # the in-process peers (transformers); llama-server is served.py's
     max_new_tokens: int
     limit: int | None
     max_seq_len: int | None  # for the runtime: the longest prompt + max_new_tokens (None: an engine's)
@@ -458,7 +461,8 @@ def plan_bench(
     prompts = {ds.name: [encode_row(tokenizer, row) for row in ds.rows] for ds in sets}
     if max_seq_len is None and not is_engine_dir(path):
         max_seq_len = _seq_len_for([p for ps in prompts.values() for p in ps], max_new_tokens, path)
-    return BenchPlan(path, source, sets, prompts, labels, peer_list, max_new_tokens, limit, max_seq_len)
+    in_process = [p for p in peer_list if p in PEERS]
+    return BenchPlan(path, source, sets, prompts, labels, in_process, max_new_tokens, limit, max_seq_len)
 
 
 def memory_limit(model_path: Path, dtype: str) -> dict[str, float]:

@@ -107,7 +107,8 @@ class Level:
     load: list[float] = field(default_factory=list)
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
+def percentile_ms(values: Sequence[float], q: float) -> float:
+    """The q-th percentile of `values` (seconds) in milliseconds, rounded to microseconds (NaN when empty)."""
     return round(1000.0 * float(np.percentile(values, q)), 3) if values else float("nan")
 
 
@@ -219,10 +220,10 @@ def run_concurrency(
                 mode=mode, prefill=str(prefill), concurrency=concurrency, requests=len(seen), seconds=round(seconds, 3),
                 output_tokens=tokens, tokens_per_second=round(tokens / seconds, 3),
                 requests_per_second=round(len(seen) / seconds, 4),
-                ttft_p50_ms=_percentile([r.ttft for r in seen], 50),
-                ttft_p95_ms=_percentile([r.ttft for r in seen], 95),
-                itl_p50_ms=_percentile([g for r in seen for g in r.gaps], 50),
-                itl_p95_ms=_percentile([g for r in seen for g in r.gaps], 95),
+                ttft_p50_ms=percentile_ms([r.ttft for r in seen], 50),
+                ttft_p95_ms=percentile_ms([r.ttft for r in seen], 95),
+                itl_p50_ms=percentile_ms([g for r in seen for g in r.gaps], 50),
+                itl_p95_ms=percentile_ms([g for r in seen for g in r.gaps], 95),
                 peak_rss_mb=round(peak_rss_mb(), 1),
                 host_ms_per_request_step=round(1000.0 * d_host / d_rows, 4) if d_rows else 0.0,
                 mean_rows_per_step=round(d_rows / d_steps, 3) if d_steps else 0.0,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from trt_lookahead.bench.bench import DEFAULT_CONFIGS
 from trt_lookahead.bench.concurrency import MODES as CONCURRENCY_MODES
+from trt_lookahead.bench.servers import DEFAULT_SPECS as DEFAULT_LLAMA_SPEC  # noqa: F401 (main.py: --llama-spec)
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import (
     DEFAULT,
@@ -124,6 +125,11 @@ def generate(args: argparse.Namespace) -> int:
 def bench(args: argparse.Namespace) -> int:
     if args.model and args.engine:
         raise UserError("give one of --model or --engine, not both")
+    from trt_lookahead.bench.bench import parse_peers
+    from trt_lookahead.bench.servers import LLAMA_SERVER
+
+    if LLAMA_SERVER in parse_peers(args.peers):
+        return bench_served(args)
     if args.concurrency is not None:
         return bench_concurrency(args)
     result, paths = bench_model(
@@ -180,6 +186,63 @@ def bench_model(
     step_cost = tuned_step_cost(result["model"], result["dtype"], result["backend"], result["machine"]["threads"],
                                 None if tuning_file is None else Path(tuning_file), result["tree"])
     return result, write_outputs(result, out, step_cost)
+
+
+def bench_served(args: argparse.Namespace) -> int:
+    """`bench --peers llama-server` (bench/served.py): llama-server and our `serve` over the OpenAI API at each
+    --concurrency level (default 1); without --concurrency the in-process rows (--configs, transformers peers) run
+    after it and both tables are printed, with --concurrency only the served one."""
+    from trt_lookahead.bench.bench import format_markdown, parse_peers, plan_bench, write_outputs
+    from trt_lookahead.bench.concurrency import parse_levels
+    from trt_lookahead.bench.served import ServedSetup, default_threads, format_served_markdown, run_served
+    from trt_lookahead.bench.servers import LLAMA_SERVER, find_llama_server, parse_specs
+    from trt_lookahead.files import check_output_dir
+
+    if args.engine:
+        raise UserError("--peers llama-server needs a checkpoint (--model), not an engine dir: the GGUF is written "
+                        "from its weights")
+    levels = parse_levels(args.concurrency or "1")
+    in_process = [p for p in parse_peers(args.peers) if p != LLAMA_SERVER]
+    if in_process and args.concurrency is not None:
+        raise UserError(f"--peers {','.join(in_process)} run in process, one request at a time; with --concurrency "
+                        f"only llama-server is served: drop them or --concurrency")
+    binary = find_llama_server(args.llama_server)  # before any model or GGUF work
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads must be >= 1, got {args.threads}")
+    out = None if args.out is None else check_output_dir(args.out, "--out")
+    source = args.model or DEFAULT_MODEL
+    plan = plan_bench(source, datasets=args.dataset, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                      configs=args.configs, peers=args.peers, max_seq_len=args.max_seq_len)
+    extra = [*(["--backend", args.backend] if args.backend else []),
+             *(["--tuning-file", args.tuning_file] if args.tuning_file else [])]
+    setup = ServedSetup(levels=levels, threads=args.threads or default_threads(), dtype=args.dtype,
+                        llama_server=binary, specs=parse_specs(args.llama_spec), serve_extra=tuple(extra))
+    served = run_served(plan, setup)
+    if args.concurrency is not None:
+        result, markdown, paths = served, format_served_markdown(served), []
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+            (out / "results.md").write_text(markdown + "\n")
+            paths = [out / "results.json", out / "results.md"]
+    else:
+        hf = ",".join(in_process)
+        result, _ = bench_model(
+            source, datasets=args.dataset, limit=args.limit, max_new_tokens=args.max_new_tokens, configs=args.configs,
+            peers=hf, backend=args.backend, dtype=args.dtype, max_seq_len=args.max_seq_len, threads=args.threads,
+            out=None, verify=args.verify, tuning_file=args.tuning_file, exact=args.exact, pool_scope=args.pool_scope,
+            tree=args.tree, compile=args.compile, attention=args.attention, device=args.device,
+        )
+        result["served"] = served
+        markdown = f"{format_markdown(result)}\n\n{format_served_markdown(served)}"
+        paths = []
+        if out is not None:
+            paths = write_outputs(result, out)
+            (out / "results.md").write_text(markdown + "\n")
+    if paths:
+        print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
+    print(json.dumps(result) if args.json else markdown)
+    return 0
 
 
 def bench_concurrency(args: argparse.Namespace) -> int:

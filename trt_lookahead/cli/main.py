@@ -144,11 +144,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=int,
                    default=commands.DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--configs", default=commands.DEFAULT_CONFIGS, help="comma list of greedy, W/N/G, auto")
-    p.add_argument("--peers", default="", help="extra rows: hf-greedy,hf-prompt-lookup")
+    p.add_argument("--peers", default="",
+                   help="extra rows: hf-greedy,hf-prompt-lookup (transformers, in process), llama-server (llama.cpp "
+                        "beside our `serve` over the OpenAI API, at each --concurrency level, default 1)")
+    p.add_argument("--llama-server", "--llama_server", dest="llama_server", default=None, metavar="PATH",
+                   help="with --peers llama-server: the binary (default: llama-server on PATH, else the build of "
+                        "scripts/build_llama_cpp.sh in the cache dir)")
+    p.add_argument("--llama-spec", "--llama_spec", dest="llama_spec", default=commands.DEFAULT_LLAMA_SPEC,
+                   help=f"with --peers llama-server: a comma list of its n-gram --spec-type values, one row each "
+                        f"besides the plain one (default {commands.DEFAULT_LLAMA_SPEC}; none: plain only)")
     p.add_argument("--out", default=None, help="write results.json, results.md and plots here")
     p.add_argument("--json", action="store_true")
     p.add_argument("--concurrency", default=None,
-                   help="instead: streams at once on one runtime, e.g. 1,4,8,16 (modes greedy, auto, serial)")
+                   help="instead: streams at once on one runtime, e.g. 1,4,8,16 (modes greedy, auto, serial); with "
+                        "--peers llama-server: the served levels only (our rows then come from `serve`)")
     p.add_argument("--modes", default=",".join(commands.CONCURRENCY_MODES),
                    help="with --concurrency: greedy (batched), auto (batched, the policy), serial (one at a time)")
     p.add_argument("--requests", type=int, default=4, help="with --concurrency: requests per stream, in turn")

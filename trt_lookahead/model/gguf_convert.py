@@ -13,6 +13,12 @@ Two things llama.cpp changes on the way from HF to GGUF, and which are undone he
   on its own, then GPT-2 byte-level splitting).
 
     info = convert_gguf_to_hf("model.gguf", "out_dir", progress=True)
+
+And the way back, for llama.cpp's `llama-server` beside us in `bench --peers llama-server`: `write_gguf` writes a
+checkpoint's tensors in one dtype (no quantization: the same numbers our runtime holds), q/k rows permuted to
+GGUF order, with the tokenizer keys llama-server needs built from tokenizer.json:
+
+    write_gguf("models/smollm2", "smollm2-f32.gguf", dtype="float32")   # read back: GGUFReader + convert_tensors
 """
 
 from __future__ import annotations
@@ -413,3 +419,171 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, progress: boo
     files = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     _normalize_permissions(out, files)
     return ConversionInfo(out, files, config, n_params, types, time.perf_counter() - start)
+
+
+# ---------------------------------------------------------------------------------------------
+# the way back: a checkpoint as a GGUF (write_gguf)
+
+# our dtype -> (llama.cpp's file type, the tensors' GGML type)
+GGUF_DTYPES = {"float32": ("ALL_F32", "F32"), "float16": ("MOSTLY_F16", "F16"), "bfloat16": ("MOSTLY_BF16", "BF16")}
+_TOKEN_NORMAL = 1
+_TOKEN_BYTE = 6  # SentencePiece byte-fallback pieces <0xNN>
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    """The GGUF name of a HF Llama tensor (the inverse of `hf_tensor_name`)."""
+    for gguf_name, name in _GLOBAL_TENSORS.items():
+        if name == hf_name:
+            return gguf_name
+    parts = hf_name.split(".", 3)  # model.layers.<i>.<rest>
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        rest = parts[3]
+        for gguf_rest, name in _LAYER_TENSORS.items():
+            if name == rest:
+                return f"blk.{parts[2]}.{gguf_rest}"
+        proj = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
+        kind, _, tail = rest.removeprefix("self_attn.").partition(".")
+        if rest.startswith("self_attn.") and kind in proj and tail == "bias":
+            return f"blk.{parts[2]}.{proj[kind]}.bias"
+    raise UserError(f"tensor {hf_name!r} has no GGUF counterpart; the checkpoint is not a plain Llama")
+
+
+def _pre_tokenizer_name(pre: Any) -> str:
+    """llama.cpp's `tokenizer.ggml.pre` for a tokenizer.json pre-tokenizer (byte-level BPE); the inverse of the
+    split `build_tokenizer` builds."""
+    def is_byte_level(p: Any) -> bool:
+        return isinstance(p, dict) and p.get("type") == "ByteLevel" and p.get("use_regex", True)
+
+    if is_byte_level(pre):
+        return "gpt2"
+    steps = pre.get("pretokenizers") if isinstance(pre, dict) and pre.get("type") == "Sequence" else None
+    if (isinstance(steps, list) and len(steps) == 2 and steps[0].get("type") == "Digits"
+            and steps[0].get("individual_digits") and is_byte_level(steps[1])):
+        return "smollm"
+    raise UserError(f"tokenizer.json's pre-tokenizer {json.dumps(pre)[:120]} has no llama.cpp name known here "
+                    "(known: GPT-2 byte-level, and digits then byte-level = smollm)")
+
+
+def tokenizer_metadata(model_dir: str | Path) -> dict[str, Any]:
+    """The `tokenizer.ggml.*` keys (and the chat template) llama.cpp needs, from a checkpoint's tokenizer.json,
+    tokenizer_config.json and config.json. Byte-level BPE becomes `gpt2` (its tokens kept spelled in GPT-2's
+    byte alphabet, as llama.cpp's converter keeps them); SentencePiece-style BPE (Metaspace, byte fallback)
+    becomes `llama`, scored by id (SentencePiece BPE vocabularies list pieces in merge order), which llama.cpp
+    uses only to tokenize text: `bench` sends token ids."""
+    root = Path(model_dir)
+    try:
+        tok = json.loads((root / "tokenizer.json").read_text(encoding="utf-8"))
+        tcfg_path = root / "tokenizer_config.json"
+        tcfg = json.loads(tcfg_path.read_text(encoding="utf-8")) if tcfg_path.is_file() else {}
+        cfg = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read the tokenizer of {root} ({exc}); restore tokenizer.json and config.json") \
+            from None
+    model = tok.get("model") or {}
+    if model.get("type") != "BPE":
+        raise UserError(f"{root}/tokenizer.json is a {model.get('type')!r} tokenizer; only BPE can be written to GGUF")
+    added = {int(a["id"]): a for a in tok.get("added_tokens") or []}
+    size = max([*model["vocab"].values(), *added]) + 1
+    tokens = [""] * size
+    for text, i in model["vocab"].items():
+        tokens[int(i)] = text
+    for i, a in added.items():
+        tokens[i] = a["content"]
+    if "" in tokens:
+        raise UserError(f"{root}/tokenizer.json leaves token id {tokens.index('')} undefined; it cannot become a GGUF")
+    types = [_TOKEN_CONTROL if i in added and added[i].get("special") else
+             _TOKEN_USER_DEFINED if i in added else _TOKEN_NORMAL for i in range(size)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    meta: dict[str, Any] = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges}
+    if model.get("byte_fallback"):  # SentencePiece BPE
+        meta["tokenizer.ggml.model"] = "llama"
+        meta["tokenizer.ggml.scores"] = [0.0 if ty != _TOKEN_NORMAL else -float(i) for i, ty in enumerate(types)]
+        types = [_TOKEN_BYTE if ty == _TOKEN_NORMAL and len(t) == 6 and t.startswith("<0x") and t.endswith(">")
+                 else ty for t, ty in zip(tokens, types, strict=True)]
+    else:
+        meta["tokenizer.ggml.model"] = "gpt2"
+        meta["tokenizer.ggml.pre"] = _pre_tokenizer_name(tok.get("pre_tokenizer"))
+    meta["tokenizer.ggml.token_type"] = types
+
+    def token_id(key: str, config_key: str) -> int | None:
+        value = tcfg.get(key)
+        text = value.get("content") if isinstance(value, dict) else value
+        if isinstance(text, str) and text in tokens:
+            return tokens.index(text)
+        fallback = cfg.get(config_key)
+        fallback = fallback[0] if isinstance(fallback, list) and fallback else fallback
+        return None if fallback is None else int(fallback)
+
+    for key, config_key, gguf_key in (("bos_token", "bos_token_id", "bos_token_id"),
+                                      ("eos_token", "eos_token_id", "eos_token_id"),
+                                      ("unk_token", "unk_token_id", "unknown_token_id"),
+                                      ("pad_token", "pad_token_id", "padding_token_id")):
+        found = token_id(key, config_key)
+        if found is not None:
+            meta[f"tokenizer.ggml.{gguf_key}"] = found
+    meta["tokenizer.ggml.add_bos_token"] = bool(tcfg.get("add_bos_token", False))
+    meta["tokenizer.ggml.add_eos_token"] = bool(tcfg.get("add_eos_token", False))
+    if isinstance(tcfg.get("chat_template"), str):
+        meta["tokenizer.chat_template"] = tcfg["chat_template"]
+    return meta
+
+
+def write_gguf(model_dir: str | Path, out_path: str | Path, dtype: str = "float32", progress: bool = False) -> Path:
+    """Write the checkpoint at `model_dir` as a llama.cpp GGUF at `out_path`: every tensor in `dtype` (float32,
+    float16 or bfloat16, rounded as torch rounds), q/k rows in GGUF order (`permute_qk`), Llama metadata from
+    config.json and `tokenizer_metadata`. Not atomic: the caller writes to a temporary name and renames."""
+    import gguf
+    import torch
+
+    from trt_lookahead.model.checkpoint import _read_tensors, hf_key, parse_dtype, read_config, weight_files
+
+    if dtype not in GGUF_DTYPES:
+        raise UserError(f"no GGUF type for dtype {dtype!r}; use {', '.join(GGUF_DTYPES)}")
+    root = Path(model_dir)
+    cfg = read_config(root)
+    if cfg.rope_scaling:
+        raise UserError(f"{root} uses RoPE scaling {cfg.rope_scaling.get('rope_type')!r}, not written to GGUF here")
+    meta = tokenizer_metadata(root)
+    file_type, tensor_type = GGUF_DTYPES[dtype]
+    raw = getattr(gguf.GGMLQuantizationType, tensor_type)
+
+    writer = gguf.GGUFWriter(str(out_path), "llama")
+    writer.add_name(root.name)
+    writer.add_file_type(int(getattr(gguf.LlamaFileType, file_type)))
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    for key, value in meta.items():
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_string(key, value)
+
+    tensors = _read_tensors(weight_files(root), cfg, parse_dtype(dtype))
+    for name, tensor in tensors.items():
+        hf_name = hf_key(name) if name.startswith("lm_head") else f"model.{name}"
+        t = tensor.contiguous()
+        array = t.view(torch.int16).numpy().view(np.uint16) if dtype == "bfloat16" else t.numpy()
+        if ".q_proj." in hf_name:
+            array = permute_qk(array, cfg.num_heads)
+        elif ".k_proj." in hf_name:
+            array = permute_qk(array, cfg.num_kv_heads)
+        writer.add_tensor(gguf_tensor_name(hf_name), np.ascontiguousarray(array), raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=progress)
+    writer.close()
+    return Path(out_path)

@@ -1,0 +1,129 @@
+"""The GGUF writer (model/gguf_convert.write_gguf) and its cache (bench/servers.cached_gguf): stories260K written
+as a GGUF and read back with gguf.GGUFReader and our own GGUF reader gives its tensors bit for bit; a byte-level
+BPE tokenizer's keys read back into the same tokenizer."""
+
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from trt_lookahead.bench.servers import cached_gguf
+from trt_lookahead.errors import UserError
+from trt_lookahead.model.gguf_convert import (
+    build_config,
+    build_tokenizer,
+    convert_tensors,
+    gguf_tensor_name,
+    hf_tensor_name,
+    read_metadata,
+    tokenizer_metadata,
+    write_gguf,
+)
+
+STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
+
+
+def read_back(path: Path) -> tuple[dict, dict, dict[str, np.ndarray]]:
+    """Metadata, the HF config and the float32 HF tensors of a GGUF, through our GGUF -> HF converter."""
+    reader = gguf.GGUFReader(str(path))
+    meta = read_metadata(reader)
+    config = build_config(meta, [t.name for t in reader.tensors])
+    tensors, _ = convert_tensors(reader, config, progress=False)
+    return meta, config, tensors
+
+
+def test_float32_round_trip_is_bit_identical(tmp_path):
+    path = write_gguf(STORIES, tmp_path / "stories.gguf", "float32")
+    meta, config, tensors = read_back(path)
+    source = load_file(str(STORIES / "model.safetensors"))
+    assert set(tensors) == set(source)
+    for name, array in source.items():
+        assert tensors[name].dtype == np.float32
+        assert np.array_equal(tensors[name].view(np.uint32), array.view(np.uint32)), name
+    types = {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert types == {"F32"} and meta["general.file_type"] == gguf.LlamaFileType.ALL_F32
+    hf = json.loads((STORIES / "config.json").read_text())
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+                "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+        assert config[key] == hf[key], key
+    assert meta["tokenizer.ggml.model"] == "llama" and len(meta["tokenizer.ggml.tokens"]) == 512
+    assert meta["tokenizer.ggml.tokens"][:3] == ["<unk>", "<s>", "</s>"]
+    assert meta["tokenizer.ggml.token_type"][:3] == [3, 3, 3]  # control
+
+
+def test_bfloat16_holds_torch_rounding(tmp_path):
+    path = write_gguf(STORIES, tmp_path / "stories-bf16.gguf", "bfloat16")
+    _, _, tensors = read_back(path)
+    assert {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors} == {"BF16"}
+    for name, array in load_file(str(STORIES / "model.safetensors")).items():
+        rounded = torch.from_numpy(array).to(torch.bfloat16).float().numpy()
+        assert np.array_equal(tensors[name].view(np.uint32), rounded.view(np.uint32)), name
+
+
+def test_tensor_names_are_inverse():
+    for name in ["token_embd.weight", "output_norm.weight", "output.weight", "blk.3.attn_q.weight",
+                 "blk.3.attn_k.weight", "blk.0.ffn_down.weight", "blk.11.attn_norm.weight", "blk.2.attn_v.bias"]:
+        hf = hf_tensor_name(name)
+        assert hf is not None and gguf_tensor_name(hf) == name
+    with pytest.raises(UserError, match="no GGUF counterpart"):
+        gguf_tensor_name("model.layers.0.mlp.experts.weight")
+
+
+def test_byte_level_tokenizer_keys_rebuild_the_same_tokenizer(tmp_path):
+    """A byte-level BPE tokenizer (digits split, as SmolLM2's) written as GGUF keys and rebuilt by the GGUF reader
+    encodes and decodes as the original does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["def add(a, b):\n    return a + b  # 12 apples", "The quick brown fox jumps over 3 lazy dogs."] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_end|>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    model = tmp_path / "bpe"
+    shutil.copytree(STORIES, model)
+    tok.save(str(model / "tokenizer.json"))
+    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "add_bos_token": False,
+                                                             "chat_template": "{{ messages }}"}))
+    meta = tokenizer_metadata(model)
+    assert meta["tokenizer.ggml.model"] == "gpt2" and meta["tokenizer.ggml.pre"] == "smollm"
+    assert meta["tokenizer.ggml.eos_token_id"] == 1 and meta["tokenizer.chat_template"] == "{{ messages }}"
+    path = write_gguf(model, tmp_path / "bpe.gguf")
+    rebuilt = build_tokenizer(read_metadata(gguf.GGUFReader(str(path))))
+    for text in ["def add(x, y):\n    return x + y", "The 42 brown foxes<|im_end|>", "naïve café 2024"]:
+        ids = tok.encode(text).ids
+        assert rebuilt.encode(text).ids == ids
+        assert rebuilt.decode(ids, skip_special_tokens=False) == tok.decode(ids, skip_special_tokens=False)
+
+
+def test_unknown_pre_tokenizer_is_a_clear_error(tmp_path):
+    model = tmp_path / "odd"
+    shutil.copytree(STORIES, model)
+    tok = json.loads((model / "tokenizer.json").read_text())
+    tok["model"]["byte_fallback"] = False
+    (model / "tokenizer.json").write_text(json.dumps(tok))  # Metaspace without byte fallback: neither kind
+    with pytest.raises(UserError, match=r"pre-tokenizer .* has no llama.cpp name"):
+        tokenizer_metadata(model)
+
+
+def test_cached_gguf_is_written_once_and_keyed_by_content(tmp_path):
+    model = tmp_path / "stories260K"
+    shutil.copytree(STORIES, model)
+    cache = tmp_path / "cache"
+    first = cached_gguf(model, "float32", cache)
+    stamp = first.stat().st_mtime_ns
+    assert cached_gguf(model, "float32", cache) == first and first.stat().st_mtime_ns == stamp
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-6}))
+    second = cached_gguf(model, "float32", cache)
+    assert second != first and second.is_file()
+    assert read_back(second)[1]["rms_norm_eps"] == 1e-6
+    assert cached_gguf(model, "bfloat16", cache) not in (first, second)
+    assert not [p for p in (cache / "gguf").iterdir() if p.name.endswith(".tmp")]
