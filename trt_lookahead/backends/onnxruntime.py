@@ -55,6 +55,7 @@ class SessionSettings:
     arena: bool = True  # the CPU memory arena for the graph's intermediate tensors
     optimization: str = "all"  # onnxruntime graph optimisation level: disabled, basic, extended, all
     prepacking: bool = True  # MatMul weights repacked for the CPU kernels once, at load
+    profile_prefix: str | None = None  # onnxruntime's per-node profiler on, its JSON named from this prefix
 
     def options(self) -> Any:
         """onnxruntime.SessionOptions for these settings."""
@@ -76,6 +77,9 @@ class SessionSettings:
         options.enable_cpu_mem_arena = self.arena
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spinning else "0")
         options.add_session_config_entry("session.disable_prepacking", "0" if self.prepacking else "1")
+        if self.profile_prefix is not None:  # scripts/profile_cpu_step.py: time per node
+            options.enable_profiling = True
+            options.profile_file_prefix = self.profile_prefix
         return options
 
 
@@ -116,9 +120,9 @@ class OnnxRuntimeEngine(OpenedEngine):
                 self._session = self._create_session()
             return self._session
 
-    def _create_session(self) -> Any:
+    def graph(self) -> Any:
+        """The onnx.ModelProto onnxruntime runs: the engine's graph, checked, with LookaheadAttention decomposed."""
         import onnx
-        import onnxruntime as ort
 
         from trt_lookahead.kernels import onnx_op
 
@@ -137,6 +141,13 @@ class OnnxRuntimeEngine(OpenedEngine):
             proto = onnx_op.decompose(proto, exact=self.config.exact, max_keys=self.config.cache_rows)
         except ValueError as exc:
             raise UserError(f"engine {self.config.path}: {exc}; rebuild it without --exact") from exc
+        return proto
+
+    def _create_session(self) -> Any:
+        import onnxruntime as ort
+
+        path = self.config.graph
+        proto = self.graph()
         options = self.settings.options()
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
         try:

@@ -41,6 +41,7 @@ tokens per row, and no product of one row or one column (those take another path
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import onnx
@@ -164,11 +165,12 @@ def _bias(g: _Graph, visible: str, axes: list[int]) -> str:
 
 class _Masks:
     """The per-graph values every layer's decomposition shares: the rows' step and prefix masks as additive
-    biases, T and the longest prefix. Built once, ahead of the first layer; tiled per query-head group."""
+    biases in the attention's dtype, T and the longest prefix. Built once, ahead of the first layer (and cast
+    once, not per layer); tiled per query-head group."""
 
-    def __init__(self, g: _Graph, node: onnx.NodeProto) -> None:
+    def __init__(self, g: _Graph, node: onnx.NodeProto, dtype: int) -> None:
         query, cache_len, step_config, ends = (node.input[k] for k in (0, 5, 6, 7))
-        self.g = g
+        self.g, self.dtype = g, dtype
         self.tokens = g.op("Shape", query, start=1, end=2)  # [1] int64
         idx = g.op("Range", g.const(0), g.op("Squeeze", self.tokens), g.const(1))
         rows = Sym(g, g.op("Unsqueeze", idx, g.const([0, 2])))  # [1, T, 1]
@@ -182,18 +184,31 @@ class _Masks:
         else:
             step = step_visible(rows, cols, window, ngram, verify)
         self.visible = step.name
-        self.step_bias = _bias(g, step.name, [1])  # [B, 1, T, T]
+        self.step_bias = self.cast(_bias(g, step.name, [1]))  # [B, 1, T, T]
         self.length = length = g.op("Cast", cache_len, to=TensorProto.INT64)  # [B]
         self.longest = g.op("ReduceMax", length, keepdims=1)  # [1]
         prefix_idx = g.op("Range", g.const(0), g.op("Squeeze", self.longest), g.const(1))
         prefix = g.op("Less", g.op("Unsqueeze", prefix_idx, g.const([0])), g.op("Unsqueeze", length, g.const([1])))
-        self.prefix_bias = _bias(g, prefix, [1, 2])  # [B, 1, 1, P]
+        self.prefix_bias = self.cast(_bias(g, prefix, [1, 2]))  # [B, 1, 1, P]
         self._tiled: dict[int, str] = {}
 
-    def step_bias_for(self, group: int) -> str:
-        """[B, 1, group*T, T]: the step bias repeated for the query heads of one KV head (rows g-major)."""
+    @cached_property
+    def keys(self) -> str:
+        """[1] T + P: the step and cache columns of a layer's scores (the fast decomposition's)."""
+        return self.g.op("Add", self.tokens, self.longest)
+
+    def cast(self, name: str) -> str:
+        """A float32 value in the attention's dtype (no node where that is float32)."""
+        return name if self.dtype == TensorProto.FLOAT else self.g.op("Cast", name, to=self.dtype)
+
+    def bias_for(self, group: int) -> str:
+        """[B, 1, group*T, T + P]: the step bias repeated for the query heads of one KV head (rows g-major), then
+        the prefix bias: the bias of a layer's [step ; cache] scores, built once for every layer."""
         if group not in self._tiled:
-            self._tiled[group] = self.g.op("Tile", self.step_bias, self.g.const([1, 1, group, 1]))
+            g = self.g
+            step = g.op("Tile", self.step_bias, g.const([1, 1, group, 1]))  # [B, 1, gT, T]
+            rows = g.op("Concat", g.const([1, 1]), g.op("Mul", self.tokens, g.const([group])), g.const([1]), axis=0)
+            self._tiled[group] = g.op("Concat", step, g.op("Expand", self.prefix_bias, rows), axis=3)
         return self._tiled[group]
 
 
@@ -210,13 +225,13 @@ class _Heads:
     v_new: str  # [B, Hkv, T, D]
 
 
-def _heads(g: _Graph, node: onnx.NodeProto) -> _Heads:
+def _heads(g: _Graph, node: onnx.NodeProto, masks: _Masks) -> _Heads:
     attrs = _attributes(node)
     hq, hkv, d, scale = attrs["num_q_heads"], attrs["num_kv_heads"], attrs["head_dim"], attrs["scale"]
     group = hq // hkv
     q, k, v = node.input[:3]
     # query heads grouped by KV head: [B, T, Hq, D] -> [B, Hkv, g*T, D] (rows ordered g-major, then T)
-    qs = g.op("Mul", q, g.op("CastLike", g.const(scale, np.float32), q))
+    qs = g.op("Mul", q, masks.cast(g.const(scale, np.float32)))
     q5 = g.op("Transpose", g.op("Reshape", qs, g.const([0, 0, hkv, group, d])), perm=[0, 2, 3, 1, 4])
     qg = g.op("Reshape", q5, g.const([0, hkv, -1, d]))
     k_new = g.op("Transpose", k, perm=[0, 2, 3, 1])  # [B, Hkv, D, T]
@@ -224,32 +239,52 @@ def _heads(g: _Graph, node: onnx.NodeProto) -> _Heads:
     return _Heads(hq, hkv, group, d, qg, k_new, v_new)
 
 
-def _write_output(g: _Graph, node: onnx.NodeProto, heads: _Heads, o: str) -> None:
-    """o [B, Hkv, g*T, D] -> the node's output [B, T, Hq, D]."""
+def _write_output(g: _Graph, node: onnx.NodeProto, heads: _Heads, o: str, into: tuple[str, str] | None) -> None:
+    """o [B, Hkv, g*T, D] -> the node's output [B, T, Hq, D], or straight into `into` = (shape, output): the one
+    Reshape that reads the node's output (`_reshape_after`), in place of it."""
     h = heads
     o = g.op("Transpose", g.op("Reshape", o, g.const([0, h.hkv, h.group, -1, h.d])), perm=[0, 3, 1, 2, 4])
-    g.nodes.append(helper.make_node("Reshape", [o, g.const([0, 0, h.hq, h.d])], [node.output[0]], name=g.fresh()))
+    shape, output = into or (g.const([0, 0, h.hq, h.d]), node.output[0])
+    g.nodes.append(helper.make_node("Reshape", [o, shape], [output], name=g.fresh()))
 
 
-def _decompose_node(g: _Graph, node: onnx.NodeProto, masks: _Masks) -> None:
-    h = _heads(g, node)
+def _reshape_after(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
+    """{attention output: the Reshape that alone reads it} where that Reshape's shape is a constant without zeros
+    (so its result depends on the element count alone): the decomposition writes that shape directly, one node
+    per layer fewer (onnxruntime does not merge consecutive Reshapes)."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    shapes = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer  # shapes are inline int64 tensors
+              if t.data_type == TensorProto.INT64 and t.data_location != TensorProto.EXTERNAL}
+    outputs = {o.name for o in model.graph.output}
+    found = {}
+    for node in attention_nodes(model):
+        after = readers.get(node.output[0], [])
+        if (len(after) == 1 and after[0].op_type == "Reshape" and after[0].input[0] == node.output[0]
+                and after[0].input[1] in shapes and 0 not in shapes[after[0].input[1]].tolist()
+                and node.output[0] not in outputs):
+            found[node.output[0]] = after[0]
+    return found
+
+
+def _decompose_node(g: _Graph, node: onnx.NodeProto, masks: _Masks, into: tuple[str, str] | None) -> None:
+    h = _heads(g, node, masks)
     kc, vc = node.input[3:5]
     tokens, longest = masks.tokens, masks.longest
     zero, axis2, axis3 = g.const([0]), g.const([2]), g.const([3])
     k_old = g.op("Transpose", g.op("Slice", kc, zero, longest, axis2), perm=[0, 1, 3, 2])  # [B, Hkv, D, P]
     v_old = g.op("Slice", vc, zero, longest, axis2)  # [B, Hkv, P, D]
-    q = node.input[0]
-    s_new = g.op("Add", g.op("MatMul", h.qg, h.k_new),
-                 g.op("CastLike", masks.step_bias_for(h.group), q))  # [B, Hkv, gT, T]
-    s_old = g.op("Add", g.op("MatMul", h.qg, k_old), g.op("CastLike", masks.prefix_bias, q))  # [B, Hkv, gT, P]
+    scores = g.op("Concat", g.op("MatMul", h.qg, h.k_new), g.op("MatMul", h.qg, k_old), axis=3)  # [B, Hkv, gT, T + P]
     # Step columns first: a row's real scores sit at the same columns whatever the batch's longest prefix,
     # and the masked columns of a shorter prefix trail (exp = 0), so onnxruntime's softmax and MatMul give
     # a row the same bits alone or batched (tests/backends check it on real engines).
-    probs = g.op("Softmax", g.op("Concat", s_new, s_old, axis=3), axis=3)
+    probs = g.op("Softmax", g.op("Add", scores, masks.bias_for(h.group)), axis=3)
     p_new = g.op("Slice", probs, zero, tokens, axis3)
-    p_old = g.op("Slice", probs, tokens, g.op("Add", tokens, longest), axis3)
+    p_old = g.op("Slice", probs, tokens, masks.keys, axis3)
     o = g.op("Add", g.op("MatMul", p_new, h.v_new), g.op("MatMul", p_old, v_old))  # [B, Hkv, gT, D]
-    _write_output(g, node, h, o)
+    _write_output(g, node, h, o, into)
 
 
 class _ExactPlan:
@@ -317,9 +352,10 @@ def _with_ones(g: _Graph, values: str, rank: int) -> str:
     return g.op("Pad", values, pads, g.op("CastLike", g.const(1.0, np.float32), values))
 
 
-def _decompose_exact_node(g: _Graph, node: onnx.NodeProto, masks: _Masks, plan: _ExactPlan) -> None:
+def _decompose_exact_node(g: _Graph, node: onnx.NodeProto, masks: _Masks, plan: _ExactPlan,
+                          into: tuple[str, str] | None) -> None:
     """The row-invariant form: fixed-position key blocks, each block one product, the blocks added pairwise."""
-    h = _heads(g, node)
+    h = _heads(g, node, masks)
     kc, vc = node.input[3:5]
     BK, d, W = KEY_BLOCK, h.d, h.d + 1
     flat_shape, pair_shape = plan.shapes(g, W)
@@ -357,7 +393,15 @@ def _decompose_exact_node(g: _Graph, node: onnx.NodeProto, masks: _Masks, plan: 
     o = g.op("Squeeze", o, g.const([2]))  # [B, Hkv, gT, W]: one block left
     out = g.op("Div", g.op("Slice", o, g.const([0]), g.const([d]), g.const([3])),
                g.op("Slice", o, g.const([d]), g.const([W]), g.const([3])))  # [B, Hkv, gT, D]
-    _write_output(g, node, h, out)
+    _write_output(g, node, h, out, into)
+
+
+def _elem_type(model: onnx.ModelProto, name: str) -> int:
+    """The element type of graph input `name` (a key cache: the attention's dtype); float32 if not declared."""
+    for value in model.graph.input:
+        if value.name == name:
+            return value.type.tensor_type.elem_type
+    return TensorProto.FLOAT
 
 
 def decompose(model: onnx.ModelProto, exact: bool = False, max_keys: int = 0) -> onnx.ModelProto:
@@ -374,7 +418,7 @@ def decompose(model: onnx.ModelProto, exact: bool = False, max_keys: int = 0) ->
     out.CopyFrom(model)
     g = _Graph("lookahead_attention")
     first = nodes[0]
-    masks = _Masks(g, first)
+    masks = _Masks(g, first, _elem_type(model, first.input[3]))
     plan = None
     if exact:
         attrs = _attributes(first)
@@ -383,16 +427,22 @@ def decompose(model: onnx.ModelProto, exact: bool = False, max_keys: int = 0) ->
             raise ValueError("the exact decomposition needs grouped-query attention (query heads > KV heads)")
         plan = _ExactPlan(g, masks, first.input[3], attrs["num_kv_heads"], group, max_keys)
     rewritten: list[onnx.NodeProto] = []
+    reshapes = _reshape_after(out)
+    merged = [id(reshape) for reshape in reshapes.values()]
     for node in out.graph.node:
+        if id(node) in merged:  # written by its attention node's decomposition
+            continue
         if node.op_type == OP_NAME and node.domain == OP_DOMAIN:
+            after = reshapes.get(node.output[0])
+            into = None if after is None else (after.input[1], after.output[0])
             if (node.input[5:8] != first.input[5:8] or _attributes(node)["tree"] != _attributes(first)["tree"]
                     or (plan and node.attribute != first.attribute)):
                 raise ValueError("LookaheadAttention nodes of one graph must share cache_len, step_config, "
                                  "tree_ends and tree (and, exact, their heads)")
             if plan is None:
-                _decompose_node(g, node, masks)
+                _decompose_node(g, node, masks, into)
             else:
-                _decompose_exact_node(g, node, masks, plan)
+                _decompose_exact_node(g, node, masks, plan, into)
             rewritten.extend(g.nodes)  # the shared mask nodes come first, ahead of the first layer
             g.nodes = []
         else:
