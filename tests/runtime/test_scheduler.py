@@ -307,6 +307,85 @@ def test_blocks_are_handed_over_while_the_next_step_runs_and_all_when_the_batch_
     ]  # the last blocks and the end marks were handed over although no step followed
 
 
+class PrefillWatcher(OracleExecutor):
+    """Records, at each prefill, how many items the watched handles' consumers have been handed so far."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.handles, self.seen = [], []
+
+    def prefill(self, slot, prompt_ids, sampling):
+        self.seen.append([h._queue.qsize() for h in self.handles])
+        return super().prefill(slot, prompt_ids, sampling)
+
+
+def test_a_joining_requests_first_token_is_handed_over_while_the_next_prompt_is_prefilled():
+    """Requests joining together are prefilled one after another: each one's first token reaches its consumer
+    while the next prompt runs, not after the last one's (the mean time to first token of 8 joining together
+    would be 8 prefills instead of 4.5)."""
+    logits = markov_logits(10, 1, 0)
+    executor = PrefillWatcher(logits, 10, max_batch=4)
+    scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS))
+    executor.handles = scheduler.submit_many([job(RequestDecoder(GREEDY_STEP, [i + 1, i], 5)) for i in range(4)])
+    scheduler.run_once()  # four prefills, then one decode step
+    assert executor.seen == [[0, 0, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]]
+    assert scheduler.stats.steps == 1
+    while not scheduler.idle:
+        scheduler.run_once()
+    assert [[t for b in h for t in b] for h in executor.handles] == [
+        reference_generate(logits, [i + 1, i], 5) for i in range(4)
+    ]
+
+
+class Watched:
+    """A real executor whose prefills record how many items the watched handles' consumers hold by then."""
+
+    def __init__(self, executor):
+        self.executor, self.handles, self.seen = executor, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.executor, name)
+
+    def prefill(self, slot, prompt_ids, sampling):
+        self.seen.append([h._queue.qsize() for h in self.handles])
+        return self.executor.prefill(slot, prompt_ids, sampling)
+
+
+def test_eight_requests_joining_together_on_stories260k_get_first_tokens_early_and_their_solo_answers(
+        one_torch_thread):
+    """Eight short requests joining at once (AIPerf's waves): one decode step carries all eight after their
+    prefills, each first token is handed over while the next prompt runs, and every answer is its solo answer."""
+    from trt_lookahead.runtime.load import load_model
+
+    stories = Path(__file__).parents[1] / "fixtures" / "stories260K"
+    model = load_model(stories, backend="torch", dtype="float32", asked=None, max_seq_len=128, max_batch=8,
+                       verify=True, exact=None, tree=None)
+    prompts = [model.tokenizer.encode(text) for text in (
+        "Once upon a time", "Lily and Tom went to the park. They", "The cat sat on the", "Sam had a red ball",
+        "One day, a little bird", "Mom said to Ben,", "The sun was hot and", "There was a big dog named")]
+
+    def decoder(prompt):
+        return RequestDecoder(GREEDY_STEP, prompt, 12, model.stop_token_ids)
+
+    executor = Watched(model.executor)
+    scheduler = Scheduler(executor, LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS))
+    solo = []
+    for prompt in prompts:
+        handle = scheduler.submit(job(decoder(prompt)))
+        while not scheduler.idle:
+            scheduler.run_once()
+        solo.append([t for b in handle for t in b])
+    executor.seen, steps = [], scheduler.stats.steps
+    executor.handles = scheduler.submit_many([job(decoder(prompt)) for prompt in prompts])
+    scheduler.run_once()
+    assert executor.seen == [[1] * i + [0] * (8 - i) for i in range(8)]
+    assert scheduler.stats.steps == steps + 1 and scheduler.steps[-1].rows == 8
+    while not scheduler.idle:
+        scheduler.run_once()
+    assert [[t for b in h for t in b] for h in executor.handles] == solo
+    assert all(len(answer) > 1 for answer in solo)
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_beside_the_decode_steps_and_gives_the_same_tokens():
     logits = induction_logits(30, 5)
     executor = OracleExecutor(logits, 30, max_batch=2, step_tokens=16)

@@ -19,9 +19,10 @@ request's prompt is prefilled (`prefill`):
 An exception in one request's host code (prefill, setup, prepare, verify, harvest) fails that request
 only, its handle raising it; a failing executor step fails the requests of that step only. Blocks are
 buffered per request, so a slow or absent consumer never stalls the loop, and handed over while the next
-step's executor runs (or at once when no step follows): a consumer woken earlier would contend for the GIL
-with the step's host work. Admission is FIFO and every admitted request is in every step: no request
-starves. See docs/design.md section 9.
+step's executor runs, or the next separate prefill (so of requests joining together each gets its first token
+while the next prompt runs, not after the last), or at once when no step follows: a consumer woken earlier
+would contend for the GIL with the step's host work. Admission is FIFO and every admitted request is in every
+step: no request starves. See docs/design.md section 9.
 """
 
 from __future__ import annotations
@@ -395,6 +396,9 @@ class Scheduler:
                 self.executor.claim(slot, request.sampling)
                 handle.chunk, handle.prefilled = self._chunk, 0
                 return
+            # what is queued (the first token of a request prefilled just before this one) is handed over while
+            # this prompt runs, off the GIL: joining requests do not all wait for the last one's prefill
+            self._deliver()
             start = time.perf_counter()
             first = self.executor.prefill(slot, decoder.prompt, request.sampling)
             decoder.stats.prefill_seconds = seconds = time.perf_counter() - start
