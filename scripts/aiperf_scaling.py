@@ -28,7 +28,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,8 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from trt_lookahead.files import free_port
 
 AIPERF = "/work/aiperf-venv/bin/aiperf"
 HOST = "127.0.0.1"
@@ -70,12 +71,6 @@ class Variant:
 
 def cli() -> list[str]:
     return [sys.executable, "-m", "trt_lookahead.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def wait_for(predicate, proc: subprocess.Popen, log: Path, seconds: float = 900.0) -> None:

@@ -1,5 +1,5 @@
-"""Leaf helpers that several layers share: file checksums, atomic writes, output checks, lock files and the cache
-directory."""
+"""Leaf helpers that several layers share: file checksums, atomic writes, output checks, lock files, the cache
+directory and a free loopback port."""
 
 from __future__ import annotations
 
@@ -8,10 +8,18 @@ import hashlib
 import os
 import re
 import shutil
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 from trt_lookahead.errors import UserError
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (the OS's pick), for a server started on loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:

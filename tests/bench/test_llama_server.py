@@ -19,8 +19,9 @@ import pytest
 
 from trt_lookahead.bench.openai_stream import Answer
 from trt_lookahead.bench.served import aggregate_served, common_prefix
-from trt_lookahead.bench.servers import ServerProcess, find_llama_server, free_port, llama_server_argv, parse_specs
+from trt_lookahead.bench.servers import ServerProcess, find_llama_server, llama_server_argv, parse_specs
 from trt_lookahead.errors import UserError
+from trt_lookahead.files import free_port
 from trt_lookahead.model.gguf_convert import write_gguf
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"

@@ -28,7 +28,8 @@ pytest.importorskip("pytriton", reason="serving tests need nvidia-pytriton (pip 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from trt_lookahead.cli import main  # noqa: E402
-from trt_lookahead.serving.server import TritonServer, free_port  # noqa: E402
+from trt_lookahead.files import free_port  # noqa: E402
+from trt_lookahead.serving.server import TritonServer  # noqa: E402
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 NAME = "lookahead"

@@ -54,12 +54,12 @@ from trt_lookahead.bench.servers import (
     START_TIMEOUT,
     ServerProcess,
     cached_gguf,
-    free_port,
     llama_server_argv,
     log_tail,
     serve_argv,
 )
 from trt_lookahead.errors import UserError
+from trt_lookahead.files import free_port
 from trt_lookahead.lookahead.config import AUTO, GREEDY
 
 if TYPE_CHECKING:

@@ -20,7 +20,6 @@ import http.client
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -65,13 +64,6 @@ def parse_specs(text: str) -> list[str]:
     plain one ("" or none: the plain row only). llama-server itself checks the names at start-up."""
     specs = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
     return [s for s in specs if s != "none"]
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the OS's pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def llama_server_argv(binary: Path, gguf: Path, port: int, threads: int, slots: int, context: int,
@@ -176,10 +168,10 @@ class ServerProcess:
 
 def checkpoint_digest(model: Path) -> str:
     """A digest of what a GGUF of the checkpoint depends on: its weights, config and tokenizer files."""
-    from trt_lookahead.model.checkpoint import weight_files
+    from trt_lookahead.model.checkpoint import weights_sha256
 
-    names = [*weight_files(model), *(model / n for n in ("config.json", "tokenizer.json", "tokenizer_config.json"))]
-    parts = [f"{p.name}:{sha256_file(p)}" for p in names if p.is_file()]
+    names = ("config.json", "tokenizer.json", "tokenizer_config.json")
+    parts = [weights_sha256(model), *(f"{n}:{sha256_file(model / n)}" for n in names if (model / n).is_file())]
     return hashlib.sha256(f"{GGUF_FORMAT}\n{chr(10).join(parts)}".encode()).hexdigest()
 
 

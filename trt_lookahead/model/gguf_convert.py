@@ -52,6 +52,10 @@ _LAYER_TENSORS = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
 }
 # Tensors llama.cpp may store that carry nothing a HF Llama needs (RoPE tables are recomputed).
 _IGNORED_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
@@ -211,9 +215,6 @@ def hf_tensor_name(gguf_name: str) -> str | None:
         rest = parts[2]
         if rest in _LAYER_TENSORS:
             return f"model.layers.{int(parts[1])}.{_LAYER_TENSORS[rest]}"
-        if rest in ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias"):
-            proj = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj"}
-            return f"model.layers.{int(parts[1])}.self_attn.{proj[rest.split('.')[0]]}.bias"
     raise UserError(f"GGUF tensor {gguf_name!r} has no HF Llama counterpart; the file is not a plain llama model")
 
 
@@ -432,19 +433,14 @@ _TOKEN_BYTE = 6  # SentencePiece byte-fallback pieces <0xNN>
 
 def gguf_tensor_name(hf_name: str) -> str:
     """The GGUF name of a HF Llama tensor (the inverse of `hf_tensor_name`)."""
-    for gguf_name, name in _GLOBAL_TENSORS.items():
-        if name == hf_name:
-            return gguf_name
+    globals_back = {name: gguf_name for gguf_name, name in _GLOBAL_TENSORS.items()}
+    if hf_name in globals_back:
+        return globals_back[hf_name]
     parts = hf_name.split(".", 3)  # model.layers.<i>.<rest>
     if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
-        rest = parts[3]
-        for gguf_rest, name in _LAYER_TENSORS.items():
-            if name == rest:
-                return f"blk.{parts[2]}.{gguf_rest}"
-        proj = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
-        kind, _, tail = rest.removeprefix("self_attn.").partition(".")
-        if rest.startswith("self_attn.") and kind in proj and tail == "bias":
-            return f"blk.{parts[2]}.{proj[kind]}.bias"
+        layer_back = {name: gguf_rest for gguf_rest, name in _LAYER_TENSORS.items()}
+        if parts[3] in layer_back:
+            return f"blk.{parts[2]}.{layer_back[parts[3]]}"
     raise UserError(f"tensor {hf_name!r} has no GGUF counterpart; the checkpoint is not a plain Llama")
 
 

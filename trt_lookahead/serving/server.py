@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import IO
 
 from trt_lookahead.errors import UserError, as_int
+from trt_lookahead.files import free_port
 
 HOST = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1
@@ -79,12 +80,6 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     libdir = sysconfig.get_config_var("LIBDIR") or ""
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, str(libs), env.get("LD_LIBRARY_PATH", "")) if p)
     return env
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def check_ports(ports: dict[str, int | None]) -> None:
