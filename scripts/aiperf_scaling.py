@@ -3,8 +3,8 @@
 
 AIPerf lives in its own venv (its pins clash with ours):
 
-    python3 -m venv /work/aiperf-venv && /work/aiperf-venv/bin/pip install aiperf==0.13.0
-    python scripts/aiperf_scaling.py                              # serve and Triton, auto, 1 and 8 streams
+    python3 -m venv ~/aiperf-venv && ~/aiperf-venv/bin/pip install aiperf==0.13.0
+    python scripts/aiperf_scaling.py --aiperf ~/aiperf-venv/bin/aiperf   # serve and Triton, auto, 1 and 8 streams
     python scripts/aiperf_scaling.py --targets serve --variants auto,greedy --rounds 2 --json
 
 For each target (`serve`: `trt-lookahead serve`'s /v1/chat/completions; `triton`: a repository written by
@@ -38,7 +38,7 @@ from pathlib import Path
 
 from trt_lookahead.files import free_port
 
-AIPERF = "/work/aiperf-venv/bin/aiperf"
+AIPERF = "aiperf"  # the command, on PATH unless --aiperf names it
 HOST = "127.0.0.1"
 SERVE_READY = re.compile(r"on (http://127\.0\.0\.1:\d+)/v1")
 TRITON_NAME = "lookahead"
@@ -211,8 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default=None, help="where logs and AIPerf's artifacts go (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     args = p.parse_args(argv)
-    if not Path(args.aiperf).exists():
-        p.error(f"{args.aiperf} does not exist: install AIPerf in its own venv (see this script's docstring)")
+    found = shutil.which(args.aiperf)
+    if found is None:
+        p.error(f"AIPerf not found as {args.aiperf!r}: install it in its own venv (see this script's docstring) and "
+                "pass its path with --aiperf")
+    args.aiperf = found
     if args.tokenizer is None:
         from trt_lookahead.model.fetch import resolve_model
 

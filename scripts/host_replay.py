@@ -54,6 +54,7 @@ class Recorder:
         self.inner, self.recording = inner, Recording()
         self.vocab_size, self.max_seq_len = inner.vocab_size, inner.max_seq_len
         self.max_batch, self.step_tokens = inner.max_batch, inner.step_tokens
+        self.pads_rows = inner.pads_rows
 
     def prefill(self, slot: int, prompt_ids: np.ndarray, sampling: SamplingParams) -> int:
         self.recording = Recording(self.inner.prefill(slot, prompt_ids, sampling))
@@ -113,6 +114,7 @@ class Replay:
     def __init__(self, like: Recorder, recording: Recording, step_ms: float, spin: bool) -> None:
         self.vocab_size, self.max_seq_len = like.vocab_size, like.max_seq_len
         self.max_batch, self.step_tokens = like.max_batch, like.step_tokens
+        self.pads_rows = like.pads_rows
         self.recording, self.step_s, self.spin, self.next = recording, step_ms / 1000.0, spin, 0
 
     def prefill(self, slot: int, prompt_ids: np.ndarray, sampling: SamplingParams) -> int:

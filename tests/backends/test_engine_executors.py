@@ -344,6 +344,26 @@ ENGINE_JOBS = [  # (prompt, request): configs within the engine's 4/3/4, samplin
 ]
 
 
+def test_the_scheduler_prices_an_engine_step_as_rows_times_its_widest_row(engines):
+    """The engine's graph runs every row as wide as the widest: a step of a 1/3/1 row (4 tokens) and a 4/3/4 row
+    (16) is learnt by the policy as 2 x 16 tokens, the shape tune times (B rows of T tokens)."""
+    from trt_lookahead.lookahead.config import Lookahead
+    from trt_lookahead.lookahead.decoder import RequestDecoder
+    from trt_lookahead.lookahead.policy import LookaheadPolicy, Priors, StepCost
+    from trt_lookahead.runtime.scheduler import Job, Scheduler
+
+    executor = open_engine(engines["plugin"], threads=1).executor()
+    assert executor.pads_rows
+    policy = LookaheadPolicy(StepCost.linear(10.0, 0.1), Priors({"4/3/4": 1.7}))
+    scheduler = Scheduler(executor, policy)
+    for config in (LookaheadConfig(1, 3, 1), LookaheadConfig(4, 3, 4)):
+        decoder = RequestDecoder(config, [1, 2, 3, 4], 8)
+        scheduler.submit(Job(decoder, Lookahead(config, auto=False), SamplingParams()))
+    while policy.cost.last is None:
+        scheduler.run_once()
+    assert policy.cost.last[:2] == (2 * T, 2)
+
+
 @pytest.mark.parametrize("prefill", ["separate", 5])
 def test_concurrent_requests_on_an_engine_equal_their_solo_runs(engines, tmp_path, prefill):
     """Six requests from six threads on one engine runtime of four slots (two wait for a slot, joining later):

@@ -97,11 +97,11 @@ def test_a_request_whose_drafts_fail_runs_greedy_and_a_repetitive_one_climbs():
     assert repetitive.ratio > 2 > 1 > failing.ratio
 
 
-def decode(policy, state, supply, steps, emitted):
+def decode(policy, state, supply, steps, emitted, pads_rows=False):
     """The configs one request runs for `steps` steps with `supply` drafts, each step emitting `emitted(config)`."""
     configs = []
     for _ in range(steps):
-        (config,) = policy.choose([state], [supply])
+        (config,) = policy.choose([state], [supply], pads_rows)
         configs.append(config)
         policy.observe(state, config, emitted(config))
     return configs
@@ -128,10 +128,11 @@ def test_a_request_the_priors_keep_greedy_probes_its_cheapest_rung_and_climbs_if
     assert configs[9:17] == [GREEDY_STEP] * 8 and configs[17:] == [C(1, 3, 1)] * 3
 
 
-def test_probes_of_a_request_whose_drafts_fail_come_ever_more_rarely():
+@pytest.mark.parametrize("pads_rows", [False, True])  # one request: padding changes nothing
+def test_probes_of_a_request_whose_drafts_fail_come_ever_more_rarely(pads_rows):
     policy = LookaheadPolicy(STEEP, PRIORS)
     state = policy.start(Lookahead(C(4, 3, 4), auto=True))
-    configs = decode(policy, state, 4, 200, lambda config: 1)  # nothing accepted
+    configs = decode(policy, state, 4, 200, lambda config: 1, pads_rows)  # nothing accepted
     probes = [step for step, config in enumerate(configs) if config != GREEDY_STEP]
     # after 8 greedy steps, then 16, 32 and 64: the wait doubles after each failed probe
     assert probes == [8, 25, 58, 123]
@@ -303,3 +304,79 @@ def test_the_learnt_cost_is_tunes_until_observed_and_per_row_count():
     fixed = LookaheadPolicy(STEEP, PRIORS, learn=False)  # a replay of a tuning entry: its cost only
     fixed.observe_step(16, 1, 2 * STEEP(16, 1) / 1000.0)
     assert fixed.cost(16, 1) == STEEP(16, 1) and fixed.cost.observations == 0
+
+
+# -- executors that pad every row to the step's widest (lookahead/executor.py `pads_rows`) -----------------
+
+
+def test_a_padded_step_prices_a_lone_upgrade_at_every_rows_cost():
+    """Eight rows, one request whose drafts match four times as well as the priors say, seven whose fail. Priced by
+    real tokens, upgrading the one to 1/3/1 (4 tokens, 3 expected) is cheap: 10 tokens in 25.5 ms against 8 in 24;
+    in a padded step it widens all eight rows to 4 tokens, 32 in all: 10 in 36 ms, and greedy is faster."""
+    policy = LookaheadPolicy(StepCost.linear(20.0, 0.5), PRIORS)
+    states = [policy.start(Lookahead(C(4, 3, 4), auto=True)) for _ in range(8)]
+    for i, state in enumerate(states):
+        state.ratio = 4.0 if i == 0 else 0.0
+    assert policy.choose(states, [4] * 8) == [C(1, 3, 1)] + [GREEDY_STEP] * 7
+    assert policy.choose(states, [4] * 8, pads_rows=True) == [GREEDY_STEP] * 8
+
+
+def test_a_padded_step_gives_every_row_the_best_rung_that_fits_its_width():
+    """Once the step is wide, narrower rows cost nothing: requests whose drafts match take the widest rung that
+    fits, one with fewer pool candidates its capped rung, and a request with no drafts its window."""
+    policy = LookaheadPolicy(FLAT, PRIORS)
+    states = [policy.start(Lookahead(C(4, 3, 4), auto=True)) for _ in range(4)]
+    configs = policy.choose(states, [4, 4, 2, 0], pads_rows=True)
+    assert configs[:2] == [C(4, 3, 4)] * 2 and configs[2] == C(4, 3, 2) and configs[3] == C(4, 3, 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 8), st.integers(2, 5), st.integers(0, 8), st.floats(0, 4), st.booleans(),
+                       st.integers(0, 8)), min_size=1, max_size=10),
+    st.floats(1, 50), st.floats(0, 10),
+)
+def test_a_padded_choice_is_never_predicted_slower_than_batched_greedy(requests, base, per_token):
+    policy = LookaheadPolicy(StepCost.linear(base, per_token), PRIORS)
+    states, supplies = [], []
+    for W, N, G, ratio, explicit, supply in requests:
+        state = policy.start(Lookahead(C(W, N, G), auto=not explicit))
+        state.ratio = ratio
+        states.append(state)
+        supplies.append(supply)
+    configs = policy.choose(states, supplies, pads_rows=True)
+
+    def speed(chosen):
+        rows = len(chosen)
+        expected = sum(policy.expected(s, c) for s, c in zip(states, chosen, strict=True))
+        return expected / policy.cost(rows * max(c.step_tokens for c in chosen), rows)
+
+    assert speed(configs) >= speed([GREEDY_STEP if s.auto else s.config for s in states]) - 1e-9
+    width = max(c.step_tokens for c in configs)
+    for state, supply, config in zip(states, supplies, configs, strict=True):
+        if not state.auto:
+            assert config == state.config
+            continue
+        assert config == GREEDY_STEP or (config.N == state.config.N and config.W <= state.config.W
+                                         and min(state.config.G, supply) >= config.G)
+        fits = [c for c in policy.rungs(state.ladder, min(supply, state.config.G)) if c[0] <= width]
+        assert policy.expected(state, config) == pytest.approx(max(policy.expected(state, c) for _, _, c in fits))
+
+
+def test_rows_sharing_a_padded_step_probe_together_and_more_rarely_than_one_alone():
+    """On a steep step cost everyone stays greedy but for probes. Padded, a probe widens all eight rows, so it
+    waits as many times longer as that costs over one request's probe alone, and every row with drafts rides in
+    it: their probes fall due together from then on."""
+    policy = LookaheadPolicy(STEEP, PRIORS)
+    states = [policy.start(Lookahead(C(4, 3, 4), auto=True)) for _ in range(8)]
+    probes = []
+    for step in range(120):
+        configs = policy.choose(states, [4] * 8, pads_rows=True)
+        if configs != [GREEDY_STEP] * 8:
+            assert all(c.G for c in configs)  # all rows probe in the same step
+            probes.append(step)
+        for state, config in zip(states, configs, strict=True):
+            policy.observe(state, config, 1)  # nothing accepted
+    # alone a probe widens 1 -> 4 tokens: STEEP costs 52 / 28 - 1 = 0.86 more; eight rows 8 -> 32 tokens cost
+    # 276 / 84 - 1 = 2.29 more, 2.67 times that: the first probe waits 8 x 2.67 = 21.3 steps, the next 16 x 2.67
+    assert probes == [22, 22 + 1 + 43]  # alone: [8, 25] (test_probes_of_a_request_whose_drafts_fail_...)

@@ -38,7 +38,7 @@ class RandomPolicy(LookaheadPolicy):
         super().__init__(StepCost.linear(1.0, 0.1), PRIORS)
         self.rng = random.Random(seed)
 
-    def choose(self, states, supplies):
+    def choose(self, states, supplies, pads_rows=False):
         out = []
         for state in states:
             cfg = state.config
@@ -74,6 +74,7 @@ def workloads(draw):
         oracle=draw(st.sampled_from(sorted(ORACLES))),
         oracle_seed=draw(st.integers(0, 1000)),
         max_batch=draw(st.integers(1, 4)),
+        pads_rows=draw(st.booleans()),
         policy=draw(st.sampled_from(["random", "cheap", "steep"])),
         policy_seed=draw(st.integers(0, 1000)),
         requests=requests,
@@ -93,7 +94,7 @@ def test_every_request_emits_its_plain_decoding_whatever_shares_its_steps(prefil
     """Greedy and seeded sampling, any arrivals, configs, stops and cancellations (during prefill too): every
     request's tokens are those of plain decoding alone (the oracle checks every position and commit)."""
     logits = ORACLES[w["oracle"]](w["vocab"], w["oracle_seed"])
-    executor = OracleExecutor(logits, w["vocab"], max_batch=w["max_batch"], step_tokens=64)
+    executor = OracleExecutor(logits, w["vocab"], max_batch=w["max_batch"], step_tokens=64, pads_rows=w["pads_rows"])
     scheduler = Scheduler(executor, make_policy(w["policy"], w["policy_seed"]), max_queue=100, prefill=prefill)
     handles, step = {}, 0
     pending = sorted(range(len(w["requests"])), key=lambda i: w["requests"][i]["arrival"])
@@ -517,8 +518,24 @@ def test_every_decode_step_feeds_its_time_to_the_policy(tmp_path, one_torch_thre
         for handle in handles:
             handle.drain()
         cost, records = rt.auto.policy.cost, list(rt.scheduler.steps)
+        assert not rt.scheduler.executor.pads_rows  # the packed CPU step: priced at its real tokens
     decode = [r for r in records if not r.prefill_rows]
     assert len(records) == rt.scheduler.stats.steps and (len(decode) < len(records)) == (prefill != SEPARATE)
     assert cost.observations == len(decode) > 0
     last = decode[-1]
     assert cost.last == (last.tokens, last.rows, pytest.approx(1000.0 * (last.executor_seconds + last.host_seconds)))
+
+
+@pytest.mark.parametrize(("pads_rows", "priced"), [(False, 4 + 16), (True, 2 * 16)])
+def test_the_policy_learns_from_steps_priced_as_the_executor_lays_them_out(pads_rows, priced):
+    """Two rows of 4 and 16 real tokens: an executor that pads rows runs 2 x 16 tokens, one that packs them 20; the
+    step cost is learnt at that M (tune's c(M, B) is B rows of T tokens)."""
+    logits = markov_logits(30, 2, 5)
+    executor = OracleExecutor(logits, 30, max_batch=2, step_tokens=16, pads_rows=pads_rows)
+    policy = LookaheadPolicy(StepCost.linear(10.0, 0.1), PRIORS)
+    scheduler = Scheduler(executor, policy)
+    for config in (LookaheadConfig(1, 3, 1), LookaheadConfig(4, 3, 4)):
+        scheduler.submit(job(RequestDecoder(config, [1, 2, 3], 6)))
+    while policy.cost.last is None:
+        scheduler.run_once()
+    assert policy.cost.last[:2] == (priced, 2)

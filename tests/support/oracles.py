@@ -125,8 +125,10 @@ class OracleExecutor:
         step_tokens: int = 256,
         max_seq_len: int = 4096,
         tree: TreeTemplate | None = None,
+        pads_rows: bool = False,
     ) -> None:
         self.tree = tree
+        self.pads_rows = pads_rows  # only what the policy is told: the oracle computes real tokens either way
         self.logits_fn = lru_cache(maxsize=100_000)(logits_fn)
         self.vocab_size, self.max_batch, self.step_tokens, self.max_seq_len = (
             vocab_size, max_batch, step_tokens, max_seq_len
@@ -214,6 +216,7 @@ class InstantExecutor:
             vocab_size, max_batch, step_tokens, max_seq_len
         )
         self._cache_len = np.zeros(max_batch, np.int64)
+        self.pads_rows = False
 
     def cache_len(self, slot: int) -> int:
         return int(self._cache_len[slot])

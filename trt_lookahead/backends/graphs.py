@@ -67,6 +67,7 @@ class SlotExecutor:
         self.max_seq_len = engine.max_seq_len
         self.max_batch = max_batch
         self.step_tokens = engine.step_tokens
+        self.pads_rows = True  # the graph runs [B, T]: every row as wide as the widest
         self.exact = engine.exact
         self.tree = engine.config.tree  # the verification slots' draft tree (docs/design.md 2.7); None: linear
         self._prefill_tokens = engine.prefill_tokens

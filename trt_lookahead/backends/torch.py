@@ -272,6 +272,11 @@ class BatchedTorchExecutor:
 
     # -- contract ---------------------------------------------------------------------------------
 
+    @property
+    def pads_rows(self) -> bool:
+        """The padded step runs every row as wide as the widest (the packed one feeds real tokens only)."""
+        return self.padded
+
     def cache_len(self, slot: int) -> int:
         return int(self._cache_len[check_slot(slot, self.max_batch)])
 

@@ -23,13 +23,17 @@ tokens at positions cache_len .. cache_len+c-1, then, where the step is wider th
 positions that follow (a causal row's T tokens are all real, and a causal token never sees a later one, so
 the pads change nothing); the commit keeps rows 0 .. c-1 only. The last chunk's output at slot c-1 is the
 prompt's next token, chosen as `prefill` chooses it (keyed by position P-1).
+
+What a step costs is the policy's business (lookahead/policy.py), but only the executor knows how it lays rows out:
+`pads_rows` says a step of B rows runs as B x its widest row (the engines' SlotExecutor, the padded torch step),
+else as its real tokens (the packed torch step); `priced_tokens` turns a step's row widths into the M of c(M, B).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -68,6 +72,11 @@ class Executor(Protocol):
     max_batch: int  # KV slots
     step_tokens: int  # the largest T a row may have
 
+    @property
+    def pads_rows(self) -> bool:
+        """A step of B rows costs B x its widest row's tokens (else the sum of its rows' real tokens)."""
+        ...
+
     def prefill(self, slot: int, prompt_ids: np.ndarray, sampling: SamplingParams) -> int: ...
 
     def claim(self, slot: int, sampling: SamplingParams) -> None: ...
@@ -79,6 +88,14 @@ class Executor(Protocol):
     def release(self, slot: int) -> None: ...
 
     def cache_len(self, slot: int) -> int: ...
+
+
+def priced_tokens(widths: Sequence[int], pads_rows: bool) -> int:
+    """The M a step of rows with these real tokens is priced at: their sum, or rows x the widest where the
+    executor pads rows (the shape `tune` measures: B rows of T tokens, M = B T)."""
+    if not widths:
+        return 0
+    return len(widths) * max(widths) if pads_rows else sum(widths)
 
 
 def row_tokens(step_config: np.ndarray, tokens: int) -> np.ndarray:

@@ -2,7 +2,7 @@
 
     policy = LookaheadPolicy(StepCost(...), Priors({...}))       # both measured by `trt-lookahead tune`
     state = policy.start(Lookahead(LookaheadConfig(4, 3, 4), auto=True))      # per request
-    configs = policy.choose([state, ...], supplies=[3, 0, ...])                # per step
+    configs = policy.choose([state, ...], supplies=[3, 0, ...], pads_rows=True)  # per step
     policy.observe(state, configs[0], emitted=2)                               # after the step
     policy.observe_step(tokens=M, rows=B, seconds=s)                           # its wall time (the scheduler)
 
@@ -35,7 +35,13 @@ too dear, never chosen, is run once every GREEDY_PROBE_EVERY steps of a row coun
 is `auto`); a knot not timed for STALE steps of its row count is forgotten, so a shape found dear is retried.
 Each request's ladder is reduced to its upper concave hull; all requests' upgrades are taken in order of extra
 tokens per extra step token while the predicted speed grows. All-greedy is always a candidate, so the prediction
-never falls below batched greedy but for the probes. Explicit configs run every step as asked. The policy changes
+never falls below batched greedy but for the probes. Explicit configs run every step as asked.
+An executor that pads rows (lookahead/executor.py `pads_rows`: the engines, the CUDA step) runs B rows of the
+widest row's tokens, so the step is priced at M = B x width (`priced_tokens`, for the choice and for what the
+scheduler feeds back) and rows narrower than the step cost nothing: the policy tries each width a rung has, every
+request taking its rung of most expected tokens that fits, and keeps the fastest. Probes there widen every row, so
+the rows probe together (all ride in the step one request's probe widens) and a probe waits `probe_every` times
+what widening the B rows costs over one request's probe alone. The policy changes
 how fast a request decodes, never its tokens (docs/design.md section 4).
 
 `auto` runs an AutoPolicy: a ceiling (its largest config) and a policy, from the tuning entry `trt-lookahead tune`
@@ -60,6 +66,7 @@ import numpy as np
 
 from trt_lookahead.lookahead.config import MAX_STEP_TOKENS, Lookahead, LookaheadConfig
 from trt_lookahead.lookahead.decoder import GREEDY_STEP
+from trt_lookahead.lookahead.executor import priced_tokens
 
 EMA = 0.2  # weight of the newest observation in a request's acceptance ratio
 RECOVERY = 0.05  # per step that observes it not, a ratio moves this fraction of the way back to 1
@@ -315,20 +322,100 @@ class LookaheadPolicy:
         """Expected tokens of one step of `config` for this request."""
         return _expected(_ratio(state, config), self.priors.extra(config), config.N)
 
-    def choose(self, states: Sequence[RequestState], supplies: Sequence[int]) -> list[LookaheadConfig]:
-        """Each request's config for the coming step (states[i] with supplies[i] pool candidates)."""
-        chosen = self._fastest(states, supplies)
+    def choose(self, states: Sequence[RequestState], supplies: Sequence[int], pads_rows: bool = False
+               ) -> list[LookaheadConfig]:
+        """Each request's config for the coming step (states[i] with supplies[i] pool candidates); `pads_rows`: the
+        executor runs every row as wide as the widest (lookahead/executor.py), so a step is priced as B x widest."""
+        chosen = self._fastest_padded(states, supplies) if pads_rows else self._fastest(states, supplies)
         rows = len(states)
         if all(s.auto for s in states) and not all(c.is_greedy for c in chosen) and self.cost.greedy_due(rows):
             self.cost.greedy_probed(rows)  # time the all-greedy step again: lookahead is judged against it
             return [GREEDY_STEP] * rows
+        if pads_rows:
+            return self._probe_padded(states, supplies, chosen)
         for i, (state, supply) in enumerate(zip(states, supplies, strict=True)):
             if chosen[i].is_greedy and state.auto and state.draftless_run >= state.probe_every:
-                rungs = self.rungs(state.ladder, min(supply, state.config.G))
-                probe = next((cfg for _, _, cfg in rungs if cfg.G), None)  # the cheapest rung with drafts
+                probe = self._probe_rung(state, supply)
                 if probe is not None:
                     chosen[i] = probe
         return chosen
+
+    def _probe_rung(self, state: RequestState, supply: int) -> LookaheadConfig | None:
+        """The request's cheapest rung with drafts (None: it has none to verify)."""
+        return next((cfg for _, _, cfg in self.rungs(state.ladder, min(supply, state.config.G)) if cfg.G), None)
+
+    def _within(self, state: RequestState, supply: int, width: int) -> tuple[float, LookaheadConfig]:
+        """(expected tokens, rung) of the request's rung of most expected tokens in at most `width` step tokens
+        (greedy where none fits); of equal ones the narrowest."""
+        best = (1.0, GREEDY_STEP)
+        for t, extra, cfg in self.rungs(state.ladder, min(supply, state.config.G)):
+            e = _expected(_ratio(state, cfg), extra, cfg.N)
+            if t <= width and e > best[0]:
+                best = (e, cfg)
+        return best
+
+    def _at_width(self, states: Sequence[RequestState], supplies: Sequence[int], width: int
+                  ) -> tuple[float, list[LookaheadConfig]]:
+        """(expected tokens, configs) of a padded step `width` wide: every `auto` request takes its best rung
+        that fits, since narrower rows cost the same as the widest; a fixed config runs as asked."""
+        expected, chosen = 0.0, []
+        for state, supply in zip(states, supplies, strict=True):
+            e, cfg = self._within(state, supply, width) if state.auto else (self.expected(state, state.config),
+                                                                            state.config)
+            expected += e
+            chosen.append(cfg)
+        return expected, chosen
+
+    def _fastest_padded(self, states: Sequence[RequestState], supplies: Sequence[int]) -> list[LookaheadConfig]:
+        """The step predicted fastest when it costs c(B x width, B): of every width a request's rung has (at least
+        the widest fixed config), the one of most expected tokens per ms, taken if it beats the narrowest by
+        MARGIN (there every `auto` request runs what fits for free: greedy when all are `auto`)."""
+        rows = len(states)
+        floor = max((s.config.step_tokens for s in states if not s.auto), default=1)
+        widths = {floor}
+        for state, supply in zip(states, supplies, strict=True):
+            if state.auto:
+                widths.update(t for t, _, _ in self.rungs(state.ladder, min(supply, state.config.G)) if t > floor)
+        curve = self.cost.curve(rows, rows * max(widths))
+
+        def price(configs: list[LookaheadConfig]) -> float:
+            return float(curve[priced_tokens([c.step_tokens for c in configs], pads_rows=True)])
+
+        expected, chosen = self._at_width(states, supplies, floor)
+        base = best = expected / price(chosen)
+        for width in sorted(widths - {floor}):
+            e, configs = self._at_width(states, supplies, width)
+            speed = e / price(configs)
+            if speed > best and speed >= (1 + MARGIN) * base:
+                best, chosen = speed, configs
+        return chosen
+
+    def _probe_padded(self, states: Sequence[RequestState], supplies: Sequence[int],
+                      chosen: list[LookaheadConfig]) -> list[LookaheadConfig]:
+        """Probes in a padded step: when a request is due, the step widens to its cheapest rung with drafts and every
+        `auto` request rides in it (their probes then fall due together). A request is due after `probe_every`
+        steps without drafts times what widening B rows costs over what its probe alone would cost, so the share
+        of time spent probing does not grow with B."""
+        rows = len(states)
+        width = max(c.step_tokens for c in chosen)
+        due = []
+        for state, supply in zip(states, supplies, strict=True):
+            if state.auto and state.draftless_run >= state.probe_every:
+                probe = self._probe_rung(state, supply)
+                if probe is not None and probe.step_tokens > width and (
+                        state.draftless_run >= state.probe_every * self._shared_probe(rows, width, probe.step_tokens)):
+                    due.append(probe.step_tokens)
+        if not due:
+            return chosen
+        return self._at_width(states, supplies, min(due))[1]
+
+    def _shared_probe(self, rows: int, width: int, probe: int) -> float:
+        """How many times a lone request's probe cost widening a padded step of `rows` rows from `width` to `probe`
+        tokens costs (at least 1), each measured against the step it widens."""
+        alone = self.cost(probe, 1) / self.cost(1, 1) - 1.0
+        padded = [priced_tokens([w] * rows, pads_rows=True) for w in (probe, width)]
+        shared = self.cost(padded[0], rows) / self.cost(padded[1], rows) - 1.0
+        return max(1.0, shared / alone) if alone > 0.0 else 1.0
 
     def _fastest(self, states: Sequence[RequestState], supplies: Sequence[int]) -> list[LookaheadConfig]:
         """Each request's config in the step predicted fastest (all-greedy unless a step beats it by MARGIN)."""

@@ -39,7 +39,7 @@ from typing import Any
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import Lookahead
 from trt_lookahead.lookahead.decoder import DecodeStats, RequestDecoder
-from trt_lookahead.lookahead.executor import Executor
+from trt_lookahead.lookahead.executor import Executor, priced_tokens
 from trt_lookahead.lookahead.policy import LookaheadPolicy, RequestState
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.lookahead.stepper import CHUNKED, SEPARATE, BatchStepper, Prefill, PrefillChunk, Row, StepRow
@@ -444,7 +444,7 @@ class Scheduler:
             states.append(handle.policy_state)
             supplies.append(supply)
         try:
-            configs = self.policy.choose(states, supplies) if states else []
+            configs = self.policy.choose(states, supplies, self.executor.pads_rows) if states else []
         except Exception as exc:  # no decode step can run without configs: those requests end
             for slot in slots:
                 self._end(slot, error=exc)
@@ -465,7 +465,8 @@ class Scheduler:
         tokens = sum(chunk.tokens for chunk in chunks) + sum(c.step_tokens for c in configs)
         self.steps.append(StepRecord(len(rows), tokens, executor_seconds, seconds - executor_seconds, len(chunks)))
         if not chunks and all(e is None for e in errors):  # wall time, as tune measures c(M, B); not prompts' chunks
-            self.policy.observe_step(tokens, len(rows), seconds)
+            priced = priced_tokens([c.step_tokens for c in configs], self.executor.pads_rows)
+            self.policy.observe_step(priced, len(rows), seconds)
         for chunk, error in zip(chunks, errors[: len(chunks)], strict=True):
             self._chunk_done(chunk, seconds, error)
         for row, handle, error in zip(decoding, handles, errors[len(chunks) :], strict=True):
