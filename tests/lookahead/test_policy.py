@@ -176,6 +176,17 @@ def test_candidate_rows_are_capped_by_the_pool_supply():
     assert configs == [C(4, 3, 1)] * 2
 
 
+def drawn_requests(policy, requests):
+    """(states, supplies) of drawn (W, N, G, ratio, explicit, supply) requests."""
+    states, supplies = [], []
+    for W, N, G, ratio, explicit, supply in requests:
+        state = policy.start(Lookahead(C(W, N, G), auto=not explicit))
+        state.ratio = ratio
+        states.append(state)
+        supplies.append(supply)
+    return states, supplies
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     st.lists(
@@ -187,12 +198,7 @@ def test_candidate_rows_are_capped_by_the_pool_supply():
 )
 def test_the_chosen_step_is_never_predicted_slower_than_batched_greedy(requests, base, per_token, per_row):
     policy = LookaheadPolicy(StepCost.linear(base, per_token, per_row), PRIORS)
-    states, supplies = [], []
-    for W, N, G, ratio, explicit, supply in requests:
-        state = policy.start(Lookahead(C(W, N, G), auto=not explicit))
-        state.ratio = ratio
-        states.append(state)
-        supplies.append(supply)
+    states, supplies = drawn_requests(policy, requests)
     configs = policy.choose(states, supplies)
 
     def speed(chosen):
@@ -338,12 +344,7 @@ def test_a_padded_step_gives_every_row_the_best_rung_that_fits_its_width():
 )
 def test_a_padded_choice_is_never_predicted_slower_than_batched_greedy(requests, base, per_token):
     policy = LookaheadPolicy(StepCost.linear(base, per_token), PRIORS)
-    states, supplies = [], []
-    for W, N, G, ratio, explicit, supply in requests:
-        state = policy.start(Lookahead(C(W, N, G), auto=not explicit))
-        state.ratio = ratio
-        states.append(state)
-        supplies.append(supply)
+    states, supplies = drawn_requests(policy, requests)
     configs = policy.choose(states, supplies, pads_rows=True)
 
     def speed(chosen):
