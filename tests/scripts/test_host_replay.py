@@ -31,6 +31,7 @@ def host_replay():
 
 class Like:
     vocab_size, max_seq_len, max_batch, step_tokens = 16, 64, 1, 4
+    pads_rows = False
 
 
 def batch(ids: list[int], k: int) -> StepBatch:
