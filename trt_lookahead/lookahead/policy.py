@@ -326,13 +326,14 @@ class LookaheadPolicy:
                ) -> list[LookaheadConfig]:
         """Each request's config for the coming step (states[i] with supplies[i] pool candidates); `pads_rows`: the
         executor runs every row as wide as the widest (lookahead/executor.py), so a step is priced as B x widest."""
-        chosen = self._fastest_padded(states, supplies) if pads_rows else self._fastest(states, supplies)
+        options = self._options(states, supplies) if pads_rows else []
+        chosen = self._fastest_padded(states, supplies, options) if pads_rows else self._fastest(states, supplies)
         rows = len(states)
         if all(s.auto for s in states) and not all(c.is_greedy for c in chosen) and self.cost.greedy_due(rows):
             self.cost.greedy_probed(rows)  # time the all-greedy step again: lookahead is judged against it
             return [GREEDY_STEP] * rows
         if pads_rows:
-            return self._probe_padded(states, supplies, chosen)
+            return self._probe_padded(states, supplies, options, chosen)
         for i, (state, supply) in enumerate(zip(states, supplies, strict=True)):
             if chosen[i].is_greedy and state.auto and state.draftless_run >= state.probe_every:
                 probe = self._probe_rung(state, supply)
@@ -344,53 +345,53 @@ class LookaheadPolicy:
         """The request's cheapest rung with drafts (None: it has none to verify)."""
         return next((cfg for _, _, cfg in self.rungs(state.ladder, min(supply, state.config.G)) if cfg.G), None)
 
-    def _within(self, state: RequestState, supply: int, width: int) -> tuple[float, LookaheadConfig]:
-        """(expected tokens, rung) of the request's rung of most expected tokens in at most `width` step tokens
-        (greedy where none fits); of equal ones the narrowest."""
-        best = (1.0, GREEDY_STEP)
-        for t, extra, cfg in self.rungs(state.ladder, min(supply, state.config.G)):
-            e = _expected(_ratio(state, cfg), extra, cfg.N)
-            if t <= width and e > best[0]:
-                best = (e, cfg)
-        return best
+    def _options(self, states: Sequence[RequestState], supplies: Sequence[int]) -> list[list[tuple[int, float,
+                                                                                                LookaheadConfig]]]:
+        """Per request its (step tokens, expected tokens, rung) choices of the step: an `auto` request's rungs capped
+        by its supply, a fixed config alone (computed once per padded step, read at every width)."""
+        return [[(t, _expected(_ratio(state, cfg), extra, cfg.N), cfg)
+                 for t, extra, cfg in self.rungs(state.ladder, min(supply, state.config.G))]
+                if state.auto else [(state.config.step_tokens, self.expected(state, state.config), state.config)]
+                for state, supply in zip(states, supplies, strict=True)]
 
-    def _at_width(self, states: Sequence[RequestState], supplies: Sequence[int], width: int
+    def _at_width(self, options: Sequence[Sequence[tuple[int, float, LookaheadConfig]]], width: int
                   ) -> tuple[float, list[LookaheadConfig]]:
-        """(expected tokens, configs) of a padded step `width` wide: every `auto` request takes its best rung
-        that fits, since narrower rows cost the same as the widest; a fixed config runs as asked."""
+        """(expected tokens, configs) of a padded step `width` wide: each request takes its choice of most expected
+        tokens that fits (narrower rows cost the same as the widest; of equal ones the narrowest; greedy, or a fixed
+        config, where none fits)."""
         expected, chosen = 0.0, []
-        for state, supply in zip(states, supplies, strict=True):
-            e, cfg = self._within(state, supply, width) if state.auto else (self.expected(state, state.config),
-                                                                            state.config)
-            expected += e
-            chosen.append(cfg)
+        for choices in options:
+            t0, e0, cfg0 = choices[0]  # greedy for `auto` (its ladder starts there), else the fixed config
+            best = max(((e, -t, cfg) for t, e, cfg in choices if t <= width), default=(e0, -t0, cfg0),
+                       key=lambda c: (c[0], c[1]))
+            expected += best[0]
+            chosen.append(best[2])
         return expected, chosen
 
-    def _fastest_padded(self, states: Sequence[RequestState], supplies: Sequence[int]) -> list[LookaheadConfig]:
+    def _fastest_padded(self, states: Sequence[RequestState], supplies: Sequence[int],
+                        options: Sequence[Sequence[tuple[int, float, LookaheadConfig]]]) -> list[LookaheadConfig]:
         """The step predicted fastest when it costs c(B x width, B): of every width a request's rung has (at least
         the widest fixed config), the one of most expected tokens per ms, taken if it beats the narrowest by
         MARGIN (there every `auto` request runs what fits for free: greedy when all are `auto`)."""
         rows = len(states)
         floor = max((s.config.step_tokens for s in states if not s.auto), default=1)
-        widths = {floor}
-        for state, supply in zip(states, supplies, strict=True):
-            if state.auto:
-                widths.update(t for t, _, _ in self.rungs(state.ladder, min(supply, state.config.G)) if t > floor)
+        widths = {floor} | {t for choices in options for t, _, _ in choices if t > floor}
         curve = self.cost.curve(rows, rows * max(widths))
 
         def price(configs: list[LookaheadConfig]) -> float:
             return float(curve[priced_tokens([c.step_tokens for c in configs], pads_rows=True)])
 
-        expected, chosen = self._at_width(states, supplies, floor)
+        expected, chosen = self._at_width(options, floor)
         base = best = expected / price(chosen)
         for width in sorted(widths - {floor}):
-            e, configs = self._at_width(states, supplies, width)
+            e, configs = self._at_width(options, width)
             speed = e / price(configs)
             if speed > best and speed >= (1 + MARGIN) * base:
                 best, chosen = speed, configs
         return chosen
 
     def _probe_padded(self, states: Sequence[RequestState], supplies: Sequence[int],
+                      options: Sequence[Sequence[tuple[int, float, LookaheadConfig]]],
                       chosen: list[LookaheadConfig]) -> list[LookaheadConfig]:
         """Probes in a padded step: when a request is due, the step widens to its cheapest rung with drafts and every
         `auto` request rides in it (their probes then fall due together). A request is due after `probe_every`
@@ -407,7 +408,7 @@ class LookaheadPolicy:
                     due.append(probe.step_tokens)
         if not due:
             return chosen
-        return self._at_width(states, supplies, min(due))[1]
+        return self._at_width(options, min(due))[1]
 
     def _shared_probe(self, rows: int, width: int, probe: int) -> float:
         """How many times a lone request's probe cost widening a padded step of `rows` rows from `width` to `probe`
