@@ -71,6 +71,14 @@ def test_engine_dir_holds_graphs_weights_tokenizer_and_config(engine):
     assert smoke["ran"] and smoke["tokens_equal"] == smoke["tokens_compared"] > 10
 
 
+def test_the_graph_hands_each_layers_step_kv_to_its_attention_node_without_a_copy(engine):
+    """No scratch cache in the export: each LookaheadAttention node reads K and V straight from the layer's
+    projection (through views), so the graph holds no ScatterND (it held one per layer for K and for V)."""
+    model = onnx.load(str(engine / "model.onnx"), load_external_data=False)
+    assert not [n.name for n in model.graph.node if n.op_type in ("ScatterND", "ScatterElements")]
+    assert len(onnx_op.attention_nodes(model)) == LAYERS
+
+
 def dims(model, name: str) -> list:
     (value,) = [v for v in [*model.graph.input, *model.graph.output] if v.name == name]
     return [d.dim_value or d.dim_param for d in value.type.tensor_type.shape.dim]

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trt_lookahead.engine import tensorrt_plan
-from trt_lookahead.engine.export import OPSET, export_graph, plugin_contract, save_graph
+from trt_lookahead.engine.export import GRAPH_REVISION, OPSET, export_graph, plugin_contract, save_graph
 from trt_lookahead.engine.format import (
     ATTENTION_MODES,
     CONFIG_FILE,
@@ -80,8 +80,9 @@ class BuildRequest:
     def key(self, weights_sha256: str) -> dict[str, Any]:
         """What identifies a build: equal keys mean an existing engine dir already is this build."""
         return {
-            "format": FORMAT_VERSION, "weights_sha256": weights_sha256, "lookahead": str(self.lookahead),
-            "max_seq_len": self.max_seq_len, "max_input_len": self.max_input_len, "max_batch": self.max_batch,
+            "format": FORMAT_VERSION, "graph": GRAPH_REVISION, "weights_sha256": weights_sha256,
+            "lookahead": str(self.lookahead), "max_seq_len": self.max_seq_len, "max_input_len": self.max_input_len,
+            "max_batch": self.max_batch,
             "dtype": self.dtype, "attention": self.attention, "target": self.target, "exact": self.exact,
             "tree": None if self.tree is None else list(self.tree.parents),
         }

@@ -26,6 +26,7 @@ from trt_lookahead.kernels import mask, onnx_op, reference
 from trt_lookahead.lookahead.tree import TreeTemplate
 
 OPSET = 23
+GRAPH_REVISION = 2  # in the build key, so cached engines are rebuilt: 2 = no scratch-cache ScatterND per layer
 _INLINE_BYTES = 1024  # initializers smaller than this stay inside the graph file
 
 
@@ -38,9 +39,10 @@ def plugin_contract() -> dict[str, Any]:
 def _graph_module(model, attention: str, tree: TreeTemplate | None = None, max_tokens: int = 1):
     """The export wrapper: one forward of the shared `Llama` over B*T flattened tokens, attention per row.
 
-    It drives the model through its public forward and attention seam: the model writes each layer's
-    step K/V into a [B*T]-row scratch cache (cache_len 0), so the seam hands the attention function the
-    step's own K/V, and the function pairs them, row by row, with that layer's real cache (graph inputs).
+    It drives the model through its public forward and attention seam without a cache of the model's own
+    (k_cache = v_cache = None): the seam hands the attention function the step's own K/V [B*T, Hkv, D], and
+    the function pairs them, row by row, with that layer's real cache (graph inputs). (A scratch cache
+    written there would export as a ScatterND of every step row per layer, K and V.)
     `tree`: the verification slots' draft tree, its table (over max_tokens) the nodes' tree_ends input.
     """
     import torch
@@ -69,10 +71,6 @@ def _graph_module(model, attention: str, tree: TreeTemplate | None = None, max_t
         def forward(self, input_ids, positions, cache_len, step_config, output_slots, caches):
             batch, tokens = input_ids.shape
             key_caches, value_caches = caches[:layers], caches[layers:]
-            # one scratch tensor per layer, not one [L, ..] tensor: writing a layer of a stacked tensor
-            # exports as a copy of the whole stack per layer (ScatterElements), plus gathers around it
-            scratch_k = [torch.zeros(batch * tokens, kv_heads, head_dim, dtype=model.dtype) for _ in range(layers)]
-            scratch_v = [torch.zeros_like(k) for k in scratch_k]
             if attention == "native":
                 full_mask = native_mask(tokens, key_caches[0].shape[2], cache_len, step_config)
             presents: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -103,7 +101,7 @@ def _graph_module(model, attention: str, tree: TreeTemplate | None = None, max_t
             zero = torch.zeros((), dtype=torch.long)
             placeholder = torch.ones(1, 1, dtype=torch.bool)
             flat_slots = (torch.arange(batch)[:, None] * tokens + output_slots.long()).reshape(-1)  # [B*K]
-            logits = model(input_ids.reshape(-1).long(), positions.reshape(-1).long(), scratch_k, scratch_v, zero,
+            logits = model(input_ids.reshape(-1).long(), positions.reshape(-1).long(), None, None, zero,
                            placeholder, flat_slots, attention=attend)
             logits = logits.reshape(batch, output_slots.shape[1], -1)  # [B, K, V]
             keys = torch.stack([k for k, _ in presents]).permute(0, 1, 3, 2, 4)  # [L, B, Hkv, T, D]

@@ -16,6 +16,8 @@ cache and the step description as arguments:
 The step's K/V are written into cache rows p .. p+T-1 (or `cache_rows`: a batched executor packs many
 requests' tokens into one call, each writing into its own slot's rows); every query sees rows 0..p-1
 and the step rows its `step_mask` row allows. The final norm and lm_head run only at `output_slots`.
+With k_cache = v_cache = None nothing is written: each layer's attention gets the step's own K/V
+[T, Hkv, D] as its cache (the ONNX export pairs them with the graph's cache inputs itself).
 
 Attention seam: every layer calls `attention(q, k_cache_layer, v_cache_layer, cache_len, step_mask)`
 with q [T, Hq, D] (RoPE applied), the layer's cache [S, Hkv, D] (step rows already written) and
@@ -52,8 +54,8 @@ from trt_lookahead.errors import UserError
 AttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 # a layer's caches: the whole stacked K and V caches [layers, S, kv_heads, head_dim], the layer, and the layer as a
 # 0-dim long tensor (an index of the caches' first dim); or one layer's own caches [S, ..], None, None (per-layer
-# caches, as the ONNX export passes them)
-LayerCache = tuple[Tensor, Tensor, int | None, Tensor | None]
+# caches); or None, None, None, None: no cache, attention gets the step's own K/V (the ONNX export's)
+LayerCache = tuple[Tensor | None, Tensor | None, int | None, Tensor | None]
 LinearFn = Callable[[Tensor, Tensor, Tensor | None], Tensor]  # (x [.., in], weight [out, in], bias) -> [.., out]
 NormFn = Callable[[Tensor, Tensor, float], Tensor]  # (x [.., H], weight [H], eps) -> [.., H]
 
@@ -362,7 +364,9 @@ class Attention(nn.Module):
         qkv = ops.project(self.wqkv, x).view(T, Hq + 2 * Hkv, cfg.head_dim)
         qk = apply_rope(qkv[:, : Hq + Hkv], cos, sin)  # q and k heads rotated together
         k_cache, v_cache, layer, index = cache
-        if layer is None or index is None:  # one layer's own caches (the export's): written as they are
+        if k_cache is None or v_cache is None:  # no cache (the export's): attention gets the step's own K/V
+            k_cache, v_cache = qk[:, Hq:], qkv[:, Hq + Hkv :]
+        elif layer is None or index is None:  # one layer's own caches: written as they are
             k_cache.index_copy_(0, rows, qk[:, Hq:])
             v_cache.index_copy_(0, rows, qkv[:, Hq + Hkv :])
         else:
@@ -516,8 +520,8 @@ class Llama(nn.Module):
         self,
         input_ids: Tensor,
         positions: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
+        k_cache: Tensor | list[Tensor] | None,
+        v_cache: Tensor | list[Tensor] | None,
         cache_len: Tensor,
         step_mask: Tensor,
         output_slots: Tensor | None = None,
@@ -533,7 +537,11 @@ class Llama(nn.Module):
         # stacked caches: each layer's index as a 0-dim tensor (LayerCache); per-layer caches (a list): None
         index = torch.arange(len(self.layers), device=input_ids.device) if isinstance(k_cache, Tensor) else None
         for i, layer in enumerate(self.layers):
-            cache = (k_cache[i], v_cache[i], None, None) if index is None else (k_cache, v_cache, i, index[i])
+            cache: LayerCache = (None, None, None, None)  # no cache (the export's)
+            if isinstance(k_cache, Tensor) and isinstance(v_cache, Tensor) and index is not None:
+                cache = (k_cache, v_cache, i, index[i])
+            elif k_cache is not None and v_cache is not None:
+                cache = (k_cache[i], v_cache[i], None, None)
             x = layer(x, cache, cos, sin, rows, cache_len, step_mask, attention, ops)
         if output_slots is not None:
             x = x.index_select(0, output_slots)
