@@ -1,7 +1,7 @@
 """Profile the default CPU path's greedy step (one stream, T = 1): where a token's time goes.
 
     python scripts/profile_cpu_step.py [--model smollm2-135m-instruct|stories260K|DIR] [--threads 2]
-        [--context 128] [--steps 60] [--torch eager,compiled] [--variants "spinning=1"] [--max-seq-len 512] [--json]
+        [--context 128] [--steps 60] [--torch eager,compiled] [--variants "spinning=0"] [--max-seq-len 512] [--json]
 
 Reports, for the executor the default CPU path runs on a float32 checkpoint (runtime/load.py's
 `checkpoint_backend`; its cached engine, built first if needed):
@@ -24,7 +24,9 @@ Reports, for the executor the default CPU path runs on a float32 checkpoint (run
   torch's variants share the process with onnxruntime's, and torch's OpenMP workers spin after each parallel
   region, taking the cores from onnxruntime's next node (and onnxruntime's spinning workers from torch): time
   them in a run of their own (`--torch eager,compiled --variants ""`), onnxruntime's variants with `--torch ""`
-  (the default).
+  (the default). Spinning onnxruntime sessions (the default executor's spins on a quiet machine,
+  SessionSettings.spins) take the cores from the other sessions here too: compare spinning settings in
+  processes of their own (scripts/cpu_step_vs_llama.py --variants, one setting per run).
 
 Every slot holds `--context` random tokens; every timed step is the same greedy step, never committed.
 Quote the load it prints (the machine is often shared): compare variants within one run only.
@@ -184,7 +186,7 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=128, help="cached tokens in the slot while timing")
     parser.add_argument("--steps", type=int, default=60, help="timed greedy steps per variant")
     parser.add_argument("--torch", default="", help="torch executor variants to time: eager, compiled")
-    parser.add_argument("--variants", default="spinning=1", help="onnxruntime session settings to time too")
+    parser.add_argument("--variants", default="", help="onnxruntime session settings to time too")
     parser.add_argument("--max-seq-len", type=int, default=512, help="the torch executors' KV length")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()

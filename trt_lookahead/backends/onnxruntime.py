@@ -23,9 +23,12 @@ EXACT_MAX_TOKENS tokens.
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,12 +49,13 @@ class OnnxRuntimeUnsupported(UserError):
 @dataclass(frozen=True)
 class SessionSettings:
     """How onnxruntime runs an engine's graph; the defaults are what measured fastest with
-    scripts/bench_onnxruntime.py --variants: workers that spin between parallel sections take time from the thread
-    doing the work, so they sleep (docs/design.md section 6.6; figures: docs/results/2026-11-23-cpu.md,
-    "onnxruntime session settings")."""
+    scripts/bench_onnxruntime.py --variants and scripts/cpu_step_vs_llama.py. Intra-op workers that spin between
+    parallel sections save waking them before each one on a quiet CPU and take the cores from other work on a
+    busy one, so by default they spin only when, as the session is made, the machine has a CPU idle for each
+    thread (docs/design.md section 6.6)."""
 
     threads: int | None = None  # intra-op threads; None: torch's thread count
-    spinning: bool = False  # intra-op workers spin between parallel sections instead of sleeping
+    spinning: bool | None = None  # intra-op workers spin instead of sleeping; None: if the CPUs are idle (`spins`)
     arena: bool = True  # the CPU memory arena for the graph's intermediate tensors
     optimization: str = "all"  # onnxruntime graph optimisation level: disabled, basic, extended, all
     prepacking: bool = True  # MatMul weights repacked for the CPU kernels once, at load
@@ -75,12 +79,43 @@ class SessionSettings:
         # native messages would precede our one error line: a failure still raises, and is worded by the caller
         options.log_severity_level = _FATAL_ONLY
         options.enable_cpu_mem_arena = self.arena
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spinning else "0")
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spins() else "0")
         options.add_session_config_entry("session.disable_prepacking", "0" if self.prepacking else "1")
         if self.profile_prefix is not None:  # scripts/profile_cpu_step.py: time per node
             options.enable_profiling = True
             options.profile_file_prefix = self.profile_prefix
         return options
+
+    def spins(self) -> bool:
+        """Whether the workers spin: `spinning`, or where that is None whether the CPUs this process may use
+        hold an idle one per intra-op thread now (measured over IDLE_SAMPLE_S)."""
+        threads = self.threads or _torch_threads()
+        if self.spinning is not None or threads < 2:  # one thread has no workers to spin
+            return bool(self.spinning) and threads > 1
+        return idle_cpus(IDLE_SAMPLE_S) >= threads - IDLE_SLACK
+
+
+IDLE_SAMPLE_S = 0.1  # how long `idle_cpus` watches the machine before a session's workers may spin
+IDLE_SLACK = 0.25  # CPUs short of one per thread that still count as idle (a sample's own noise)
+
+
+def idle_cpus(seconds: float) -> float:
+    """How many CPUs sat idle over the next `seconds` (Linux /proc/stat: idle + iowait; a VM's steal counts as
+    busy), at most the CPUs this process may use; elsewhere those CPUs less the 1-minute load average."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+    def sample() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return fields[3] + fields[4], sum(fields[:8])  # (idle + iowait, all but guest time)
+
+    try:
+        idle0, total0 = sample()
+        time.sleep(seconds)
+        idle1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return usable - os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    cpus = os.cpu_count() or usable
+    return min(usable, cpus * (idle1 - idle0) / max(1, total1 - total0))
 
 
 _FATAL_ONLY = 4  # onnxruntime's log severities: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal
