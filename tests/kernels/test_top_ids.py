@@ -1,5 +1,6 @@
-"""The executor's id choice by chunk maxima: `top_k_ids` (the recycled drafts' top-k) against a full sort, and
-`first_max_ids` (the greedy id) against the first maximum found by a plain loop."""
+"""The executor's id choice by chunk maxima: `top_k_ids` (the recycled drafts' top-k; the torch executor's and
+the engine executors' numpy twin) against a full sort, and `first_max_ids` (the greedy id) against the first
+maximum found by a plain loop."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from trt_lookahead.kernels.sampling_torch import TOP_CHUNK, first_max_ids, top_ids, top_k_ids
+from trt_lookahead.kernels.sampling_torch import first_max_ids, top_k_ids
+from trt_lookahead.lookahead import sampling
+from trt_lookahead.lookahead.sampling import TOP_CHUNK
+
+
+def numpy_top_k_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.from_numpy(sampling.top_k_ids(logits.numpy(), k))
+
+
+TWINS = pytest.mark.parametrize("top_k", [top_k_ids, numpy_top_k_ids], ids=["torch", "numpy"])
 
 
 def assert_top_k(logits: torch.Tensor, ids: torch.Tensor, k: int) -> None:
@@ -18,15 +28,17 @@ def assert_top_k(logits: torch.Tensor, ids: torch.Tensor, k: int) -> None:
     assert torch.equal(logits.gather(1, ids), expected)
 
 
+@TWINS
 @pytest.mark.parametrize("vocab", [49152, 50257, 32000, 9 * TOP_CHUNK, 300, 70, 8])
 @pytest.mark.parametrize("k", [1, 4, 8])
-def test_the_k_largest_of_random_rows(vocab, k):
+def test_the_k_largest_of_random_rows(top_k, vocab, k):
     logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab + k))
-    assert_top_k(logits, top_k_ids(logits, k), k)
+    assert_top_k(logits, top_k(logits, k), k)
 
 
+@TWINS
 @pytest.mark.parametrize("seed", range(4))
-def test_ties_and_crowded_chunks(seed):
+def test_ties_and_crowded_chunks(top_k, seed):
     """Few distinct values (ties everywhere), and the largest all in one chunk or past the last whole chunk."""
     g = torch.Generator().manual_seed(seed)
     vocab = 40 * TOP_CHUNK + 23
@@ -36,13 +48,13 @@ def test_ties_and_crowded_chunks(seed):
     crowded[1, -20:] += 50.0  # the top ids are all in the partial chunk at the end
     crowded[2, ::TOP_CHUNK] += 50.0  # one of the top in every chunk
     for logits in (ties, crowded):
-        assert_top_k(logits, top_k_ids(logits, 8), 8)
+        assert_top_k(logits, top_k(logits, 8), 8)
 
 
 def test_numpy_logits_not_contiguous():
     """The engine backends pass numpy rows gathered from a [B, K, V] buffer."""
     logits = np.random.default_rng(0).standard_normal((4, 3, 1000)).astype(np.float32)[:, 1]
-    ids = torch.from_numpy(top_ids(logits, 8))
+    ids = torch.from_numpy(sampling.top_k_ids(logits, 8))
     assert_top_k(torch.from_numpy(np.ascontiguousarray(logits)), ids, 8)
 
 

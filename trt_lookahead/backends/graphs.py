@@ -25,7 +25,6 @@ import numpy as np
 from trt_lookahead.engine.format import EngineConfig
 from trt_lookahead.errors import UserError
 from trt_lookahead.kernels.mask import CAUSAL
-from trt_lookahead.kernels.sampling_torch import top_ids
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.executor import (
     StepBatch,
@@ -35,7 +34,7 @@ from trt_lookahead.lookahead.executor import (
     check_room,
     check_slot,
 )
-from trt_lookahead.lookahead.sampling import SamplingParams, select_tokens
+from trt_lookahead.lookahead.sampling import SamplingParams, select_tokens, top_k_ids
 
 Logits = Callable[[], np.ndarray]  # reads the float32 logits of the last run (only sampled slots need them)
 
@@ -122,7 +121,7 @@ class SlotExecutor:
                                   np.asarray(batch.positions[b])[batch.output_slots[b]])
             result[b, batch.output_slots[b]] = chosen
         if batch.top_ids is not None:  # recycled drafts: the top-k of every output slot, from the logits
-            top = top_ids(logits()[rows].reshape(B * K, -1), batch.top_ids.shape[2]).reshape(B, K, -1)
+            top = top_k_ids(logits()[rows].reshape(B * K, -1), batch.top_ids.shape[2]).reshape(B, K, -1)
             batch.top_ids[np.arange(B)[:, None], batch.output_slots] = top
         self._last_row[:] = -1
         self._last_row[slots], self._last_real[slots] = rows, real

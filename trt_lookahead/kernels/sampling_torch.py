@@ -6,11 +6,10 @@ top-p filter is written again in torch ops, per row (each row may have its own p
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from trt_lookahead.lookahead.sampling import MASK32, VOCAB_SALT, SamplingParams, noise_bits
+from trt_lookahead.lookahead.sampling import MASK32, TOP_CHUNK, VOCAB_SALT, SamplingParams, noise_bits
 
 
 def vocab_salts(vocab_size: int, device: torch.device | str = "cpu") -> Tensor:
@@ -73,9 +72,6 @@ def select_tokens_torch(
     )
 
 
-TOP_CHUNK = 64  # top_k_ids and first_max_ids read the logits by chunks of this many ids
-
-
 def _chunks(logits: Tensor) -> tuple[Tensor, Tensor]:
     """(the whole chunks of logits [R, V]: [R, V // TOP_CHUNK, TOP_CHUNK], their maxima [R, V // TOP_CHUNK])."""
     R, V = logits.shape
@@ -115,8 +111,3 @@ def top_k_ids(logits: Tensor, k: int) -> Tensor:
     if n * TOP_CHUNK < V:  # the ids past the last whole chunk are always candidates
         ids = torch.cat([ids, torch.arange(n * TOP_CHUNK, V, device=logits.device).expand(R, -1)], 1)
     return ids.gather(1, logits.gather(1, ids).topk(k, dim=-1).indices)
-
-
-def top_ids(logits: np.ndarray, k: int) -> np.ndarray:
-    """[R, k] int64 the k largest logits' ids per row of float logits [R, V], largest first (recycled drafts)."""
-    return top_k_ids(torch.from_numpy(logits), k).numpy()

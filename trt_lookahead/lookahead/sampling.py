@@ -116,3 +116,30 @@ def select_tokens(logits: np.ndarray, positions: np.ndarray, params: SamplingPar
         return np.argmax(logits, axis=-1)
     scores = filter_logits(logits, params.top_k, params.top_p) / params.temperature
     return np.argmax(scores + gumbel_noise(params.seed, positions, logits.shape[-1]), axis=-1)
+
+
+TOP_CHUNK = 64  # top_k_ids (here and its torch twin) and first_max_ids read the logits by chunks of this many ids
+
+
+def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
+    """[R, k] int64 the ids of the k largest of each row of float logits [R, V], largest first (ties in any order).
+
+    The numpy twin of kernels/sampling_torch.top_k_ids, for the engine executors: numpy runs on the calling
+    thread, where torch's would wake its intra-op pool, whose workers then spin and take the cores from
+    onnxruntime's next step. Each of the k largest lies in one of the k chunks of TOP_CHUNK ids whose maxima
+    are largest (a chunk left out has k distinct chunks' maxima at least as large), so only those are sorted.
+    """
+    R, V = logits.shape
+    n = V // TOP_CHUNK
+    if n <= k:
+        order = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
+        return order.astype(np.int64)
+    maxima = logits[:, : n * TOP_CHUNK].reshape(R, n, TOP_CHUNK).max(-1)  # [R, n]
+    chunks = np.argpartition(-maxima, k - 1, axis=-1)[:, :k]  # [R, k] the chunks of the k largest maxima
+    ids = (chunks[:, :, None] * TOP_CHUNK + np.arange(TOP_CHUNK)).reshape(R, k * TOP_CHUNK)
+    if n * TOP_CHUNK < V:  # the ids past the last whole chunk are always candidates
+        ids = np.concatenate([ids, np.broadcast_to(np.arange(n * TOP_CHUNK, V), (R, V - n * TOP_CHUNK))], 1)
+    values = np.take_along_axis(logits, ids, -1)
+    best = np.argpartition(-values, k - 1, axis=-1)[:, :k]  # the k largest candidates, unordered
+    best = np.take_along_axis(best, np.argsort(-np.take_along_axis(values, best, -1), axis=-1, kind="stable"), -1)
+    return np.take_along_axis(ids, best, -1).astype(np.int64)
