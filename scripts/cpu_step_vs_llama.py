@@ -1,7 +1,7 @@
 """Our greedy token against llama.cpp's on the same weights, same threads, same machine, round by round.
 
     python scripts/cpu_step_vs_llama.py [--model smollm2-135m-instruct] [--threads 2] [--tokens 64] [--rounds 5]
-        [--variants "spinning=1;spinning=1,spin_us=200"] [--llama-bench PATH] [--context 128] [--json]
+        [--spinning auto|on|off] [--variants "prepacking=0"] [--llama-bench PATH] [--context 128] [--json]
 
 Each round runs llama.cpp's `llama-bench -p 0 -n TOKENS` (text generation only, F32 GGUF of the checkpoint:
 bench/servers.py `cached_gguf`) and then, for the default CPU executor (runtime/load.py, as `generate` opens
@@ -11,7 +11,8 @@ runs it, host work included. Rounds alternate the engines so that machine load h
 gives each round's ms per token and the median ratio to llama.cpp's. llama-bench's own spinning threads and
 ours compete with whatever else runs: quote the load it prints, compare within one run only. Sessions whose
 workers spin (ours does on a quiet machine: SessionSettings.spins) take the cores from the other sessions of
-the process after their runs: compare spinning settings one process each, not as --variants of one run.
+the process after their runs: compare spinning settings one process each (--spinning on, then off, ...), not as
+--variants of one run.
 
 llama-bench is looked up as --llama-bench, else beside the llama-server that `bench --peers llama-server`
 finds (scripts/build_llama_cpp.sh builds both).
@@ -86,6 +87,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64, help="generated tokens per engine per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--context", type=int, default=128, help="our prompt's length (llama-bench starts empty)")
+    parser.add_argument("--spinning", choices=["auto", "on", "off"], default="auto",
+                        help="our executor's workers: as the default path decides (auto), or forced")
     parser.add_argument("--variants", default="", help="onnxruntime session settings to time beside the default")
     parser.add_argument("--llama-bench", default=None)
     parser.add_argument("--json", action="store_true")
@@ -104,7 +107,10 @@ def main() -> int:
     binary, gguf = find_llama_bench(args.llama_bench), cached_gguf(path, "float32")
     default = load_model(path, backend=None, dtype="float32", asked=None, max_seq_len=None, max_batch=None,
                          verify=False, exact=None, tree=DEFAULT).executor
-    executors: dict[str, Any] = {"ours": default}
+    if args.spinning != "auto" and isinstance(default, OnnxRuntimeExecutor):
+        forced = SessionSettings(threads=args.threads, spinning=args.spinning == "on")
+        default = open_engine(default.config.path, session=forced, max_batch=1, verify=False).executor()
+    executors: dict[str, Any] = {f"ours (spinning {args.spinning})": default}
     if isinstance(default, OnnxRuntimeExecutor):
         for name, fields in parse_variants(args.variants).items():
             if fields:
@@ -133,7 +139,7 @@ def main() -> int:
     print("| median ratio to llama.cpp | " + " | ".join(f"{ratio[n]:.3f}x" for n in names) + " |")
     if args.json:
         print(json.dumps({"machine": machine_info(args.threads), "load": load, "rounds": rounds, "median": median,
-                          "ratio": ratio, "engine": str(default.config.path)}))
+                          "ratio": ratio, "spinning": args.spinning}))
     return 0
 
 
