@@ -327,7 +327,7 @@ class LookaheadPolicy:
         """Each request's config for the coming step (states[i] with supplies[i] pool candidates); `pads_rows`: the
         executor runs every row as wide as the widest (lookahead/executor.py), so a step is priced as B x widest."""
         options = self._options(states, supplies) if pads_rows else []
-        chosen = self._fastest_padded(states, supplies, options) if pads_rows else self._fastest(states, supplies)
+        chosen = self._fastest_padded(states, options) if pads_rows else self._fastest(states, supplies)
         rows = len(states)
         if all(s.auto for s in states) and not all(c.is_greedy for c in chosen) and self.cost.greedy_due(rows):
             self.cost.greedy_probed(rows)  # time the all-greedy step again: lookahead is judged against it
@@ -368,7 +368,7 @@ class LookaheadPolicy:
             chosen.append(best[2])
         return expected, chosen
 
-    def _fastest_padded(self, states: Sequence[RequestState], supplies: Sequence[int],
+    def _fastest_padded(self, states: Sequence[RequestState],
                         options: Sequence[Sequence[tuple[int, float, LookaheadConfig]]]) -> list[LookaheadConfig]:
         """The step predicted fastest when it costs c(B x width, B): of every width a request's rung has (at least
         the widest fixed config), the one of most expected tokens per ms, taken if it beats the narrowest by

@@ -53,9 +53,8 @@ from trt_lookahead.errors import UserError
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 # a layer's caches: the whole stacked K and V caches [layers, S, kv_heads, head_dim], the layer, and the layer as a
-# 0-dim long tensor (an index of the caches' first dim); or one layer's own caches [S, ..], None, None (per-layer
-# caches); or None, None, None, None: no cache, attention gets the step's own K/V (the ONNX export's)
-LayerCache = tuple[Tensor | None, Tensor | None, int | None, Tensor | None]
+# 0-dim long tensor (an index of the caches' first dim); a layer given None has no cache (the ONNX export's)
+LayerCache = tuple[Tensor, Tensor, int, Tensor]
 LinearFn = Callable[[Tensor, Tensor, Tensor | None], Tensor]  # (x [.., in], weight [out, in], bias) -> [.., out]
 NormFn = Callable[[Tensor, Tensor, float], Tensor]  # (x [.., H], weight [H], eps) -> [.., H]
 
@@ -356,20 +355,17 @@ class Attention(nn.Module):
         self.wqkv = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias, dtype=dtype)
         self.wo = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.attention_bias, dtype=dtype)
 
-    def forward(self, x, cache: LayerCache, cos, sin, rows, cache_len, step_mask, attention: AttentionFn,
+    def forward(self, x, cache: LayerCache | None, cos, sin, rows, cache_len, step_mask, attention: AttentionFn,
                 ops: Ops = MODULE_OPS) -> Tensor:
         cfg = self.cfg
         T = x.shape[0]
         Hq, Hkv = cfg.num_heads, cfg.num_kv_heads
         qkv = ops.project(self.wqkv, x).view(T, Hq + 2 * Hkv, cfg.head_dim)
         qk = apply_rope(qkv[:, : Hq + Hkv], cos, sin)  # q and k heads rotated together
-        k_cache, v_cache, layer, index = cache
-        if k_cache is None or v_cache is None:  # no cache (the export's): attention gets the step's own K/V
+        if cache is None:  # no cache (the export's): attention gets the step's own K/V
             k_cache, v_cache = qk[:, Hq:], qkv[:, Hq + Hkv :]
-        elif layer is None or index is None:  # one layer's own caches: written as they are
-            k_cache.index_copy_(0, rows, qk[:, Hq:])
-            v_cache.index_copy_(0, rows, qkv[:, Hq + Hkv :])
         else:
+            k_cache, v_cache, layer, index = cache
             # the whole stacked caches written at (layer, row) with index_put_, not through the layer's view:
             # inductor (torch.compile) writes that in place, and a view's write or an index_copy_ as a cache copy
             k_cache.index_put_((index, rows), qk[:, Hq:])
@@ -401,7 +397,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.feed_forward = FeedForward(cfg, dtype)
 
-    def forward(self, x, cache: LayerCache, cos, sin, rows, cache_len, step_mask, attention,
+    def forward(self, x, cache: LayerCache | None, cos, sin, rows, cache_len, step_mask, attention,
                 ops: Ops = MODULE_OPS) -> Tensor:
         h = x + self.attention(
             ops.norm(self.attention_norm, x), cache, cos, sin, rows, cache_len, step_mask, attention, ops
@@ -520,8 +516,8 @@ class Llama(nn.Module):
         self,
         input_ids: Tensor,
         positions: Tensor,
-        k_cache: Tensor | list[Tensor] | None,
-        v_cache: Tensor | list[Tensor] | None,
+        k_cache: Tensor | None,
+        v_cache: Tensor | None,
         cache_len: Tensor,
         step_mask: Tensor,
         output_slots: Tensor | None = None,
@@ -534,14 +530,9 @@ class Llama(nn.Module):
         x = self.tok_embeddings(input_ids)
         cos, sin = self.rope(positions)
         rows = torch.arange(T, device=input_ids.device) + cache_len if cache_rows is None else cache_rows
-        # stacked caches: each layer's index as a 0-dim tensor (LayerCache); per-layer caches (a list): None
-        index = torch.arange(len(self.layers), device=input_ids.device) if isinstance(k_cache, Tensor) else None
+        index = torch.arange(len(self.layers), device=input_ids.device)  # each layer's as a 0-dim tensor (LayerCache)
         for i, layer in enumerate(self.layers):
-            cache: LayerCache = (None, None, None, None)  # no cache (the export's)
-            if isinstance(k_cache, Tensor) and isinstance(v_cache, Tensor) and index is not None:
-                cache = (k_cache, v_cache, i, index[i])
-            elif k_cache is not None and v_cache is not None:
-                cache = (k_cache[i], v_cache[i], None, None)
+            cache = None if k_cache is None or v_cache is None else (k_cache, v_cache, i, index[i])
             x = layer(x, cache, cos, sin, rows, cache_len, step_mask, attention, ops)
         if output_slots is not None:
             x = x.index_select(0, output_slots)
