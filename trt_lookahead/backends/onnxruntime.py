@@ -23,16 +23,15 @@ EXACT_MAX_TOKENS tokens.
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from trt_lookahead.backends.cpu_load import IdleWatch, available_memory, idle_cpus
 from trt_lookahead.backends.graphs import Logits, OpenedEngine, SlotExecutor
 from trt_lookahead.engine.format import INPUTS, OUTPUTS, EngineConfig, cache_names
 from trt_lookahead.errors import UserError
@@ -51,11 +50,11 @@ class SessionSettings:
     """How onnxruntime runs an engine's graph; the defaults are what measured fastest with
     scripts/bench_onnxruntime.py --variants and scripts/cpu_step_vs_llama.py. Intra-op workers that spin between
     parallel sections save waking them before each one on a quiet CPU and take the cores from other work on a
-    busy one, so by default they spin only when, as the session is made, the machine has a CPU idle for each
-    thread (docs/design.md section 6.6)."""
+    busy one, so by default they spin only while the machine has a CPU idle for each thread: as the session is
+    made, and then as it runs (OnnxRuntimeEngine.current_session; docs/design.md section 6.6)."""
 
     threads: int | None = None  # intra-op threads; None: torch's thread count
-    spinning: bool | None = None  # intra-op workers spin instead of sleeping; None: if the CPUs are idle (`spins`)
+    spinning: bool | None = None  # intra-op workers spin instead of sleeping; None: while the CPUs are idle
     arena: bool = True  # the CPU memory arena for the graph's intermediate tensors
     optimization: str = "all"  # onnxruntime graph optimisation level: disabled, basic, extended, all
     prepacking: bool = True  # MatMul weights repacked for the CPU kernels once, at load
@@ -97,25 +96,10 @@ class SessionSettings:
 
 IDLE_SAMPLE_S = 0.1  # how long `idle_cpus` watches the machine before a session's workers may spin
 IDLE_SLACK = 0.25  # CPUs short of one per thread that still count as idle (a sample's own noise)
-
-
-def idle_cpus(seconds: float) -> float:
-    """How many CPUs sat idle over the next `seconds` (Linux /proc/stat: idle + iowait; a VM's steal counts as
-    busy), at most the CPUs this process may use; elsewhere those CPUs less the 1-minute load average."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-    def sample() -> tuple[int, int]:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return fields[3] + fields[4], sum(fields[:8])  # (idle + iowait, all but guest time)
-
-    try:
-        idle0, total0 = sample()
-        time.sleep(seconds)
-        idle1, total1 = sample()
-    except (OSError, ValueError, IndexError):
-        return usable - os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    cpus = os.cpu_count() or usable
-    return min(usable, cpus * (idle1 - idle0) / max(1, total1 - total0))
+FOLLOW_PERIOD_S = 1.0  # how often an engine whose spinning follows the machine re-reads its spare CPUs
+FOLLOW_PERIODS = 2  # readings in a row that must disagree with the session's spinning before the first replacement;
+FOLLOW_BACKOFF = 5  # each replacement doubles that, up to 2**FOLLOW_BACKOFF times: a load that comes and goes
+# cannot make the engine rebuild its session more than about once a minute
 
 
 _FATAL_ONLY = 4  # onnxruntime's log severities: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal
@@ -145,15 +129,70 @@ class OnnxRuntimeEngine(OpenedEngine):
             # exact graphs hold at most EXACT_MAX_TOKENS tokens per row: longer prompts are prefilled in chunks
             self.prefill_tokens = min(config.max_input_len, EXACT_MAX_TOKENS)
         self.settings = settings
+        self.spinning: bool | None = None  # the current session's workers spin; None: no session yet
+        self.respins = 0  # sessions replaced because the machine's spare CPUs changed (`current_session`)
         self._session: Any = None
         self._lock = threading.Lock()
+        self._threads = 0  # the sessions' intra-op threads, fixed when the first is made
+        self._watch: IdleWatch | None = None  # set while the workers' spinning follows the machine
+        self._votes = 0  # readings in a row that disagreed with the session's spinning
+        self._builder: threading.Thread | None = None  # making a replacement session
 
     def session(self) -> Any:
-        """The onnxruntime InferenceSession of the engine's graph."""
+        """The onnxruntime InferenceSession of the engine's graph: the first one made, or its replacement."""
         with self._lock:
             if self._session is None:
-                self._session = self._create_session()
+                self._threads = self.settings.threads or _torch_threads()
+                spinning = self.settings.spins()
+                self._session = self._create_session(self._settings(spinning))
+                self.spinning = spinning
+                if self.settings.spinning is None and self._threads > 1:  # the machine's choice: follow it
+                    watch = IdleWatch(FOLLOW_PERIOD_S)
+                    self._watch = watch if watch.readable else None
             return self._session
+
+    def current_session(self) -> Any:
+        """The session for the next run. Where the workers' spinning is the machine's choice (SessionSettings
+        spinning None), the spare CPUs are re-read every FOLLOW_PERIOD_S (IdleWatch), and after FOLLOW_PERIODS
+        readings in a row (doubled by each replacement so far) that disagree with the session's spinning, a session
+        with the other setting is made in a background thread; runs move to it once it is ready. Other processes
+        that start (or stop) using the CPUs after the session was made then cost seconds, not the rest of a server's
+        life (docs/design.md section 6.6). A replacement holds a second copy of the weights while it is made:
+        without the memory for it, or if making it fails, the engine keeps its session and stops following."""
+        session = self.session()
+        watch = self._watch
+        if watch is None or self._builder is not None or (spare := watch.poll()) is None:
+            return session
+        wanted = spare >= self._threads - IDLE_SLACK
+        self._votes = self._votes + 1 if wanted != self.spinning else 0
+        if self._votes >= FOLLOW_PERIODS << min(self.respins, FOLLOW_BACKOFF):
+            available = available_memory()
+            if available is None or available < 2 * self._weight_bytes():
+                self._watch = None
+                return session
+            self._builder = threading.Thread(target=self._replace, args=(wanted,), name="trt-lookahead-respin",
+                                             daemon=True)
+            self._builder.start()
+        return session
+
+    def _replace(self, spinning: bool) -> None:
+        """`current_session`'s background half: make the session, then hand it over."""
+        try:
+            session = self._create_session(self._settings(spinning))
+        except Exception:  # it loaded once, so this is the machine (memory): keep the session that runs
+            self._watch, session = None, None
+        with self._lock:
+            if session is not None:
+                self._session, self.spinning = session, spinning
+                self.respins += 1
+            self._votes, self._builder = 0, None
+
+    def _settings(self, spinning: bool) -> SessionSettings:
+        return dataclasses.replace(self.settings, threads=self._threads, spinning=spinning)
+
+    def _weight_bytes(self) -> int:
+        """The engine dir's file sizes: about what a second session's weights take."""
+        return sum(f.stat().st_size for f in self.config.path.iterdir() if f.is_file())
 
     def graph(self) -> Any:
         """The onnx.ModelProto onnxruntime runs: the engine's graph, checked, with LookaheadAttention decomposed."""
@@ -178,12 +217,12 @@ class OnnxRuntimeEngine(OpenedEngine):
             raise UserError(f"engine {self.config.path}: {exc}; rebuild it without --exact") from exc
         return proto
 
-    def _create_session(self) -> Any:
+    def _create_session(self, settings: SessionSettings) -> Any:
         import onnxruntime as ort
 
         path = self.config.graph
         proto = self.graph()
-        options = self.settings.options()
+        options = settings.options()
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
         try:
             return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -217,6 +256,7 @@ class OnnxRuntimeExecutor(SlotExecutor):
         cfg, B, T = engine.config, self.max_batch, self.step_tokens
         dtype = _NUMPY_DTYPES[cfg.dtype]
         L, Hkv, D, V = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+        self._engine = engine
         self._session = engine.session()
         S = self.max_seq_len + T  # the graph's cache length is dynamic: rows for this executor's max_seq_len
         check_kv_memory((L, B, Hkv, S, D), np.dtype(dtype).itemsize, self.max_seq_len, B)
@@ -259,7 +299,14 @@ class OnnxRuntimeExecutor(SlotExecutor):
             self._bindings.popitem(last=False)
         return self._bindings[key]
 
+    def _follow(self) -> None:
+        """Run on the engine's current session (OnnxRuntimeEngine.current_session), rebinding after a change."""
+        session = self._engine.current_session()
+        if session is not self._session:
+            self._session, self._bindings = session, OrderedDict()
+
     def _inputs(self, B: int, T: int, K: int) -> dict[str, np.ndarray]:
+        self._follow()
         self._current = self._binding(B, T, K)[1]
         return self._current
 
@@ -274,6 +321,7 @@ class OnnxRuntimeExecutor(SlotExecutor):
         outputs = {name: self._prefill_out[name] for name in OUTPUTS[:2]}
         outputs |= {name: self._prefill_out[name][: L * Hkv * n * D].reshape(L, 1, Hkv, n, D) for name in OUTPUTS[2:]}
         caches = [layer[physical : physical + 1] for layer in self._caches]  # the slot's own cache, in place
+        self._follow()
         self._execute(_bind(self._session, inputs, caches, outputs))
         self.k_cache[:, physical, :, start : start + n] = outputs["present_keys"][:, 0]
         self.v_cache[:, physical, :, start : start + n] = outputs["present_values"][:, 0]
