@@ -4,9 +4,13 @@ import numpy as np
 import pytest
 
 from trt_lookahead.lookahead.sampling import (
+    MASK32,
     MIN_TEMPERATURE,
+    VOCAB_SALT,
     SamplingParams,
     filter_logits,
+    gumbel_noise,
+    noise_bits,
     select_tokens,
     uniform_noise,
 )
@@ -108,3 +112,31 @@ def test_a_huge_finite_temperature_samples_only_what_the_filter_keeps():
     top3 = np.argsort(-logits, axis=-1)[:, :3]
     assert all(token in row for token, row in zip(drawn.tolist(), top3.tolist(), strict=True))
     assert len(set(drawn.tolist())) > 3  # and it does sample (nearly uniformly) among them
+
+
+def test_numpys_uint32_noise_has_the_int64_hashs_bits():  # the torch twin and ONNX graphs hash in int64
+    seed, positions = 2**64 - 3, np.array([0, 1, 77, 2**31 + 5, 2**32 - 1])
+    vocab = (np.arange(5000, dtype=np.int64)[None, :] * VOCAB_SALT) & MASK32
+    bits = noise_bits(np.int64(seed & MASK32), positions.astype(np.int64)[:, None], vocab)
+    assert bits.dtype == np.int64
+    np.testing.assert_array_equal(uniform_noise(seed, positions, 5000), (bits + 0.5) / float(1 << 24))
+
+
+@pytest.mark.parametrize("temperature", [0.05, 0.7, 1.0, 2.0])
+def test_a_draw_is_the_gumbel_max_over_the_whole_vocabulary(temperature):
+    """select_tokens computes the noise only for tokens that can still win; the draw must be the argmax over every
+    token of the filtered scores plus its noise, ties (the first wins) and a NaN logit included."""
+    rng = np.random.default_rng(11)
+    for trial in range(60):
+        rows = int(rng.integers(1, 5))
+        logits = rng.standard_normal((rows, 3000)) * float(rng.choice([0.3, 4.0, 25.0]))
+        if trial % 5 == 0:
+            logits[:, 10:14] = logits.max() + 1.0  # four tied best tokens
+        if trial % 9 == 0:
+            logits[0, 7] = np.nan
+        params = SamplingParams(temperature=temperature, top_k=int(rng.choice([0, 3, 200])),
+                                top_p=float(rng.choice([1.0, 0.8])), seed=int(rng.integers(0, 2**62)))
+        positions = rng.integers(0, 10**6, rows)
+        scores = filter_logits(logits, params.top_k, params.top_p) / temperature
+        expected = np.argmax(scores + gumbel_noise(params.seed, positions, 3000), axis=-1)
+        np.testing.assert_array_equal(select_tokens(logits, positions, params), expected)

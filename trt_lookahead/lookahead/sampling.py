@@ -7,7 +7,11 @@ seed, and each draw is exactly a sample from the filtered distribution (the Gumb
 
 The hash is 32-bit integer arithmetic done in int64 (every product stays below 2**63), so numpy,
 torch and ONNX graphs compute the same noise. This module is the numpy reference; `mix32` and
-`noise_bits` are array-generic, and the torch twin (kernels/sampling_torch.py) calls them on tensors.
+`noise_bits` are array-generic, and the torch twin (kernels/sampling_torch.py) calls them on tensors; numpy
+runs them on uint32 arrays, whose products wrap at 2**32: the same bits at half the memory traffic. A draw
+computes the noise only for the tokens that can still win: no noise exceeds GUMBEL_MAX, so a token whose score
+trails the best-scoring token's score plus that token's noise by more than GUMBEL_MAX cannot win
+(`select_tokens`; at temperature 0.7 on SmolLM2 that leaves a few percent of the vocabulary).
 See docs/design.md section 4.
 
 Valid parameters (SamplingParams checks them once for the API, the CLI and the server): a finite
@@ -19,6 +23,7 @@ as t -> 0 (vLLM draws the same line).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,22 +77,50 @@ def mix32(x: Any) -> Any:
     return x ^ (x >> 16)
 
 
+def position_terms(seed_term: Any, positions: Any) -> Any:
+    """The hash of (seed, position), per position: the first half of `noise_bits`."""
+    return mix32(seed_term ^ ((positions * POSITION_SALT) & MASK32))
+
+
+def token_bits(position_term: Any, vocab_terms: Any) -> Any:
+    """24 hash bits per token from its position's term: the second half of `noise_bits`."""
+    return mix32(position_term ^ vocab_terms) >> 8
+
+
 def noise_bits(seed_term: Any, positions: Any, vocab_terms: Any) -> Any:
     """24 hash bits per (position, token); positions [rows, 1], vocab_terms [1, vocab] = v * VOCAB_SALT & MASK32."""
-    h = mix32(seed_term ^ ((positions * POSITION_SALT) & MASK32))
-    return mix32(h ^ vocab_terms) >> 8
+    return token_bits(position_terms(seed_term, positions), vocab_terms)
+
+
+def _uniforms(bits: np.ndarray) -> np.ndarray:
+    """The uniforms in (0, 1) of 24 hash bits."""
+    return (bits.astype(np.float64) + 0.5) / float(1 << 24)
+
+
+def _gumbel(uniforms: np.ndarray) -> np.ndarray:
+    return -np.log(-np.log(uniforms))
+
+
+# the largest noise, that of the largest of the 2**24 uniforms, and 1.0 more for the float64 rounding of score + noise
+GUMBEL_MAX = float(_gumbel(_uniforms(np.array([(1 << 24) - 1])))[0]) + 1.0
+
+
+@functools.lru_cache(maxsize=4)
+def vocab_terms(vocab_size: int) -> np.ndarray:
+    """noise_bits' per-token terms [vocab_size] (v * VOCAB_SALT & MASK32) as uint32, computed once per size."""
+    terms = ((np.arange(vocab_size, dtype=np.int64) * VOCAB_SALT) & MASK32).astype(np.uint32)
+    terms.flags.writeable = False
+    return terms
 
 
 def uniform_noise(seed: int, positions: np.ndarray, vocab_size: int) -> np.ndarray:
     """[len(positions), vocab] uniforms in (0, 1), keyed by (seed, position, token id)."""
-    pos = np.asarray(positions, np.int64)[:, None]
-    vocab = (np.arange(vocab_size, dtype=np.int64)[None, :] * VOCAB_SALT) & MASK32
-    bits = noise_bits(np.int64(seed & MASK32), pos, vocab)
-    return (bits.astype(np.float64) + 0.5) / float(1 << 24)
+    pos = np.asarray(positions, np.int64).astype(np.uint32)[:, None]  # uint32: products wrap as & MASK32 does
+    return _uniforms(noise_bits(np.uint32(seed & MASK32), pos, vocab_terms(vocab_size)[None, :]))
 
 
 def gumbel_noise(seed: int, positions: np.ndarray, vocab_size: int) -> np.ndarray:
-    return -np.log(-np.log(uniform_noise(seed, positions, vocab_size)))
+    return _gumbel(uniform_noise(seed, positions, vocab_size))
 
 
 def filter_logits(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
@@ -114,8 +147,20 @@ def select_tokens(logits: np.ndarray, positions: np.ndarray, params: SamplingPar
     """The next token for each row of `logits` [rows, vocab], row i at absolute position positions[i]."""
     if params.greedy:
         return np.argmax(logits, axis=-1)
-    scores = filter_logits(logits, params.top_k, params.top_p) / params.temperature
-    return np.argmax(scores + gumbel_noise(params.seed, positions, logits.shape[-1]), axis=-1)
+    scores = filter_logits(logits, params.top_k, params.top_p) / params.temperature  # [rows, vocab] float64
+    seed, terms = np.uint32(params.seed & MASK32), vocab_terms(scores.shape[-1])
+    chosen = np.empty(len(scores), np.int64)
+    for i, (row, position) in enumerate(zip(scores, np.asarray(positions, np.int64).tolist(), strict=True)):
+        term = position_terms(seed, np.uint32(position & MASK32))
+        best = int(np.argmax(row))
+        bound = row[best] + _gumbel(_uniforms(token_bits(term, terms[best])))
+        # only these can win (module docstring); kept in id order, so the first of equal maxima still wins
+        candidates = np.flatnonzero(row >= bound - GUMBEL_MAX)
+        if not len(candidates):  # a NaN logit: every token competes, as argmax over the row treats NaN
+            candidates = np.arange(len(row))
+        noise = _gumbel(_uniforms(token_bits(term, terms[candidates])))
+        chosen[i] = candidates[np.argmax(row[candidates] + noise)]
+    return chosen
 
 
 TOP_CHUNK = 64  # top_k_ids (here and its torch twin) and first_max_ids read the logits by chunks of this many ids
