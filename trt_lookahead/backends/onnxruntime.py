@@ -97,9 +97,10 @@ class SessionSettings:
 IDLE_SAMPLE_S = 0.1  # how long `idle_cpus` watches the machine before a session's workers may spin
 IDLE_SLACK = 0.25  # CPUs short of one per thread that still count as idle (a sample's own noise)
 FOLLOW_PERIOD_S = 1.0  # how often an engine whose spinning follows the machine re-reads its spare CPUs
-FOLLOW_PERIODS = 2  # readings in a row that must disagree with the session's spinning before the first replacement;
-FOLLOW_BACKOFF = 5  # each replacement doubles that, up to 2**FOLLOW_BACKOFF times: a load that comes and goes
-# cannot make the engine rebuild its session more than about once a minute
+FOLLOW_PERIODS = 2  # readings in a row that must disagree with the session's spinning before the first replacement
+# each replacement doubles the readings the next one needs, at most 2**FOLLOW_BACKOFF times: a load that comes and
+# goes rebuilds the session about once a minute at most
+FOLLOW_BACKOFF = 5
 
 
 _FATAL_ONLY = 4  # onnxruntime's log severities: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal
