@@ -57,6 +57,9 @@ def open_engine(path: str | os.PathLike, backend: str = "onnxruntime", dtype: st
     config.check_request(lookahead=lookahead, dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch,
                          model_sha256=model_sha, exact=exact)
     if backend == "tensorrt":
+        if config.quantization != "float":
+            raise UserError(f"engine {config.path} holds {config.quantization} weights (onnxruntime's MatMulNBits), "
+                            "which the TensorRT backend cannot run: use --backend onnxruntime")
         from trt_lookahead.backends.tensorrt import TensorRTEngine
 
         return TensorRTEngine(config, max_seq_len=max_seq_len, max_batch=max_batch)

@@ -368,7 +368,7 @@ def build(args: argparse.Namespace) -> int:
     request = build_request(
         args.model, args.output, lookahead=lookahead, max_seq_len=args.max_seq_len,
         max_input_len=args.max_input_len, max_batch=args.max_batch, dtype=args.dtype, attention=args.attention,
-        target=args.target, exact=args.exact, force=args.force, tree=args.tree,
+        target=args.target, exact=args.exact, force=args.force, tree=args.tree, weights=args.weights,
     )
     summary = build(request)
     if summary and summary["tensorrt_remaining"]:

@@ -12,7 +12,14 @@ import sys
 from typing import NoReturn
 
 from trt_lookahead.cli import commands
-from trt_lookahead.engine.format import ATTENTION_MODES, DEFAULT_BUILD_SEQ_LEN, DEFAULT_MAX_BATCH, DTYPES, TARGETS
+from trt_lookahead.engine.format import (
+    ATTENTION_MODES,
+    DEFAULT_BUILD_SEQ_LEN,
+    DEFAULT_MAX_BATCH,
+    DTYPES,
+    TARGETS,
+    WEIGHT_SCHEMES,
+)
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import DEFAULT as RUNTIME_DEFAULT
 from trt_lookahead.lookahead.config import DEFAULT_LOOKAHEAD
@@ -194,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=DTYPES[0], help=", ".join(DTYPES))
     p.add_argument("--attention", choices=ATTENTION_MODES, default=ATTENTION_MODES[0])
     p.add_argument("--target", choices=TARGETS, default=TARGETS[0])
+    p.add_argument("--weights", choices=WEIGHT_SCHEMES, default=WEIGHT_SCHEMES[0],
+                   help="the projections' weights: float (the --dtype's), or int8 / int4 blocks of 32 with a scale "
+                        "and zero point each, activations in float (onnxruntime's MatMulNBits; float32 engines for "
+                        "the onnxruntime backend)")
     p.add_argument("--exact", action="store_true",
                    help="the row-invariant attention graph for onnxruntime: a token's logits are bit-identical "
                         "alone, batched and in greedy decoding (float32, T <= 64; docs/design.md 4.2)")

@@ -50,6 +50,7 @@ from trt_lookahead.engine.format import (
     plan_command,
     write_engine_config,
 )
+from trt_lookahead.engine.quantize import check_scheme, quantize_graph
 from trt_lookahead.errors import UserError, as_int
 from trt_lookahead.files import check_output_dir, remove_stale_work_dirs, replace_dir, work_dir
 from trt_lookahead.lookahead.config import DEFAULT, DEFAULT_LOOKAHEAD, LookaheadConfig
@@ -76,6 +77,7 @@ class BuildRequest:
     force: bool
     exact: bool = False  # the row-invariant attention graph on onnxruntime (docs/design.md section 4.2)
     tree: TreeTemplate | None = None  # the verification slots' draft tree (docs/design.md 2.7); None: linear
+    weights: str = "float"  # the projections' weights: float, int8 or int4 blocks (engine/quantize.py)
 
     def key(self, weights_sha256: str) -> dict[str, Any]:
         """What identifies a build: equal keys mean an existing engine dir already is this build."""
@@ -84,7 +86,7 @@ class BuildRequest:
             "lookahead": str(self.lookahead), "max_seq_len": self.max_seq_len, "max_input_len": self.max_input_len,
             "max_batch": self.max_batch,
             "dtype": self.dtype, "attention": self.attention, "target": self.target, "exact": self.exact,
-            "tree": None if self.tree is None else list(self.tree.parents),
+            "tree": None if self.tree is None else list(self.tree.parents), "weights": self.weights,
         }
 
 
@@ -118,6 +120,7 @@ def build_request(
     exact: bool = False,
     tree: str | TreeTemplate | None = DEFAULT,
     check_output: bool = True,
+    weights: str = "float",
 ) -> BuildRequest:
     """Validate a build before any work (UserError with one clear line); `model` is a dir or a known name.
 
@@ -145,6 +148,10 @@ def build_request(
     max_batch = as_int("max_batch", max_batch)
     if max_batch < 1:
         raise UserError(f"max_batch {max_batch} is impossible; an engine runs at least one row per step")
+    weights = check_scheme(weights)
+    if weights != "float" and (dtype != "float32" or target != "onnx" or exact):
+        raise UserError(f"--weights {weights} builds a float32 engine for onnxruntime's CPU kernels (MatMulNBits); "
+                        "drop --dtype, --target tensorrt and --exact, or build with --weights float")
     if exact:
         _check_exact(model_dir, lookahead, dtype, attention, target)
     # the default: the `auto` tree wherever the engine can verify one (docs/design.md 2.7)
@@ -156,7 +163,7 @@ def build_request(
             raise UserError("--tree cannot build this engine: its mask is the LookaheadAttention node's "
                             "(--attention plugin)")
     return BuildRequest(model_dir, output, lookahead, max_seq_len, max_input_len, max_batch, dtype, attention, target,
-                        force, exact, template)
+                        force, exact, template, weights)
 
 
 def _check_exact(model_dir: Path, lookahead: LookaheadConfig, dtype: str, attention: str, target: str) -> None:
@@ -285,7 +292,14 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
     _progress(2, steps, f"exporting the network (attention={request.attention}): batch 1..{request.max_batch}, "
               f"1..{tokens} tokens per row ({lookahead}: T={T})")
     layout = StepLayout(lookahead)
-    save_graph(export_graph(model, request.attention, rows, tokens, request.tree), out / GRAPH_FILE)
+    graph = export_graph(model, request.attention, rows, tokens, request.tree)
+    if request.weights != "float":
+        graph, used = quantize_graph(graph, request.weights)
+        for name, weight in used.items():  # the torch model multiplies by the same weights: the smoke check's reference
+            module = model.get_submodule(name.removeprefix("model.").removesuffix(".weight"))
+            module.weight = torch.nn.Parameter(torch.from_numpy(weight), requires_grad=False)  # a tied lm_head: its own
+    save_graph(graph, out / GRAPH_FILE)
+    del graph
 
     _progress(3, steps, "copying the tokenizer and checking the graph with onnx.checker")
     tokenizer_files = [name for name in TOKENIZER_FILES if (request.model_dir / name).is_file()]
@@ -301,7 +315,7 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
         path=out, lookahead=lookahead, step_tokens=T, max_batch=request.max_batch, max_seq_len=request.max_seq_len,
         max_input_len=request.max_input_len, cache_rows=rows, dtype=request.dtype, attention=request.attention,
         vocab_size=cfg.vocab_size, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-        exact=request.exact, tree=request.tree,
+        exact=request.exact, tree=request.tree, quantization=request.weights,
         raw={  # what config.json records beyond the typed fields
             "model": {"source": str(request.model_dir), "weights_sha256": weights_sha, **cfg.to_dict()},
             "eos_token_id": list(cfg.eos_token_ids),

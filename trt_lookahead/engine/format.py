@@ -58,6 +58,9 @@ CONFIG_DIGEST = "config_sha256"  # config.json's key for the sha256 of its other
 VERIFIED_FILE = "verified.json"  # in the cache dir: files whose sha256 matched, by path, size, mtime, ctime
 NO_VERIFY = "pass --no-verify (verify=False) to run it anyway"
 GRAPH_FILE, WEIGHTS_FILE, PLAN_FILE = "model.onnx", "weights.bin", "engine.plan"
+# the projections' weights: float (the dtype's), or int8 / int4 blocks (engine/quantize.py); config.json
+# `quantization`, absent in engines built before it (float)
+WEIGHT_SCHEMES = ("float", "int8", "int4")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_BUILD_SEQ_LEN = 2048  # a build's max_seq_len when none is given (at most the model's context)
 DEFAULT_MAX_BATCH = 8  # rows per step an engine is built for unless `build --max-batch` says otherwise
@@ -69,7 +72,8 @@ OUTPUTS = ("next_ids", "logits", "present_keys", "present_values")
 # (CONFIG_DIGEST, files, build_seconds) follow in the order they were added
 CONFIG_ORDER = (
     FORMAT_KEY, "model", "eos_token_id", "dtype", "max_seq_len", "max_input_len", "max_batch", "lookahead",
-    "step_tokens", "output_slots", "cache_rows", "cache_layout", "attention", "exact", "tree", "plugin", "graphs",
+    "step_tokens", "output_slots", "cache_rows", "cache_layout", "attention", "exact", "tree", "quantization", "plugin",
+    "graphs",
     "weights", "inputs", "outputs", "dims", "opset", "tokenizer_files", "build_key", "built_with", "targets",
 )
 TOKENIZER_FILES = (
@@ -108,6 +112,7 @@ class EngineConfig:
     exact: bool  # the row-invariant attention graph on onnxruntime (docs/design.md section 4.2)
     tree: TreeTemplate | None  # the verification slots' draft tree (docs/design.md 2.7); None: linear candidates
     raw: dict[str, Any]
+    quantization: str = "float"  # the projections' weights, one of WEIGHT_SCHEMES (engine/quantize.py)
 
     @classmethod
     def from_raw(cls, path: Path, raw: dict[str, Any]) -> EngineConfig:
@@ -130,6 +135,7 @@ class EngineConfig:
             exact=_flag(raw, "exact"),
             tree=_tree(raw),
             raw=raw,
+            quantization=_choice(raw, "quantization", WEIGHT_SCHEMES) if "quantization" in raw else "float",
         )
         rules = (
             (config.step_tokens == lookahead.step_tokens, f"step_tokens is not (W+G)(N-1) of {lookahead}"),
@@ -163,6 +169,7 @@ class EngineConfig:
             "attention": self.attention,
             "exact": self.exact,
             "tree": None if self.tree is None else list(self.tree.parents),
+            "quantization": self.quantization,
         }
         fields = {**copy.deepcopy(self.raw), **typed}
         ordered = {key: fields.pop(key) for key in CONFIG_ORDER if key in fields}
