@@ -1,6 +1,10 @@
 """Session setup that must happen before any test module imports triton."""
 
+import contextlib
+import multiprocessing
 import os
+import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -130,3 +134,30 @@ def cli_worker(tmp_path_factory):
     worker = CliWorker(root, {**os.environ, "TRT_LOOKAHEAD_CACHE": str(root / "cache")})
     yield worker
     worker.close()
+
+
+def _spin(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+@contextlib.contextmanager
+def busy_cpus(seconds: float) -> Iterator[None]:
+    """Other processes keep every CPU this one may use busy for up to `seconds` (stopped on leaving)."""
+    busy = [multiprocessing.get_context("fork").Process(target=_spin, args=(seconds,))
+            for _ in range(len(os.sched_getaffinity(0)))]
+    for process in busy:
+        process.start()
+    try:
+        yield
+    finally:
+        for process in busy:
+            process.terminate()
+            process.join()
+
+
+@pytest.fixture(name="busy_cpus")
+def busy_cpus_fixture():
+    """`busy_cpus` for a test: `with busy_cpus(seconds): ...`."""
+    return busy_cpus

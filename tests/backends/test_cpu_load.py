@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import time
 
@@ -11,12 +10,6 @@ import pytest
 from trt_lookahead.backends.cpu_load import CpuSample, IdleWatch, available_memory, spare_cpus
 
 LINUX = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="CPU time is read from Linux's /proc/stat")
-
-
-def _busy(seconds: float) -> None:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        pass
 
 
 def test_spare_cpus_is_the_cpus_less_what_the_others_kept_busy() -> None:
@@ -35,26 +28,21 @@ def test_spare_cpus_is_the_cpus_less_what_the_others_kept_busy() -> None:
 
 
 @LINUX
-def test_the_watch_counts_other_processes_and_not_this_one() -> None:
+def test_the_watch_counts_other_processes_and_not_this_one(busy_cpus) -> None:
     usable = len(os.sched_getaffinity(0))
     watch = IdleWatch(period=0.5)
     assert watch.poll() is None  # within the first period
-    _busy(0.6)  # this process busy: its own time never counts against it
+    end = time.monotonic() + 0.6
+    while time.monotonic() < end:  # this process busy: its own time never counts against it
+        pass
     own = watch.poll()
     assert own is not None and own > usable - 0.75
-    busy = [multiprocessing.get_context("fork").Process(target=_busy, args=(3.0,)) for _ in range(usable)]
-    for process in busy:
-        process.start()
-    try:
+    with busy_cpus(3.0):
         time.sleep(0.3)
         watch.poll()  # the period that saw them start
         time.sleep(0.6)
         others = watch.poll()
         assert others is not None and others < 0.75
-    finally:
-        for process in busy:
-            process.terminate()
-            process.join()
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="Linux's /proc/meminfo")

@@ -3,7 +3,6 @@ is made and followed while it runs."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import time
 from pathlib import Path
@@ -21,12 +20,6 @@ SPIN = "session.intra_op.allow_spinning"
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 
 
-def _busy(seconds: float) -> None:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        pass
-
-
 def test_explicit_spinning_is_what_the_session_gets() -> None:
     assert SessionSettings(threads=2, spinning=True).options().get_session_config_entry(SPIN) == "1"
     assert SessionSettings(threads=2, spinning=False).options().get_session_config_entry(SPIN) == "0"
@@ -38,22 +31,15 @@ def test_one_thread_never_spins() -> None:  # it has no workers
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="idle CPUs are read from Linux's /proc/stat")
-def test_idle_cpus_sees_busy_cpus() -> None:
+def test_idle_cpus_sees_busy_cpus(busy_cpus) -> None:
     usable = len(os.sched_getaffinity(0))
     assert 0.0 <= idle_cpus(0.2) <= usable
-    busy = [multiprocessing.get_context("fork").Process(target=_busy, args=(3.0,)) for _ in range(usable)]
-    for process in busy:
-        process.start()
-    try:
+    with busy_cpus(3.0):
         time.sleep(0.3)  # every usable CPU running a busy loop
         assert idle_cpus(0.5) < 0.75
         auto = SessionSettings(threads=2)
         assert auto.spins() is False  # a busy machine: the workers sleep
         assert auto.options().get_session_config_entry(SPIN) == "0"
-    finally:
-        for process in busy:
-            process.terminate()
-            process.join()
 
 
 # -- an engine's spinning follows the machine -------------------------------------------------------------
@@ -69,7 +55,7 @@ def engine_dir(tmp_path_factory) -> Path:
     return out
 
 
-def _greedy(executor, first: int, tokens: int, before_step=lambda: None) -> list[tuple[int, np.ndarray]]:
+def _greedy(executor, tokens: int, before_step=lambda: None) -> list[tuple[int, np.ndarray]]:
     """`tokens` one-token greedy steps after a prefill: (token, logits) of each, the slot released after."""
     token, out = executor.prefill(0, np.arange(1, 9), SamplingParams()), []
     for i in range(tokens):
@@ -85,54 +71,35 @@ def _greedy(executor, first: int, tokens: int, before_step=lambda: None) -> list
 
 @pytest.mark.export
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="idle CPUs are read from Linux's /proc/stat")
-def test_an_engine_stops_spinning_when_other_processes_take_the_cpus(engine_dir) -> None:
+def test_an_engine_stops_spinning_when_other_processes_take_the_cpus(engine_dir, busy_cpus) -> None:
     """A session whose workers spin is replaced by one whose workers sleep once other processes keep the CPUs busy
     (a few FOLLOW_PERIOD_S readings and a session build later), and the steps give the same bits throughout."""
-    usable = len(os.sched_getaffinity(0))
     engine = open_engine(engine_dir, session=SessionSettings(threads=2), verify=False)
     executor = engine.executor()
     spun = engine.spinning  # True on a quiet machine: the first session was made with spinning workers
-    busy = [multiprocessing.get_context("fork").Process(target=_busy, args=(60.0,)) for _ in range(usable)]
-    for process in busy:
-        process.start()
     deadline = time.monotonic() + 40
-    try:
-        def until_sleeping() -> None:  # keep stepping while the watch reads the busy machine
-            while engine.spinning and time.monotonic() < deadline:
-                executor.step(StepBatch(np.array([0]), np.array([[1]]), np.array([[8]]),
-                                        np.array([[1, 2, 0]], np.int32), np.array([[0]])))
-                time.sleep(0.05)
-
+    with busy_cpus(60.0):
         executor.prefill(0, np.arange(1, 9), SamplingParams())
-        until_sleeping()
+        while engine.spinning and time.monotonic() < deadline:  # keep stepping while the watch reads the machine
+            executor.step(StepBatch(np.array([0]), np.array([[1]]), np.array([[8]]),
+                                    np.array([[1, 2, 0]], np.int32), np.array([[0]])))
+            time.sleep(0.05)
         executor.release(0)
-    finally:
-        for process in busy:
-            process.terminate()
-            process.join()
     assert engine.spinning is False
     assert engine.respins == (1 if spun else 0)
-    followed = _greedy(executor, 1, 12)
+    followed = _greedy(executor, 12)
     fixed = open_engine(engine_dir, session=SessionSettings(threads=2, spinning=False), verify=False).executor()
-    reference = _greedy(fixed, 1, 12)
+    reference = _greedy(fixed, 12)
     assert [t for t, _ in followed] == [t for t, _ in reference]
     for (_, a), (_, b) in zip(followed, reference, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.export
-def test_an_explicit_spinning_setting_is_never_replaced(engine_dir) -> None:
+def test_an_explicit_spinning_setting_is_never_replaced(engine_dir, busy_cpus) -> None:
     engine = open_engine(engine_dir, session=SessionSettings(threads=2, spinning=True), verify=False)
     executor = engine.executor()
-    busy = [multiprocessing.get_context("fork").Process(target=_busy, args=(10.0,))
-            for _ in range(len(os.sched_getaffinity(0)))]
-    for process in busy:
-        process.start()
-    try:
-        _greedy(executor, 1, 8, before_step=lambda: time.sleep(0.6))  # readings would say: stop spinning
+    with busy_cpus(10.0):
+        _greedy(executor, 8, before_step=lambda: time.sleep(0.6))  # readings would say: stop spinning
         time.sleep(1.0)  # a replacement would be made by now
-    finally:
-        for process in busy:
-            process.terminate()
-            process.join()
     assert engine.spinning is True and engine.respins == 0

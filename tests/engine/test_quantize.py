@@ -4,6 +4,7 @@ onnxruntime, and quantized stories260K engines whose lookahead output equals the
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from trt_lookahead.backends.open import open_engine
 from trt_lookahead.cli import main
 from trt_lookahead.engine.quantize import BLOCK_SIZE, quantize_blocks, quantize_graph
 from trt_lookahead.errors import UserError
@@ -92,7 +94,20 @@ def test_a_quantized_engine_records_its_scheme_and_its_smoke_check(quantized):
     config = json.loads((engine / "config.json").read_text())
     assert config["quantization"] == scheme and config["build_key"]["weights"] == scheme
     assert config["targets"]["onnx"]["smoke_check"]  # against the torch model holding the same dequantized weights
-    assert "weights.bin" in config["files"]  # the checksums cover the quantized codes
+
+
+@pytest.mark.export
+def test_a_changed_quantized_code_is_refused_at_load(quantized, tmp_path):
+    _, engine = quantized
+    copy = tmp_path / "engine"
+    shutil.copytree(engine, copy)
+    with (copy / "weights.bin").open("r+b") as data:  # one byte of the codes, the scales or the zero points
+        data.seek(100)
+        byte = data.read(1)
+        data.seek(100)
+        data.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(UserError, match=r"weights\.bin"):
+        open_engine(copy)
 
 
 @pytest.mark.export

@@ -91,7 +91,12 @@ class SessionSettings:
         threads = self.threads or _torch_threads()
         if self.spinning is not None or threads < 2:  # one thread has no workers to spin
             return bool(self.spinning) and threads > 1
-        return idle_cpus(IDLE_SAMPLE_S) >= threads - IDLE_SLACK
+        return spin_with(idle_cpus(IDLE_SAMPLE_S), threads)
+
+
+def spin_with(spare: float, threads: int) -> bool:
+    """Whether `threads` intra-op workers may spin with `spare` CPUs left by other processes: one each, about."""
+    return spare >= threads - IDLE_SLACK
 
 
 IDLE_SAMPLE_S = 0.1  # how long `idle_cpus` watches the machine before a session's workers may spin
@@ -160,11 +165,11 @@ class OnnxRuntimeEngine(OpenedEngine):
         that start (or stop) using the CPUs after the session was made then cost seconds, not the rest of a server's
         life (docs/design.md section 6.6). A replacement holds a second copy of the weights while it is made:
         without the memory for it, or if making it fails, the engine keeps its session and stops following."""
-        session = self.session()
+        session = self._session if self._session is not None else self.session()  # no lock on the step's path
         watch = self._watch
         if watch is None or self._builder is not None or (spare := watch.poll()) is None:
             return session
-        wanted = spare >= self._threads - IDLE_SLACK
+        wanted = spin_with(spare, self._threads)
         self._votes = self._votes + 1 if wanted != self.spinning else 0
         if self._votes >= FOLLOW_PERIODS << min(self.respins, FOLLOW_BACKOFF):
             available = available_memory()
