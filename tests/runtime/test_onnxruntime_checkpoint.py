@@ -111,3 +111,53 @@ def test_a_torch_checkpoint_tree_covers_every_config_auto_may_use():
     assert step_tables(LookaheadConfig(5, 5, 12), tree).linear  # one node short: linear candidates
     assert checkpoint_tree(DEFAULT, None, "onnxruntime").nodes == 32
     assert checkpoint_tree(DEFAULT, LookaheadConfig(7, 5, 7), "torch").nodes == 28  # sized for the config asked for
+
+
+@pytest.mark.export
+def test_a_checkpoint_runs_quantized_on_its_own_cached_engine(tmp_path, monkeypatch):
+    """`--weights int4 --activations int8` with --model: a second cached engine beside the float one, exact (its
+    lookahead tokens are its greedy tokens), named in the status line, with a tuning key of its own."""
+    from trt_lookahead.runtime import LookaheadRuntime
+    from trt_lookahead.runtime.load import loaded_tuning_key
+
+    cache = tmp_path / "cache"
+    quantized = ("--weights", "int4", "--activations", "int8")
+    lookahead = generate(cache, *quantized)
+    assert "stories260K runs on onnxruntime (int4 weights: an onnxruntime engine (MatMulNBits)" in lookahead.stderr
+    greedy = generate(cache, *quantized, "--greedy")
+    assert "exporting the network" not in greedy.stderr and tokens(greedy) == tokens(lookahead)
+    floats = generate(cache)
+    assert "building the engine of stories260K once" in floats.stderr  # another build: the float engine
+    configs = [json.loads((p / "config.json").read_text()) for p in (cache / "engines").iterdir()
+               if not p.name.startswith(".")]
+    assert sorted((c["quantization"], c["activations"], c["exact"]) for c in configs) == [
+        ("float", "float", False), ("int4", "int8", True)]
+    monkeypatch.setenv("TRT_LOOKAHEAD_CACHE", str(cache))  # the engines built above, used as they are
+    with LookaheadRuntime.from_pretrained(STORIES, weights="int4", activations="int8") as rt:
+        assert loaded_tuning_key(rt.model).endswith("|weights=int4+int8") and rt.exact
+    with LookaheadRuntime.from_pretrained(STORIES) as rt:
+        assert "weights=" not in loaded_tuning_key(rt.model)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"backend": "torch", "weights": "int4"}, "--weights int4 runs a checkpoint as a float32 onnxruntime engine"),
+    ({"dtype": "bfloat16", "weights": "int8"}, "--weights int8 runs a checkpoint as a float32 onnxruntime engine"),
+    ({"exact": True, "weights": "int4"}, "exact steps on quantized weights come with int8 activations"),
+    ({"activations": "int8"}, "--activations int8 multiplies quantized weights: add --weights int8 or int4"),
+])
+def test_quantized_checkpoint_runs_refuse_what_cannot_run_them(kwargs, message):
+    from trt_lookahead.runtime import LookaheadRuntime
+
+    with pytest.raises(UserError, match=message):
+        LookaheadRuntime.from_pretrained(STORIES, **kwargs)
+
+
+@pytest.mark.export
+def test_an_engine_dir_keeps_the_weights_of_its_build(tmp_path):
+    from trt_lookahead.cli import main
+    from trt_lookahead.runtime import LookaheadRuntime
+
+    engine = tmp_path / "engine"
+    assert main(["build", "--model", str(STORIES), "--output", str(engine), "--max_seq_len", "128"]) == 0
+    with pytest.raises(UserError, match="an engine dir's weights were set by its build"):
+        LookaheadRuntime.from_pretrained(engine, weights="int4")

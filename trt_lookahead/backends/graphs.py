@@ -51,6 +51,9 @@ class OpenedEngine:
         self.dtype = config.dtype
         self.exact = False  # row-invariant steps (docs/design.md section 4.2); a backend that runs them says so
         self.prefill_tokens = config.max_input_len  # the most tokens of one prefill chunk
+        # the fewest token rows a step's products get: 2 where a 1-row product rounds otherwise and the step must be
+        # row-invariant (an exact engine's MatMulNBits, docs/design.md 6.9); a backend that needs it says so
+        self.min_rows = 1
 
 
 class SlotExecutor:
@@ -70,6 +73,7 @@ class SlotExecutor:
         self.exact = engine.exact
         self.tree = engine.config.tree  # the verification slots' draft tree (docs/design.md 2.7); None: linear
         self._prefill_tokens = engine.prefill_tokens
+        self._min_rows = engine.min_rows
         self._limits = np.array([engine.lookahead.W, engine.lookahead.N, engine.lookahead.G])
         self._cache_len = np.zeros(max_batch, np.int64)  # per slot
         self._physical = np.full(max_batch, -1, np.int64)  # slot -> physical slot, -1: free
@@ -96,10 +100,10 @@ class SlotExecutor:
         ids = check_prompt(prompt_ids, self.max_seq_len, self.vocab_size)
         self.claim(slot, sampling)
         chunks = [self._prefill_chunk(int(self._physical[slot]), start, inputs)
-                  for start, inputs in prefill_chunks(ids, self._prefill_tokens)]
-        next_ids, logits = chunks[-1]  # the last chunk's row reads the prompt's last token
+                  for start, inputs in prefill_chunks(ids, self._prefill_tokens, self._min_rows)]
+        next_ids, logits = chunks[-1]  # the last chunk's row reads the prompt's last token (its first output)
         self._cache_len[slot] = len(ids)
-        return int(self._choose(sampling, next_ids[0], logits, 0, np.array([len(ids) - 1]))[0])
+        return int(self._choose(sampling, next_ids[0, :1], _first_outputs(logits, 1), 0, np.array([len(ids) - 1]))[0])
 
     def step(self, batch: StepBatch) -> np.ndarray:
         real = check_batch(batch, self.max_batch, self.step_tokens, self.vocab_size)
@@ -108,13 +112,22 @@ class SlotExecutor:
         B, T = np.shape(batch.input_ids)
         K = np.shape(batch.output_slots)[1]
         rows = self._gather(slots)  # [B]: the physical slot, = graph row, of each batch row
-        inputs = self._inputs(B, T, K)
-        inputs["input_ids"][rows] = batch.input_ids
-        inputs["positions"][rows] = batch.positions
+        # too few rows for min_rows (one greedy row alone): pad slots (design 2.3, at the row's cache_len) and the
+        # last slot's output read again, so that every product has min_rows rows; their outputs are dropped
+        wide = -(-self._min_rows // B)
+        Tg, Kg = max(T, wide), max(K, wide)
+        inputs = self._inputs(B, Tg, Kg)
+        inputs["input_ids"][rows, :T] = batch.input_ids
+        inputs["positions"][rows, :T] = batch.positions
+        inputs["input_ids"][rows, T:] = np.asarray(batch.input_ids)[:, -1:]
+        inputs["positions"][rows, T:] = self._cache_len[slots][:, None]
         inputs["cache_len"][rows] = self._cache_len[slots]
         inputs["step_config"][rows] = batch.step_config
-        inputs["output_slots"][rows] = batch.output_slots
-        next_ids, logits = self._run(B, T, K)
+        inputs["output_slots"][rows, :K] = batch.output_slots
+        inputs["output_slots"][rows, K:] = np.asarray(batch.output_slots)[:, -1:]
+        next_ids, logits = self._run(B, Tg, Kg)
+        if Kg > K:
+            next_ids, logits = next_ids[:, :K], _first_outputs(logits, K)
         result = np.full((B, T), -1, np.int64)
         for b, slot in enumerate(slots.tolist()):
             chosen = self._choose(self._sampling[slot], next_ids[rows[b]], logits, int(rows[b]),
@@ -226,15 +239,24 @@ class SlotExecutor:
         raise NotImplementedError
 
 
-def prefill_chunks(ids: np.ndarray, chunk: int) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
-    """(start, int32 graph inputs of one row) per causal prefill chunk of at most `chunk` tokens."""
+def _first_outputs(logits: Logits, K: int) -> Logits:
+    """A reader of the first K output slots' logits of `logits`' rows."""
+    return lambda: logits()[:, :K]
+
+
+def prefill_chunks(ids: np.ndarray, chunk: int, min_rows: int = 1) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+    """(start, int32 graph inputs of one row) per causal prefill chunk of at most `chunk` tokens, which reads the
+    chunk's last token min_rows times; a chunk of fewer than min_rows tokens is padded (at position `start`, the
+    row's cache_len) to min_rows, so that every product has min_rows rows (SlotExecutor.step). A pad's KV lands in
+    the cache past the prompt, where nothing reads it before a commit overwrites it."""
     for start in range(0, len(ids), chunk):
         part = ids[start : start + chunk]
         n = len(part)
+        pads = max(0, min_rows - n)
         yield start, {
-            "input_ids": part.astype(np.int32)[None],
-            "positions": np.arange(start, start + n, dtype=np.int32)[None],
+            "input_ids": np.pad(part, (0, pads), mode="edge").astype(np.int32)[None],
+            "positions": np.concatenate([np.arange(start, start + n), np.full(pads, start)]).astype(np.int32)[None],
             "cache_len": np.array([start], np.int32),
             "step_config": np.array([CAUSAL], np.int32),
-            "output_slots": np.array([[n - 1]], np.int32),
+            "output_slots": np.full((1, max(1, min_rows)), n - 1, np.int32),
         }

@@ -132,6 +132,8 @@ class OnnxRuntimeEngine(OpenedEngine):
                 raise UserError(f"engine {config.path} is exact, and its projections are row-invariant only with "
                                 "prepacked weights: run it with prepacking on (the default)")
             self.exact = True
+            if config.quantization != "float":  # MatMulNBits rounds a 1-row product another way (design 6.9)
+                self.min_rows = 2
             # exact graphs hold at most EXACT_MAX_TOKENS tokens per row: longer prompts are prefilled in chunks
             self.prefill_tokens = min(config.max_input_len, EXACT_MAX_TOKENS)
         self.settings = settings
@@ -278,8 +280,8 @@ class OnnxRuntimeExecutor(SlotExecutor):
         self._flat["logits"] = np.zeros(B * T * V, np.float32)
         for name in OUTPUTS[2:]:  # present_keys, present_values [L, B, Hkv, T, D]
             self._flat[name] = np.zeros(L * B * Hkv * T * D, dtype)
-        prefill = cfg.max_input_len  # a prefill chunk's own outputs (one row)
-        self._prefill_out = {"next_ids": np.zeros((1, 1), np.int32), "logits": np.zeros((1, 1, V), np.float32),
+        prefill, K = max(cfg.max_input_len, engine.min_rows), engine.min_rows  # a prefill chunk's outputs (one row)
+        self._prefill_out = {"next_ids": np.zeros((1, K), np.int32), "logits": np.zeros((1, K, V), np.float32),
                              **{name: np.zeros(L * Hkv * prefill * D, dtype) for name in OUTPUTS[2:]}}
         self._bindings: OrderedDict[tuple[int, int, int], tuple[Any, dict[str, np.ndarray]]] = OrderedDict()
         self._current: dict[str, np.ndarray] = {}

@@ -100,7 +100,7 @@ def generate(args: argparse.Namespace) -> int:
         source, backend=args.backend, dtype=args.dtype, lookahead=lookahead, max_seq_len=args.max_seq_len,
         threads=args.threads, verify=args.verify, tuning_file=args.tuning_file, exact=args.exact,
         pool_scope=args.pool_scope, tree=args.tree, compile=args.compile, attention=args.attention,
-        device=args.device,
+        device=args.device, weights=args.weights, activations=args.activations,
     )
     request = dict(max_new_tokens=args.max_new_tokens, chat=args.chat, **sampling)
     if args.json:
@@ -299,7 +299,8 @@ def tune(args: argparse.Namespace) -> int:
     tree_out = check_tree_out(args.tree_out, tree_for) if args.tree_out else None
     entry = tune_model(args.model or DEFAULT_MODEL, backend=args.backend, dtype=args.dtype, datasets=args.dataset,
                        budget_seconds=args.budget_seconds, max_seq_len=args.max_seq_len, threads=args.threads,
-                       tuning_file=args.tuning_file, exact=args.exact, tree=args.tree, device=args.device)
+                       tuning_file=args.tuning_file, exact=args.exact, tree=args.tree, device=args.device,
+                       weights=args.weights, activations=args.activations)
     if args.json:
         print(json.dumps(entry))
     else:
@@ -344,6 +345,7 @@ def tune_model(
     budget_seconds: float = DEFAULT_BUDGET, max_seq_len: int | None = None, threads: int | None = None,
     tuning_file: str | None = None, exact: bool | None = None, tree: str | None = DEFAULT,
     max_batch: int | None = None, asked: LookaheadConfig | None = None, device: str | None = None,
+    weights: str = "float", activations: str = "float",
 ) -> dict:
     """Load the model with small KV buffers (as a runtime defaulting to `asked` would: the same backend, tree and
     engine, so the same tuning key), tune on runtimes of tune's own over it, store and return the tuning entry."""
@@ -356,6 +358,7 @@ def tune_model(
     with LookaheadRuntime.from_pretrained(
         path, backend=backend, dtype=dtype, lookahead=asked or GREEDY, max_batch=max_batch,
         max_seq_len=max_seq_len or tuning_seq_len(path), threads=threads, exact=exact, tree=tree, device=device,
+        weights=weights, activations=activations,
     ) as loaded:  # loads (and sets the threads); closed before tune's own runtimes run on its model
         model_loaded = loaded.model
     return tune_and_store(model_loaded, tuning_file, datasets=datasets, budget_seconds=budget_seconds, progress=True)
@@ -369,6 +372,7 @@ def build(args: argparse.Namespace) -> int:
         args.model, args.output, lookahead=lookahead, max_seq_len=args.max_seq_len,
         max_input_len=args.max_input_len, max_batch=args.max_batch, dtype=args.dtype, attention=args.attention,
         target=args.target, exact=args.exact, force=args.force, tree=args.tree, weights=args.weights,
+        activations=args.activations,
     )
     summary = build(request)
     if summary and summary["tensorrt_remaining"]:
@@ -425,7 +429,8 @@ def serve(args: argparse.Namespace) -> int:
         source, backend=args.backend, dtype=args.dtype, lookahead=lookahead, max_seq_len=args.max_seq_len,
         threads=args.threads, verify=args.verify, tuning_file=args.tuning_file, max_batch=args.max_batch,
         max_queue=args.max_queue, exact=args.exact, pool_scope=args.pool_scope, prefill=prefill, tree=args.tree,
-        compile=args.compile, attention=args.attention, device=args.device,
+        compile=args.compile, attention=args.attention, device=args.device, weights=args.weights,
+        activations=args.activations,
     ) as runtime:
         for choice in (runtime.lookahead, Lookahead.greedy()):  # both paths' first-call costs now, not on a request
             runtime.generate("Hello", max_new_tokens=2, lookahead=choice)
@@ -459,6 +464,7 @@ def tune_for_serve(args: argparse.Namespace, source: str, lookahead: Lookahead |
     entry = tune_model(source, backend=args.backend, dtype=args.dtype, budget_seconds=budget,
                        max_seq_len=args.max_seq_len, threads=args.threads, tuning_file=args.tuning_file,
                        exact=args.exact, tree=args.tree, max_batch=args.max_batch, device=args.device,
-                       asked=None if lookahead is None or lookahead.auto else lookahead.ceiling)
+                       asked=None if lookahead is None or lookahead.auto else lookahead.ceiling,
+                       weights=args.weights, activations=args.activations)
     print(f"trt-lookahead serve: --tune: tuned in {time.monotonic() - start:.0f} s ({entry['reason']}); stored in "
           f"{args.tuning_file or tuning_path()}", file=sys.stderr, flush=True)

@@ -13,6 +13,7 @@ from typing import NoReturn
 
 from trt_lookahead.cli import commands
 from trt_lookahead.engine.format import (
+    ACTIVATION_SCHEMES,
     ATTENTION_MODES,
     DEFAULT_BUILD_SEQ_LEN,
     DEFAULT_MAX_BATCH,
@@ -70,6 +71,18 @@ def _add_tree_argument(p: argparse.ArgumentParser, build: bool = False) -> None:
                         f"each before its children (--tree=-1,0,0,-1), or a file holding one (default: {default})")
 
 
+def _add_weights_arguments(p: argparse.ArgumentParser, model: bool = False) -> None:
+    where = " (a --model checkpoint's cached engine; an engine dir's are its build's)" if model else ""
+    p.add_argument("--weights", choices=WEIGHT_SCHEMES, default=WEIGHT_SCHEMES[0],
+                   help="the projections' weights: float (the --dtype's), or int8 / int4 blocks of 32 with a scale "
+                        "and zero point each, a GGUF-converted checkpoint's own Q4_0 / Q4_1 / Q8_0 blocks kept "
+                        f"(onnxruntime's MatMulNBits; float32 engines for the onnxruntime backend){where}")
+    p.add_argument("--activations", choices=ACTIVATION_SCHEMES, default=ACTIVATION_SCHEMES[0],
+                   help="what quantized weights multiply: float, or int8 blocks of 32 per row (integer dot products, "
+                        "as llama.cpp's quantized types); int8 builds the exact graph, so lookahead still equals "
+                        "greedy bit for bit")
+
+
 def _add_model_arguments(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--model", help=f"local HF Llama checkpoint dir, or a known name: {DEFAULT_MODEL}")
     if engine:
@@ -124,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text with lookahead (or greedy) decoding")
     _add_model_arguments(p)
+    _add_weights_arguments(p, model=True)
     _add_step_arguments(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
@@ -177,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tune", help="choose W,N,G for this machine, model and workload")
     _add_model_arguments(p, engine=False)
+    _add_weights_arguments(p, model=True)
     p.add_argument("--dataset", default=commands.DEFAULT_TUNE_DATASETS)
     p.add_argument("--budget-seconds", "--budget_seconds", dest="budget_seconds", type=float,
                    default=commands.DEFAULT_BUDGET)
@@ -201,10 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=DTYPES[0], help=", ".join(DTYPES))
     p.add_argument("--attention", choices=ATTENTION_MODES, default=ATTENTION_MODES[0])
     p.add_argument("--target", choices=TARGETS, default=TARGETS[0])
-    p.add_argument("--weights", choices=WEIGHT_SCHEMES, default=WEIGHT_SCHEMES[0],
-                   help="the projections' weights: float (the --dtype's), or int8 / int4 blocks of 32 with a scale "
-                        "and zero point each, activations in float (onnxruntime's MatMulNBits; float32 engines for "
-                        "the onnxruntime backend)")
+    _add_weights_arguments(p)
     p.add_argument("--exact", action="store_true",
                    help="the row-invariant attention graph for onnxruntime: a token's logits are bit-identical "
                         "alone, batched and in greedy decoding (float32, T <= 64; docs/design.md 4.2)")
@@ -230,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     _add_model_arguments(p)
+    _add_weights_arguments(p, model=True)
     _add_step_arguments(p)
     _add_lookahead_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")

@@ -31,8 +31,8 @@ ENGINES = "engines"  # the cache dir's subfolder of cached engine dirs
 
 
 def cache_request(model_dir: str | os.PathLike, *, dtype: str, lookahead: LookaheadConfig, max_seq_len: int,
-                  max_batch: int, root: Path | None = None, tree: TreeTemplate | None = None
-                  ) -> tuple[BuildRequest, dict]:
+                  max_batch: int, root: Path | None = None, tree: TreeTemplate | None = None,
+                  weights: str = "float", activations: str = "float") -> tuple[BuildRequest, dict]:
     """The build of the cached engine of this checkpoint and shape (its output: the engine's place under
     `root`, default the cache dir's engines/) and its build key."""
     from trt_lookahead.model.checkpoint import weights_sha256
@@ -40,15 +40,16 @@ def cache_request(model_dir: str | os.PathLike, *, dtype: str, lookahead: Lookah
     root = cache_dir() / ENGINES if root is None else root
     # the output is only named here: a read-only cache that holds the engine is used as it is
     request = build_request(model_dir, root, lookahead=lookahead, max_seq_len=max_seq_len,
-                            max_batch=max_batch, dtype=dtype, force=True, tree=tree, check_output=False)
+                            max_batch=max_batch, dtype=dtype, force=True, tree=tree, check_output=False,
+                            weights=weights, activations=activations)
     key = request.key(weights_sha256(request.model_dir))
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return BuildRequest(**{**vars(request), "output": root / f"{request.model_dir.name}-{digest}"}), key
 
 
 def cached_engine(model_dir: str | os.PathLike, *, dtype: str, lookahead: LookaheadConfig, max_seq_len: int,
-                  max_batch: int, root: Path | None = None, tree: TreeTemplate | None = None
-                  ) -> tuple[Path, str | None]:
+                  max_batch: int, root: Path | None = None, tree: TreeTemplate | None = None,
+                  weights: str = "float", activations: str = "float") -> tuple[Path, str | None]:
     """The cached engine dir of this checkpoint and shape, built first if needed (`cache_request`).
 
     A usable engine is used as it is, without the lock or any write (a read-only cache works); a build
@@ -59,7 +60,8 @@ def cached_engine(model_dir: str | os.PathLike, *, dtype: str, lookahead: Lookah
 
     check_weights(model_dir)  # a broken checkpoint is one error line, before any build starts
     request, key = cache_request(model_dir, dtype=dtype, lookahead=lookahead, max_seq_len=max_seq_len,
-                                 max_batch=max_batch, root=root, tree=tree)
+                                 max_batch=max_batch, root=root, tree=tree, weights=weights,
+                                 activations=activations)
     path = request.output
     why = _unusable(path, key)
     if why is None:

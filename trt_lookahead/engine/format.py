@@ -61,6 +61,9 @@ GRAPH_FILE, WEIGHTS_FILE, PLAN_FILE = "model.onnx", "weights.bin", "engine.plan"
 # the projections' weights: float (the dtype's), or int8 / int4 blocks (engine/quantize.py); config.json
 # `quantization`, absent in engines built before it (float)
 WEIGHT_SCHEMES = ("float", "int8", "int4")
+# what quantized weights multiply: float activations, or int8 blocks quantized per row (engine/quantize.py);
+# config.json `activations`, absent in engines built before it (float)
+ACTIVATION_SCHEMES = ("float", "int8")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_BUILD_SEQ_LEN = 2048  # a build's max_seq_len when none is given (at most the model's context)
 DEFAULT_MAX_BATCH = 8  # rows per step an engine is built for unless `build --max-batch` says otherwise
@@ -72,9 +75,9 @@ OUTPUTS = ("next_ids", "logits", "present_keys", "present_values")
 # (CONFIG_DIGEST, files, build_seconds) follow in the order they were added
 CONFIG_ORDER = (
     FORMAT_KEY, "model", "eos_token_id", "dtype", "max_seq_len", "max_input_len", "max_batch", "lookahead",
-    "step_tokens", "output_slots", "cache_rows", "cache_layout", "attention", "exact", "tree", "quantization", "plugin",
-    "graphs",
-    "weights", "inputs", "outputs", "dims", "opset", "tokenizer_files", "build_key", "built_with", "targets",
+    "step_tokens", "output_slots", "cache_rows", "cache_layout", "attention", "exact", "tree", "quantization",
+    "activations", "weight_blocks", "plugin", "graphs", "weights", "inputs", "outputs", "dims", "opset",
+    "tokenizer_files", "build_key", "built_with", "targets",
 )
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
@@ -113,6 +116,7 @@ class EngineConfig:
     tree: TreeTemplate | None  # the verification slots' draft tree (docs/design.md 2.7); None: linear candidates
     raw: dict[str, Any]
     quantization: str = "float"  # the projections' weights, one of WEIGHT_SCHEMES (engine/quantize.py)
+    activations: str = "float"  # what quantized projections multiply, one of ACTIVATION_SCHEMES
 
     @classmethod
     def from_raw(cls, path: Path, raw: dict[str, Any]) -> EngineConfig:
@@ -136,6 +140,7 @@ class EngineConfig:
             tree=_tree(raw),
             raw=raw,
             quantization=_choice(raw, "quantization", WEIGHT_SCHEMES) if "quantization" in raw else "float",
+            activations=_choice(raw, "activations", ACTIVATION_SCHEMES) if "activations" in raw else "float",
         )
         rules = (
             (config.step_tokens == lookahead.step_tokens, f"step_tokens is not (W+G)(N-1) of {lookahead}"),
@@ -143,6 +148,8 @@ class EngineConfig:
             (config.cache_rows == config.max_seq_len + config.step_tokens, "cache_rows is not max_seq_len + T"),
             (config.tree is None or config.tree.nodes == lookahead.G * lookahead.levels,
              f"tree does not have the G(N-1) nodes of {lookahead}"),
+            (config.activations == "float" or config.quantization != "float",
+             "activations are int8 but the weights are float (int8 activations come with quantized weights)"),
         )
         for holds, broken in rules:
             if not holds:
@@ -170,6 +177,7 @@ class EngineConfig:
             "exact": self.exact,
             "tree": None if self.tree is None else list(self.tree.parents),
             "quantization": self.quantization,
+            "activations": self.activations,
         }
         fields = {**copy.deepcopy(self.raw), **typed}
         ordered = {key: fields.pop(key) for key in CONFIG_ORDER if key in fields}

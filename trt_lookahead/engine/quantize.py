@@ -3,6 +3,8 @@
     blocks = quantize_blocks(w, bits=4)            # w [N, K] float32 (out, in) -> QuantizedWeight
     w_hat = blocks.dequantize()                    # [N, K]: exactly what the quantized graph multiplies by
     proto, used = quantize_graph(proto, "int4")    # every Gemm(x, W^T) on a weight -> com.microsoft MatMulNBits
+    proto, used = quantize_graph(proto, "int4", activations="int8")  # ... multiplying int8 activation blocks
+    x_hat = quantize_activations(x)                # x [..., K] torch: what those nodes multiply instead of x
 
 Each output channel's K inputs are cut into blocks of BLOCK_SIZE (the last one padded with zeros); a block
 keeps `bits`-bit unsigned codes q, a float32 scale s and an integer zero point z, and w_hat = (q - z) * s. The
@@ -11,10 +13,14 @@ is exact and every weight is within s / 2 of w_hat. Worked example, bits 4, one 
 0, ...] whose min is -1.0 and max 2.0: s = 3 / 15 = 0.2, z = 5, -1.0 -> q 0, 0.6 -> q 8, 2.0 -> q 15, 0.3 -> q 7
 (1.5 rounds to even: w_hat 0.4), 0 -> q 5.
 
+With int8 activations (MatMulNBits accuracy_level 4) each row of the input is cut into the same blocks along K,
+and a block holds int8 codes round(x * 127 / amax) with the float scale amax / 127 (amax its largest |x|): the
+products are integer dot products per block, as llama.cpp's quantized matmuls take theirs.
+
 The layout is onnxruntime's MatMulNBits (contrib op, CPU): codes [N, blocks, BLOCK_SIZE * bits / 8] with two
 4-bit codes per byte low nibble first, scales [N * blocks], zero points [N, blocks] bytes for int8 and two per
 byte for int4. The engine's config.json records the scheme (engine/format.py); docs/design.md section 6.9.
-Imports numpy, onnx and engine.format.
+Imports numpy, onnx (and torch for `quantize_activations`) and engine.format.
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ from typing import Any
 
 import numpy as np
 
-from trt_lookahead.engine.format import WEIGHT_SCHEMES
+from trt_lookahead.engine.format import ACTIVATION_SCHEMES, WEIGHT_SCHEMES
 from trt_lookahead.errors import UserError
 
 BITS = {"int8": 8, "int4": 4}
+ACCURACY_LEVEL = {"int8": 4}  # MatMulNBits' attribute for activations other than float: 4 = int8 blocks
+ACTIVATION_CODE = 127  # an int8 activation block's codes are -127 .. 127
 BLOCK_SIZE = 32  # weights per (channel, block); a power of two >= 16, as MatMulNBits takes
 CONTRIB_DOMAIN = "com.microsoft"
 
@@ -38,15 +46,18 @@ class QuantizedWeight:
 
     codes: np.ndarray  # uint8 [N, blocks, BLOCK_SIZE * bits / 8]
     scales: np.ndarray  # float32 [N, blocks]
-    zero_points: np.ndarray  # uint8 [N, blocks] (int8) or [N, ceil(blocks / 2)] (int4)
+    zero_points: np.ndarray  # uint8 [N, blocks] (int8) or [N, ceil(blocks / 2)] (int4); float32 [N, blocks]: as is
     bits: int
     k: int  # the unpadded input size
+    grid: str  # where the blocks come from: "int8" / "int4" (quantize_blocks), or a GGUF type kept (gguf_blocks)
 
     def unpacked(self) -> tuple[np.ndarray, np.ndarray]:
         """(codes [N, blocks, BLOCK_SIZE], zero points [N, blocks]) one value per entry."""
         if self.bits == 8:
             return self.codes, self.zero_points
         codes = np.stack([self.codes & 0xF, self.codes >> 4], -1).reshape(*self.codes.shape[:2], -1)
+        if self.zero_points.dtype != np.uint8:
+            return codes, self.zero_points
         zeros = np.stack([self.zero_points & 0xF, self.zero_points >> 4], -1).reshape(len(self.zero_points), -1)
         return codes, zeros[:, : self.scales.shape[1]]
 
@@ -55,6 +66,17 @@ class QuantizedWeight:
         codes, zeros = self.unpacked()
         blocks = (codes.astype(np.float32) - zeros[..., None].astype(np.float32)) * self.scales[..., None]
         return blocks.reshape(len(blocks), -1)[:, : self.k]
+
+
+def _packed(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, bits: int, k: int, grid: str) -> QuantizedWeight:
+    """codes [N, blocks, BLOCK_SIZE] and zero points [N, blocks] one per entry -> MatMulNBits' layout (4-bit codes
+    and integer zero points two per byte, low nibble first; float zero points stay one per block)."""
+    if bits == 4:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        if zeros.dtype == np.uint8:
+            zeros = np.pad(zeros, ((0, 0), (0, zeros.shape[1] % 2)))
+            zeros = zeros[:, 0::2] | (zeros[:, 1::2] << 4)
+    return QuantizedWeight(codes, scales.astype(np.float32), zeros, bits, k, grid)
 
 
 def quantize_blocks(weight: np.ndarray, bits: int) -> QuantizedWeight:
@@ -70,22 +92,116 @@ def quantize_blocks(weight: np.ndarray, bits: int) -> QuantizedWeight:
     scales[scales == 0] = 1.0  # an all-zero block: any scale represents it
     zeros = np.clip(np.round(-low / scales), 0, top).astype(np.uint8)
     codes = np.clip(np.round(w / scales[..., None]) + zeros[..., None], 0, top).astype(np.uint8)
-    if bits == 4:
-        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
-        zeros = np.pad(zeros, ((0, 0), (0, blocks % 2)))
-        zeros = zeros[:, 0::2] | (zeros[:, 1::2] << 4)
-    return QuantizedWeight(codes, scales, zeros, bits, k)
+    return _packed(codes, scales, zeros, bits, k, f"int{bits}")
 
 
-def check_scheme(scheme: str) -> str:
+# -- a checkpoint dequantized from GGUF blocks: its own blocks, kept ------------------------------------------------
+
+
+def _half(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to float16 and back: the precision of a GGUF block's scale and min."""
+    return x.astype(np.float16).astype(np.float32)
+
+
+def _on_grid(x: np.ndarray, scales: np.ndarray, offsets: np.ndarray, low: int, high: int) -> np.ndarray | None:
+    """Codes q [N, blocks, BLOCK_SIZE] in low .. high with float32(q * scale + offset) == x for every weight of
+    x [N, blocks, BLOCK_SIZE] (the gguf package's dequantization; a block's scale 0: every q 0); None if some
+    weight is off that grid."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(scales[..., None] == 0, 0, np.round((x - offsets[..., None]) / scales[..., None]))
+    q = np.nan_to_num(q, nan=low - 1, posinf=low - 1, neginf=low - 1)
+    if q.min() < low or q.max() > high:
+        return None
+    back = (q.astype(np.float32) * scales[..., None]).astype(np.float32)
+    back = back if not offsets.any() else (back + offsets[..., None]).astype(np.float32)
+    return q.astype(np.int32) if np.array_equal(back, x) else None
+
+
+def _q8_0(x: np.ndarray, k: int, activations: str) -> QuantizedWeight | None:
+    """Q8_0: w = d * q, q -128 .. 127, d float16: int8 codes q + 128 with zero point 128, exactly."""
+    d = _half(np.abs(x).max(-1) / 127)  # the block's largest |w| has |q| = 127
+    q = _on_grid(x, d, np.zeros_like(d), -128, 127)
+    if q is None:
+        return None
+    return _packed((q + 128).astype(np.uint8), np.where(d == 0, 1, d), np.full(d.shape, 128, np.uint8), 8, k, "Q8_0")
+
+
+def _q4_0(x: np.ndarray, k: int, activations: str) -> QuantizedWeight | None:
+    """Q4_0: w = d * (q - 8), q 0 .. 15, d float16 (negative where the block's largest |w| is positive: it has
+    q = 0): 4-bit codes q with zero point 8, exactly."""
+    at = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]  # [N, blocks] the largest |w|, signed
+    d = _half(at / -8)
+    q = _on_grid(x, d, np.zeros_like(d), -8, 7)
+    if q is None:
+        return None
+    return _packed((q + 8).astype(np.uint8), np.where(d == 0, 1, d), np.full(d.shape, 8, np.uint8), 4, k, "Q4_0")
+
+
+def _q4_1(x: np.ndarray, k: int, activations: str) -> QuantizedWeight | None:
+    """Q4_1: w = d * q + m, q 0 .. 15, d and m float16: 4-bit codes q with the float zero point -m / d, so the
+    node multiplies (q + m / d) * d, m * d's rounding away from the GGUF's numbers. MatMulNBits takes float zero
+    points on its float path only: None for int8 activations."""
+    if activations != "float":
+        return None
+    low, high = x.min(-1), x.max(-1)  # q = 0 at the block's min (m itself) and 15 at its max
+    first = _half((high - low) / 15)
+    for d in (first, np.nextafter(first.astype(np.float16), np.float16(np.inf)).astype(np.float32),
+              np.nextafter(first.astype(np.float16), np.float16(0)).astype(np.float32)):
+        q = _on_grid(x, d, low, 0, 15)
+        if q is not None:
+            break
+    else:
+        return None
+    zeros = np.where(d == 0, -low, -low / np.where(d == 0, 1, d)).astype(np.float32)
+    return _packed(q.astype(np.uint8), np.where(d == 0, 1, d), zeros, 4, k, "Q4_1")
+
+
+GGUF_GRIDS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0}  # llama.cpp's 32-weight block types, fewest bits first
+
+
+def gguf_blocks(weight: np.ndarray, activations: str = "float") -> QuantizedWeight | None:
+    """The blocks of a float [N, K] weight that is exactly a GGUF Q8_0, Q4_0 or Q4_1 tensor dequantized (a checkpoint
+    converted from such a file, model/gguf_convert.py), as MatMulNBits holds them for `activations`; None if the
+    weight is on none of those grids. GGUF blocks, like BLOCK_SIZE, hold 32 weights along K."""
+    n, k = weight.shape
+    if k % BLOCK_SIZE:
+        return None
+    x = np.ascontiguousarray(weight, np.float32).reshape(n, k // BLOCK_SIZE, BLOCK_SIZE)
+    for find in GGUF_GRIDS.values():
+        found = find(x, k, activations)
+        if found is not None:
+            return found
+    return None
+
+
+def quantize_activations(x: Any) -> Any:
+    """x [..., K] torch float -> what an int8-activation MatMulNBits multiplies instead: per row, blocks of
+    BLOCK_SIZE along K, each round(x * 127 / amax) * amax / 127 (round half to even, as the kernels' conversion)."""
+    import torch
+    import torch.nn.functional as F
+
+    k = x.shape[-1]
+    blocks = F.pad(x, (0, -k % BLOCK_SIZE)).unflatten(-1, (-1, BLOCK_SIZE))  # [..., blocks, BLOCK_SIZE]
+    amax = blocks.abs().amax(-1, keepdim=True)  # [..., blocks, 1]
+    inverse = torch.where(amax > 0, ACTIVATION_CODE / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inverse) * (amax / ACTIVATION_CODE)).flatten(-2)[..., :k]
+
+
+def check_scheme(scheme: str, activations: str = "float") -> str:
+    """`scheme` if it and `activations` name a quantization a build can make; else UserError."""
     if scheme not in WEIGHT_SCHEMES:
         raise UserError(f"unknown --weights {scheme!r}; use one of {', '.join(WEIGHT_SCHEMES)}")
+    if activations not in ACTIVATION_SCHEMES:
+        raise UserError(f"unknown --activations {activations!r}; use one of {', '.join(ACTIVATION_SCHEMES)}")
+    if activations != "float" and scheme == "float":
+        raise UserError(f"--activations {activations} multiplies quantized weights: add --weights int8 or int4")
     return scheme
 
 
-def quantize_graph(proto: Any, scheme: str) -> tuple[Any, dict[str, np.ndarray]]:
+def quantize_graph(proto: Any, scheme: str, activations: str = "float") -> tuple[Any, dict[str, QuantizedWeight]]:
     """Replace every projection Gemm(x, W, transB=1) whose W is a float initializer by a MatMulNBits node holding W
-    quantized (`scheme` int8 or int4). -> (the graph, {W's name: the dequantized [N, K] it now multiplies by}).
+    in blocks, multiplying float or int8 `activations` (see the module docstring): W's own GGUF blocks where it has
+    them (`gguf_blocks`), else W quantized as `scheme` (int8 or int4). -> (the graph, {W's name: its blocks}).
 
     A W that other nodes also read (a tied embedding's lookup) keeps its float initializer for them.
     """
@@ -93,13 +209,14 @@ def quantize_graph(proto: Any, scheme: str) -> tuple[Any, dict[str, np.ndarray]]
     from onnx import helper, numpy_helper
 
     bits = BITS[scheme]
+    accuracy: dict[str, Any] = {"accuracy_level": ACCURACY_LEVEL[activations]} if activations in ACCURACY_LEVEL else {}
     graph = proto.graph
     initializers = {tensor.name: tensor for tensor in graph.initializer}
     readers: dict[str, int] = {}
     for node in graph.node:
         for name in node.input:
             readers[name] = readers.get(name, 0) + 1
-    used: dict[str, np.ndarray] = {}
+    used: dict[str, QuantizedWeight] = {}
     nodes = []
     for node in graph.node:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
@@ -109,18 +226,19 @@ def quantize_graph(proto: Any, scheme: str) -> tuple[Any, dict[str, np.ndarray]]
             nodes.append(node)
             continue
         name = weight.name
-        blocks = quantize_blocks(numpy_helper.to_array(weight), bits)
-        n, k = blocks.scales.shape[0], blocks.k
+        array = numpy_helper.to_array(weight)
+        blocks = gguf_blocks(array, activations) or quantize_blocks(array, bits)
+        n, k, b = blocks.scales.shape[0], blocks.k, f"{name}.q{blocks.bits}"
         graph.initializer.extend([
-            numpy_helper.from_array(blocks.codes, f"{name}.q{bits}"),
-            numpy_helper.from_array(blocks.scales.reshape(-1), f"{name}.q{bits}.scales"),
-            numpy_helper.from_array(blocks.zero_points.reshape(-1), f"{name}.q{bits}.zero_points"),
+            numpy_helper.from_array(blocks.codes, b),
+            numpy_helper.from_array(blocks.scales.reshape(-1), f"{b}.scales"),
+            numpy_helper.from_array(blocks.zero_points.reshape(-1), f"{b}.zero_points"),
         ])
         nodes.append(helper.make_node(
-            "MatMulNBits", [node.input[0], f"{name}.q{bits}", f"{name}.q{bits}.scales", f"{name}.q{bits}.zero_points"],
-            list(node.output), name=node.name, domain=CONTRIB_DOMAIN, K=k, N=n, bits=bits, block_size=BLOCK_SIZE,
+            "MatMulNBits", [node.input[0], b, f"{b}.scales", f"{b}.zero_points"], list(node.output), name=node.name,
+            domain=CONTRIB_DOMAIN, K=k, N=n, bits=blocks.bits, block_size=BLOCK_SIZE, **accuracy,
         ))
-        used[name] = blocks.dequantize()
+        used[name] = blocks
         readers[name] -= 1
     if not used:
         raise UserError(f"--weights {scheme}: the graph has no projection (Gemm on a float32 weight) to quantize")

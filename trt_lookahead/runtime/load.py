@@ -36,6 +36,8 @@ TREE_ON_ENGINE = "an engine dir verifies the tree it was built with (`trt-lookah
 DEVICES = ("cpu", "cuda")
 DEVICE_ON_ENGINE = ("an engine dir runs where its backend runs (onnxruntime: the CPU; tensorrt: the GPU): drop "
                     "--device")
+WEIGHTS_ON_ENGINE = ("an engine dir's weights were set by its build (`trt-lookahead build --weights --activations`): "
+                     "drop --weights and --activations, or build another engine")
 
 
 @dataclass(frozen=True)
@@ -53,17 +55,20 @@ class LoadedModel:
     default: LookaheadConfig  # what `lookahead="default"` runs: an engine's built config, else DEFAULT_LOOKAHEAD
     why: str | None = None  # a checkpoint: why this backend runs it (said once the runtime is up)
     device: str = "cpu"  # where the torch executor runs a checkpoint ("cpu" or "cuda")
+    weights: str | None = None  # a quantized engine's weights and activations ("int4", "int4+int8"); None: float
 
 
 def load_model(
     path_or_name: str | Path, *, backend: str | None, dtype: str, asked: LookaheadConfig | None,
     max_seq_len: int | None, max_batch: int | None, verify: bool, exact: bool | None,
     tree: str | TreeTemplate | None, compile: bool = False, attention: str = "sdpa", device: str | None = None,
+    weights: str = "float", activations: str = "float",
 ) -> LoadedModel:
     """Load a HF Llama checkpoint dir, a known model name, or an engine dir (arguments as
     LookaheadRuntime.from_pretrained documents them; `asked`: the fixed config the runtime will default to, if
     any, so that a checkpoint's backend, tree and cached engine cover it); for a checkpoint, `why` says which
     backend runs it and why."""
+    from trt_lookahead.engine.quantize import check_scheme
     from trt_lookahead.model.fetch import resolve_model
 
     path = resolve_model(str(path_or_name))
@@ -77,12 +82,19 @@ def load_model(
             raise UserError(TREE_ON_ENGINE)
         if device is not None:
             raise UserError(DEVICE_ON_ENGINE)
+        if (weights, activations) != ("float", "float"):
+            raise UserError(WEIGHTS_ON_ENGINE)
         return _from_engine(path, backend or "onnxruntime", dtype, max_seq_len, max_batch, verify, exact=exact)
     device = checkpoint_device(device)
-    backend, why = checkpoint_backend("torch" if torch_step else backend, dtype, asked, exact, device)
+    quantized = check_scheme(weights, activations) != "float"
+    if quantized and exact and activations == "float":
+        raise UserError("exact steps on quantized weights come with int8 activations, whose engine is exact: add "
+                        "--activations int8, or drop --exact")
+    backend, why = checkpoint_backend("torch" if torch_step else backend, dtype, asked, None if quantized else exact,
+                                      device, weights)
     template = checkpoint_tree(tree, asked, backend)
     if backend == "onnxruntime":
-        cached = cached_checkpoint_engine(path, dtype, max_seq_len, max_batch, asked, template)
+        cached = cached_checkpoint_engine(path, dtype, max_seq_len, max_batch, asked, template, weights, activations)
         model = _from_engine(cached, backend, dtype, max_seq_len, max_batch, verify, model_path=path)
     else:
         model = _from_checkpoint(path, dtype, max_seq_len, max_batch or DEFAULT_MAX_BATCH, exact, template, compile,
@@ -120,7 +132,16 @@ def _from_engine(path: Path, backend: str, dtype: str, max_seq_len: int | None, 
     source = model_path or path
     default = DEFAULT_LOOKAHEAD if model_path else engine.lookahead
     return LoadedModel(load_tokenizer(source), engine.executor(), engine.max_seq_len, _stop_token_ids(source),
-                       backend, engine.dtype, source, max_lookahead=engine.lookahead, default=default)
+                       backend, engine.dtype, source, max_lookahead=engine.lookahead, default=default,
+                       weights=weights_label(engine.config.quantization, engine.config.activations))
+
+
+def weights_label(weights: str, activations: str) -> str | None:
+    """How a tuning key and a status line name quantized weights: "int4", or "int4+int8" with int8 activations;
+    None for float weights."""
+    if weights == "float":
+        return None
+    return weights if activations == "float" else f"{weights}+{activations}"
 
 
 def _stop_token_ids(path: Path) -> list[int]:
@@ -196,12 +217,18 @@ def checkpoint_device(device: str | None) -> str:
 
 def checkpoint_backend(
     backend: str | None, dtype: str, asked: LookaheadConfig | None = None, exact: bool | None = None,
-    device: str = "cpu",
+    device: str = "cpu", weights: str = "float",
 ) -> tuple[str, str]:
     """(the backend that runs a checkpoint, why): on CUDA the torch executor; on the CPU onnxruntime on a cached
-    engine for float32 (the fastest CPU path, docs/design.md section 6.8), torch for other dtypes, for a config
-    wider than the standard cached engine (so the default never builds a second one unasked), for exact=True, or
-    when asked; UserError for one that cannot."""
+    engine for float32 (the fastest CPU path, docs/design.md section 6.8) and for quantized `weights` (its only
+    path, 6.9), torch for other dtypes, for a config wider than the standard cached engine (so the default never
+    builds a second one unasked), for exact=True, or when asked; UserError for one that cannot."""
+    if weights != "float":
+        if device == "cuda" or backend not in (None, "onnxruntime") or dtype != "float32":
+            raise UserError(f"--weights {weights} runs a checkpoint as a float32 onnxruntime engine on the CPU "
+                            "(MatMulNBits; no GPU kernels yet): drop --backend, --dtype and --device cuda, or "
+                            "--weights")
+        return "onnxruntime", f"{weights} weights: an onnxruntime engine (MatMulNBits), built once and cached"
     if exact and backend not in (None, "torch"):
         raise UserError(EXACT_ON_ENGINE)
     if device == "cuda":
@@ -227,7 +254,8 @@ def checkpoint_backend(
 
 
 def cached_checkpoint_engine(path: Path, dtype: str, max_seq_len: int | None, max_batch: int | None,
-                             asked: LookaheadConfig | None = None, tree: TreeTemplate | None = None) -> Path:
+                             asked: LookaheadConfig | None = None, tree: TreeTemplate | None = None,
+                             weights: str = "float", activations: str = "float") -> Path:
     """The cached engine dir (engine/cache.py) a checkpoint runs on with onnxruntime, built first if needed.
 
     One shape serves a checkpoint's usual requests, so one engine is built per checkpoint and dtype: W, N, G
@@ -245,14 +273,15 @@ def cached_checkpoint_engine(path: Path, dtype: str, max_seq_len: int | None, ma
     # the executor checks this too, but only after a build that may itself not fit: refuse before building
     check_kv_memory((config.num_layers, slots, config.num_kv_heads, seq_len + cover.step_tokens, config.head_dim),
                     4, seq_len, slots)
-    engine, _ = cached_engine(path, dtype=dtype, lookahead=cover, max_seq_len=seq_len, max_batch=slots, tree=tree)
+    engine, _ = cached_engine(path, dtype=dtype, lookahead=cover, max_seq_len=seq_len, max_batch=slots, tree=tree,
+                              weights=weights, activations=activations)
     return engine
 
 
 def loaded_tuning_key(model: LoadedModel) -> str:
     """The tuning file's key of a loaded model: its model, dtype, backend, this machine (torch's threads now) and
     its executor's draft tree."""
-    return tuning_key(model.model_path, model.dtype, tuned_backend(model.backend, model.device),
+    return tuning_key(model.model_path, model.dtype, tuned_backend(model.backend, model.device), weights=model.weights,
                       tree=getattr(model.executor, "tree", None))
 
 

@@ -284,6 +284,8 @@ class LookaheadRuntime:
         compile: bool = False,
         attention: str = "sdpa",
         device: str | None = None,
+        weights: str = "float",
+        activations: str = "float",
     ) -> LookaheadRuntime:
         """Load a HF Llama checkpoint dir, a known model name, or an engine dir from `trt-lookahead build`.
 
@@ -307,6 +309,9 @@ class LookaheadRuntime:
         executor's fast padded step's attention, "sdpa" or "triton" (experimental, unmeasured on a GPU; the fast
         step, so not exact; backends/torch.py ATTENTIONS). device: where a checkpoint runs, "cpu" or "cuda"
         (default: CUDA where this process sees a GPU, else the CPU; an engine dir runs where its backend does).
+        weights, activations: a checkpoint's projections quantized as `trt-lookahead build --weights int8|int4
+        --activations float|int8` quantizes them, on its cached onnxruntime engine (docs/design.md 6.9; an engine
+        dir's are its build's).
         """
         choice = _default_choice(lookahead)
         check_pool_scope(pool_scope)
@@ -315,7 +320,7 @@ class LookaheadRuntime:
         asked = None if choice is None or choice.auto else choice.ceiling
         model = load_model(path_or_name, backend=backend, dtype=dtype, asked=asked, max_seq_len=max_seq_len,
                            max_batch=max_batch, verify=verify, exact=exact, tree=tree, compile=compile,
-                           attention=attention, device=device)
+                           attention=attention, device=device, weights=weights, activations=activations)
         auto = auto_policy(model, tuning_file, announce=choice is not None and choice.auto)
         # nothing to undo if this raises: the scheduler thread starts last, once every argument is checked
         runtime = cls(model, lookahead=choice or Lookahead(model.default), auto=auto, max_queue=max_queue,

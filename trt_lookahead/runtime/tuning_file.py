@@ -49,11 +49,13 @@ def model_key(model_id: str | os.PathLike) -> str:
 
 
 def tuning_key(model_id: str | os.PathLike, dtype: str, backend: str, machine: str | None = None,
-               tree: TreeTemplate | str | None = None) -> str:
+               tree: TreeTemplate | str | None = None, weights: str | None = None) -> str:
     """The entry's key; `tree` (a draft tree, or its parent list as TreeTemplate's str writes it) changes what
-    every rung accepts."""
+    every rung accepts, and quantized `weights` ("int4", "int4+int8": runtime/load.py weights_label) what a step
+    costs."""
     key = f"model={model_key(model_id)}|dtype={dtype}|backend={backend}|machine={machine or machine_key()}"
-    return key if tree is None else f"{key}|tree={hashlib.sha256(str(tree).encode()).hexdigest()[:12]}"
+    key = key if tree is None else f"{key}|tree={hashlib.sha256(str(tree).encode()).hexdigest()[:12]}"
+    return key if weights is None else f"{key}|weights={weights}"
 
 
 def _empty() -> dict[str, Any]:
