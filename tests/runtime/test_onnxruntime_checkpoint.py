@@ -142,7 +142,7 @@ def test_a_checkpoint_runs_quantized_on_its_own_cached_engine(tmp_path, monkeypa
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"backend": "torch", "weights": "int4"}, "--weights int4 runs a checkpoint as a float32 onnxruntime engine"),
     ({"dtype": "bfloat16", "weights": "int8"}, "--weights int8 runs a checkpoint as a float32 onnxruntime engine"),
-    ({"exact": True, "weights": "int4"}, "exact steps on quantized weights come with int8 activations"),
+    ({"exact": True, "weights": "int4", "activations": "float"}, "exact steps on quantized weights come with int8"),
     ({"activations": "int8"}, "--activations int8 multiplies quantized weights: add --weights int8 or int4"),
 ])
 def test_quantized_checkpoint_runs_refuse_what_cannot_run_them(kwargs, message):

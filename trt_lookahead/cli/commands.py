@@ -345,7 +345,7 @@ def tune_model(
     budget_seconds: float = DEFAULT_BUDGET, max_seq_len: int | None = None, threads: int | None = None,
     tuning_file: str | None = None, exact: bool | None = None, tree: str | None = DEFAULT,
     max_batch: int | None = None, asked: LookaheadConfig | None = None, device: str | None = None,
-    weights: str = "float", activations: str = "float",
+    weights: str = "float", activations: str | None = None,
 ) -> dict:
     """Load the model with small KV buffers (as a runtime defaulting to `asked` would: the same backend, tree and
     engine, so the same tuning key), tune on runtimes of tune's own over it, store and return the tuning entry."""

@@ -77,10 +77,11 @@ def _add_weights_arguments(p: argparse.ArgumentParser, model: bool = False) -> N
                    help="the projections' weights: float (the --dtype's), or int8 / int4 blocks of 32 with a scale "
                         "and zero point each, a GGUF-converted checkpoint's own Q4_0 / Q4_1 / Q8_0 blocks kept "
                         f"(onnxruntime's MatMulNBits; float32 engines for the onnxruntime backend){where}")
-    p.add_argument("--activations", choices=ACTIVATION_SCHEMES, default=ACTIVATION_SCHEMES[0],
-                   help="what quantized weights multiply: float, or int8 blocks of 32 per row (integer dot products, "
-                        "as llama.cpp's quantized types); int8 builds the exact graph, so lookahead still equals "
-                        "greedy bit for bit")
+    p.add_argument("--activations", choices=ACTIVATION_SCHEMES, default=None,
+                   help="what quantized weights multiply: int8 blocks of 32 per row (the default with --weights "
+                        "int8|int4: integer dot products as llama.cpp's quantized types, MatMulNBits' fast kernels, "
+                        "on the exact graph, so lookahead still equals greedy bit for bit), or float (the fast graph "
+                        "on MatMulNBits' slower float path)")
 
 
 def _add_model_arguments(p: argparse.ArgumentParser, engine: bool = True) -> None:

@@ -123,7 +123,7 @@ def build_request(
     tree: str | TreeTemplate | None = DEFAULT,
     check_output: bool = True,
     weights: str = "float",
-    activations: str = "float",
+    activations: str | None = None,
 ) -> BuildRequest:
     """Validate a build before any work (UserError with one clear line); `model` is a dir or a known name.
 
@@ -151,13 +151,15 @@ def build_request(
     max_batch = as_int("max_batch", max_batch)
     if max_batch < 1:
         raise UserError(f"max_batch {max_batch} is impossible; an engine runs at least one row per step")
-    weights = check_scheme(weights, activations)
+    weights, activations = check_scheme(weights, activations)
     if weights != "float" and (dtype != "float32" or target != "onnx"):
         raise UserError(f"--weights {weights} builds a float32 engine for onnxruntime's CPU kernels (MatMulNBits); "
                         "drop --dtype and --target tensorrt, or build with --weights float")
     if activations != "float":  # int8 codes magnify any rounding difference: only the row-invariant graph is exact
         exact = True
-        _check_exact(model_dir, lookahead, dtype, attention, target, f"--activations {activations} (an exact graph)")
+        _check_exact(model_dir, lookahead, dtype, attention, target,
+                     f"--weights {weights} --activations {activations} (the default for quantized weights: an exact "
+                     "graph; --activations float builds the fast graph on MatMulNBits' slower float path)")
     elif exact:
         _check_exact(model_dir, lookahead, dtype, attention, target)
     # the default: the `auto` tree wherever the engine can verify one (docs/design.md 2.7)
@@ -337,7 +339,7 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
             "output_slots": layout.output_slots.tolist(),
             "cache_layout": "[batch, num_kv_heads, cache_rows, head_dim] per layer; an executor keeps max_batch "
                             "slots and binds the first B",
-            **({"weight_blocks": grids} if grids else {}),
+            "weight_blocks": grids,
             "plugin": plugin_contract() if request.attention == "plugin" else None,
             "graphs": {"model": GRAPH_FILE},
             "weights": WEIGHTS_FILE,
@@ -372,7 +374,7 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
 
 
 SMOKE_PROMPT_LENGTHS = (12, 7, 1)  # one batch row each: different cache lengths in every step
-SMOKE_FLOOR = 0.8  # the least share of equal tokens of a graph checked not strictly (int8 activations)
+SMOKE_FLOOR = 0.5  # the least share of equal tokens of a graph checked not strictly (int8 activations)
 
 
 def smoke_check(engine_dir: Path, model: Llama, lookahead: LookaheadConfig, strict: bool = True) -> dict[str, Any]:

@@ -32,7 +32,7 @@ ENGINES = "engines"  # the cache dir's subfolder of cached engine dirs
 
 def cache_request(model_dir: str | os.PathLike, *, dtype: str, lookahead: LookaheadConfig, max_seq_len: int,
                   max_batch: int, root: Path | None = None, tree: TreeTemplate | None = None,
-                  weights: str = "float", activations: str = "float") -> tuple[BuildRequest, dict]:
+                  weights: str = "float", activations: str | None = None) -> tuple[BuildRequest, dict]:
     """The build of the cached engine of this checkpoint and shape (its output: the engine's place under
     `root`, default the cache dir's engines/) and its build key."""
     from trt_lookahead.model.checkpoint import weights_sha256
@@ -49,7 +49,7 @@ def cache_request(model_dir: str | os.PathLike, *, dtype: str, lookahead: Lookah
 
 def cached_engine(model_dir: str | os.PathLike, *, dtype: str, lookahead: LookaheadConfig, max_seq_len: int,
                   max_batch: int, root: Path | None = None, tree: TreeTemplate | None = None,
-                  weights: str = "float", activations: str = "float") -> tuple[Path, str | None]:
+                  weights: str = "float", activations: str | None = None) -> tuple[Path, str | None]:
     """The cached engine dir of this checkpoint and shape, built first if needed (`cache_request`).
 
     A usable engine is used as it is, without the lock or any write (a read-only cache works); a build

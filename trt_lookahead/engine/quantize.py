@@ -1,4 +1,4 @@
-"""Weight-only quantization of an exported graph's projections: int8 or int4 blocks, activations in float.
+"""Quantization of an exported graph's projections: int8 or int4 weight blocks, float or int8 activations.
 
     blocks = quantize_blocks(w, bits=4)            # w [N, K] float32 (out, in) -> QuantizedWeight
     w_hat = blocks.dequantize()                    # [N, K]: exactly what the quantized graph multiplies by
@@ -13,13 +13,17 @@ is exact and every weight is within s / 2 of w_hat. Worked example, bits 4, one 
 0, ...] whose min is -1.0 and max 2.0: s = 3 / 15 = 0.2, z = 5, -1.0 -> q 0, 0.6 -> q 8, 2.0 -> q 15, 0.3 -> q 7
 (1.5 rounds to even: w_hat 0.4), 0 -> q 5.
 
+A weight that is exactly a GGUF Q4_0, Q4_1 or Q8_0 tensor dequantized (a checkpoint converted from such a file)
+keeps those blocks instead (`gguf_blocks`; docs/design.md 6.9): same numbers, no second rounding.
+
 With int8 activations (MatMulNBits accuracy_level 4) each row of the input is cut into the same blocks along K,
 and a block holds int8 codes round(x * 127 / amax) with the float scale amax / 127 (amax its largest |x|): the
 products are integer dot products per block, as llama.cpp's quantized matmuls take theirs.
 
 The layout is onnxruntime's MatMulNBits (contrib op, CPU): codes [N, blocks, BLOCK_SIZE * bits / 8] with two
 4-bit codes per byte low nibble first, scales [N * blocks], zero points [N, blocks] bytes for int8 and two per
-byte for int4. The engine's config.json records the scheme (engine/format.py); docs/design.md section 6.9.
+byte for int4; a Q4_1 block's m rides beside the node (`mins`). The engine's config.json records the scheme
+(engine/format.py); docs/design.md section 6.9.
 Imports numpy, onnx (and torch for `quantize_activations`) and engine.format.
 """
 
@@ -46,37 +50,38 @@ class QuantizedWeight:
 
     codes: np.ndarray  # uint8 [N, blocks, BLOCK_SIZE * bits / 8]
     scales: np.ndarray  # float32 [N, blocks]
-    zero_points: np.ndarray  # uint8 [N, blocks] (int8) or [N, ceil(blocks / 2)] (int4); float32 [N, blocks]: as is
+    zero_points: np.ndarray  # uint8 [N, blocks] (int8) or [N, ceil(blocks / 2)] (int4)
     bits: int
     k: int  # the unpadded input size
     grid: str  # where the blocks come from: "int8" / "int4" (quantize_blocks), or a GGUF type kept (gguf_blocks)
+    mins: np.ndarray | None = None  # float32 [N, blocks]: each block's m, added to (q - z) * s (a GGUF Q4_1 block)
 
     def unpacked(self) -> tuple[np.ndarray, np.ndarray]:
         """(codes [N, blocks, BLOCK_SIZE], zero points [N, blocks]) one value per entry."""
         if self.bits == 8:
             return self.codes, self.zero_points
         codes = np.stack([self.codes & 0xF, self.codes >> 4], -1).reshape(*self.codes.shape[:2], -1)
-        if self.zero_points.dtype != np.uint8:
-            return codes, self.zero_points
         zeros = np.stack([self.zero_points & 0xF, self.zero_points >> 4], -1).reshape(len(self.zero_points), -1)
         return codes, zeros[:, : self.scales.shape[1]]
 
     def dequantize(self) -> np.ndarray:
-        """[N, K] float32: (q - z) * s per block, the padding dropped."""
+        """[N, K] float32: (q - z) * s (+ m) per block, the padding dropped."""
         codes, zeros = self.unpacked()
         blocks = (codes.astype(np.float32) - zeros[..., None].astype(np.float32)) * self.scales[..., None]
+        if self.mins is not None:
+            blocks = blocks + self.mins[..., None]
         return blocks.reshape(len(blocks), -1)[:, : self.k]
 
 
-def _packed(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, bits: int, k: int, grid: str) -> QuantizedWeight:
+def _packed(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, bits: int, k: int, grid: str,
+            mins: np.ndarray | None = None) -> QuantizedWeight:
     """codes [N, blocks, BLOCK_SIZE] and zero points [N, blocks] one per entry -> MatMulNBits' layout (4-bit codes
-    and integer zero points two per byte, low nibble first; float zero points stay one per block)."""
+    and zero points two per byte, low nibble first)."""
     if bits == 4:
         codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
-        if zeros.dtype == np.uint8:
-            zeros = np.pad(zeros, ((0, 0), (0, zeros.shape[1] % 2)))
-            zeros = zeros[:, 0::2] | (zeros[:, 1::2] << 4)
-    return QuantizedWeight(codes, scales.astype(np.float32), zeros, bits, k, grid)
+        zeros = np.pad(zeros, ((0, 0), (0, zeros.shape[1] % 2)))
+        zeros = zeros[:, 0::2] | (zeros[:, 1::2] << 4)
+    return QuantizedWeight(codes, scales.astype(np.float32), zeros, bits, k, grid, mins)
 
 
 def quantize_blocks(weight: np.ndarray, bits: int) -> QuantizedWeight:
@@ -117,7 +122,7 @@ def _on_grid(x: np.ndarray, scales: np.ndarray, offsets: np.ndarray, low: int, h
     return q.astype(np.int32) if np.array_equal(back, x) else None
 
 
-def _q8_0(x: np.ndarray, k: int, activations: str) -> QuantizedWeight | None:
+def _q8_0(x: np.ndarray, k: int) -> QuantizedWeight | None:
     """Q8_0: w = d * q, q -128 .. 127, d float16: int8 codes q + 128 with zero point 128, exactly."""
     d = _half(np.abs(x).max(-1) / 127)  # the block's largest |w| has |q| = 127
     q = _on_grid(x, d, np.zeros_like(d), -128, 127)
@@ -126,7 +131,7 @@ def _q8_0(x: np.ndarray, k: int, activations: str) -> QuantizedWeight | None:
     return _packed((q + 128).astype(np.uint8), np.where(d == 0, 1, d), np.full(d.shape, 128, np.uint8), 8, k, "Q8_0")
 
 
-def _q4_0(x: np.ndarray, k: int, activations: str) -> QuantizedWeight | None:
+def _q4_0(x: np.ndarray, k: int) -> QuantizedWeight | None:
     """Q4_0: w = d * (q - 8), q 0 .. 15, d float16 (negative where the block's largest |w| is positive: it has
     q = 0): 4-bit codes q with zero point 8, exactly."""
     at = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]  # [N, blocks] the largest |w|, signed
@@ -137,38 +142,35 @@ def _q4_0(x: np.ndarray, k: int, activations: str) -> QuantizedWeight | None:
     return _packed((q + 8).astype(np.uint8), np.where(d == 0, 1, d), np.full(d.shape, 8, np.uint8), 4, k, "Q4_0")
 
 
-def _q4_1(x: np.ndarray, k: int, activations: str) -> QuantizedWeight | None:
-    """Q4_1: w = d * q + m, q 0 .. 15, d and m float16: 4-bit codes q with the float zero point -m / d, so the
-    node multiplies (q + m / d) * d, m * d's rounding away from the GGUF's numbers. MatMulNBits takes float zero
-    points on its float path only: None for int8 activations."""
-    if activations != "float":
-        return None
+def _q4_1(x: np.ndarray, k: int) -> QuantizedWeight | None:
+    """Q4_1: w = d * q + m, q 0 .. 15, d and m float16: 4-bit codes q with scale d and zero point 0, and each
+    block's m in `mins`: the graph adds the input's block sums times m, as llama.cpp's Q4_1 product adds its
+    activation blocks' sums. (A float zero point -m / d would hold m too, but MatMulNBits runs those on a slow path
+    without int8 activations: docs/design.md 6.9.)"""
     low, high = x.min(-1), x.max(-1)  # q = 0 at the block's min (m itself) and 15 at its max
     first = _half((high - low) / 15)
     for d in (first, np.nextafter(first.astype(np.float16), np.float16(np.inf)).astype(np.float32),
               np.nextafter(first.astype(np.float16), np.float16(0)).astype(np.float32)):
         q = _on_grid(x, d, low, 0, 15)
         if q is not None:
-            break
-    else:
-        return None
-    zeros = np.where(d == 0, -low, -low / np.where(d == 0, 1, d)).astype(np.float32)
-    return _packed(q.astype(np.uint8), np.where(d == 0, 1, d), zeros, 4, k, "Q4_1")
+            return _packed(q.astype(np.uint8), np.where(d == 0, 1, d), np.zeros(d.shape, np.uint8), 4, k, "Q4_1",
+                           mins=low)
+    return None
 
 
 GGUF_GRIDS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0}  # llama.cpp's 32-weight block types, fewest bits first
 
 
-def gguf_blocks(weight: np.ndarray, activations: str = "float") -> QuantizedWeight | None:
+def gguf_blocks(weight: np.ndarray) -> QuantizedWeight | None:
     """The blocks of a float [N, K] weight that is exactly a GGUF Q8_0, Q4_0 or Q4_1 tensor dequantized (a checkpoint
-    converted from such a file, model/gguf_convert.py), as MatMulNBits holds them for `activations`; None if the
+    converted from such a file, model/gguf_convert.py), as MatMulNBits holds them; None if the
     weight is on none of those grids. GGUF blocks, like BLOCK_SIZE, hold 32 weights along K."""
     n, k = weight.shape
     if k % BLOCK_SIZE:
         return None
     x = np.ascontiguousarray(weight, np.float32).reshape(n, k // BLOCK_SIZE, BLOCK_SIZE)
     for find in GGUF_GRIDS.values():
-        found = find(x, k, activations)
+        found = find(x, k)
         if found is not None:
             return found
     return None
@@ -187,15 +189,18 @@ def quantize_activations(x: Any) -> Any:
     return (torch.round(blocks * inverse) * (amax / ACTIVATION_CODE)).flatten(-2)[..., :k]
 
 
-def check_scheme(scheme: str, activations: str = "float") -> str:
-    """`scheme` if it and `activations` name a quantization a build can make; else UserError."""
-    if scheme not in WEIGHT_SCHEMES:
-        raise UserError(f"unknown --weights {scheme!r}; use one of {', '.join(WEIGHT_SCHEMES)}")
+def check_scheme(weights: str, activations: str | None = None) -> tuple[str, str]:
+    """(weights, activations) a build can make, activations None taking the default: int8 for quantized weights
+    (MatMulNBits' fast kernels; its float-activation path is the slow one, docs/design.md 6.9), float for float
+    weights; else UserError."""
+    if weights not in WEIGHT_SCHEMES:
+        raise UserError(f"unknown --weights {weights!r}; use one of {', '.join(WEIGHT_SCHEMES)}")
+    activations = activations or ("float" if weights == "float" else "int8")
     if activations not in ACTIVATION_SCHEMES:
         raise UserError(f"unknown --activations {activations!r}; use one of {', '.join(ACTIVATION_SCHEMES)}")
-    if activations != "float" and scheme == "float":
+    if activations != "float" and weights == "float":
         raise UserError(f"--activations {activations} multiplies quantized weights: add --weights int8 or int4")
-    return scheme
+    return weights, activations
 
 
 def quantize_graph(proto: Any, scheme: str, activations: str = "float") -> tuple[Any, dict[str, QuantizedWeight]]:
@@ -227,17 +232,30 @@ def quantize_graph(proto: Any, scheme: str, activations: str = "float") -> tuple
             continue
         name = weight.name
         array = numpy_helper.to_array(weight)
-        blocks = gguf_blocks(array, activations) or quantize_blocks(array, bits)
+        blocks = gguf_blocks(array) or quantize_blocks(array, bits)
         n, k, b = blocks.scales.shape[0], blocks.k, f"{name}.q{blocks.bits}"
         graph.initializer.extend([
             numpy_helper.from_array(blocks.codes, b),
             numpy_helper.from_array(blocks.scales.reshape(-1), f"{b}.scales"),
             numpy_helper.from_array(blocks.zero_points.reshape(-1), f"{b}.zero_points"),
         ])
+        product = list(node.output) if blocks.mins is None else [f"{b}.product"]
         nodes.append(helper.make_node(
-            "MatMulNBits", [node.input[0], b, f"{b}.scales", f"{b}.zero_points"], list(node.output), name=node.name,
+            "MatMulNBits", [node.input[0], b, f"{b}.scales", f"{b}.zero_points"], product, name=node.name,
             domain=CONTRIB_DOMAIN, K=k, N=n, bits=blocks.bits, block_size=BLOCK_SIZE, **accuracy,
         ))
+        if blocks.mins is not None:  # + x's block sums [M, K/32] @ mins^T [K/32, N]
+            graph.initializer.extend([
+                numpy_helper.from_array(np.ascontiguousarray(blocks.mins.T), f"{b}.mins"),
+                numpy_helper.from_array(np.array([0, -1, BLOCK_SIZE], np.int64), f"{b}.block_shape"),
+                numpy_helper.from_array(np.array([2], np.int64), f"{b}.sum_axis"),
+            ])
+            nodes.extend([
+                helper.make_node("Reshape", [node.input[0], f"{b}.block_shape"], [f"{b}.x_blocks"]),
+                helper.make_node("ReduceSum", [f"{b}.x_blocks", f"{b}.sum_axis"], [f"{b}.x_sums"], keepdims=0),
+                helper.make_node("MatMul", [f"{b}.x_sums", f"{b}.mins"], [f"{b}.offsets"]),
+                helper.make_node("Add", [*product, f"{b}.offsets"], list(node.output)),
+            ])
         used[name] = blocks
         readers[name] -= 1
     if not used:

@@ -335,7 +335,13 @@ class _ExactPlan:
         self.tokens = masks.tokens
         self._rows = g.op("Mul", masks.tokens, g.const([group]))  # [1] g*T
         self._shapes: dict[int, tuple[str, str]] = {}
-        self.levels = (max_keys // BK + 1).bit_length()  # pairwise levels over nb <= max_keys // BK + 2 blocks
+        levels = (max_keys // BK + 1).bit_length()  # pairwise levels over nb <= max_keys // BK + 2 blocks
+        # per level, the Pad of the block axis to an even count: the same in every layer, so computed once here
+        self.level_pads, count = [], blocks
+        for _ in range(levels):
+            odd = g.op("Mod", count, g.const([2]))  # [1]
+            self.level_pads.append(g.op("Concat", g.const([0] * 7), odd, g.const([0, 0]), axis=0))
+            count = g.op("Div", g.op("Add", count, odd), g.const([2]))
 
     def shapes(self, g: _Graph, width: int) -> tuple[str, str]:
         """([-1, gT, W], [0, 0, -1, 2, gT, W]): the block outputs flattened, and paired for one tree level."""
@@ -386,9 +392,7 @@ def _decompose_exact_node(g: _Graph, node: onnx.NodeProto, masks: _Masks, plan: 
     o_tail = g.op("MatMul", g.op("Exp", g.op("Sub", s_tail, top)), v_tail)  # [B, Hkv, 2, gT, W]
     both = g.op("Reshape", g.op("Concat", o_cache, o_tail, axis=2), flat_shape)  # [B*Hkv*(nb+2), gT, W]
     o = g.op("Gather", both, plan.out_index, axis=0)  # [B, Hkv, nb, gT, W] in position order
-    for _ in range(plan.levels):  # adjacent blocks added pairwise; the blocks past a row's keys are zeros
-        odd = g.op("Mod", g.op("Shape", o, start=2, end=3), g.const([2]))
-        pads = g.op("Concat", g.const([0] * 7), odd, g.const([0, 0]), axis=0)
+    for pads in plan.level_pads:  # adjacent blocks added pairwise; the blocks past a row's keys are zeros
         o = g.op("ReduceSum", g.op("Reshape", g.op("Pad", o, pads), pair_shape), g.const([3]), keepdims=0)
     o = g.op("Squeeze", o, g.const([2]))  # [B, Hkv, gT, W]: one block left
     out = g.op("Div", g.op("Slice", o, g.const([0]), g.const([d]), g.const([3])),

@@ -62,7 +62,7 @@ def load_model(
     path_or_name: str | Path, *, backend: str | None, dtype: str, asked: LookaheadConfig | None,
     max_seq_len: int | None, max_batch: int | None, verify: bool, exact: bool | None,
     tree: str | TreeTemplate | None, compile: bool = False, attention: str = "sdpa", device: str | None = None,
-    weights: str = "float", activations: str = "float",
+    weights: str = "float", activations: str | None = None,
 ) -> LoadedModel:
     """Load a HF Llama checkpoint dir, a known model name, or an engine dir (arguments as
     LookaheadRuntime.from_pretrained documents them; `asked`: the fixed config the runtime will default to, if
@@ -82,11 +82,12 @@ def load_model(
             raise UserError(TREE_ON_ENGINE)
         if device is not None:
             raise UserError(DEVICE_ON_ENGINE)
-        if (weights, activations) != ("float", "float"):
+        if weights != "float" or activations is not None:
             raise UserError(WEIGHTS_ON_ENGINE)
         return _from_engine(path, backend or "onnxruntime", dtype, max_seq_len, max_batch, verify, exact=exact)
     device = checkpoint_device(device)
-    quantized = check_scheme(weights, activations) != "float"
+    weights, activations = check_scheme(weights, activations)
+    quantized = weights != "float"
     if quantized and exact and activations == "float":
         raise UserError("exact steps on quantized weights come with int8 activations, whose engine is exact: add "
                         "--activations int8, or drop --exact")
@@ -255,7 +256,7 @@ def checkpoint_backend(
 
 def cached_checkpoint_engine(path: Path, dtype: str, max_seq_len: int | None, max_batch: int | None,
                              asked: LookaheadConfig | None = None, tree: TreeTemplate | None = None,
-                             weights: str = "float", activations: str = "float") -> Path:
+                             weights: str = "float", activations: str | None = None) -> Path:
     """The cached engine dir (engine/cache.py) a checkpoint runs on with onnxruntime, built first if needed.
 
     One shape serves a checkpoint's usual requests, so one engine is built per checkpoint and dtype: W, N, G

@@ -285,7 +285,7 @@ class LookaheadRuntime:
         attention: str = "sdpa",
         device: str | None = None,
         weights: str = "float",
-        activations: str = "float",
+        activations: str | None = None,
     ) -> LookaheadRuntime:
         """Load a HF Llama checkpoint dir, a known model name, or an engine dir from `trt-lookahead build`.
 
@@ -310,8 +310,8 @@ class LookaheadRuntime:
         step, so not exact; backends/torch.py ATTENTIONS). device: where a checkpoint runs, "cpu" or "cuda"
         (default: CUDA where this process sees a GPU, else the CPU; an engine dir runs where its backend does).
         weights, activations: a checkpoint's projections quantized as `trt-lookahead build --weights int8|int4
-        --activations float|int8` quantizes them, on its cached onnxruntime engine (docs/design.md 6.9; an engine
-        dir's are its build's).
+        --activations float|int8` quantizes them (activations None: int8 for quantized weights), on its cached
+        onnxruntime engine (docs/design.md 6.9; an engine dir's are its build's).
         """
         choice = _default_choice(lookahead)
         check_pool_scope(pool_scope)
