@@ -119,12 +119,13 @@ class SlotExecutor:
         inputs = self._inputs(B, Tg, Kg)
         inputs["input_ids"][rows, :T] = batch.input_ids
         inputs["positions"][rows, :T] = batch.positions
-        inputs["input_ids"][rows, T:] = np.asarray(batch.input_ids)[:, -1:]
-        inputs["positions"][rows, T:] = self._cache_len[slots][:, None]
         inputs["cache_len"][rows] = self._cache_len[slots]
         inputs["step_config"][rows] = batch.step_config
         inputs["output_slots"][rows, :K] = batch.output_slots
-        inputs["output_slots"][rows, K:] = np.asarray(batch.output_slots)[:, -1:]
+        if Tg > T or Kg > K:  # only where min_rows asks for it: no extra host work on the common step
+            inputs["input_ids"][rows, T:] = np.asarray(batch.input_ids)[:, -1:]
+            inputs["positions"][rows, T:] = self._cache_len[slots][:, None]
+            inputs["output_slots"][rows, K:] = np.asarray(batch.output_slots)[:, -1:]
         next_ids, logits = self._run(B, Tg, Kg)
         if Kg > K:
             next_ids, logits = next_ids[:, :K], _first_outputs(logits, K)
