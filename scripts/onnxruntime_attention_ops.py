@@ -9,6 +9,8 @@ MatMul of two activations (no prepacked weight), as attention runs it (kernels/o
   zeros      K-reductions: a row's nonzero terms in the same order with zeros anywhere in between, K <= 128,
              against the compact product (a key block with step keys placed among its cached keys)
   wide K     the same for K > 128 (expected to differ: K is split into panels)
+  tail       a ones row times blocks (the block sum): a row's nonzero prefix followed by zeros to any K, 128 and
+             more included, against the compact product (expected: none differ)
 Exp of a value at any position of any length; exp(-inf). Prints one JSON line per check: the failing cases
 (expected: M = 1 and N = 1, which take another path, and wide K).
 """
@@ -88,6 +90,16 @@ def main() -> None:
                     if not np.array_equal(run(a, b)[0], ref):
                         differ.append((nz, K))
             print(json.dumps({"threads": threads, "check": name, "differing (nonzeros, K)": differ}), flush=True)
+
+        tail = []
+        for nz in (1, 2, 5, 17, 100, 129, 200):
+            blocks = (rng.standard_normal((nz, 390)) * np.exp(rng.uniform(-8, 8, (nz, 390)))).astype(np.float32)
+            ref = run(np.ones((2, nz), np.float32), blocks)[0]
+            for K in (k for k in (nz + 1, nz + 3, 128, 130, 256, 300) if k >= nz):
+                padded = np.vstack([blocks, np.zeros((K - nz, 390), np.float32)])
+                if not np.array_equal(run(np.ones((2, K), np.float32), padded)[0], ref):
+                    tail.append((nz, K))
+        print(json.dumps({"threads": threads, "check": "tail", "differing (nonzeros, K)": tail}), flush=True)
 
         ex = session("Exp", ["a"], threads)
         x = (rng.standard_normal(100000) * 10).astype(np.float32)

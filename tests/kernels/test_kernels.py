@@ -368,7 +368,7 @@ ORT_CASES = [  # (T, rows: (step_config, cache_len))
 def decomposed_session(Hq, Hkv, D, S, exact=False, tree=None):
     import onnxruntime as ort
 
-    decomposed = onnx_op.decompose(single_op_model("B", "T", Hq, Hkv, D, S, tree=tree), exact=exact, max_keys=S)
+    decomposed = onnx_op.decompose(single_op_model("B", "T", Hq, Hkv, D, S, tree=tree), exact=exact)
     assert not onnx_op.attention_nodes(decomposed)
     # a tree graph reads its table; a linear one's dummy is gone (onnxruntime warns about unread initializers)
     assert [t.name for t in decomposed.graph.initializer if t.name == "tree_ends"] == (["tree_ends"] if tree else [])
@@ -459,7 +459,7 @@ def test_exact_decomposition_gives_each_slot_the_bits_of_a_1_token_step_at_its_c
 
 def test_exact_decomposition_refuses_a_graph_without_grouped_query_heads():
     with pytest.raises(ValueError, match="needs grouped-query attention"):
-        onnx_op.decompose(single_op_model("B", "T", 4, 4, 8, 64), exact=True, max_keys=64)
+        onnx_op.decompose(single_op_model("B", "T", 4, 4, 8, 64), exact=True)
 
 
 def test_decomposition_gives_a_row_the_same_bits_alone_and_batched():

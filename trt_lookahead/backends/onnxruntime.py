@@ -220,7 +220,7 @@ class OnnxRuntimeEngine(OpenedEngine):
         })
         try:
             # a tree engine's nodes carry its subtree ends (an initializer over the graph's most tokens)
-            proto = onnx_op.decompose(proto, exact=self.config.exact, max_keys=self.config.cache_rows)
+            proto = onnx_op.decompose(proto, exact=self.config.exact)
         except ValueError as exc:
             raise UserError(f"engine {self.config.path}: {exc}; rebuild it without --exact") from exc
         return proto

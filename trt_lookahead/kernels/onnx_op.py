@@ -30,7 +30,8 @@ without repeating K/V. See docs/design.md section 6.4.
 result depends only on its own query and the keys it sees at their positions (docs/design.md section
 4.2). Row b's keys are cut into blocks of KEY_BLOCK positions; each block is one score product and one
 value product (a ones column appended to V gives the softmax denominator), masked keys are exact zeros,
-the row maximum is exact, and the blocks are added pairwise in position order. Blocks before
+the row maximum is exact, and the blocks are added in position order by one product with a ones row
+(zeros neutral at any length). Blocks before
 cache_len // KEY_BLOCK hold cached keys only; the two from there on hold the rest of the cache and every
 step key, a step token in the tail block of its position, after the block's cached columns: onnxruntime's
 MatMul reduces K <= 2 * KEY_BLOCK in order with zeros neutral, so such a block gives a query the bits of
@@ -296,7 +297,7 @@ class _ExactPlan:
     (cache_len % KEY_BLOCK + rel) // KEY_BLOCK: so a row holds at most EXACT_MAX_TOKENS tokens.
     """
 
-    def __init__(self, g: _Graph, masks: _Masks, key_cache: str, hkv: int, group: int, max_keys: int) -> None:
+    def __init__(self, g: _Graph, masks: _Masks, key_cache: str, hkv: int, group: int) -> None:
         BK = KEY_BLOCK
         first = g.op("Div", masks.length, g.const(BK))  # [B] the block holding position cache_len
         first_col = g.op("Unsqueeze", first, g.const([1]))  # [B, 1]
@@ -325,46 +326,24 @@ class _ExactPlan:
         in_part = g.op("Equal", g.op("Unsqueeze", part, g.const([1, 2])), g.const(np.arange(2).reshape(1, 2, 1, 1)))
         step = g.op("And", g.op("Unsqueeze", masks.visible, g.const([1])), in_part)  # [B, 2, T, T]
         self.tail_step_bias = g.op("Tile", _bias(g, step, [1]), g.const([1, 1, 1, group, 1]))  # [B, 1, 2, gT, T]
-        # tail blocks into place: block t of row b is its cache block (t < first), tail block t - first, or a
-        # zero block (nb - 1 is past every row's cache); read from the [B*Hkv*(nb+2), gT, W] concatenation
-        past = g.op("Where", g.op("Less", t, g.op("Add", first_col, g.const(2))),
-                    g.op("Sub", g.op("Add", blocks, t), first_col), g.op("Sub", blocks, g.const([1])))
-        source = g.op("Where", g.op("Less", t, first_col), t, past)  # [B, nb]
-        self.out_index = g.op("Add", g.op("Mul", heads, g.op("Add", blocks, g.const([2]))),
-                              g.op("Unsqueeze", source, g.const([1])))  # [B, Hkv, nb]
+        # the blocks are summed in one product: a ones row times [nb cache blocks ; 2 tail blocks]
+        self.ones = g.op("Expand", g.const(np.ones((2, 1)), np.float32),
+                         g.op("Concat", g.const([2]), g.op("Add", blocks, g.const([2])), axis=0))  # [2, nb + 2]
         self.tokens = masks.tokens
-        self._rows = g.op("Mul", masks.tokens, g.const([group]))  # [1] g*T
-        self._shapes: dict[int, tuple[str, str]] = {}
-        levels = (max_keys // BK + 1).bit_length()  # pairwise levels over nb <= max_keys // BK + 2 blocks
-        # per level, the Pad of the block axis to an even count: the same in every layer, so computed once here
-        self.level_pads, count = [], blocks
-        for _ in range(levels):
-            odd = g.op("Mod", count, g.const([2]))  # [1]
-            self.level_pads.append(g.op("Concat", g.const([0] * 7), odd, g.const([0, 0]), axis=0))
-            count = g.op("Div", g.op("Add", count, odd), g.const([2]))
-
-    def shapes(self, g: _Graph, width: int) -> tuple[str, str]:
-        """([-1, gT, W], [0, 0, -1, 2, gT, W]): the block outputs flattened, and paired for one tree level."""
-        if width not in self._shapes:
-            flat = g.op("Concat", g.const([-1]), self._rows, g.const([width]), axis=0)
-            pairs = g.op("Concat", g.const([0, 0, -1, 2]), self._rows, g.const([width]), axis=0)
-            self._shapes[width] = (flat, pairs)
-        return self._shapes[width]
 
 
 def _with_ones(g: _Graph, values: str, rank: int) -> str:
     """values [..., D] -> [..., D + 1]: a ones column, so a block's product also sums its probabilities."""
     pads = g.const([0] * (2 * rank - 1) + [1])
-    return g.op("Pad", values, pads, g.op("CastLike", g.const(1.0, np.float32), values))
+    return g.op("Pad", values, pads, g.const(1.0, np.float32))
 
 
 def _decompose_exact_node(g: _Graph, node: onnx.NodeProto, masks: _Masks, plan: _ExactPlan,
                           into: tuple[str, str] | None) -> None:
-    """The row-invariant form: fixed-position key blocks, each block one product, the blocks added pairwise."""
+    """The row-invariant form: fixed-position key blocks, each block one product, the blocks added in order."""
     h = _heads(g, node, masks)
     kc, vc = node.input[3:5]
     BK, d, W = KEY_BLOCK, h.d, h.d + 1
-    flat_shape, pair_shape = plan.shapes(g, W)
     q5 = g.op("Unsqueeze", h.qg, g.const([2]))  # [B, Hkv, 1, gT, D]
     to_keys = [0, 1, 2, 4, 3]
     k_blocks = g.op("Transpose", g.op("Reshape", g.op("Gather", kc, plan.cache_index, axis=2),
@@ -390,13 +369,14 @@ def _decompose_exact_node(g: _Graph, node: onnx.NodeProto, masks: _Masks, plan: 
     v_step = g.op("Unsqueeze", _with_ones(g, h.v_new, 4), g.const([2]))  # [B, Hkv, 1, T, W]
     v_tail = g.op("Concat", v_tail_cache, g.op("Concat", v_step, v_step, axis=2), axis=3)  # [B, Hkv, 2, BK + T, W]
     o_tail = g.op("MatMul", g.op("Exp", g.op("Sub", s_tail, top)), v_tail)  # [B, Hkv, 2, gT, W]
-    both = g.op("Reshape", g.op("Concat", o_cache, o_tail, axis=2), flat_shape)  # [B*Hkv*(nb+2), gT, W]
-    o = g.op("Gather", both, plan.out_index, axis=0)  # [B, Hkv, nb, gT, W] in position order
-    for pads in plan.level_pads:  # adjacent blocks added pairwise; the blocks past a row's keys are zeros
-        o = g.op("ReduceSum", g.op("Reshape", g.op("Pad", o, pads), pair_shape), g.const([3]), keepdims=0)
-    o = g.op("Squeeze", o, g.const([2]))  # [B, Hkv, gT, W]: one block left
-    out = g.op("Div", g.op("Slice", o, g.const([0]), g.const([d]), g.const([3])),
-               g.op("Slice", o, g.const([d]), g.const([W]), g.const([3])))  # [B, Hkv, gT, D]
+    # Blocks summed in order, one MatMul chain per element (K = nb + 2): the cache blocks in position order
+    # (those from cache_len // KEY_BLOCK on are exact zeros), then the two tail blocks; zeros are neutral, so
+    # a row gets the sum of its blocks in position order whatever the batch's longest prefix.
+    blocks = g.op("Reshape", g.op("Concat", o_cache, o_tail, axis=2), g.const([0, 0, 0, -1]))  # [B, Hkv, nb+2, gT*W]
+    o = g.op("Reshape", g.op("MatMul", plan.ones, blocks),
+             g.const([0, 0, 2, -1, W]))  # [B, Hkv, 2, gT, W]: both rows the sum
+    out = g.op("Div", g.op("Slice", o, g.const([0, 0]), g.const([1, d]), g.const([2, 4])),
+               g.op("Slice", o, g.const([0, d]), g.const([1, W]), g.const([2, 4])))  # [B, Hkv, 1, gT, D]
     _write_output(g, node, h, out, into)
 
 
@@ -408,12 +388,12 @@ def _elem_type(model: onnx.ModelProto, name: str) -> int:
     return TensorProto.FLOAT
 
 
-def decompose(model: onnx.ModelProto, exact: bool = False, max_keys: int = 0) -> onnx.ModelProto:
+def decompose(model: onnx.ModelProto, exact: bool = False) -> onnx.ModelProto:
     """A copy of `model` whose LookaheadAttention nodes are standard ops (for onnxruntime); a node with
     tree = 1 masks by its tree_ends table, and a linear graph's unread dummy table is dropped.
 
-    exact: the row-invariant form (module docstring), for rows of at most EXACT_MAX_TOKENS tokens over
-    caches of at most `max_keys` keys; float32, and query heads sharing a KV head (ValueError otherwise).
+    exact: the row-invariant form (module docstring), for rows of at most EXACT_MAX_TOKENS tokens; float32, and
+    query heads sharing a KV head (ValueError otherwise).
     """
     nodes = attention_nodes(model)
     if not nodes:
@@ -429,7 +409,7 @@ def decompose(model: onnx.ModelProto, exact: bool = False, max_keys: int = 0) ->
         group = attrs["num_q_heads"] // attrs["num_kv_heads"]
         if group < 2:  # a 1-row product (T = 1) would round another way
             raise ValueError("the exact decomposition needs grouped-query attention (query heads > KV heads)")
-        plan = _ExactPlan(g, masks, first.input[3], attrs["num_kv_heads"], group, max_keys)
+        plan = _ExactPlan(g, masks, first.input[3], attrs["num_kv_heads"], group)
     rewritten: list[onnx.NodeProto] = []
     reshapes = _reshape_after(out)
     merged = [id(reshape) for reshape in reshapes.values()]
