@@ -35,6 +35,7 @@ STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 NAME = "lookahead"
 BATCHED = "lookahead_batched"  # the same with max_batch_size 4: tensors carry a batch dimension
 ONE = "lookahead_one"  # one request slot, bfloat16 on the torch executor: a long request holds it for seconds
+QUANT = "lookahead_int4"  # the checkpoint's int4 engine (int8 activations), built by triton-repo
 SERVED = "4,3,4"
 PROMPTS = ["Once upon a time", "Lily and Tom went to the park. They", "The cat sat on the", "Sam had a red ball"]
 TIMEOUT = 60
@@ -62,6 +63,8 @@ def server(tmp_path_factory):
                      "--lookahead_config", SERVED, "--max_batch_size", batch, "--pool-scope", "request"]) == 0
     assert main(["triton-repo", "--model", str(STORIES), "--output", str(root / "repo"), "--name", ONE,
                  "--lookahead_config", SERVED, "--max-batch", "1", "--dtype", "bfloat16"]) == 0
+    assert main(["triton-repo", "--model", str(STORIES), "--output", str(root / "repo"), "--name", QUANT,
+                 "--lookahead_config", SERVED, "--weights", "int4", "--pool-scope", "request"]) == 0
     yield from serve(root, timeout=180)
 
 
@@ -199,6 +202,9 @@ def test_triton_repo_writes_config_and_model(tmp_path, capsys):
         (["--model", str(STORIES), "--lookahead_config", "0,3,4"], "W=0 is impossible"),
         (["--model", str(STORIES), "--instances", "0"], "--instances"),
         (["--model", str(STORIES), "--max-batch", "0"], "--max-batch must be >= 1"),
+        (["--engine", str(STORIES), "--weights", "int4"], "weights were set by its build"),
+        (["--model", str(STORIES), "--weights", "int4", "--dtype", "bfloat16"], "float32 onnxruntime engine"),
+        (["--model", str(STORIES), "--activations", "int8"], "multiplies quantized weights"),
     ],
 )
 def test_triton_repo_bad_arguments(tmp_path, capsys, argv, words):
@@ -644,6 +650,23 @@ def test_batched_model_serves_one_prompt_per_request(server, runtime):
     assert status == 200 and "".join(e["text_output"] for e in events) == want.text, events
     status, text = http_post(server, "generate", {"text_input": ["a", "b"]}, model=BATCHED)
     assert status == 400 and "text_input must hold one value" in text, text
+
+
+@pytest.mark.server
+def test_quantized_checkpoint_repository_serves_its_own_greedy(server):
+    """triton-repo --weights int4 builds the checkpoint's cached int4 engine and the instances open it: answers equal
+    the runtime's on the same quantized model, lookahead and greedy alike (its own greedy, not the float model's)."""
+    from trt_lookahead.runtime import LookaheadRuntime
+
+    config = (server.repo / QUANT / "config.pbtxt").read_text()
+    assert 'key: "weights" value: { string_value: "int4" }' in config
+    assert 'key: "activations" value: { string_value: "int8" }' in config
+    quantized = LookaheadRuntime.from_pretrained(STORIES, lookahead=SERVED, weights="int4", pool_scope="request")
+    for prompt in PROMPTS[:2]:
+        want = quantized.generate(prompt, max_new_tokens=40)
+        assert want.text == quantized.generate(prompt, max_new_tokens=40, lookahead="greedy").text
+        status, text = http_post(server, "generate", {"text_input": prompt, "max_tokens": 40}, model=QUANT)
+        assert status == 200 and json.loads(text)["text_output"] == want.text, text
 
 
 @pytest.mark.server

@@ -2,7 +2,8 @@
 
 REPO/NAME/config.pbtxt   Python backend, decoupled; inputs and outputs from schema.py (TensorRT-LLM's
                          ensemble names); the `parameters` block records what model.py needs: model or
-                         engine path, backend, dtype, served lookahead config (W,N,G or auto), max_seq_len,
+                         engine path, backend, dtype, a checkpoint's weights and activations (its cached
+                         quantized engine, built here), served lookahead config (W,N,G or auto), max_seq_len,
                          default max_tokens, max_batch (concurrent requests per instance).
 REPO/NAME/1/model.py     one LookaheadRuntime per model instance, serving up to max_batch decoupled requests
                          at once through its scheduler (templates/model.py).
@@ -23,6 +24,7 @@ from pathlib import Path
 from string import Template
 
 import trt_lookahead
+from trt_lookahead.engine.quantize import check_scheme
 from trt_lookahead.errors import UserError, as_int
 from trt_lookahead.files import check_output_dir, write_text_atomic
 from trt_lookahead.lookahead.config import AUTO, DEFAULT, DEFAULT_LOOKAHEAD, LookaheadConfig
@@ -30,6 +32,7 @@ from trt_lookahead.model.fetch import resolve_model
 from trt_lookahead.runtime import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_MAX_SEQ_LEN,
+    WEIGHTS_ON_ENGINE,
     cached_checkpoint_engine,
     check_pool_scope,
     checkpoint_backend,
@@ -65,8 +68,11 @@ def write_repository(
     verify: bool = True,
     max_batch: int | None = None,
     pool_scope: str = "shared",
+    weights: str = "float",
+    activations: str | None = None,
 ) -> Path:
-    """Write REPO/NAME/{config.pbtxt,1/model.py}; returns the model directory."""
+    """Write REPO/NAME/{config.pbtxt,1/model.py}; returns the model directory. weights, activations: a checkpoint's
+    quantized engine (`build --weights --activations`), built now and cached; an engine dir keeps its own."""
     if (model is None) == (engine is None):
         raise UserError("give exactly one of --model (checkpoint dir or known name) and --engine (engine dir)")
     if not _NAME.match(name or ""):
@@ -82,6 +88,8 @@ def write_repository(
     if engine is not None:
         from trt_lookahead.engine.format import load_engine_config
 
+        if weights != "float" or activations is not None:
+            raise UserError(WEIGHTS_ON_ENGINE)
         built = load_engine_config(Path(engine).expanduser(), verify=verify)  # UserError if not an engine dir
         served = LookaheadConfig.parse(lookahead_config) if lookahead_config else built.lookahead
         served.check_fits(built.lookahead)
@@ -103,10 +111,12 @@ def write_repository(
             asked = LookaheadConfig.parse(lookahead_config) if lookahead_config else None
             served = asked or DEFAULT_LOOKAHEAD
             lookahead = f"{served.W},{served.N},{served.G}"
-        if checkpoint_backend(backend, dtype, asked)[0] == "onnxruntime":  # the cached engine, built now: the
-            # instances only open it
+        weights, activations = check_scheme(weights, activations)
+        if checkpoint_backend(backend, dtype, asked, weights=weights)[0] == "onnxruntime":  # the cached engine,
+            # built now: the instances only open it
             cached_checkpoint_engine(model_dir, dtype, max_seq_len, max_batch, asked,
-                                     checkpoint_tree(DEFAULT, asked, "onnxruntime"))
+                                     checkpoint_tree(DEFAULT, asked, "onnxruntime"), weights, activations)
+        params.update(weights=weights, activations=activations)
     params.update(
         backend=backend or "",
         dtype=dtype,

@@ -81,6 +81,8 @@ class TritonPythonModel:
             verify=params.get("verify") != "false",
             max_batch=int(max_batch) if max_batch else None,
             pool_scope=params.get("pool_scope") or "shared",
+            weights=params.get("weights") or "float",  # a checkpoint's quantized engine, built by triton-repo
+            activations=params.get("activations") or None,
         )
         self.served = self.runtime.lookahead.ceiling  # per-request lookahead inputs fit inside it
         self.runtime.generate([1], max_new_tokens=2)  # warm the executor now, not on the first request
