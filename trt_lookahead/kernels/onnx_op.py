@@ -28,14 +28,13 @@ without repeating K/V. See docs/design.md section 6.4.
 
 `decompose(exact=True)` (engines built with --exact) gives the row-invariant form instead: a token's
 result depends only on its own query and the keys it sees at their positions (docs/design.md section
-4.2). Row b's keys are cut into blocks of KEY_BLOCK positions; each block is one score product and one
-value product (a ones column appended to V gives the softmax denominator), masked keys are exact zeros,
-the row maximum is exact, and the blocks are added in position order by one product with a ones row
-(zeros neutral at any length). Blocks before
-cache_len // KEY_BLOCK hold cached keys only; the two from there on hold the rest of the cache and every
-step key, a step token in the tail block of its position, after the block's cached columns: onnxruntime's
-MatMul reduces K <= 2 * KEY_BLOCK in order with zeros neutral, so such a block gives a query the bits of
-the same keys stored in the cache (scripts/onnxruntime_attention_ops.py). Hence at most EXACT_MAX_TOKENS
+4.2). Row b's keys are cut into blocks of KEY_BLOCK positions, the same blocks for every row of the step:
+block t is one score product and one value product over its KEY_BLOCK cached columns followed by the T step
+columns, a step key in the block of its position (a ones column appended to V gives the softmax denominator).
+Masked keys are exact zeros, the row maximum is exact, and the blocks are added in position order by one
+product with a ones row (zeros neutral at any length). onnxruntime's MatMul reduces K <= 2 * KEY_BLOCK in
+order with zeros neutral, so a block holding a chain's step keys after its cached columns gives a query the
+bits of the same keys stored in the cache (scripts/onnxruntime_attention_ops.py). Hence at most EXACT_MAX_TOKENS
 tokens per row, and no product of one row or one column (those take another path).
 """
 
@@ -291,44 +290,33 @@ def _decompose_node(g: _Graph, node: onnx.NodeProto, masks: _Masks, into: tuple[
 class _ExactPlan:
     """The per-graph indices and masks of the exact decomposition (module docstring), built once.
 
-    Row b's keys are cut into blocks of KEY_BLOCK positions. Blocks before cache_len // KEY_BLOCK hold only
-    cached keys; the two from there on (the tail) hold the rest of the cache and every step key, a step
-    token at position cache_len + rel (rel = the step tokens it sees - 1) in tail block
-    (cache_len % KEY_BLOCK + rel) // KEY_BLOCK: so a row holds at most EXACT_MAX_TOKENS tokens.
+    Row b's keys are cut into blocks of KEY_BLOCK positions, nb = max cache_len // KEY_BLOCK + 2 of them for the
+    batch. Block t is one product over its KEY_BLOCK cached columns (positions t*KEY_BLOCK + c below cache_len)
+    followed by the T step columns whose keys sit in block t: a step token at position cache_len + rel (rel =
+    the step tokens it sees - 1) is in block (cache_len + rel) // KEY_BLOCK, one of the two from
+    cache_len // KEY_BLOCK on; so a row holds at most EXACT_MAX_TOKENS tokens.
     """
 
-    def __init__(self, g: _Graph, masks: _Masks, key_cache: str, hkv: int, group: int) -> None:
+    def __init__(self, g: _Graph, masks: _Masks, key_cache: str, group: int) -> None:
         BK = KEY_BLOCK
-        first = g.op("Div", masks.length, g.const(BK))  # [B] the block holding position cache_len
-        first_col = g.op("Unsqueeze", first, g.const([1]))  # [B, 1]
-        offset = g.op("Unsqueeze", g.op("Mod", masks.length, g.const(BK)), g.const([1]))  # [B, 1]
         blocks = g.op("Add", g.op("Div", masks.longest, g.const(BK)), g.const([2]))  # [1] nb
-        keys = g.op("Shape", key_cache, start=2, end=3)  # [1] S, the cache rows
-        last = g.op("Sub", keys, g.const([1]))
+        last = g.op("Sub", g.op("Shape", key_cache, start=2, end=3), g.const([1]))  # [1] the last cache row
         # positions 0 .. nb*BK - 1, clamped to the cache (rows past a row's cache are masked)
-        span = g.op("Squeeze", g.op("Mul", blocks, g.const([BK])))
-        self.cache_index = g.op("Min", g.op("Range", g.const(0), span, g.const(1)), last)  # [nb*BK]
-        t = g.op("Unsqueeze", g.op("Range", g.const(0), g.op("Squeeze", blocks), g.const(1)), g.const([0]))  # [1, nb]
-        self.cache_bias = _bias(g, g.op("Less", t, first_col), [1, 3, 4])  # [B, 1, nb, 1, 1]: blocks before the tail
-        n = g.const(np.arange(2 * BK)[None])  # [1, 2*BK]
-        tail_pos = g.op("Min", g.op("Add", g.op("Mul", first_col, g.const(BK)), n), last)  # [B, 2*BK]
-        cached = _bias(g, g.op("Less", n, offset), [])  # [B, 2*BK]: the tail's cached positions
-        self.tail_cache_bias = g.op("Unsqueeze", g.op("Reshape", cached, g.const([0, 2, 1, BK])), g.const([1]))
-        # [B, 1, 2, 1, BK]; the caches read as [B*Hkv*S, D] rows: row (b*Hkv + h)*S + position
-        batch = g.op("Range", g.const(0), g.op("Squeeze", g.op("Shape", masks.length)), g.const(1))  # [B]
-        heads = g.op("Add", g.op("Mul", g.op("Unsqueeze", batch, g.const([1, 2])), g.const(hkv)),
-                     g.const(np.arange(hkv).reshape(1, hkv, 1)))  # [B, Hkv, 1]: b*Hkv + h
-        self.tail_index = g.op("Add", g.op("Mul", heads, keys), g.op("Unsqueeze", tail_pos, g.const([1])))
-        # [B, Hkv, 2*BK]
+        positions = g.op("Range", g.const(0), g.op("Squeeze", g.op("Mul", blocks, g.const([BK]))), g.const(1))
+        self.cache_index = g.op("Min", positions, last)  # [nb*BK]
+        length = g.op("Unsqueeze", masks.length, g.const([1, 2]))  # [B, 1, 1]
+        cached = g.op("Less", g.op("Reshape", positions, g.const([1, -1, BK])), length)  # [B, nb, BK]
+        self.cache_bias = _bias(g, cached, [1, 3])  # [B, 1, nb, 1, BK]
         visible = g.op("Cast", masks.visible, to=TensorProto.INT64)  # [B, T, T]
         rel = g.op("Sub", g.op("ReduceSum", visible, g.const([2]), keepdims=0), g.const(1))  # [B, T]
-        part = g.op("Div", g.op("Add", offset, rel), g.const(BK))  # [B, T]: each step key's tail block, 0 or 1
-        in_part = g.op("Equal", g.op("Unsqueeze", part, g.const([1, 2])), g.const(np.arange(2).reshape(1, 2, 1, 1)))
-        step = g.op("And", g.op("Unsqueeze", masks.visible, g.const([1])), in_part)  # [B, 2, T, T]
-        self.tail_step_bias = g.op("Tile", _bias(g, step, [1]), g.const([1, 1, 1, group, 1]))  # [B, 1, 2, gT, T]
-        # the blocks are summed in one product: a ones row times [nb cache blocks ; 2 tail blocks]
+        block = g.op("Div", g.op("Add", g.op("Squeeze", length, g.const([2])), rel), g.const(BK))  # [B, T] per key
+        t = g.op("Reshape", g.op("Range", g.const(0), g.op("Squeeze", blocks), g.const(1)), g.const([1, -1, 1, 1]))
+        in_block = g.op("Equal", g.op("Unsqueeze", block, g.const([1, 2])), t)  # [B, nb, 1, T]
+        step = g.op("And", g.op("Unsqueeze", masks.visible, g.const([1])), in_block)  # [B, nb, T, T]
+        self.step_bias = g.op("Tile", _bias(g, step, [1]), g.const([1, 1, 1, group, 1]))  # [B, 1, nb, gT, T]
+        self.per_block = g.op("Concat", g.const([1, 1]), blocks, g.const([1, 1]), axis=0)  # [1, 1, nb, 1, 1]
         self.ones = g.op("Expand", g.const(np.ones((2, 1)), np.float32),
-                         g.op("Concat", g.const([2]), g.op("Add", blocks, g.const([2])), axis=0))  # [2, nb + 2]
+                         g.op("Concat", g.const([2]), blocks, axis=0))  # [2, nb]: the block sum's rows
         self.tokens = masks.tokens
 
 
@@ -344,37 +332,24 @@ def _decompose_exact_node(g: _Graph, node: onnx.NodeProto, masks: _Masks, plan: 
     h = _heads(g, node, masks)
     kc, vc = node.input[3:5]
     BK, d, W = KEY_BLOCK, h.d, h.d + 1
-    q5 = g.op("Unsqueeze", h.qg, g.const([2]))  # [B, Hkv, 1, gT, D]
-    to_keys = [0, 1, 2, 4, 3]
     k_blocks = g.op("Transpose", g.op("Reshape", g.op("Gather", kc, plan.cache_index, axis=2),
-                                      g.const([0, 0, -1, BK, d])), perm=to_keys)  # [B, Hkv, nb, D, BK]
+                                      g.const([0, 0, -1, BK, d])), perm=[0, 1, 2, 4, 3])  # [B, Hkv, nb, D, BK]
+    q5 = g.op("Unsqueeze", h.qg, g.const([2]))  # [B, Hkv, 1, gT, D]
     s_cache = g.op("Add", g.op("MatMul", q5, k_blocks), plan.cache_bias)  # [B, Hkv, nb, gT, BK]
-    kc_rows, vc_rows = (g.op("Reshape", c, g.const([-1, d])) for c in (kc, vc))  # [B*Hkv*S, D]
-    k_tail = g.op("Transpose", g.op("Reshape", g.op("Gather", kc_rows, plan.tail_index, axis=0),
-                                    g.const([0, 0, 2, BK, d])), perm=to_keys)  # [B, Hkv, 2, D, BK]
-    s_tail_cache = g.op("Add", g.op("MatMul", q5, k_tail), plan.tail_cache_bias)  # [B, Hkv, 2, gT, BK]
     # a zero key column: a 1-column product (T = 1) would round another way
     k_step = g.op("Pad", h.k_new, g.const([0, 0, 0, 0, 0, 0, 0, 1]))  # [B, Hkv, D, T + 1]
     s_step = g.op("Slice", g.op("MatMul", h.qg, k_step), g.const([0]), plan.tokens, g.const([3]))  # [B, Hkv, gT, T]
-    s_tail_step = g.op("Add", g.op("Unsqueeze", s_step, g.const([2])), plan.tail_step_bias)  # [B, Hkv, 2, gT, T]
-    s_tail = g.op("Concat", s_tail_cache, s_tail_step, axis=4)  # [B, Hkv, 2, gT, BK + T]
-    axes = g.const([2, 4])
-    top = g.op("Max", g.op("ReduceMax", s_cache, axes, keepdims=1), g.op("ReduceMax", s_tail, axes, keepdims=1))
-    # [B, Hkv, 1, gT, 1]: the row maximum, exact in any order
-    v_blocks = g.op("Reshape", _with_ones(g, g.op("Gather", vc, plan.cache_index, axis=2), 4),
-                    g.const([0, 0, -1, BK, W]))  # [B, Hkv, nb, BK, W]
-    o_cache = g.op("MatMul", g.op("Exp", g.op("Sub", s_cache, top)), v_blocks)  # [B, Hkv, nb, gT, W]
-    v_tail_cache = g.op("Reshape", _with_ones(g, g.op("Gather", vc_rows, plan.tail_index, axis=0), 4),
-                        g.const([0, 0, 2, BK, W]))  # [B, Hkv, 2, BK, W]
-    v_step = g.op("Unsqueeze", _with_ones(g, h.v_new, 4), g.const([2]))  # [B, Hkv, 1, T, W]
-    v_tail = g.op("Concat", v_tail_cache, g.op("Concat", v_step, v_step, axis=2), axis=3)  # [B, Hkv, 2, BK + T, W]
-    o_tail = g.op("MatMul", g.op("Exp", g.op("Sub", s_tail, top)), v_tail)  # [B, Hkv, 2, gT, W]
-    # Blocks summed in order, one MatMul chain per element (K = nb + 2): the cache blocks in position order
-    # (those from cache_len // KEY_BLOCK on are exact zeros), then the two tail blocks; zeros are neutral, so
-    # a row gets the sum of its blocks in position order whatever the batch's longest prefix.
-    blocks = g.op("Reshape", g.op("Concat", o_cache, o_tail, axis=2), g.const([0, 0, 0, -1]))  # [B, Hkv, nb+2, gT*W]
-    o = g.op("Reshape", g.op("MatMul", plan.ones, blocks),
-             g.const([0, 0, 2, -1, W]))  # [B, Hkv, 2, gT, W]: both rows the sum
+    s_step = g.op("Add", g.op("Unsqueeze", s_step, g.const([2])), plan.step_bias)  # [B, Hkv, nb, gT, T]
+    scores = g.op("Concat", s_cache, s_step, axis=4)  # [B, Hkv, nb, gT, BK + T]
+    top = g.op("ReduceMax", scores, g.const([2, 4]), keepdims=1)  # [B, Hkv, 1, gT, 1]: exact in any order
+    v_blocks = g.op("Reshape", g.op("Gather", vc, plan.cache_index, axis=2), g.const([0, 0, -1, BK, d]))
+    v_step = g.op("Expand", g.op("Unsqueeze", h.v_new, g.const([2])), plan.per_block)  # [B, Hkv, nb, T, D]
+    values = _with_ones(g, g.op("Concat", v_blocks, v_step, axis=3), 5)  # [B, Hkv, nb, BK + T, W]
+    o = g.op("MatMul", g.op("Exp", g.op("Sub", scores, top)), values)  # [B, Hkv, nb, gT, W]
+    # Blocks summed in position order, one MatMul chain per element (K = nb); the blocks past a row's keys are
+    # exact zeros, and zeros are neutral, so a row's sum does not depend on the batch's longest prefix.
+    flat = g.op("Reshape", o, g.const([0, 0, 0, -1]))  # [B, Hkv, nb, gT*W]
+    o = g.op("Reshape", g.op("MatMul", plan.ones, flat), g.const([0, 0, 2, -1, W]))  # [B, Hkv, 2, gT, W]: both the sum
     out = g.op("Div", g.op("Slice", o, g.const([0, 0]), g.const([1, d]), g.const([2, 4])),
                g.op("Slice", o, g.const([0, d]), g.const([1, W]), g.const([2, 4])))  # [B, Hkv, 1, gT, D]
     _write_output(g, node, h, out, into)
@@ -409,7 +384,7 @@ def decompose(model: onnx.ModelProto, exact: bool = False) -> onnx.ModelProto:
         group = attrs["num_q_heads"] // attrs["num_kv_heads"]
         if group < 2:  # a 1-row product (T = 1) would round another way
             raise ValueError("the exact decomposition needs grouped-query attention (query heads > KV heads)")
-        plan = _ExactPlan(g, masks, first.input[3], attrs["num_kv_heads"], group)
+        plan = _ExactPlan(g, masks, first.input[3], group)
     rewritten: list[onnx.NodeProto] = []
     reshapes = _reshape_after(out)
     merged = [id(reshape) for reshape in reshapes.values()]
