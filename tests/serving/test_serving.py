@@ -202,7 +202,6 @@ def test_triton_repo_writes_config_and_model(tmp_path, capsys):
         (["--model", str(STORIES), "--lookahead_config", "0,3,4"], "W=0 is impossible"),
         (["--model", str(STORIES), "--instances", "0"], "--instances"),
         (["--model", str(STORIES), "--max-batch", "0"], "--max-batch must be >= 1"),
-        (["--engine", str(STORIES), "--weights", "int4"], "weights were set by its build"),
         (["--model", str(STORIES), "--weights", "int4", "--dtype", "bfloat16"], "float32 onnxruntime engine"),
         (["--model", str(STORIES), "--activations", "int8"], "multiplies quantized weights"),
     ],
@@ -708,6 +707,9 @@ def test_engine_dir_repository_and_serving(slow_server, tmp_path, capsys):
     code = main(["triton-repo", "--engine", str(slow_server.engine), "--output", str(tmp_path), "--name", "x",
                  "--lookahead_config", "5,3,4"])
     assert code == 2 and "does not fit the engine" in capsys.readouterr().err
+    code = main(["triton-repo", "--engine", str(slow_server.engine), "--output", str(tmp_path), "--name", "x",
+                 "--weights", "int4"])
+    assert code == 2 and "weights were set by its build" in capsys.readouterr().err
     want = LookaheadRuntime.from_pretrained(slow_server.engine).generate(PROMPTS[0], max_new_tokens=40)
     status, text = http_post(slow_server, "generate", {"text_input": PROMPTS[0], "max_tokens": 40}, model="engine")
     assert status == 200 and json.loads(text)["text_output"] == want.text, text

@@ -88,9 +88,9 @@ def write_repository(
     if engine is not None:
         from trt_lookahead.engine.format import load_engine_config
 
+        built = load_engine_config(Path(engine).expanduser(), verify=verify)  # UserError if not an engine dir
         if weights != "float" or activations is not None:
             raise UserError(WEIGHTS_ON_ENGINE)
-        built = load_engine_config(Path(engine).expanduser(), verify=verify)  # UserError if not an engine dir
         served = LookaheadConfig.parse(lookahead_config) if lookahead_config else built.lookahead
         served.check_fits(built.lookahead)
         built.check_request(max_seq_len=max_seq_len, max_batch=max_batch)
