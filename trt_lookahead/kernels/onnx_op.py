@@ -317,7 +317,6 @@ class _ExactPlan:
         self.per_block = g.op("Concat", g.const([1, 1]), blocks, g.const([1, 1]), axis=0)  # [1, 1, nb, 1, 1]
         self.ones = g.op("Expand", g.const(np.ones((2, 1)), np.float32),
                          g.op("Concat", g.const([2]), blocks, axis=0))  # [2, nb]: the block sum's rows
-        self.tokens = masks.tokens
 
 
 def _with_ones(g: _Graph, values: str, rank: int) -> str:
@@ -338,7 +337,7 @@ def _decompose_exact_node(g: _Graph, node: onnx.NodeProto, masks: _Masks, plan: 
     s_cache = g.op("Add", g.op("MatMul", q5, k_blocks), plan.cache_bias)  # [B, Hkv, nb, gT, BK]
     # a zero key column: a 1-column product (T = 1) would round another way
     k_step = g.op("Pad", h.k_new, g.const([0, 0, 0, 0, 0, 0, 0, 1]))  # [B, Hkv, D, T + 1]
-    s_step = g.op("Slice", g.op("MatMul", h.qg, k_step), g.const([0]), plan.tokens, g.const([3]))  # [B, Hkv, gT, T]
+    s_step = g.op("Slice", g.op("MatMul", h.qg, k_step), g.const([0]), masks.tokens, g.const([3]))  # [B, Hkv, gT, T]
     s_step = g.op("Add", g.op("Unsqueeze", s_step, g.const([2])), plan.step_bias)  # [B, Hkv, nb, gT, T]
     scores = g.op("Concat", s_cache, s_step, axis=4)  # [B, Hkv, nb, gT, BK + T]
     top = g.op("ReduceMax", scores, g.const([2, 4]), keepdims=1)  # [B, Hkv, 1, gT, 1]: exact in any order

@@ -17,12 +17,12 @@ inside a request), serving or cli, not even for types (pyproject.toml's import-l
 from trt_lookahead.runtime.load import (
     BACKEND_CHOICES,
     DEFAULT_MAX_SEQ_LEN,
-    WEIGHTS_ON_ENGINE,
     cached_checkpoint_engine,
     checkpoint_backend,
     checkpoint_tree,
     checkpoint_tuning_key,
     engine_cover,
+    refuse_weights_on_engine,
 )
 from trt_lookahead.runtime.runtime import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -38,7 +38,7 @@ from trt_lookahead.runtime.text import MAX_STOP_CHARS, MAX_STOP_STRINGS, PROMPT_
 
 __all__ = [
     "BACKEND_CHOICES", "DEFAULT_MAX_NEW_TOKENS", "DEFAULT_MAX_QUEUE", "DEFAULT_MAX_SEQ_LEN", "MAX_STOP_CHARS",
-    "MAX_STOP_STRINGS", "PROMPT_CHARS_MARGIN", "WEIGHTS_ON_ENGINE", "ChatTemplateError", "ChunkStream",
-    "GenerationOutput", "LookaheadRuntime", "Prompt", "Request", "StreamChunk", "cached_checkpoint_engine",
-    "check_pool_scope", "checkpoint_backend", "checkpoint_tree", "checkpoint_tuning_key", "engine_cover",
+    "MAX_STOP_STRINGS", "PROMPT_CHARS_MARGIN", "ChatTemplateError", "ChunkStream", "GenerationOutput",
+    "LookaheadRuntime", "Prompt", "Request", "StreamChunk", "cached_checkpoint_engine", "check_pool_scope",
+    "checkpoint_backend", "checkpoint_tree", "checkpoint_tuning_key", "engine_cover", "refuse_weights_on_engine",
 ]

@@ -36,8 +36,6 @@ TREE_ON_ENGINE = "an engine dir verifies the tree it was built with (`trt-lookah
 DEVICES = ("cpu", "cuda")
 DEVICE_ON_ENGINE = ("an engine dir runs where its backend runs (onnxruntime: the CPU; tensorrt: the GPU): drop "
                     "--device")
-WEIGHTS_ON_ENGINE = ("an engine dir's weights were set by its build (`trt-lookahead build --weights --activations`): "
-                     "drop --weights and --activations, or build another engine")
 
 
 @dataclass(frozen=True)
@@ -56,6 +54,13 @@ class LoadedModel:
     why: str | None = None  # a checkpoint: why this backend runs it (said once the runtime is up)
     device: str = "cpu"  # where the torch executor runs a checkpoint ("cpu" or "cuda")
     weights: str | None = None  # a quantized engine's weights and activations ("int4", "int4+int8"); None: float
+
+
+def refuse_weights_on_engine(weights: str, activations: str | None) -> None:
+    """UserError if --weights or --activations were asked for an engine dir: its build set both."""
+    if weights != "float" or activations is not None:
+        raise UserError("an engine dir's weights were set by its build (`trt-lookahead build --weights "
+                        "--activations`): drop --weights and --activations, or build another engine")
 
 
 def load_model(
@@ -82,8 +87,7 @@ def load_model(
             raise UserError(TREE_ON_ENGINE)
         if device is not None:
             raise UserError(DEVICE_ON_ENGINE)
-        if weights != "float" or activations is not None:
-            raise UserError(WEIGHTS_ON_ENGINE)
+        refuse_weights_on_engine(weights, activations)
         return _from_engine(path, backend or "onnxruntime", dtype, max_seq_len, max_batch, verify, exact=exact)
     device = checkpoint_device(device)
     weights, activations = check_scheme(weights, activations)

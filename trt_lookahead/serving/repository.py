@@ -32,11 +32,11 @@ from trt_lookahead.model.fetch import resolve_model
 from trt_lookahead.runtime import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_MAX_SEQ_LEN,
-    WEIGHTS_ON_ENGINE,
     cached_checkpoint_engine,
     check_pool_scope,
     checkpoint_backend,
     checkpoint_tree,
+    refuse_weights_on_engine,
 )
 from trt_lookahead.serving.schema import INPUTS, OUTPUTS, pbtxt_list
 
@@ -89,8 +89,7 @@ def write_repository(
         from trt_lookahead.engine.format import load_engine_config
 
         built = load_engine_config(Path(engine).expanduser(), verify=verify)  # UserError if not an engine dir
-        if weights != "float" or activations is not None:
-            raise UserError(WEIGHTS_ON_ENGINE)
+        refuse_weights_on_engine(weights, activations)
         served = LookaheadConfig.parse(lookahead_config) if lookahead_config else built.lookahead
         served.check_fits(built.lookahead)
         built.check_request(max_seq_len=max_seq_len, max_batch=max_batch)
