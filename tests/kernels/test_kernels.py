@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from trt_lookahead.backends.devices import gpu_count, tensorrt_unavailable_reason
 from trt_lookahead.kernels import mask, onnx_op, reference
+from trt_lookahead.kernels.onnxruntime_library import native_library
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.tree import TreeTemplate, chain_template, tree_template
@@ -365,15 +366,26 @@ ORT_CASES = [  # (T, rows: (step_config, cache_len))
 ]
 
 
-def decomposed_session(Hq, Hkv, D, S, exact=False, tree=None):
+def decomposed_session(Hq, Hkv, D, S, exact=False, tree=None, native=False):
     import onnxruntime as ort
 
-    decomposed = onnx_op.decompose(single_op_model("B", "T", Hq, Hkv, D, S, tree=tree), exact=exact)
+    decomposed = onnx_op.decompose(single_op_model("B", "T", Hq, Hkv, D, S, tree=tree), exact=exact, native=native)
     assert not onnx_op.attention_nodes(decomposed)
     # a tree graph reads its table; a linear one's dummy is gone (onnxruntime warns about unread initializers)
     assert [t.name for t in decomposed.graph.initializer if t.name == "tree_ends"] == (["tree_ends"] if tree else [])
-    onnx.checker.check_model(decomposed)
-    return ort.InferenceSession(decomposed.SerializeToString(), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    if native:
+        options.register_custom_ops_library(str(native_library_path()))
+    else:
+        onnx.checker.check_model(decomposed)
+    return ort.InferenceSession(decomposed.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def native_library_path():
+    """onnxruntime_attention.c built here: every machine the tests run on has a C compiler (the README's install)."""
+    built = native_library()
+    assert built.path is not None, built.why
+    return built.path
 
 
 def op_feeds(tensors):
@@ -382,11 +394,12 @@ def op_feeds(tensors):
     return feeds | {"cache_len": p.numpy(), "step_config": np.asarray(configs, np.int32).reshape(-1, 3)}
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["ops", "native"])
 @pytest.mark.parametrize("T,rows", ORT_CASES, ids=lambda c: str(c) if isinstance(c, int) else f"B{len(c)}")
-def test_decomposition_runs_on_onnxruntime_like_the_reference(T, rows):
+def test_decomposition_runs_on_onnxruntime_like_the_reference(T, rows, native):
     Hq, Hkv, D, S = 8, 4, 8, 64
     configs, lengths = zip(*rows, strict=True)
-    session = decomposed_session(Hq, Hkv, D, S)
+    session = decomposed_session(Hq, Hkv, D, S, native=native)
     q, k, v, kc, vc, p = random_case(T, Hq, Hkv, D, S, lengths)
     (out,) = session.run(None, op_feeds((q, k, v, kc, vc, p, configs)))
     expected = reference.lookahead_attention(q, k, v, kc, vc, p, np.array(configs))
@@ -394,8 +407,9 @@ def test_decomposition_runs_on_onnxruntime_like_the_reference(T, rows):
         assert reference.relative_error(torch.from_numpy(out[b]), expected[b]) < 1e-5, row
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["ops", "native"])
 @pytest.mark.parametrize("seed", range(3))
-def test_tree_decomposition_runs_on_onnxruntime_like_the_reference(seed):
+def test_tree_decomposition_runs_on_onnxruntime_like_the_reference(seed, native):
     """The node's tree_ends initializer masks the decomposition: random templates, configs and cache lengths."""
     rng = np.random.default_rng(seed)
     Hq, Hkv, D, S = 8, 4, 8, 64
@@ -403,7 +417,7 @@ def test_tree_decomposition_runs_on_onnxruntime_like_the_reference(seed):
     configs = random_tree_rows(rng, template.nodes, 4)
     T = max(LookaheadConfig(*c).step_tokens for c in configs if c[0]) + int(rng.integers(0, 4))
     lengths = [int(x) for x in rng.integers(0, S + 1, len(configs))]
-    session = decomposed_session(Hq, Hkv, D, S, tree=template)
+    session = decomposed_session(Hq, Hkv, D, S, tree=template, native=native)
     q, k, v, kc, vc, p = random_case(T, Hq, Hkv, D, S, lengths, seed=seed)
     (out,) = session.run(None, op_feeds((q, k, v, kc, vc, p, configs)))
     expected = reference.lookahead_attention(q, k, v, kc, vc, p, np.array(configs), tree_ends=template.table)
@@ -430,18 +444,20 @@ def test_exact_decomposition_is_attention_like_the_reference(T, rows):
         assert reference.relative_error(torch.from_numpy(out[b]), expected[b]) < 1e-5, row
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["ops", "native"])
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("tree", [None, tree_template(8, 3)], ids=["linear", "tree"])
-def test_exact_decomposition_gives_each_slot_the_bits_of_a_1_token_step_at_its_context(seed, tree):
+def test_exact_decomposition_gives_each_slot_the_bits_of_a_1_token_step_at_its_context(seed, tree, native):
     """Every slot of every row of a mixed batch == the op run for that token alone (T = 1, greedy), its chain's
-    step keys stored in the cache at their positions: what plain decoding computes; with a draft tree too."""
+    step keys stored in the cache at their positions: what plain decoding computes; with a draft tree too. The
+    native kernel (any heads) likewise."""
     rng = np.random.default_rng(seed)
-    Hq, Hkv, D = [(8, 4, 8), (9, 3, 64)][seed % 2]
+    Hq, Hkv, D = [(8, 4, 8), (9, 3, 64), (4, 4, 12)][seed % (2 + native)]
     T, S = 16, 400
     configs = [(4, 3, 4), (2, 2, 1), (0, 0, 0), (1, 2, 0), (2, 3, 2)]
     rng.shuffle(configs)
     lengths = [int(rng.choice([0, 1, 62, 63, 64, 65, 127, 128, int(rng.integers(1, 300))])) for _ in configs]
-    exact = decomposed_session(Hq, Hkv, D, S, exact=True, tree=tree)
+    exact = decomposed_session(Hq, Hkv, D, S, exact=True, tree=tree, native=native)
     q, k, v, kc, vc, p = random_case(T, Hq, Hkv, D, S, lengths, seed=seed)
     (out,) = exact.run(None, op_feeds((q, k, v, kc, vc, p, configs)))
     for b, (config, P) in enumerate(zip(configs, lengths, strict=True)):
@@ -462,10 +478,11 @@ def test_exact_decomposition_refuses_a_graph_without_grouped_query_heads():
         onnx_op.decompose(single_op_model("B", "T", 4, 4, 8, 64), exact=True)
 
 
-def test_decomposition_gives_a_row_the_same_bits_alone_and_batched():
+@pytest.mark.parametrize("native", [False, True], ids=["ops", "native"])
+def test_decomposition_gives_a_row_the_same_bits_alone_and_batched(native):
     """The batch's longest prefix pads a shorter row's cache columns; the row's result must not move by a bit."""
     Hq, Hkv, D, S = 9, 3, 64, 300
-    session = decomposed_session(Hq, Hkv, D, S)
+    session = decomposed_session(Hq, Hkv, D, S, native=native)
     configs = [(4, 3, 4), (0, 0, 0), (2, 2, 1), (1, 2, 0)]
     for seed, lengths in enumerate([(5, 280, 0, 77), (1, 2, 3, 4), (129, 17, 64, 200)]):
         tensors = (*random_case(16, Hq, Hkv, D, S, lengths, seed=seed), configs)

@@ -15,18 +15,21 @@ cache rows; prefill runs one-row causal chunks of at most max_input_len tokens b
 cache, with presents of their own so that a pending step's presents survive. The slot bookkeeping, the
 compact physical order and the host-side token choice are backends/graphs.py's SlotExecutor.
 
-LookaheadAttention nodes (--attention plugin) run as their standard-op decomposition
-(kernels/onnx_op.decompose): onnxruntime has no kernel for them. An engine built with --exact runs the
-row-invariant decomposition (docs/design.md section 4.2) and prefills in chunks of at most
-EXACT_MAX_TOKENS tokens.
+LookaheadAttention nodes (--attention plugin) have no onnxruntime kernel: in a float32 graph they run as
+kernels/onnxruntime_attention.c, row-invariant, built for this machine on first use (SessionSettings
+native_attention; docs/design.md section 6.4), else as their standard-op decomposition (kernels/onnx_op.decompose).
+An engine built with --exact runs the row-invariant decomposition there (section 4.2) and prefills in chunks of
+at most EXACT_MAX_TOKENS tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -59,6 +62,8 @@ class SessionSettings:
     optimization: str = "all"  # onnxruntime graph optimisation level: disabled, basic, extended, all
     prepacking: bool = True  # MatMul weights repacked for the CPU kernels once, at load
     profile_prefix: str | None = None  # onnxruntime's per-node profiler on, its JSON named from this prefix
+    # float32 attention by kernels/onnxruntime_attention.c where it builds here, else by standard ops
+    native_attention: bool = True
 
     def options(self) -> Any:
         """onnxruntime.SessionOptions for these settings."""
@@ -198,6 +203,16 @@ class OnnxRuntimeEngine(OpenedEngine):
     def _settings(self, spinning: bool) -> SessionSettings:
         return dataclasses.replace(self.settings, threads=self._threads, spinning=spinning)
 
+    @functools.cached_property
+    def native_library(self) -> Path | None:
+        """kernels/onnxruntime_attention.c built here, where the settings ask for it and the attention is float32
+        (else, or where it cannot be built, the graph runs the standard-op decomposition)."""
+        if not self.settings.native_attention or self.config.dtype != "float32":
+            return None
+        from trt_lookahead.kernels.onnxruntime_library import native_library
+
+        return native_library().path
+
     def _weight_bytes(self) -> int:
         """The engine dir's file sizes: about what a second session's weights take."""
         return sum(f.stat().st_size for f in self.config.path.iterdir() if f.is_file())
@@ -220,7 +235,7 @@ class OnnxRuntimeEngine(OpenedEngine):
         })
         try:
             # a tree engine's nodes carry its subtree ends (an initializer over the graph's most tokens)
-            proto = onnx_op.decompose(proto, exact=self.config.exact)
+            proto = onnx_op.decompose(proto, exact=self.config.exact, native=self.native_library is not None)
         except ValueError as exc:
             raise UserError(f"engine {self.config.path}: {exc}; rebuild it without --exact") from exc
         return proto
@@ -231,6 +246,8 @@ class OnnxRuntimeEngine(OpenedEngine):
         path = self.config.graph
         proto = self.graph()
         options = settings.options()
+        if self.native_library is not None:
+            options.register_custom_ops_library(str(self.native_library))
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
         try:
             return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])

@@ -3,10 +3,11 @@ reference that defines the op (reference.py), the Triton kernel, the ONNX node a
 decomposition, the TensorRT plugin registration, torch twins of lookahead.sampling, the row-invariant
 projections and norms of the exact CUDA step (invariant.py), the padded step's attention kernel over each slot's
 own keys, row-invariant for the exact step or with the step mask in registers for the fast one
-(padded_attention.py), and the padded step's attention and those kernels as torch.library custom ops, opaque
-to torch.compile (step_ops.py).
+(padded_attention.py), the padded step's attention and those kernels as torch.library custom ops, opaque
+to torch.compile (step_ops.py), and onnxruntime's float32 attention kernel in C (onnxruntime_attention.c, built
+for this machine by onnxruntime_library.py).
 
 Owns what runs inside a compiled step (docs/design.md sections 2.6 and 6.4). May import
-trt_lookahead.lookahead and trt_lookahead.errors; torch, onnx and triton are imported by the module
-that needs them, tensorrt never (backends and the plan build pass its modules in).
+trt_lookahead.lookahead, trt_lookahead.files and trt_lookahead.errors; torch, onnx and triton are imported by
+the module that needs them, tensorrt never (backends and the plan build pass its modules in).
 """

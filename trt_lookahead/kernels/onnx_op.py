@@ -18,7 +18,8 @@ The parser looks a creator up by op_type, plugin_version and plugin_namespace, f
 attributes the plugin declares (num_q_heads, num_kv_heads, head_dim, scale, tree) and picks the AOT
 implementation because of aot = 1; the node's domain does not matter to it.
 
-onnxruntime has no kernel for the node, so `decompose` rewrites each one into standard ops. Built once
+onnxruntime has no kernel for the node, so `decompose` rewrites each one into standard ops, or with native=True
+into one MaskedAttention node of onnxruntime_attention.c (float32) that takes the step mask below. Built once
 per graph: each row's step mask, the closed form `mask.step_visible` of its (W, N, G) evaluated by ONNX
 ops ([B, T, T]; `mask.tree_step_visible` over the node's tree_ends with tree = 1), and each row's
 prefix mask (cache column c < cache_len[b]). Per layer the caches are
@@ -52,6 +53,9 @@ from trt_lookahead.kernels.reference import KEY_BLOCK, OP_DOMAIN, OP_NAME, OP_VE
 
 PLUGIN_VERSION = "1"
 EXACT_MAX_TOKENS = KEY_BLOCK  # tokens per row of an exact graph: its step keys span two key blocks
+# the node onnxruntime_attention.c registers (its op name and domain there, written once more in C)
+NATIVE_OP = "MaskedAttention"
+NATIVE_DOMAIN = "trt_lookahead.cpu"
 
 
 def node_attributes(num_q_heads: int, num_kv_heads: int, head_dim: int, scale: float, tree: bool = False) -> dict:
@@ -165,7 +169,7 @@ def _bias(g: _Graph, visible: str, axes: list[int]) -> str:
 
 class _Masks:
     """The per-graph values every layer's decomposition shares: the rows' step and prefix masks as additive
-    biases in the attention's dtype, T and the longest prefix. Built once, ahead of the first layer (and cast
+    biases in the attention's dtype, T and the longest prefix. Built once, on the first layer's first use (and cast
     once, not per layer); tiled per query-head group."""
 
     def __init__(self, g: _Graph, node: onnx.NodeProto, dtype: int) -> None:
@@ -184,13 +188,31 @@ class _Masks:
         else:
             step = step_visible(rows, cols, window, ngram, verify)
         self.visible = step.name
-        self.step_bias = self.cast(_bias(g, step.name, [1]))  # [B, 1, T, T]
-        self.length = length = g.op("Cast", cache_len, to=TensorProto.INT64)  # [B]
-        self.longest = g.op("ReduceMax", length, keepdims=1)  # [1]
-        prefix_idx = g.op("Range", g.const(0), g.op("Squeeze", self.longest), g.const(1))
-        prefix = g.op("Less", g.op("Unsqueeze", prefix_idx, g.const([0])), g.op("Unsqueeze", length, g.const([1])))
-        self.prefix_bias = self.cast(_bias(g, prefix, [1, 2]))  # [B, 1, 1, P]
+        self.cache_len = cache_len
         self._tiled: dict[int, str] = {}
+
+    @cached_property
+    def step_bias(self) -> str:
+        """[B, 1, T, T] the step mask as a bias."""
+        return self.cast(_bias(self.g, self.visible, [1]))
+
+    @cached_property
+    def length(self) -> str:
+        """[B] int64 cache_len."""
+        return self.g.op("Cast", self.cache_len, to=TensorProto.INT64)
+
+    @cached_property
+    def longest(self) -> str:
+        """[1] the batch's longest prefix."""
+        return self.g.op("ReduceMax", self.length, keepdims=1)
+
+    @cached_property
+    def prefix_bias(self) -> str:
+        """[B, 1, 1, P]: 0 at a row's cached columns, -inf past them."""
+        g = self.g
+        prefix_idx = g.op("Range", g.const(0), g.op("Squeeze", self.longest), g.const(1))
+        prefix = g.op("Less", g.op("Unsqueeze", prefix_idx, g.const([0])), g.op("Unsqueeze", self.length, g.const([1])))
+        return self.cast(_bias(g, prefix, [1, 2]))
 
     @cached_property
     def keys(self) -> str:
@@ -354,6 +376,13 @@ def _decompose_exact_node(g: _Graph, node: onnx.NodeProto, masks: _Masks, plan: 
     _write_output(g, node, h, out, into)
 
 
+def _native_node(g: _Graph, node: onnx.NodeProto, masks: _Masks) -> None:
+    """The node as onnxruntime_attention.c's MaskedAttention: the graph's step mask in place of its (W, N, G)."""
+    attrs = {key: _attributes(node)[key] for key in ("num_q_heads", "num_kv_heads", "head_dim", "scale")}
+    g.nodes.append(helper.make_node(NATIVE_OP, [*node.input[:6], masks.visible], [node.output[0]], name=g.fresh(),
+                                    domain=NATIVE_DOMAIN, **attrs))
+
+
 def _elem_type(model: onnx.ModelProto, name: str) -> int:
     """The element type of graph input `name` (a key cache: the attention's dtype); float32 if not declared."""
     for value in model.graph.input:
@@ -362,12 +391,14 @@ def _elem_type(model: onnx.ModelProto, name: str) -> int:
     return TensorProto.FLOAT
 
 
-def decompose(model: onnx.ModelProto, exact: bool = False) -> onnx.ModelProto:
+def decompose(model: onnx.ModelProto, exact: bool = False, native: bool = False) -> onnx.ModelProto:
     """A copy of `model` whose LookaheadAttention nodes are standard ops (for onnxruntime); a node with
     tree = 1 masks by its tree_ends table, and a linear graph's unread dummy table is dropped.
 
     exact: the row-invariant form (module docstring), for rows of at most EXACT_MAX_TOKENS tokens; float32, and
     query heads sharing a KV head (ValueError otherwise).
+    native: each node becomes one MaskedAttention node (domain NATIVE_DOMAIN) of onnxruntime_attention.c, the
+    graph's step mask built once by standard ops; row-invariant by construction, float32 (ValueError otherwise).
     """
     nodes = attention_nodes(model)
     if not nodes:
@@ -378,14 +409,16 @@ def decompose(model: onnx.ModelProto, exact: bool = False) -> onnx.ModelProto:
     first = nodes[0]
     masks = _Masks(g, first, _elem_type(model, first.input[3]))
     plan = None
-    if exact:
+    if native and _elem_type(model, first.input[3]) != TensorProto.FLOAT:
+        raise ValueError("onnxruntime_attention.c runs float32 attention only")
+    if exact and not native:
         attrs = _attributes(first)
         group = attrs["num_q_heads"] // attrs["num_kv_heads"]
         if group < 2:  # a 1-row product (T = 1) would round another way
             raise ValueError("the exact decomposition needs grouped-query attention (query heads > KV heads)")
         plan = _ExactPlan(g, masks, first.input[3], group)
     rewritten: list[onnx.NodeProto] = []
-    reshapes = _reshape_after(out)
+    reshapes = {} if native else _reshape_after(out)  # the native node writes the node's output as it is
     merged = [id(reshape) for reshape in reshapes.values()]
     for node in out.graph.node:
         if id(node) in merged:  # written by its attention node's decomposition
@@ -397,7 +430,9 @@ def decompose(model: onnx.ModelProto, exact: bool = False) -> onnx.ModelProto:
                     or (plan and node.attribute != first.attribute)):
                 raise ValueError("LookaheadAttention nodes of one graph must share cache_len, step_config, "
                                  "tree_ends and tree (and, exact, their heads)")
-            if plan is None:
+            if native:
+                _native_node(g, node, masks)
+            elif plan is None:
                 _decompose_node(g, node, masks, into)
             else:
                 _decompose_exact_node(g, node, masks, plan, into)
@@ -413,6 +448,8 @@ def decompose(model: onnx.ModelProto, exact: bool = False) -> onnx.ModelProto:
     for table in unread:  # onnxruntime warns about an initializer no node reads
         out.graph.initializer.remove(table)
     keep = [o for o in out.opset_import if o.domain != OP_DOMAIN]
+    if native:
+        keep.append(helper.make_opsetid(NATIVE_DOMAIN, 1))
     del out.opset_import[:]
     out.opset_import.extend(keep)
     return out

@@ -1,0 +1,392 @@
+/* LookaheadAttention's onnxruntime CPU kernel (float32): the node onnx_op.decompose(native=True) writes.
+ *
+ * Node "MaskedAttention", domain "trt_lookahead.cpu":
+ *   inputs  query [B, T, Hq, D], key [B, T, Hkv, D], value [B, T, Hkv, D],
+ *           key_cache [B, Hkv, S, D], value_cache [B, Hkv, S, D]   (float32)
+ *           cache_len [B] int32, visible [B, T, T] bool (step slot t sees step slot j; built once per graph
+ *           by ONNX ops from kernels/mask.py's closed form, so the mask is written in one place)
+ *   output  [B, T, Hq, D] float32
+ *   attrs   num_q_heads, num_kv_heads, head_dim (INT), scale (FLOAT)
+ *
+ * Row-invariant by construction (docs/design.md section 4.2): a query's keys are its row's cache_len cached
+ * keys, then the step keys it sees, in slot order (a chain's slots are in position order), and everything
+ * over them runs in that order with the same code whatever T, B or the other rows hold: one dot product per
+ * key (fixed lanes, combined in a fixed order), the maximum, exp, the denominator and the weighted values
+ * summed key by key. A token verified in a lookahead step therefore gets the bits of the same token decoded
+ * alone. Built with -ffp-contract=off so that no fused multiply-add differs between code paths.
+ *
+ * onnxruntime's C API is declared below as far as this kernel uses it, by slot: the OrtApi table is
+ * append-only, so a function's slot never moves. Slots and struct layouts: onnxruntime's
+ * include/onnxruntime/core/session/onnxruntime_c_api.h; API version 17 (onnxruntime 1.17) or later.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- onnxruntime's C API, the part this kernel uses ------------------------------------------------------ */
+
+typedef struct OrtStatus OrtStatus;
+typedef struct OrtApi OrtApi; /* opaque here: read as a table of function pointers */
+typedef struct OrtKernelInfo OrtKernelInfo;
+typedef struct OrtKernelContext OrtKernelContext;
+typedef struct OrtValue OrtValue;
+typedef struct OrtTensorTypeAndShapeInfo OrtShape;
+typedef struct OrtSessionOptions OrtSessionOptions;
+typedef struct OrtCustomOpDomain OrtCustomOpDomain;
+
+typedef struct {
+    const OrtApi *(*GetApi)(uint32_t version);
+    const char *(*GetVersionString)(void);
+} OrtApiBase;
+
+enum { API_VERSION = 17 };                               /* KernelContext_ParallelFor came with it */
+enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };         /* OrtErrorCode */
+enum { TYPE_FLOAT = 1, TYPE_INT32 = 6, TYPE_BOOL = 9 };  /* ONNXTensorElementDataType */
+
+/* OrtApi slots */
+enum {
+    CREATE_STATUS = 0, CREATE_CUSTOM_OP_DOMAIN = 26, CUSTOM_OP_DOMAIN_ADD = 27, ADD_CUSTOM_OP_DOMAIN = 28,
+    GET_TENSOR_MUTABLE_DATA = 51, GET_TENSOR_ELEMENT_TYPE = 60, GET_DIMENSIONS_COUNT = 61, GET_DIMENSIONS = 62,
+    GET_TENSOR_TYPE_AND_SHAPE = 65, KERNEL_INFO_GET_ATTRIBUTE_FLOAT = 85, KERNEL_INFO_GET_ATTRIBUTE_INT64 = 86,
+    KERNEL_CONTEXT_GET_INPUT = 90, KERNEL_CONTEXT_GET_OUTPUT = 91, RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99,
+    KERNEL_CONTEXT_PARALLEL_FOR = 274,
+};
+
+typedef OrtStatus *(*CreateStatusFn)(int code, const char *msg);
+typedef OrtStatus *(*CreateCustomOpDomainFn)(const char *domain, OrtCustomOpDomain **out);
+typedef OrtStatus *(*CustomOpDomainAddFn)(OrtCustomOpDomain *domain, const void *op);
+typedef OrtStatus *(*AddCustomOpDomainFn)(OrtSessionOptions *options, OrtCustomOpDomain *domain);
+typedef OrtStatus *(*GetTensorMutableDataFn)(OrtValue *value, void **out);
+typedef OrtStatus *(*GetTensorElementTypeFn)(const OrtShape *info, int *out);
+typedef OrtStatus *(*GetDimensionsCountFn)(const OrtShape *info, size_t *out);
+typedef OrtStatus *(*GetDimensionsFn)(const OrtShape *info, int64_t *dims, size_t count);
+typedef OrtStatus *(*GetTensorTypeAndShapeFn)(const OrtValue *value, OrtShape **out);
+typedef OrtStatus *(*GetAttributeFloatFn)(const OrtKernelInfo *info, const char *name, float *out);
+typedef OrtStatus *(*GetAttributeInt64Fn)(const OrtKernelInfo *info, const char *name, int64_t *out);
+typedef OrtStatus *(*GetInputFn)(const OrtKernelContext *context, size_t index, const OrtValue **out);
+typedef OrtStatus *(*GetOutputFn)(OrtKernelContext *context, size_t index, const int64_t *dims, size_t count,
+                                  OrtValue **out);
+typedef void (*ReleaseShapeFn)(OrtShape *info);
+typedef OrtStatus *(*ParallelForFn)(const OrtKernelContext *context, void (*fn)(void *, size_t), size_t total,
+                                    size_t num_batch, void *data);
+
+#define API(api, slot, type) ((type)(((void *const *)(api))[slot]))
+#define TRY(expr) do { OrtStatus *status_ = (expr); if (status_) return status_; } while (0)
+
+/* OrtCustomOp as of API_VERSION: `version`, then function pointers (onnxruntime reads the ones that version has) */
+typedef struct {
+    uint32_t version;
+    void *(*CreateKernel)(const void *op, const OrtApi *api, const OrtKernelInfo *info);
+    const char *(*GetName)(const void *op);
+    const char *(*GetExecutionProviderType)(const void *op);
+    int (*GetInputType)(const void *op, size_t index);
+    size_t (*GetInputTypeCount)(const void *op);
+    int (*GetOutputType)(const void *op, size_t index);
+    size_t (*GetOutputTypeCount)(const void *op);
+    void (*KernelCompute)(void *kernel, OrtKernelContext *context);
+    void (*KernelDestroy)(void *kernel);
+    int (*GetInputCharacteristic)(const void *op, size_t index);
+    int (*GetOutputCharacteristic)(const void *op, size_t index);
+    int (*GetInputMemoryType)(const void *op, size_t index);
+    int (*GetVariadicInputMinArity)(const void *op);
+    int (*GetVariadicInputHomogeneity)(const void *op);
+    int (*GetVariadicOutputMinArity)(const void *op);
+    int (*GetVariadicOutputHomogeneity)(const void *op);
+    OrtStatus *(*CreateKernelV2)(const void *op, const OrtApi *api, const OrtKernelInfo *info, void **kernel);
+    OrtStatus *(*KernelComputeV2)(void *kernel, OrtKernelContext *context);
+    OrtStatus *(*InferOutputShapeFn)(const void *op, void *context);
+    int (*GetStartVersion)(const void *op);
+    int (*GetEndVersion)(const void *op);
+} OrtCustomOp;
+
+/* ---- the attention ----------------------------------------------------------------------------------------- */
+
+#define MAX_RANK 4
+#define VALUE_CHUNK 64 /* output dims one query's weighted-value sums keep in registers */
+#define KEY_TILE 64    /* cached keys every query of a head goes over before the next ones (a multiple of 8) */
+
+/* 8 floats, loaded from any address; a compiler without 256-bit registers splits them */
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline v8 load8(const float *p) { return *(const v8 *)p; }
+static inline void store8(float *p, v8 x) { *(v8 *)p = x; }
+static inline v4 halves(v8 a) { return __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7); }
+static inline v4 pair_sums(v4 a, v4 b) { /* (a0 + a1, a2 + a3, b0 + b1, b2 + b3) */
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6) + __builtin_shufflevector(a, b, 1, 3, 5, 7);
+}
+
+typedef int32_t i8 __attribute__((vector_size(32)));
+#define SPLAT(x) {x, x, x, x, x, x, x, x}
+
+/* e^x for 8 lanes of x <= 0 (scores minus their maximum): x = n ln2 + r with n = round(x / ln2) and |r| <= ln2 / 2,
+ * e^r by a degree-7 polynomial (Cephes' expf coefficients; within 2 ulp), times 2^n; 0 below the float range. */
+static inline v8 exp8(v8 x) {
+    const v8 lowest = SPLAT(-87.3f), round = SPLAT(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    const i8 normal = x >= lowest;
+    x = (v8)((i8)x & normal) + (v8)((i8)lowest & ~normal);
+    v8 t = x * 1.44269504088896341f + round;
+    v8 n = t - round;
+    v8 r = x - n * 0.693359375f - n * -2.12194440e-4f;
+    v8 y = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * (r * r) + r + 1.0f;
+    const i8 scale = (((i8)t - (i8)round) + 127) << 23; /* 2^n from the rounded sum's low bits */
+    return (v8)((i8)(y * (v8)scale) & normal);
+}
+
+/* s[i] = e^(s[i] - top) for i < n, 8 at a time (the last lanes padded), so every score takes the same path */
+static void exp_minus(float *s, int64_t n, float top) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) store8(s + i, exp8(load8(s + i) - top));
+    if (i < n) {
+        float pad[8] = {0};
+        memcpy(pad, s + i, sizeof(float) * (size_t)(n - i));
+        v8 e = exp8(load8(pad) - top);
+        memcpy(s + i, &e, sizeof(float) * (size_t)(n - i));
+    }
+}
+
+/* The dot product of a query and a key, D floats: lane l (of 8) sums the products at dims = l mod 8 in order,
+ * then ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), then the dims past the last multiple of 8 in order.
+ * `dot` and `dots8` compute exactly this; a key's score is the same whichever computes it. */
+static float dot(const float *q, const float *k, int64_t D) {
+    float l[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8)
+        for (int j = 0; j < 8; j++) l[j] = l[j] + q[i + j] * k[i + j];
+    float s = ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]));
+    for (; i < D; i++) s = s + q[i] * k[i];
+    return s;
+}
+
+/* s[0..8) = dot(q, key r) for the 8 keys at k + r * stride, the lanes reduced 8 keys at a time */
+static void dots8(const float *q, const float *k, int64_t stride, int64_t D, float *s) {
+    v8 acc[8] = {{0}};
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) {
+        v8 qv = load8(q + i);
+        for (int r = 0; r < 8; r++) acc[r] = acc[r] + qv * load8(k + r * stride + i);
+    }
+    v4 x[8];
+    for (int r = 0; r < 8; r++) x[r] = halves(acc[r]);
+    v4 y0 = pair_sums(x[0], x[1]), y1 = pair_sums(x[2], x[3]), y2 = pair_sums(x[4], x[5]), y3 = pair_sums(x[6], x[7]);
+    v4 lo = pair_sums(y0, y1), hi = pair_sums(y2, y3);
+    for (int r = 0; r < 4; r++) s[r] = lo[r], s[4 + r] = hi[r];
+    for (int r = 0; r < 8; r++)
+        for (int64_t j = i; j < D; j++) s[r] = s[r] + q[j] * k[r * stride + j];
+}
+
+/* out[0..D) += p[c] * (v + c * stride)[0..D) for the n keys in order: each dim one chain, continued from out */
+static void weighted_sum(const float *p, const float *v, int64_t stride, int64_t n, int64_t D, float *out) {
+    int64_t d0 = 0;
+    for (; d0 + VALUE_CHUNK <= D; d0 += VALUE_CHUNK) {
+        v8 acc[VALUE_CHUNK / 8];
+        for (int r = 0; r < VALUE_CHUNK / 8; r++) acc[r] = load8(out + d0 + 8 * r);
+        for (int64_t c = 0; c < n; c++) {
+            const float w = p[c];
+            for (int r = 0; r < VALUE_CHUNK / 8; r++) acc[r] = acc[r] + w * load8(v + c * stride + d0 + 8 * r);
+        }
+        for (int r = 0; r < VALUE_CHUNK / 8; r++) store8(out + d0 + 8 * r, acc[r]);
+    }
+    for (int64_t d = d0; d < D; d++) {
+        float o = out[d];
+        for (int64_t c = 0; c < n; c++) o = o + p[c] * v[c * stride + d];
+        out[d] = o;
+    }
+}
+
+typedef struct {
+    const float *q, *k, *v, *kc, *vc;
+    const int32_t *cache_len;
+    const uint8_t *visible;
+    float *out;
+    int64_t B, T, Hq, Hkv, D, S;
+    float scale;
+    int failed;
+} Problem;
+
+/* Row b, query head h: each of its T queries over the row's cached keys, then the step keys it sees. The cached
+ * keys go in tiles of KEY_TILE, every query over a tile before the next, so that a tile's rows are read from
+ * memory once per head. */
+static int attend_head(Problem *p, int64_t b, int64_t h) {
+    const int64_t T = p->T, D = p->D, kvh = h / (p->Hq / p->Hkv), L = p->cache_len[b];
+    if (L < 0 || L > p->S) return 1;
+    const int64_t keys = L + T, step = p->Hkv * D, qstep = p->Hq * D; /* a slot's stride in key / value, query / out */
+    /* per query: [keys] scores (the step keys it sees packed after the cache's), [D] the query scaled */
+    float *scores = malloc(sizeof(float) * (size_t)(T * (keys + D)));
+    int64_t *seen = malloc(sizeof(int64_t) * (size_t)(T + 1)); /* per query: its count of keys */
+    if (!scores || !seen) {
+        free(scores), free(seen);
+        return 1;
+    }
+    float *qs = scores + T * keys;
+    const float *kc = p->kc + (b * p->Hkv + kvh) * p->S * D; /* [S, D] */
+    const float *vc = p->vc + (b * p->Hkv + kvh) * p->S * D;
+    const uint8_t *visible = p->visible + b * T * T;         /* [T, T] */
+    float *out = p->out + b * T * qstep + h * D;             /* query t's at out + t * qstep */
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t d = 0; d < D; d++) qs[t * D + d] = p->q[(b * T + t) * qstep + h * D + d] * p->scale;
+    for (int64_t c0 = 0; c0 < L; c0 += KEY_TILE) {
+        const int64_t c1 = c0 + KEY_TILE < L ? c0 + KEY_TILE : L;
+        for (int64_t t = 0; t < T; t++) {
+            int64_t c = c0;
+            for (; c + 8 <= c1; c += 8) dots8(qs + t * D, kc + c * D, D, D, scores + t * keys + c);
+            for (; c < c1; c++) scores[t * keys + c] = dot(qs + t * D, kc + c * D, D);
+        }
+    }
+    for (int64_t t = 0; t < T; t++) {
+        float *s = scores + t * keys, top = -INFINITY;
+        int64_t n = L;
+        for (int64_t j = 0; j < T; j++)
+            if (visible[t * T + j]) s[n++] = dot(qs + t * D, p->k + (b * T + j) * step + kvh * D, D);
+        seen[t] = n;
+        for (int64_t i = 0; i < n; i++) top = s[i] > top ? s[i] : top;
+        exp_minus(s, n, top);
+        memset(out + t * qstep, 0, sizeof(float) * (size_t)D);
+    }
+    for (int64_t c0 = 0; c0 < L; c0 += KEY_TILE) {
+        const int64_t c1 = c0 + KEY_TILE < L ? c0 + KEY_TILE : L;
+        for (int64_t t = 0; t < T; t++) weighted_sum(scores + t * keys + c0, vc + c0 * D, D, c1 - c0, D, out + t * qstep);
+    }
+    for (int64_t t = 0; t < T; t++) {
+        const float *s = scores + t * keys;
+        int64_t i = L;
+        for (int64_t j = 0; j < T; j++) /* the step keys continue the cache's chains, in slot order */
+            if (visible[t * T + j]) weighted_sum(s + i++, p->v + (b * T + j) * step + kvh * D, D, 1, D, out + t * qstep);
+        float total = 0.0f;
+        for (i = 0; i < seen[t]; i++) total = total + s[i];
+        for (int64_t d = 0; d < D; d++) out[t * qstep + d] = out[t * qstep + d] / total;
+    }
+    free(scores), free(seen);
+    return 0;
+}
+
+static void attend_item(void *data, size_t item) {
+    Problem *p = data;
+    if (attend_head(p, (int64_t)item / p->Hq, (int64_t)item % p->Hq)) p->failed = 1;
+}
+
+/* ---- the kernel ------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    const OrtApi *api;
+    int64_t hq, hkv, d;
+    float scale;
+} Kernel;
+
+enum { INPUTS = 7 };
+static const int INPUT_TYPES[INPUTS] = {TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT, TYPE_INT32,
+                                        TYPE_BOOL};
+static const int INPUT_RANKS[INPUTS] = {4, 4, 4, 4, 4, 1, 3};
+
+static OrtStatus *fail(const OrtApi *api, const char *msg) {
+    return API(api, CREATE_STATUS, CreateStatusFn)(ORT_INVALID_ARGUMENT, msg);
+}
+
+/* input i's data and dims (rank checked) */
+static OrtStatus *input(const OrtApi *api, OrtKernelContext *context, size_t i, void **data, int64_t *dims) {
+    const OrtValue *value;
+    OrtShape *info;
+    size_t rank;
+    TRY(API(api, KERNEL_CONTEXT_GET_INPUT, GetInputFn)(context, i, &value));
+    TRY(API(api, GET_TENSOR_TYPE_AND_SHAPE, GetTensorTypeAndShapeFn)(value, &info));
+    OrtStatus *status = API(api, GET_DIMENSIONS_COUNT, GetDimensionsCountFn)(info, &rank);
+    if (!status && rank != (size_t)INPUT_RANKS[i]) status = fail(api, "MaskedAttention: an input of the wrong rank");
+    if (!status) status = API(api, GET_DIMENSIONS, GetDimensionsFn)(info, dims, rank);
+    API(api, RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, ReleaseShapeFn)(info);
+    if (status) return status;
+    return API(api, GET_TENSOR_MUTABLE_DATA, GetTensorMutableDataFn)((OrtValue *)value, data);
+}
+
+static OrtStatus *compute(void *kernel, OrtKernelContext *context) {
+    const Kernel *kn = kernel;
+    const OrtApi *api = kn->api;
+    void *data[INPUTS];
+    int64_t dims[INPUTS][MAX_RANK];
+    for (size_t i = 0; i < INPUTS; i++) TRY(input(api, context, i, &data[i], dims[i]));
+    const int64_t B = dims[0][0], T = dims[0][1], S = dims[3][2];
+    const int64_t q_shape[4] = {B, T, kn->hq, kn->d}, kv_shape[4] = {B, T, kn->hkv, kn->d};
+    const int64_t cache_shape[4] = {B, kn->hkv, S, kn->d}, visible_shape[3] = {B, T, T};
+    int ok = memcmp(dims[0], q_shape, sizeof q_shape) == 0 && memcmp(dims[1], kv_shape, sizeof kv_shape) == 0
+             && memcmp(dims[2], kv_shape, sizeof kv_shape) == 0 && memcmp(dims[3], cache_shape, sizeof cache_shape) == 0
+             && memcmp(dims[4], cache_shape, sizeof cache_shape) == 0 && dims[5][0] == B
+             && memcmp(dims[6], visible_shape, sizeof visible_shape) == 0;
+    if (!ok) return fail(api, "MaskedAttention: input shapes disagree with each other or with the node's heads");
+    OrtValue *output;
+    TRY(API(api, KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(context, 0, q_shape, 4, &output));
+    Problem p = {data[0], data[1], data[2], data[3], data[4], data[5], data[6], NULL,
+                 B, T, kn->hq, kn->hkv, kn->d, S, kn->scale, 0};
+    TRY(API(api, GET_TENSOR_MUTABLE_DATA, GetTensorMutableDataFn)(output, (void **)&p.out));
+    if (B * kn->hq > 0)
+        TRY(API(api, KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(context, attend_item, (size_t)(B * kn->hq), 0, &p));
+    if (p.failed) return API(api, CREATE_STATUS, CreateStatusFn)(ORT_FAIL, "MaskedAttention: a cache_len out of "
+                                                                 "range, or no memory for a row's scores");
+    return NULL;
+}
+
+static OrtStatus *create_kernel(const void *op, const OrtApi *api, const OrtKernelInfo *info, void **out) {
+    (void)op;
+    Kernel *kn = calloc(1, sizeof(Kernel));
+    if (!kn) return API(api, CREATE_STATUS, CreateStatusFn)(ORT_FAIL, "MaskedAttention: out of memory");
+    kn->api = api;
+    OrtStatus *status = API(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, GetAttributeInt64Fn)(info, "num_q_heads", &kn->hq);
+    if (!status) status = API(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, GetAttributeInt64Fn)(info, "num_kv_heads", &kn->hkv);
+    if (!status) status = API(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, GetAttributeInt64Fn)(info, "head_dim", &kn->d);
+    if (!status) status = API(api, KERNEL_INFO_GET_ATTRIBUTE_FLOAT, GetAttributeFloatFn)(info, "scale", &kn->scale);
+    if (!status && (kn->hq <= 0 || kn->hkv <= 0 || kn->d <= 0 || kn->hq % kn->hkv))
+        status = fail(api, "MaskedAttention: num_q_heads must be a positive multiple of num_kv_heads");
+    if (status) {
+        free(kn);
+        return status;
+    }
+    *out = kn;
+    return NULL;
+}
+
+static void destroy_kernel(void *kernel) { free(kernel); }
+static const char *op_name(const void *op) { (void)op; return "MaskedAttention"; }
+static const char *op_provider(const void *op) { (void)op; return "CPUExecutionProvider"; }
+static int input_type(const void *op, size_t i) { (void)op; return i < INPUTS ? INPUT_TYPES[i] : 0; }
+static size_t input_count(const void *op) { (void)op; return INPUTS; }
+static int output_type(const void *op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
+static size_t output_count(const void *op) { (void)op; return 1; }
+static int required(const void *op, size_t i) { (void)op; (void)i; return 0; }  /* INPUT_OUTPUT_REQUIRED */
+static int default_memory(const void *op, size_t i) { (void)op; (void)i; return 0; }  /* OrtMemTypeDefault */
+static int one(const void *op) { (void)op; return 1; }  /* variadic arity and homogeneity: none is variadic */
+
+static const OrtCustomOp OP = {
+    .version = API_VERSION,
+    .GetName = op_name,
+    .GetExecutionProviderType = op_provider,
+    .GetInputType = input_type,
+    .GetInputTypeCount = input_count,
+    .GetOutputType = output_type,
+    .GetOutputTypeCount = output_count,
+    .KernelDestroy = destroy_kernel,
+    .GetInputCharacteristic = required,
+    .GetOutputCharacteristic = required,
+    .GetInputMemoryType = default_memory,
+    .GetVariadicInputMinArity = one,
+    .GetVariadicInputHomogeneity = one,
+    .GetVariadicOutputMinArity = one,
+    .GetVariadicOutputHomogeneity = one,
+    .CreateKernelV2 = create_kernel,
+    .KernelComputeV2 = compute,
+};
+
+/* what SessionOptions.register_custom_ops_library calls */
+__attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options,
+                                                                    const OrtApiBase *base) {
+    const OrtApi *api = base->GetApi(API_VERSION);
+    if (!api) return NULL; /* a runtime older than API_VERSION: the session then names the unknown op */
+    OrtCustomOpDomain *domain;
+    TRY(API(api, CREATE_CUSTOM_OP_DOMAIN, CreateCustomOpDomainFn)("trt_lookahead.cpu", &domain));
+    TRY(API(api, CUSTOM_OP_DOMAIN_ADD, CustomOpDomainAddFn)(domain, &OP));
+    return API(api, ADD_CUSTOM_OP_DOMAIN, AddCustomOpDomainFn)(options, domain);
+}

@@ -1,0 +1,102 @@
+"""onnxruntime_attention.c built for this machine: the shared library that gives onnxruntime its MaskedAttention
+kernel (the nodes of onnx_op.decompose(native=True); docs/design.md section 6.4).
+
+    built = native_library()                      # Built(path, None), or Built(None, why not)
+    options.register_custom_ops_library(str(built.path))
+
+Compiled once per machine by the system C compiler ($CC, else cc) into the cache dir's kernels/ folder, under a name
+keyed by the source, the compiler, the flags and this CPU's instruction-set flags (the library is built for this
+CPU, -march=native: a cache dir shared with another kind of CPU builds its own). Written under a temporary name and
+renamed, so processes that build at once race harmlessly. Without a compiler, or where the build fails or the cache
+dir cannot be written, there is no library and the engines run the standard-op decomposition (the reason in `why`).
+Imports files (the cache dir) and the standard library.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from trt_lookahead.files import cache_dir
+
+SOURCE = Path(__file__).with_name("onnxruntime_attention.c")
+# -ffp-contract=off: no multiply-add is fused on one code path and not on another (the kernel's row invariance)
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-fvisibility=hidden")
+BUILD_TIMEOUT_S = 120
+KERNELS = "kernels"  # the cache dir's subfolder of built libraries
+
+
+@dataclass(frozen=True)
+class Built:
+    path: Path | None  # the shared library, or None
+    why: str | None = None  # why there is none
+
+
+def _cpu_flags() -> str:
+    """This CPU's instruction-set flags (Linux), else the machine's name."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _compiler() -> list[str] | None:
+    command = shlex.split(os.environ.get("CC", "cc"))
+    return command if command and shutil.which(command[0]) else None
+
+
+@functools.cache
+def native_library() -> Built:
+    """The built library (once per process; see the module docstring). Without one, says why on stderr, once."""
+    built = _build()
+    if built.path is None:
+        print(f"trt-lookahead: float32 attention runs as standard onnxruntime ops, slower: {built.why}",
+              file=sys.stderr)
+    return built
+
+
+def _build() -> Built:
+    compiler = _compiler()
+    if compiler is None:
+        return Built(None, f"no C compiler ({os.environ.get('CC', 'cc')!r} not found)")
+    try:
+        version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+                                 check=True).stdout.splitlines()[0]
+        source = SOURCE.read_bytes()
+    except (OSError, subprocess.SubprocessError, IndexError) as exc:
+        return Built(None, f"cannot run the C compiler or read {SOURCE.name} ({exc})")
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()]))
+    folder = cache_dir() / KERNELS
+    path = folder / f"onnxruntime_attention-{key.hexdigest()[:16]}.so"
+    if path.is_file():
+        return Built(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".build-", suffix=".so")
+        os.close(fd)
+    except OSError as exc:
+        return Built(None, f"the cache dir {folder} is not writable ({exc})")
+    try:
+        done = subprocess.run([*compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            return Built(None, f"{compiler[0]} failed on {SOURCE.name}: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, path)
+        return Built(path)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return Built(None, f"building {SOURCE.name} failed ({exc})")
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
