@@ -89,9 +89,7 @@ def optimized_counts(engine: Any, proto: Any) -> dict[str, int]:
     import onnxruntime as ort
 
     with tempfile.TemporaryDirectory() as tmp:
-        options = engine.settings.options()
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                         str(engine.config.graph.parent))
+        options = engine.session_options(engine.settings)
         options.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
         ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
         return op_counts(onnx.load(options.optimized_model_filepath, load_external_data=False))

@@ -240,15 +240,22 @@ class OnnxRuntimeEngine(OpenedEngine):
             raise UserError(f"engine {self.config.path}: {exc}; rebuild it without --exact") from exc
         return proto
 
+    def session_options(self, settings: SessionSettings) -> Any:
+        """onnxruntime.SessionOptions for `graph()` at these settings: the engine's weight files found beside its
+        graph, and the native attention kernel registered where the graph has its nodes."""
+        options = settings.options()
+        if self.native_library is not None:
+            options.register_custom_ops_library(str(self.native_library))
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                         str(self.config.graph.parent))
+        return options
+
     def _create_session(self, settings: SessionSettings) -> Any:
         import onnxruntime as ort
 
         path = self.config.graph
         proto = self.graph()
-        options = settings.options()
-        if self.native_library is not None:
-            options.register_custom_ops_library(str(self.native_library))
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
+        options = self.session_options(settings)
         try:
             return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
         except Exception as exc:  # onnxruntime raises its own exception types
