@@ -492,6 +492,20 @@ def test_decomposition_gives_a_row_the_same_bits_alone_and_batched(native):
             assert np.array_equal(alone[0], batched[b]), (lengths, b)
 
 
+def test_native_kernel_keeps_a_nan_in_its_row():
+    """A NaN in one row's query is NaN in that query's output (not a silently finite softmax), and the other
+    rows keep their bits."""
+    Hq, Hkv, D, S = 9, 3, 64, 100
+    session = decomposed_session(Hq, Hkv, D, S, native=True)
+    configs = [(2, 2, 1), (0, 0, 0)]
+    tensors = (*random_case(8, Hq, Hkv, D, S, (40, 70), seed=3), configs)
+    (clean,) = session.run(None, op_feeds(tensors))
+    tensors[0][0, 2, 4, 7] = float("nan")
+    (out,) = session.run(None, op_feeds(tensors))
+    assert np.isnan(out[0, 2, 4]).all() and not np.isnan(np.delete(out[0], 2, axis=0)).any()
+    assert np.array_equal(out[1], clean[1])
+
+
 # -- GPU / TensorRT (skip here, run on a GPU host with TensorRT) -----------------------------------
 
 GPU_ROWS = [((4, 3, 4), 40), ((0, 0, 0), 0), ((2, 2, 1), 100)]

@@ -48,7 +48,7 @@ enum { TYPE_FLOAT = 1, TYPE_INT32 = 6, TYPE_BOOL = 9 };  /* ONNXTensorElementDat
 /* OrtApi slots */
 enum {
     CREATE_STATUS = 0, CREATE_CUSTOM_OP_DOMAIN = 26, CUSTOM_OP_DOMAIN_ADD = 27, ADD_CUSTOM_OP_DOMAIN = 28,
-    GET_TENSOR_MUTABLE_DATA = 51, GET_TENSOR_ELEMENT_TYPE = 60, GET_DIMENSIONS_COUNT = 61, GET_DIMENSIONS = 62,
+    GET_TENSOR_MUTABLE_DATA = 51, GET_DIMENSIONS_COUNT = 61, GET_DIMENSIONS = 62,
     GET_TENSOR_TYPE_AND_SHAPE = 65, KERNEL_INFO_GET_ATTRIBUTE_FLOAT = 85, KERNEL_INFO_GET_ATTRIBUTE_INT64 = 86,
     KERNEL_CONTEXT_GET_INPUT = 90, KERNEL_CONTEXT_GET_OUTPUT = 91, RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99,
     KERNEL_CONTEXT_PARALLEL_FOR = 274,
@@ -59,7 +59,6 @@ typedef OrtStatus *(*CreateCustomOpDomainFn)(const char *domain, OrtCustomOpDoma
 typedef OrtStatus *(*CustomOpDomainAddFn)(OrtCustomOpDomain *domain, const void *op);
 typedef OrtStatus *(*AddCustomOpDomainFn)(OrtSessionOptions *options, OrtCustomOpDomain *domain);
 typedef OrtStatus *(*GetTensorMutableDataFn)(OrtValue *value, void **out);
-typedef OrtStatus *(*GetTensorElementTypeFn)(const OrtShape *info, int *out);
 typedef OrtStatus *(*GetDimensionsCountFn)(const OrtShape *info, size_t *out);
 typedef OrtStatus *(*GetDimensionsFn)(const OrtShape *info, int64_t *dims, size_t count);
 typedef OrtStatus *(*GetTensorTypeAndShapeFn)(const OrtValue *value, OrtShape **out);
@@ -113,7 +112,9 @@ typedef float v4 __attribute__((vector_size(16)));
 
 static inline v8 load8(const float *p) { return *(const v8 *)p; }
 static inline void store8(float *p, v8 x) { *(v8 *)p = x; }
-static inline v4 halves(v8 a) { return __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7); }
+static inline v4 halves(v8 a) {
+    return __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+}
 static inline v4 pair_sums(v4 a, v4 b) { /* (a0 + a1, a2 + a3, b0 + b1, b2 + b3) */
     return __builtin_shufflevector(a, b, 0, 2, 4, 6) + __builtin_shufflevector(a, b, 1, 3, 5, 7);
 }
@@ -122,10 +123,11 @@ typedef int32_t i8 __attribute__((vector_size(32)));
 #define SPLAT(x) {x, x, x, x, x, x, x, x}
 
 /* e^x for 8 lanes of x <= 0 (scores minus their maximum): x = n ln2 + r with n = round(x / ln2) and |r| <= ln2 / 2,
- * e^r by a degree-7 polynomial (Cephes' expf coefficients; within 2 ulp), times 2^n; 0 below the float range. */
+ * e^r by a degree-7 polynomial (Cephes' expf coefficients; within 1 ulp of e^x over [-87, 0]), times 2^n; 0 below
+ * the normal floats' range, and NaN stays NaN. */
 static inline v8 exp8(v8 x) {
     const v8 lowest = SPLAT(-87.3f), round = SPLAT(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-    const i8 normal = x >= lowest;
+    const i8 normal = (x >= lowest) | (x != x);
     x = (v8)((i8)x & normal) + (v8)((i8)lowest & ~normal);
     v8 t = x * 1.44269504088896341f + round;
     v8 n = t - round;
