@@ -407,9 +407,10 @@ def decompose(model: onnx.ModelProto, exact: bool = False, native: bool = False)
     out.CopyFrom(model)
     g = _Graph("lookahead_attention")
     first = nodes[0]
-    masks = _Masks(g, first, _elem_type(model, first.input[3]))
+    dtype = _elem_type(model, first.input[3])
+    masks = _Masks(g, first, dtype)
     plan = None
-    if native and _elem_type(model, first.input[3]) != TensorProto.FLOAT:
+    if native and dtype != TensorProto.FLOAT:
         raise ValueError("onnxruntime_attention.c runs float32 attention only")
     if exact and not native:
         attrs = _attributes(first)

@@ -208,7 +208,7 @@ typedef struct {
     const int32_t *cache_len;
     const uint8_t *visible;
     float *out;
-    int64_t B, T, Hq, Hkv, D, S;
+    int64_t T, Hq, Hkv, D, S;
     float scale;
     int failed;
 } Problem;
@@ -222,11 +222,7 @@ static int attend_head(Problem *p, int64_t b, int64_t h) {
     const int64_t keys = L + T, step = p->Hkv * D, qstep = p->Hq * D; /* a slot's stride in key / value, query / out */
     /* per query: [keys] scores (the step keys it sees packed after the cache's), [D] the query scaled */
     float *scores = malloc(sizeof(float) * (size_t)(T * (keys + D)));
-    int64_t *seen = malloc(sizeof(int64_t) * (size_t)(T + 1)); /* per query: its count of keys */
-    if (!scores || !seen) {
-        free(scores), free(seen);
-        return 1;
-    }
+    if (!scores) return 1;
     float *qs = scores + T * keys;
     const float *kc = p->kc + (b * p->Hkv + kvh) * p->S * D; /* [S, D] */
     const float *vc = p->vc + (b * p->Hkv + kvh) * p->S * D;
@@ -247,7 +243,6 @@ static int attend_head(Problem *p, int64_t b, int64_t h) {
         int64_t n = L;
         for (int64_t j = 0; j < T; j++)
             if (visible[t * T + j]) s[n++] = dot(qs + t * D, p->k + (b * T + j) * step + kvh * D, D);
-        seen[t] = n;
         for (int64_t i = 0; i < n; i++) top = s[i] > top ? s[i] : top;
         exp_minus(s, n, top);
         memset(out + t * qstep, 0, sizeof(float) * (size_t)D);
@@ -258,14 +253,14 @@ static int attend_head(Problem *p, int64_t b, int64_t h) {
     }
     for (int64_t t = 0; t < T; t++) {
         const float *s = scores + t * keys;
-        int64_t i = L;
+        int64_t n = L;
         for (int64_t j = 0; j < T; j++) /* the step keys continue the cache's chains, in slot order */
-            if (visible[t * T + j]) weighted_sum(s + i++, p->v + (b * T + j) * step + kvh * D, D, 1, D, out + t * qstep);
+            if (visible[t * T + j]) weighted_sum(s + n++, p->v + (b * T + j) * step + kvh * D, D, 1, D, out + t * qstep);
         float total = 0.0f;
-        for (i = 0; i < seen[t]; i++) total = total + s[i];
+        for (int64_t i = 0; i < n; i++) total = total + s[i];
         for (int64_t d = 0; d < D; d++) out[t * qstep + d] = out[t * qstep + d] / total;
     }
-    free(scores), free(seen);
+    free(scores);
     return 0;
 }
 
@@ -323,7 +318,7 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *context) {
     OrtValue *output;
     TRY(API(api, KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(context, 0, q_shape, 4, &output));
     Problem p = {data[0], data[1], data[2], data[3], data[4], data[5], data[6], NULL,
-                 B, T, kn->hq, kn->hkv, kn->d, S, kn->scale, 0};
+                 T, kn->hq, kn->hkv, kn->d, S, kn->scale, 0};
     TRY(API(api, GET_TENSOR_MUTABLE_DATA, GetTensorMutableDataFn)(output, (void **)&p.out));
     if (B * kn->hq > 0)
         TRY(API(api, KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(context, attend_item, (size_t)(B * kn->hq), 0, &p));
