@@ -548,6 +548,30 @@ def test_cuda_graph_batches_match_the_cpu(dtype, compile):
             gpu.commit(s, np.array([0]))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA_OK, reason=CUDA_REASON)
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_a_quantized_checkpoint_on_cuda_answers_as_its_own_greedy(weights, compile):
+    """--weights on CUDA: the torch executor with each weight dequantized inside kernels/invariant.py's product
+    (CUDA graphs, eager or compiled); lookahead and `auto` answer as the same quantized model's greedy, alone and
+    batched, and the tuning key names the weights."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from trt_lookahead.runtime import LookaheadRuntime
+    from trt_lookahead.runtime.load import loaded_tuning_key
+
+    prompts = ["Once upon a time", "The little dog ran to the", "Lily and Ben went to the park"]
+    with LookaheadRuntime.from_pretrained(STORIES, dtype="bfloat16", device="cuda", weights=weights,
+                                          compile=compile) as rt:
+        assert rt.model.backend == "torch" and loaded_tuning_key(rt.model).endswith(f"|weights={weights}")
+        greedy = [rt.generate(p, max_new_tokens=48, lookahead="greedy").token_ids for p in prompts]
+        for config in (LookaheadConfig(4, 3, 4), "auto"):
+            assert [rt.generate(p, max_new_tokens=48, lookahead=config).token_ids for p in prompts] == greedy
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(lambda p: rt.generate(p, max_new_tokens=48).token_ids, prompts)) == greedy
+
+
 # -- the padded step's widths and commits ----------------------------------------------------------------------
 
 

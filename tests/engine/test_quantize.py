@@ -21,13 +21,17 @@ from trt_lookahead.backends.open import open_engine
 from trt_lookahead.cli import main
 from trt_lookahead.engine.format import write_engine_config
 from trt_lookahead.engine.quantize import (
+    BITS,
     BLOCK_SIZE,
     gguf_blocks,
     quantize_activations,
     quantize_blocks,
     quantize_graph,
+    quantize_model,
 )
 from trt_lookahead.errors import UserError
+from trt_lookahead.model.checkpoint import load_llama
+from trt_lookahead.model.llama import Linear
 from trt_lookahead.runtime import LookaheadRuntime
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
@@ -234,6 +238,52 @@ def test_the_graph_pass_multiplies_by_the_dequantized_weight_and_keeps_a_tied_lo
     np.testing.assert_allclose(y, x @ used["W"].dequantize().T, rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(emb, weight[[4, 9]])
     assert np.abs(used["W"].dequantize() - weight).max() > 0  # it really is quantized
+
+
+# -- a torch Llama's projections (the GPU executor's weights) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_torch_llama_holds_the_blocks_the_graph_pass_makes_and_keeps_its_tied_lookup(scheme):
+    """quantize_model: every projection and the lm_head become QuantizedLinear holding quantize_blocks' blocks, whose
+    dense weight is QuantizedWeight.dequantize's bit for bit; the tied embedding stays float (in the asked dtype),
+    the scales float32; and the model's logits are those of a float model holding the dequantized weights."""
+    model, cfg = load_llama(STORIES)
+    source, reference = load_llama(STORIES)[0], load_llama(STORIES, dtype=torch.bfloat16)[0]
+    embedding = model.tok_embeddings.weight.clone()
+    used = quantize_model(model, scheme, torch.bfloat16)
+    names = {f"layers.{i}.{m}" for i in range(cfg.num_layers)
+             for m in ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")} | {"output"}
+    assert set(used) == names and not any(isinstance(m, Linear) for m in model.modules())
+    assert model.quantized and model.weight_layout == "blocks" and model.dtype == torch.bfloat16
+    assert torch.equal(model.tok_embeddings.weight, embedding.to(torch.bfloat16))
+    for name, blocks in used.items():
+        module = model.get_submodule(name)
+        assert (blocks.grid, module.bits, module.scales.dtype) == (scheme, BITS[scheme], torch.float32)
+        weight = source.get_submodule(name).weight.numpy()
+        assert np.array_equal(blocks.dequantize(), quantize_blocks(weight, BITS[scheme]).dequantize())
+        assert np.array_equal(module.dense_weight().numpy(), blocks.dequantize())
+        dequantized = torch.from_numpy(blocks.dequantize()).to(torch.bfloat16)
+        reference.get_submodule(name).weight = torch.nn.Parameter(dequantized, requires_grad=False)
+    ids = torch.tensor([1, 300, 411, 20, 7])
+    step = (ids, torch.arange(5), None, None, torch.tensor(0), torch.ones(5, 5, dtype=torch.bool).tril())
+    assert torch.equal(model(*step), reference(*step))
+
+
+def test_a_torch_llama_keeps_a_gguf_weights_own_blocks():
+    """A projection that is a GGUF Q4_1 tensor dequantized keeps its blocks and mins (4-bit under --weights int8):
+    its dense weight is the checkpoint's to the bit, not a second rounding."""
+    model, _ = load_llama(STORIES)
+    module = model.layers[0].attention.wqkv  # K = 64: whole GGUF blocks
+    rng = np.random.default_rng(5)
+    w, _ = gguf_roundtrip(rng.standard_normal(tuple(module.weight.shape)).astype(np.float32), "Q4_1")
+    with torch.no_grad():
+        module.weight.copy_(torch.from_numpy(w))
+    used = quantize_model(model, "int8")
+    kept = model.layers[0].attention.wqkv
+    assert used["layers.0.attention.wqkv"].grid == "Q4_1" and kept.bits == 4 and kept.mins is not None
+    assert np.array_equal(kept.dense_weight().numpy(), w)
+    assert used["layers.0.feed_forward.w13"].grid == "int8"  # the others: the scheme asked for
 
 
 # -- quantized engines end to end -------------------------------------------------------------------------------

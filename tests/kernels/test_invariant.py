@@ -5,11 +5,14 @@ tests/conftest.py) without one.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from trt_lookahead.backends.devices import gpu_count
+from trt_lookahead.engine.quantize import quantize_blocks
 from trt_lookahead.kernels import invariant, padded_attention, reference
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.layout import StepLayout
@@ -86,6 +89,58 @@ def test_rms_norm_gives_a_row_the_same_bits_in_any_call_and_matches_the_module(d
     assert reference.relative_error(full.cpu(), norm(x).detach().cpu()) <= tolerance
     for r in (0, 7, 39):
         assert torch.equal(invariant.rms_norm(x[r : r + 1], norm.weight, norm.eps)[0], full[r])
+
+
+def blocks_as_tensors(blocks) -> tuple[torch.Tensor, ...]:
+    """engine/quantize.py's QuantizedWeight as the kernel's tensors: (codes, scales, zero points, mins) on DEVICE."""
+    arrays = (blocks.codes.reshape(len(blocks.codes), -1), blocks.scales, blocks.zero_points, blocks.mins)
+    return tuple(None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE) for a in arrays)
+
+
+def test_quantized_linear_dequantizes_a_block_by_hand():
+    """engine/quantize.py's worked example, one block [-1.0, 0.6, 2.0, 0.3, 0, ...]: s 0.2, z 5, codes 0, 8, 15, 7,
+    5, ..., so w = -1.0, 0.6, 2.0, 0.4 (1.5 rounds to even), 0; x = the identity reads w back column by column."""
+    weight = np.zeros((2, 32), np.float32)
+    weight[0, :4] = [-1.0, 0.6, 2.0, 0.3]
+    weight[1] = 1.0  # a block without negatives: its range starts at 0, so z = 0 and s = 1 / 15
+    codes, scales, zeros, _ = blocks_as_tensors(quantize_blocks(weight, 4))
+    y = invariant.quantized_linear(torch.eye(32, device=DEVICE), codes, scales, zeros, None, 4).cpu()  # [32, 2]
+    np.testing.assert_allclose(y[:5, 0], [-1.0, 0.6, 2.0, 0.4, 0.0], atol=1e-6)
+    np.testing.assert_allclose(y[:, 1], np.ones(32), atol=1e-6)
+
+
+@DTYPES
+@pytest.mark.parametrize("bits,with_mins", [(4, False), (8, False), (4, True)], ids=["int4", "int8", "int4-mins"])
+@pytest.mark.parametrize("span", [None, 128], ids=["whole", "spans"])
+def test_quantized_linear_has_the_bits_of_linear_by_the_dequantized_weight(dtype, tolerance, bits, with_mins,
+                                                                         span, interpreted_float32_dot):
+    """K = 200: six whole blocks and a padded seventh (an odd count: the int4 zero points' last byte is half used);
+    mins: a GGUF Q4_1 block's m added to (q - z) * s. Same tile and span, so the same bits as `linear` by the
+    weight dequantized (QuantizedWeight.dequantize) in x's dtype; and a row's bits whatever M."""
+    rng = np.random.default_rng(bits)
+    blocks = quantize_blocks(rng.standard_normal((72, 200)).astype(np.float32), bits)
+    if with_mins:
+        blocks = dataclasses.replace(blocks, mins=rng.standard_normal(blocks.scales.shape).astype(np.float32))
+    codes, scales, zeros, mins = blocks_as_tensors(blocks)
+    dense = torch.from_numpy(blocks.dequantize()).to(DEVICE)
+    x = randn(130, 200, dtype=dtype)
+    full = invariant.quantized_linear(x, codes, scales, zeros, mins, bits, span=span)
+    assert full.dtype == dtype
+    assert torch.equal(full, invariant.linear(x, dense.to(dtype), span=span))
+    expected = x.double() @ dense.double().t()
+    assert reference.relative_error(full.cpu(), expected.cpu()) <= tolerance
+    interpreted_float32_dot(dtype)
+    for M in (1, 3, 33):
+        part = invariant.quantized_linear(x[:M], codes, scales, zeros, mins, bits, span=span)
+        alone = invariant.quantized_linear(x[M - 1 : M], codes, scales, zeros, mins, bits, span=span)[0]
+        assert torch.equal(part[M - 1], alone) and torch.equal(full[M - 1], alone), M
+
+
+def test_quantized_linear_refuses_a_tile_that_splits_a_block():
+    codes, scales, zeros, _ = blocks_as_tensors(quantize_blocks(np.ones((4, 64), np.float32), 4))
+    x = torch.ones(1, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        invariant.quantized_linear(x, codes, scales, zeros, None, 4, tile=(16, 32, 16, 4))
 
 
 def padded_step(configs: list[tuple[LookaheadConfig, int]], T: int, S: int):

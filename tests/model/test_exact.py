@@ -24,6 +24,7 @@ from trt_lookahead.backends.row_probe import (
     step_variance,
 )
 from trt_lookahead.backends.torch import BatchedTorchExecutor
+from trt_lookahead.engine.quantize import quantize_model
 from trt_lookahead.kernels.reference import KEY_BLOCK
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.executor import StepBatch
@@ -123,6 +124,28 @@ def test_the_padded_exact_step_gives_a_slot_the_same_bits_too(name, dtype, seed,
         model = load_llama(STORIES, dtype=dtype)[0]
     else:
         model = random_gqa_llama(dtype, "out_in", **(TINY_GQA if name == "tiny-gqa" else {}))
+    ex = BatchedTorchExecutor(model.to(device), 4, 300, STEP_TOKENS, device, padded=True, cuda_graph=False,
+                              exact=True)
+    assert_slot_bits(ex, seed)
+
+
+QUANTIZED_CASES = [  # (model, scheme, dtype, seed): interpreted, the tiny-gqa int4 case (slow); the rest need a GPU
+    pytest.param("tiny-gqa", "int4", torch.bfloat16, 1, marks=pytest.mark.slow),
+    *(("stories260K", scheme, dtype, seed) for scheme in ("int4", "int8") for dtype, seed in DTYPE_SEEDS[:2]),
+]
+
+
+@pytest.mark.parametrize("name,scheme,dtype,seed", QUANTIZED_CASES)
+def test_the_padded_step_on_quantized_weights_gives_a_slot_the_same_bits(name, scheme, dtype, seed,
+                                                                        interpreted_float32_dot):
+    """Quantized weights (engine/quantize.py `quantize_model`), each dequantized inside kernels/invariant.py's
+    product: the exact padded step keeps a slot's bits alone, batched and in plain decoding."""
+    interpreted_float32_dot(dtype)
+    device = "cuda" if gpu_count() else "cpu"
+    if device == "cpu" and name != "tiny-gqa":
+        pytest.skip("interpreted Triton: the one-layer model only (the others run where a GPU is, gpu_check)")
+    model = load_llama(STORIES)[0] if name == "stories260K" else random_gqa_llama(torch.float32, "out_in", **TINY_GQA)
+    quantize_model(model, scheme, dtype)
     ex = BatchedTorchExecutor(model.to(device), 4, 300, STEP_TOKENS, device, padded=True, cuda_graph=False,
                               exact=True)
     assert_slot_bits(ex, seed)

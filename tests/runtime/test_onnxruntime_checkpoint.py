@@ -78,6 +78,13 @@ def test_the_backend_of_a_checkpoint():
     assert backend == "torch" and "CUDA graphs" in why
     with pytest.raises(UserError, match="runs on CUDA through the torch executor, not onnxruntime"):
         checkpoint_backend("onnxruntime", "float32", device="cuda")
+    # quantized weights: on CUDA the torch executor's product (any dtype); on the CPU an onnxruntime engine
+    for dtype in ("bfloat16", "float32"):
+        backend, why = checkpoint_backend(None, dtype, device="cuda", weights="int4")
+        assert backend == "torch" and "dequantized inside its product" in why
+    assert checkpoint_backend(None, "float32", weights="int8")[0] == "onnxruntime"
+    with pytest.raises(UserError, match="--weights int4 on CUDA runs on the torch executor, not onnxruntime"):
+        checkpoint_backend("onnxruntime", "float32", device="cuda", weights="int4")
 
 
 def test_the_device_of_a_checkpoint(tmp_path):
@@ -140,8 +147,8 @@ def test_a_checkpoint_runs_quantized_on_its_own_cached_engine(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"backend": "torch", "weights": "int4"}, "--weights int4 runs a checkpoint as a float32 onnxruntime engine"),
-    ({"dtype": "bfloat16", "weights": "int8"}, "--weights int8 runs a checkpoint as a float32 onnxruntime engine"),
+    ({"backend": "torch", "weights": "int4"}, "--weights int4 on the CPU runs a checkpoint as a float32 onnxruntime"),
+    ({"dtype": "bfloat16", "weights": "int8"}, "--weights int8 on the CPU runs a checkpoint as a float32 onnxruntime"),
     ({"exact": True, "weights": "int4", "activations": "float"}, "exact steps on quantized weights come with int8"),
     ({"activations": "int8"}, "--activations int8 multiplies quantized weights: add --weights int8 or int4"),
 ])

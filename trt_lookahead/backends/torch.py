@@ -36,6 +36,11 @@ slot), allocated once; nothing is allocated per request. Two step paths, one con
     token choice (argmax, sampling, top-k) stays eager. It needs a dense weight layout (not 'onednn'). Exact and
     compiled, the prompt is prefilled through the compiled step too (the steps' bits), and inductor splits no
     reduction.
+  quantized weights (a model whose projections are QuantizedLinear: engine/quantize.py `quantize_model`): the
+    padded step runs each as kernels/invariant.py's `quantized_linear` where those kernels run, the weight
+    dequantized inside the product, on the fast step as on the exact one (row-invariant either way;
+    docs/design.md 6.9); elsewhere, and on the packed step, the module multiplies by its dequantized weight
+    (QuantizedLinear.forward), never exact.
 
 Token choice: argmax, or the seeded Gumbel-max draw with each slot's temperature, top-k, top-p and seed
 (kernels/sampling_torch.py `select_rows_torch`), keyed by the position of the output slot (docs/design.md
@@ -44,6 +49,7 @@ section 4.3).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
@@ -78,6 +84,7 @@ from trt_lookahead.model.llama import (
     AttentionFn,
     Llama,
     Ops,
+    QuantizedLinear,
     attend,
     row_invariant_layout,
 )
@@ -193,6 +200,8 @@ class BatchedTorchExecutor:
             raise ValueError("cuda_graph needs device='cuda' and the padded step")
         self.exact = self._exact(model, exact)
         self._ops = (invariant_ops() if self.padded else row_invariant_ops(model)) if self.exact else MODULE_OPS
+        if model.quantized and self.padded and not invariant_kernels_reason(self.device):
+            self._ops = dataclasses.replace(self._ops, quantized=quantized_projection)
         self.model = model
         self.vocab_size = model.cfg.vocab_size
         self.max_batch, self.max_seq_len, self.step_tokens = int(max_batch), int(max_seq_len), int(step_tokens)
@@ -252,6 +261,9 @@ class BatchedTorchExecutor:
             if exact and reason:
                 raise ValueError(f"exact=True on the padded step {reason}; use exact=False")
             return bool(exact)
+        if exact and model.quantized:
+            raise ValueError("exact=True on quantized weights runs the padded step's Triton kernels (on CUDA, or on "
+                             "the CPU under TRITON_INTERPRET=1): use padded=True, or exact=False")
         layout = row_invariant_layout(model.device, model.dtype)
         if exact is None:  # the probes (backends/row_probe.py, each shape once) run here, not in a request
             return (model.weight_layout == layout and model.dtype in EXACT_BY_DEFAULT
@@ -736,6 +748,12 @@ def invariant_attention(mask: Tensor, cache_len: Tensor, positions: Tensor) -> A
         return step_ops.invariant_padded_attention(q, k_cache, v_cache, key_rows, lengths)
 
     return attention
+
+
+def quantized_projection(x: Tensor, module: QuantizedLinear) -> Tensor:
+    """A projection on quantized weights in the padded step, fast or exact: kernels/invariant.py's product, the
+    weight dequantized inside it (through kernels/step_ops.py: one op, opaque to a compiled step)."""
+    return step_ops.quantized_linear(x, module.codes, module.scales, module.zero_points, module.mins, module.bits)
 
 
 def invariant_ops() -> Ops:

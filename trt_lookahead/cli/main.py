@@ -72,7 +72,8 @@ def _add_tree_argument(p: argparse.ArgumentParser, build: bool = False) -> None:
 
 
 def _add_weights_arguments(p: argparse.ArgumentParser, model: bool = False) -> None:
-    where = " (a --model checkpoint's cached engine; an engine dir's are its build's)" if model else ""
+    where = (" (a --model checkpoint: its cached engine on the CPU; on --device cuda the torch executor, each weight "
+             "dequantized inside its product, on float activations; an engine dir's are its build's)") if model else ""
     p.add_argument("--weights", choices=WEIGHT_SCHEMES, default=WEIGHT_SCHEMES[0],
                    help="the projections' weights: float (the --dtype's), or int8 / int4 blocks of 32 with a scale "
                         "and zero point each, a GGUF-converted checkpoint's own Q4_0 / Q4_1 / Q8_0 blocks kept "

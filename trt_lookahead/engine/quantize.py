@@ -5,6 +5,7 @@
     proto, used = quantize_graph(proto, "int4")    # every Gemm(x, W^T) on a weight -> com.microsoft MatMulNBits
     proto, used = quantize_graph(proto, "int4", activations="int8")  # ... multiplying int8 activation blocks
     x_hat = quantize_activations(x)                # x [..., K] torch: what those nodes multiply instead of x
+    used = quantize_model(llama, "int4", torch.bfloat16)  # a torch Llama's projections -> QuantizedLinear (GPU)
 
 Each output channel's K inputs are cut into blocks of BLOCK_SIZE (the last one padded with zeros); a block
 keeps `bits`-bit unsigned codes q, a float32 scale s and an integer zero point z, and w_hat = (q - z) * s. The
@@ -24,7 +25,7 @@ The layout is onnxruntime's MatMulNBits (contrib op, CPU): codes [N, blocks, BLO
 4-bit codes per byte low nibble first, scales [N * blocks], zero points [N, blocks] bytes for int8 and two per
 byte for int4; a Q4_1 block's m rides beside the node (`mins`). The engine's config.json records the scheme
 (engine/format.py); docs/design.md section 6.9.
-Imports numpy, onnx (and torch for `quantize_activations`) and engine.format.
+Imports numpy, onnx (and torch and model.llama for `quantize_activations` and `quantize_model`) and engine.format.
 """
 
 from __future__ import annotations
@@ -176,6 +177,11 @@ def gguf_blocks(weight: np.ndarray) -> QuantizedWeight | None:
     return None
 
 
+def weight_blocks(weight: np.ndarray, bits: int) -> QuantizedWeight:
+    """A float [N, K] weight's blocks: its own GGUF blocks where it has them, else quantized to `bits`."""
+    return gguf_blocks(weight) or quantize_blocks(weight, bits)
+
+
 def quantize_activations(x: Any) -> Any:
     """x [..., K] torch float -> what an int8-activation MatMulNBits multiplies instead: per row, blocks of
     BLOCK_SIZE along K, each round(x * 127 / amax) * amax / 127 (round half to even, as the kernels' conversion)."""
@@ -201,6 +207,35 @@ def check_scheme(weights: str, activations: str | None = None) -> tuple[str, str
     if activations != "float" and weights == "float":
         raise UserError(f"--activations {activations} multiplies quantized weights: add --weights int8 or int4")
     return weights, activations
+
+
+def quantize_model(model: Any, scheme: str, dtype: Any = None) -> dict[str, QuantizedWeight]:
+    """Replace every bias-free projection of a torch `Llama` (model/llama.py), the lm_head included (the Gemms
+    `quantize_graph` takes), by a QuantizedLinear holding its weight's own GGUF blocks where it has them
+    (`gguf_blocks`), else the weight quantized as `scheme`; then cast the float parameters left (embeddings, norms)
+    to `dtype` (None: as they are). Quantize a float32 model: a GGUF grid survives no lower precision.
+    -> {the projection's name: its blocks}."""
+    import torch
+
+    from trt_lookahead.model.llama import Linear, QuantizedLinear
+
+    bits = BITS[scheme]
+    used: dict[str, QuantizedWeight] = {}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, Linear) or module.bias is not None:
+            continue
+        weight = module.dense_weight()
+        blocks = used[name] = weight_blocks(weight.float().cpu().numpy(), bits)
+        tensors = (blocks.codes.reshape(len(blocks.codes), -1), blocks.scales, blocks.zero_points, blocks.mins)
+        codes, scales, zeros, mins = (None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(weight.device)
+                                      for a in tensors)
+        model.set_submodule(name, QuantizedLinear(codes, scales, zeros, mins, blocks.bits, blocks.k))
+    if not used:
+        raise UserError(f"--weights {scheme}: the model has no bias-free projection to quantize")
+    if dtype is not None:
+        for param in model.parameters():  # QuantizedLinear holds buffers: its float32 scales stay float32
+            param.data = param.data.to(dtype)
+    return used
 
 
 def quantize_graph(proto: Any, scheme: str, activations: str = "float") -> tuple[Any, dict[str, QuantizedWeight]]:
@@ -232,7 +267,7 @@ def quantize_graph(proto: Any, scheme: str, activations: str = "float") -> tuple
             continue
         name = weight.name
         array = numpy_helper.to_array(weight)
-        blocks = gguf_blocks(array) or quantize_blocks(array, bits)
+        blocks = weight_blocks(array, bits)
         n, k, b = blocks.scales.shape[0], blocks.k, f"{name}.q{blocks.bits}"
         graph.initializer.extend([
             numpy_helper.from_array(blocks.codes, b),

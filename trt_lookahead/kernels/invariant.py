@@ -1,5 +1,5 @@
 """Row-invariant Triton kernels for the exact step on a GPU: projections and RMSNorm (its attention:
-kernels/padded_attention.py).
+kernels/padded_attention.py), and the product by quantized weights of every GPU step.
 
 A row's result depends only on its own inputs, never on how many rows the call holds or where the row sits
 (docs/design.md 4.2, "batch-invariant kernels"): every reduction runs in one fixed order per row.
@@ -8,6 +8,10 @@ A row's result depends only on its own inputs, never on how many rows the call h
   in order; the tile (`linear_tile`) grows with M for speed. Every tile of LINEAR_TILES gave the same bits on
   an H200 in both dtypes (tests/kernels/test_invariant.py checks it wherever a GPU runs them); the
   interpreter's tl.dot is numpy's matmul, whose bits depend on the tile's shape, so it runs one tile.
+- `quantized_linear`: `linear` of a weight held in int8 or int4 blocks (engine/quantize.py's layout, MatMulNBits'):
+  each weight tile is dequantized in registers, so the weight streams at 1 or 1/2 byte an element (plus a scale
+  and zero point a block), and the product has the bits of `linear` by the dequantized weight: quantized steps,
+  fast or exact, are row-invariant (docs/design.md 6.9).
 - `rms_norm`: one program per row, the whole row in one block.
 Launched on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (the tests without a GPU).
 """
@@ -32,10 +36,51 @@ SPAN_SUM_BLOCK = 1024
 NUM_WARPS = 4
 
 
+@triton.jit
+def _weight_tile(w_ptr, s_ptr, z_ptr, m_ptr, offs_n, kb, N, K, stride_wn, stride_s, stride_z,
+                 QBITS: tl.constexpr, QBLOCK: tl.constexpr, HAS_MINS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] float32: input dims kb * BLOCK_K .. of the weight's rows offs_n, dequantized from
+    QBITS-bit codes in blocks of QBLOCK input dims (engine/quantize.py's layout): (q - z) * s, plus m with
+    HAS_MINS, in float32 as QuantizedWeight.dequantize computes them."""
+    offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_ok = (offs_n < N)[None, :]
+    ok = n_ok & (offs_k < K)[:, None]
+    if QBITS == 4:  # two codes a byte, the lower input dim in the low nibble
+        byte = tl.load(w_ptr + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None], mask=ok, other=0)
+        q = (byte >> ((offs_k % 2) * 4)[:, None]) & 0xF
+    else:
+        q = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=ok, other=0)
+    GROUPS: tl.constexpr = BLOCK_K // QBLOCK
+    offs_g = kb * GROUPS + tl.arange(0, GROUPS)  # the tile's blocks
+    g_ok = n_ok & (offs_g * QBLOCK < K)[:, None]
+    s = tl.load(s_ptr + offs_n[None, :] * stride_s + offs_g[:, None], mask=g_ok, other=0.0)  # [GROUPS, BLOCK_N]
+    if QBITS == 4:  # zero points two a byte too
+        zb = tl.load(z_ptr + offs_n[None, :] * stride_z + (offs_g // 2)[:, None], mask=g_ok, other=0)
+        z = (zb >> ((offs_g % 2) * 4)[:, None]) & 0xF
+    else:
+        z = tl.load(z_ptr + offs_n[None, :] * stride_z + offs_g[:, None], mask=g_ok, other=0)
+    w = (tl.reshape(q.to(tl.float32), (GROUPS, QBLOCK, BLOCK_N)) - z.to(tl.float32)[:, None, :]) * s[:, None, :]
+    if HAS_MINS:
+        w = w + tl.load(m_ptr + offs_n[None, :] * stride_s + offs_g[:, None], mask=g_ok, other=0.0)[:, None, :]
+    return tl.reshape(w, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def _bfloat16_values(w):
+    """float32 w rounded to bfloat16's precision, to nearest even (what a compiled kernel's cast does), in float32."""
+    bits = w.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
 @triton.jit(do_not_specialize=["M", "SPAN_BLOCKS"])
-def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, SPAN_BLOCKS, stride_xm, stride_wn, stride_ym,
-                   HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr,
+def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, s_ptr, z_ptr, m_ptr, M, N, K, SPAN_BLOCKS, stride_xm, stride_wn,
+                   stride_ym, stride_s, stride_z, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                   UPCAST_DOT: tl.constexpr, QBITS: tl.constexpr, QBLOCK: tl.constexpr, HAS_MINS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y = x @ w^T (+ b) for a float weight w [N, K] (QBITS 0), or one held in QBITS-bit blocks (`_weight_tile`):
+    the same dot over the same tiles, so a quantized weight's product has the bits of its dequantized weight's."""
     pid_m, pid_n, span = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -47,8 +92,14 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, SPAN_BLOCKS, stride_xm, 
         k_ok = (k0 + offs_k) < K
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
                     mask=(offs_m < M)[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        w = tl.load(w_ptr + offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None],
-                    mask=(offs_n < N)[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
+        if QBITS:
+            w = _weight_tile(w_ptr, s_ptr, z_ptr, m_ptr, offs_n, kb, N, K, stride_wn, stride_s, stride_z,
+                             QBITS, QBLOCK, HAS_MINS, BLOCK_N, BLOCK_K)  # [BLOCK_K, BLOCK_N] float32
+            # in x's dtype; the interpreter's float32 -> bfloat16 cast truncates, so it rounds by hand there
+            w = _bfloat16_values(w) if UPCAST_DOT else w.to(x.dtype)
+        else:
+            w = tl.load(w_ptr + offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None],
+                        mask=(offs_n < N)[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
         if UPCAST_DOT:
             x, w = x.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(x, w, acc, input_precision="ieee")
@@ -105,17 +156,44 @@ def linear(x: Any, weight: Any, bias: Any = None, tile: tuple[int, int, int, int
     tile: (BLOCK_M, BLOCK_N, BLOCK_K, warps), else `linear_tile`'s (INTERPRETED_TILE on the CPU). span: the
     input dims one program reduces (a multiple of 128; the spans' sums are added in order), else `linear_span`'s;
     a row's bits depend on it, never on M or the tile."""
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    return _product(x, w.shape[0], w, None, bias, tile, span)
+
+
+def quantized_linear(x: Any, codes: Any, scales: Any, zero_points: Any, mins: Any, bits: int,
+                     tile: tuple[int, int, int, int] | None = None, span: int | str | None = "auto") -> Any:
+    """`linear` of x [..., K] by a weight [N, K] held in blocks along K (engine/quantize.py's QuantizedWeight, as
+    tensors): codes uint8 [N, blocks * block * bits / 8], scales float32 [N, blocks], zero points uint8 [N, blocks]
+    (int8) or two a byte (int4), mins float32 [N, blocks] or None. Each weight tile is dequantized in float32 in
+    registers and cast to x's dtype before the dot, so the result has the bits of `linear(x, dequantized weight
+    in x's dtype)` with the same tile and span: row-invariant the same way, and the weight read at bits / 8 bytes
+    an element."""
+    N, blocks = scales.shape
+    block = codes.shape[1] * 8 // bits // blocks  # the input dims a block holds
+    tile = tile or _tile(x, N)
+    if tile[2] % block:
+        raise ValueError(f"a tile's BLOCK_K ({tile[2]}) must hold whole blocks of {block} input dims")
+    quantized = (scales, zero_points, mins, bits, block)
+    return _product(x, N, codes, quantized, None, tile, span)
+
+
+def _tile(x: Any, N: int) -> tuple[int, int, int, int]:
+    """`linear_tile`'s tile on CUDA (INTERPRETED_TILE on the CPU) for x's rows and N outputs."""
+    return linear_tile(x.numel() // x.shape[-1], N, _sms(x.device)) if x.is_cuda else INTERPRETED_TILE
+
+
+def _product(x: Any, N: int, w: Any, quantized: tuple[Any, Any, Any, int, int] | None, bias: Any,
+             tile: tuple[int, int, int, int] | None, span: int | str | None) -> Any:
+    """Launch `_linear_kernel` for x [..., K] and w: a float weight [N, K], or `quantized` = (scales, zero points,
+    mins, bits, block) beside the codes in w."""
     import torch
 
     M, K = x.numel() // x.shape[-1], x.shape[-1]
-    N = weight.shape[0]
     x2 = x.reshape(M, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    w = weight if weight.stride(-1) == 1 else weight.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if tile is None:
-        tile = linear_tile(M, N, _sms(x.device)) if x.is_cuda else INTERPRETED_TILE
+    tile = tile or _tile(x, N)
     if span == "auto":
         span = linear_span(N, K, _sms(x.device)) if x.is_cuda else None
     if span is not None and (not isinstance(span, int) or span <= 0 or span % 128):
@@ -123,10 +201,12 @@ def linear(x: Any, weight: Any, bias: Any = None, tile: tuple[int, int, int, int
     spans = 1 if span is None else triton.cdiv(K, span)
     BM, BN, BK, warps = tile
     part = y if spans == 1 else torch.empty(spans, M, N, dtype=torch.float32, device=x.device)
+    scales, zeros, mins, bits, block = quantized or (w, w, None, 0, 1)  # float weights: unread pointers
     _linear_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN), spans)](
-        x2, w, w if bias is None else bias, part, M, N, K, triton.cdiv(K if spans == 1 else span, BK),
-        x2.stride(0), w.stride(0), y.stride(0), HAS_BIAS=bias is not None, SPLIT=spans > 1,
-        UPCAST_DOT=interpreter_upcast(x.dtype), BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps,
+        x2, w, w if bias is None else bias, part, scales, zeros, w if mins is None else mins, M, N, K,
+        triton.cdiv(K if spans == 1 else span, BK), x2.stride(0), w.stride(0), y.stride(0), scales.stride(0),
+        zeros.stride(0), HAS_BIAS=bias is not None, SPLIT=spans > 1, UPCAST_DOT=interpreter_upcast(x.dtype),
+        QBITS=bits, QBLOCK=block, HAS_MINS=mins is not None, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps,
     )
     if spans > 1:
         _span_sum_kernel[(triton.cdiv(M * N, SPAN_SUM_BLOCK),)](part, w if bias is None else bias, y, M, N,

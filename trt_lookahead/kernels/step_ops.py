@@ -3,8 +3,9 @@
 A compiled step (backends/torch.py, `BatchedTorchExecutor(compile=True)`) lets inductor fuse the pointwise work
 of the step body (RoPE, the KV writes, SiLU * mul, residual adds, the mask's closed form) and nothing else: the
 attention (on the fast step SDPA, or kernels/padded_attention.py's kernel over each slot's own keys; on the exact
-one that kernel's row-invariant mode) and the exact step's projections and norms are each one call that inductor
-neither looks into nor splits, so no reduction of theirs is reordered and the exact step keeps its bits compiled
+one that kernel's row-invariant mode), the exact step's projections and norms, and projections on quantized
+weights on either step (the weight dequantized inside the product) are each one call that inductor neither looks
+into nor splits, so no reduction of theirs is reordered and the exact step keeps its bits compiled
 or eager. Each op has a fake (meta) implementation giving its output's shape, dtype and (contiguous) layout,
 which is all inductor sees of it.
 
@@ -50,6 +51,23 @@ def invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 @invariant_linear.register_fake
 def _invariant_linear_fake(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::quantized_linear", mutates_args=(),
+                         schema="(Tensor x, Tensor codes, Tensor scales, Tensor zero_points, Tensor? mins, "
+                                "int bits) -> Tensor")
+def quantized_linear(x: Tensor, codes: Tensor, scales: Tensor, zero_points: Tensor, mins: Tensor | None,
+                     bits: int) -> Tensor:
+    """kernels/invariant.py `quantized_linear`: x times a weight held in blocks, dequantized in the product."""
+    from trt_lookahead.kernels import invariant
+
+    return invariant.quantized_linear(x, codes, scales, zero_points, mins, bits)
+
+
+@quantized_linear.register_fake
+def _quantized_linear_fake(x: Tensor, codes: Tensor, scales: Tensor, zero_points: Tensor, mins: Tensor | None,
+                           bits: int) -> Tensor:
+    return x.new_empty((*x.shape[:-1], scales.shape[0]))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::invariant_rms_norm", mutates_args=(),

@@ -35,7 +35,8 @@ row-invariant kernels there (kernels/invariant.py) as it passes its attention.
 Weights: q/k/v are fused into `wqkv` and gate/up into `w13` (gpt-fast style; `checkpoint.to_state_dict`
 maps HF names). Projections are `Linear`s with a switchable layout (`Llama.set_weight_layout`):
 'out_in' (nn.Linear's; export, CUDA) or, for the CPU executor, 'onednn' (oneDNN-packed weights,
-1.5-3x faster than MKL sgemm on one core and batch-invariant) or 'in_out'.
+1.5-3x faster than MKL sgemm on one core and batch-invariant) or 'in_out'. Quantized weights
+(engine/quantize.py `quantize_model`) make the projections `QuantizedLinear`s, int8 or int4 blocks.
 """
 
 from __future__ import annotations
@@ -68,15 +69,18 @@ class Ops:
 
     linear: LinearFn | None = None
     rms_norm: NormFn | None = None
+    quantized: Callable[[Tensor, QuantizedLinear], Tensor] | None = None  # projections on quantized weights
     one_row_as_two: frozenset[nn.Module] = frozenset()
     max_rows: Mapping[nn.Module, int] = field(default_factory=dict)
 
-    def project(self, module: Linear, x: Tensor) -> Tensor:
+    def project(self, module: Linear | QuantizedLinear, x: Tensor) -> Tensor:
         rows = x.shape[0]
         if rows == 1 and module in self.one_row_as_two:
             return self.project(module, torch.cat([x, torch.zeros_like(x)]))[:1]
         if rows > (limit := self.max_rows.get(module, rows)):
             return torch.cat([self.project(module, part) for part in x.split(limit)])  # [rows, out]
+        if isinstance(module, QuantizedLinear):
+            return module(x) if self.quantized is None else self.quantized(x, module)
         return module(x) if self.linear is None else self.linear(x, module.dense_weight(), module.bias)
 
     def norm(self, module: RMSNorm, x: Tensor) -> Tensor:
@@ -325,6 +329,48 @@ class Linear(nn.Linear):
         self.layout = layout
 
 
+class QuantizedLinear(nn.Module):
+    """A bias-free projection whose [out, in] weight is held in blocks along `in` (engine/quantize.py's
+    QuantizedWeight as tensors, MatMulNBits' layout): codes uint8 [out, blocks * block * bits / 8] (int4: two a
+    byte, the lower input dim in the low nibble), scales float32 [out, blocks], zero points uint8 [out, blocks]
+    (int4: two a byte) and, for a GGUF Q4_1 weight, mins float32 [out, blocks]; w = (q - z) * s (+ m).
+
+    `forward` multiplies by the dequantized weight (the definition; any device); a step passes the GPU's product
+    through `Ops.quantized` (kernels/invariant.py `quantized_linear`, the weight dequantized inside it).
+    """
+
+    layout = "blocks"
+    bias = None
+
+    def __init__(self, codes: Tensor, scales: Tensor, zero_points: Tensor, mins: Tensor | None, bits: int,
+                 in_features: int) -> None:
+        super().__init__()
+        self.bits, self.in_features, self.out_features = bits, in_features, scales.shape[0]
+        self.codes: Tensor
+        self.scales: Tensor
+        self.zero_points: Tensor
+        self.mins: Tensor | None
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+        self.register_buffer("zero_points", zero_points)
+        self.register_buffer("mins", mins)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.dense_weight().to(x.dtype))
+
+    def dense_weight(self) -> Tensor:
+        """[out, in] float32: (q - z) * s (+ m) block by block, as QuantizedWeight.dequantize computes it."""
+        n, blocks = self.scales.shape
+        codes, zeros = self.codes, self.zero_points
+        if self.bits == 4:  # two a byte, low nibble first
+            codes = torch.stack([codes & 0xF, codes >> 4], -1).flatten(-2)
+            zeros = torch.stack([zeros & 0xF, zeros >> 4], -1).flatten(-2)[:, :blocks]
+        w = (codes.view(n, blocks, -1).float() - zeros[..., None].float()) * self.scales[..., None]
+        if self.mins is not None:
+            w = w + self.mins[..., None]
+        return w.flatten(1)[:, : self.in_features]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -458,8 +504,14 @@ class Llama(nn.Module):
 
     @property
     def weight_layout(self) -> str:
-        """'out_in', 'in_out' or 'onednn': how the projections and the lm_head hold their weights."""
+        """'out_in', 'in_out' or 'onednn': how the projections and the lm_head hold their weights; 'blocks': quantized
+        (QuantizedLinear, engine/quantize.py `quantize_model`)."""
         return self.output.layout
+
+    @property
+    def quantized(self) -> bool:
+        """Whether some projection holds its weight in blocks (QuantizedLinear)."""
+        return any(isinstance(module, QuantizedLinear) for module in self.modules())
 
     def set_weight_layout(self, layout: str) -> Llama:
         """Hold every projection and the lm_head in `layout` (see `Linear`); 'auto' picks `auto_weight_layout`.

@@ -90,9 +90,14 @@ def load_model(
         refuse_weights_on_engine(weights, activations)
         return _from_engine(path, backend or "onnxruntime", dtype, max_seq_len, max_batch, verify, exact=exact)
     device = checkpoint_device(device)
+    if device == "cuda" and weights != "float":  # weight-only: the GPU's product dequantizes inside a float GEMM
+        if activations not in (None, "float"):
+            raise UserError(f"--activations {activations} is the CPU engines' (MatMulNBits); on CUDA quantized "
+                            "weights multiply float activations: drop --activations")
+        activations = "float"
     weights, activations = check_scheme(weights, activations)
     quantized = weights != "float"
-    if quantized and exact and activations == "float":
+    if quantized and exact and activations == "float" and device == "cpu":
         raise UserError("exact steps on quantized weights come with int8 activations, whose engine is exact: add "
                         "--activations int8, or drop --exact")
     backend, why = checkpoint_backend("torch" if torch_step else backend, dtype, asked, None if quantized else exact,
@@ -103,18 +108,24 @@ def load_model(
         model = _from_engine(cached, backend, dtype, max_seq_len, max_batch, verify, model_path=path)
     else:
         model = _from_checkpoint(path, dtype, max_seq_len, max_batch or DEFAULT_MAX_BATCH, exact, template, compile,
-                                 attention, device)
+                                 attention, device, weights)
     return dataclasses.replace(model, why=why)
 
 
 def _from_checkpoint(path: Path, dtype: str, max_seq_len: int | None, max_batch: int, exact: bool | None,
                      tree: TreeTemplate | None, compile: bool = False, attention: str = "sdpa",
-                     device: str = "cpu") -> LoadedModel:
+                     device: str = "cpu", weights: str = "float") -> LoadedModel:
     from trt_lookahead.backends.torch import BatchedTorchExecutor
-    from trt_lookahead.model.checkpoint import check_max_seq_len, load_llama, load_tokenizer
+    from trt_lookahead.engine.quantize import quantize_model
+    from trt_lookahead.model.checkpoint import check_max_seq_len, load_llama, load_tokenizer, parse_dtype
 
-    # compile: nn.Linear's dense weights, which inductor lowers (it cannot lower oneDNN's packed ones)
-    model, config = load_llama(path, dtype=dtype, weight_layout="out_in" if compile else "auto", device=device)
+    if weights == "float":
+        # compile: nn.Linear's dense weights, which inductor lowers (it cannot lower oneDNN's packed ones)
+        model, config = load_llama(path, dtype=dtype, weight_layout="out_in" if compile else "auto", device=device)
+    else:  # quantized from float32 on the host (a GGUF grid survives no lower precision), then moved
+        model, config = load_llama(path, dtype="float32")
+        quantize_model(model, weights, parse_dtype(dtype))
+        model = model.to(device)
     seq_len = check_max_seq_len(max_seq_len, config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
     try:
         executor = BatchedTorchExecutor(model, max_batch, seq_len, exact=exact, tree=tree, compile=compile,
@@ -122,7 +133,8 @@ def _from_checkpoint(path: Path, dtype: str, max_seq_len: int | None, max_batch:
     except ValueError as exc:  # exact=True without row-invariant projections; attention='triton' without CUDA
         raise UserError(str(exc)) from exc
     return LoadedModel(load_tokenizer(path), executor, seq_len, _stop_token_ids(path), "torch", dtype, path,
-                       max_lookahead=None, default=DEFAULT_LOOKAHEAD, device=device)
+                       max_lookahead=None, default=DEFAULT_LOOKAHEAD, device=device,
+                       weights=weights_label(weights, "float"))
 
 
 def _from_engine(path: Path, backend: str, dtype: str, max_seq_len: int | None, max_batch: int | None, verify: bool,
@@ -224,15 +236,21 @@ def checkpoint_backend(
     backend: str | None, dtype: str, asked: LookaheadConfig | None = None, exact: bool | None = None,
     device: str = "cpu", weights: str = "float",
 ) -> tuple[str, str]:
-    """(the backend that runs a checkpoint, why): on CUDA the torch executor; on the CPU onnxruntime on a cached
-    engine for float32 (the fastest CPU path, docs/design.md section 6.8) and for quantized `weights` (its only
-    path, 6.9), torch for other dtypes, for a config wider than the standard cached engine (so the default never
-    builds a second one unasked), for exact=True, or when asked; UserError for one that cannot."""
+    """(the backend that runs a checkpoint, why): on CUDA the torch executor (quantized `weights` too: its product
+    dequantizes inside the GEMM, docs/design.md 6.9); on the CPU onnxruntime on a cached engine for float32 (the
+    fastest CPU path, 6.8) and for quantized `weights` (MatMulNBits, 6.9), torch for other dtypes, for a config
+    wider than the standard cached engine (so the default never builds a second one unasked), for exact=True, or
+    when asked; UserError for one that cannot."""
+    if weights != "float" and device == "cuda":
+        if backend not in (None, "torch"):
+            raise UserError(f"--weights {weights} on CUDA runs on the torch executor, not {backend}: drop --backend, "
+                            "or use --device cpu")
+        return "torch", f"{weights} weights on CUDA: the torch executor, each weight dequantized inside its product"
     if weights != "float":
-        if device == "cuda" or backend not in (None, "onnxruntime") or dtype != "float32":
-            raise UserError(f"--weights {weights} runs a checkpoint as a float32 onnxruntime engine on the CPU "
-                            "(MatMulNBits; no GPU kernels yet): drop --backend, --dtype and --device cuda, or "
-                            "--weights")
+        if backend not in (None, "onnxruntime") or dtype != "float32":
+            raise UserError(f"--weights {weights} on the CPU runs a checkpoint as a float32 onnxruntime engine "
+                            "(MatMulNBits; the torch executor's quantized product is a GPU kernel): drop --backend "
+                            "and --dtype, or use --device cuda")
         return "onnxruntime", f"{weights} weights: an onnxruntime engine (MatMulNBits), built once and cached"
     if exact and backend not in (None, "torch"):
         raise UserError(EXACT_ON_ENGINE)

@@ -311,7 +311,9 @@ class LookaheadRuntime:
         (default: CUDA where this process sees a GPU, else the CPU; an engine dir runs where its backend does).
         weights, activations: a checkpoint's projections quantized as `trt-lookahead build --weights int8|int4
         --activations float|int8` quantizes them (activations None: int8 for quantized weights), on its cached
-        onnxruntime engine (docs/design.md 6.9; an engine dir's are its build's).
+        onnxruntime engine on the CPU; on CUDA the torch executor holds them in the same blocks and multiplies
+        float activations, each weight dequantized inside its product (docs/design.md 6.9; an engine dir's are
+        its build's).
         """
         choice = _default_choice(lookahead)
         check_pool_scope(pool_scope)
