@@ -150,6 +150,41 @@ def test_without_concurrency_both_tables_print(setup):
     assert "--spec-type" not in run.stdout.split("**Served")[1].split("tok/s =")[0]
 
 
+def test_quantized_served_rows_run_the_given_gguf_beside_serve_weights(setup):
+    """--weights int4 --llama-gguf: llama-server runs that file, our `serve` runs --weights int4 (the checkpoint's
+    cached int4 engine: int8 activations, exact, so `ours auto` answers as `ours greedy`), and the table says so."""
+    gguf = write_gguf(setup["model"], setup["tmp"] / "mine.gguf")
+    cmd = [sys.executable, "-m", "trt_lookahead.cli", "bench", "--model", str(setup["model"]), "--dataset",
+           str(setup["data"]), "--max-new-tokens", str(MAX_TOKENS), "--threads", "1", "--peers", "llama-server",
+           "--llama-server", str(setup["binary"]), "--llama-spec", "none", "--concurrency", "1", "--weights", "int4",
+           "--llama-gguf", str(gguf), "--json"]
+    run = subprocess.run(cmd, env=setup["env"], capture_output=True, text=True, timeout=TIMEOUT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    starts = [json.loads(line) for line in (setup["tmp"] / "starts.jsonl").read_text().splitlines()]
+    assert [dict(itertools.pairwise(argv))["-m"] for argv in starts] == [str(gguf)]
+    assert result["gguf"] == str(gguf) and result["serve_extra"] == ["--weights", "int4"]
+    serve = result["servers"][-1]["argv"]
+    assert serve[serve.index("--weights") + 1] == "int4"
+    rows = {r["server"]: r for r in result["rows"]}
+    assert set(rows) == {"ours greedy", "ours auto", "llama-server"}
+    assert rows["ours auto"]["identical"] == 1.0 and rows["ours auto"]["output_tokens"] > 0
+    assert "stories260K, float32 --weights int4 (llama-server: mine.gguf)" in format_of(result)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--weights", "int4", "--concurrency", "1"], "--weights int4 with --peers llama-server needs --llama-gguf PATH"),
+    (["--weights", "int4", "--concurrency", "1", "--llama-gguf", "nowhere.gguf"], "--llama-gguf nowhere.gguf is not"),
+    (["--weights", "int8"], "bench --weights/--activations quantize the served rows"),
+])
+def test_quantized_served_rows_refuse_what_cannot_run(setup, argv, message):
+    cmd = [sys.executable, "-m", "trt_lookahead.cli", "bench", "--model", str(setup["model"]), "--dataset",
+           str(setup["data"]), "--peers", "llama-server", "--llama-server", str(setup["binary"]), *argv]
+    run = subprocess.run(cmd, env=setup["env"], capture_output=True, text=True, timeout=TIMEOUT, cwd=setup["tmp"])
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and message in run.stderr, run.stderr
+    assert not (setup["tmp"] / "starts.jsonl").exists()  # refused before any server started
+
+
 def test_missing_binary_is_one_error_line(setup, tmp_path):
     run = bench(setup, "--llama-server", str(tmp_path / "nowhere" / "llama-server"))
     assert run.returncode == 2

@@ -12,8 +12,10 @@ same OpenAI API, on the same weights, prompts, threads and slots.
 
 The servers run one at a time on 127.0.0.1 (a free port each), with the same threads and slots (= the largest
 --concurrency): llama-server on a GGUF of the checkpoint in the run's dtype (servers.cached_gguf; the same
-numbers our runtime holds), plain and once per n-gram --spec-type in --llama-spec; then our `serve` (`auto`
-served), whose rows are `ours greedy` (`"lookahead": false`) and `ours auto`, interleaved per level and set.
+numbers our runtime holds) or on the one given (`--llama-gguf`, with `--weights`: llama.cpp's quantized file
+beside our quantized engine, `serve --weights`), plain and once per n-gram --spec-type in --llama-spec; then
+our `serve` (`auto` served), whose rows are `ours greedy` (`"lookahead": false`) and `ours auto`, interleaved per
+level and set.
 llama-server runs first, so a broken binary fails before minutes of our rows.
 
 Every request is a streamed `/v1/completions` with the prompt as token ids (the bench sets' ids: raw prompts,
@@ -81,7 +83,8 @@ class ServedSetup:
     dtype: str
     llama_server: Path
     specs: list[str] = field(default_factory=list)
-    serve_extra: tuple[str, ...] = ()  # more `serve` arguments (--backend, --tuning-file)
+    serve_extra: tuple[str, ...] = ()  # more `serve` arguments (--backend, --tuning-file, --weights)
+    gguf: Path | None = None  # the GGUF llama-server runs (None: servers.cached_gguf of the checkpoint in dtype)
     start_timeout: float = START_TIMEOUT
 
     @property
@@ -137,7 +140,7 @@ def run_served(plan: BenchPlan, setup: ServedSetup, log_dir: Path | None = None,
     per_slot = plan.max_seq_len or 4096
     logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="trt-lookahead-served-"))
     machine = machine_info(threads=setup.threads)
-    gguf = cached_gguf(plan.model_path, setup.dtype)
+    gguf = setup.gguf or cached_gguf(plan.model_path, setup.dtype)
     runs: list[Run] = []
     servers: list[dict[str, Any]] = []
     started = time.perf_counter()
@@ -173,7 +176,8 @@ def run_served(plan: BenchPlan, setup: ServedSetup, log_dir: Path | None = None,
     return {
         "schema": SCHEMA_VERSION, "kind": "served", "model": str(plan.model_path), "dtype": setup.dtype,
         "threads": setup.threads, "slots": setup.slots, "levels": setup.levels, "datasets": names,
-        "max_new_tokens": plan.max_new_tokens, "limit": plan.limit, "gguf": str(gguf), "servers": servers,
+        "max_new_tokens": plan.max_new_tokens, "limit": plan.limit, "gguf": str(gguf),
+        "serve_extra": list(setup.serve_extra), "servers": servers,
         "token_ids": TOKEN_IDS_FROM, "machine": machine, "load_end": load_average(), "date_end": utc_now(),
         "elapsed_seconds": round(time.perf_counter() - started, 2),
         "rows": aggregate_served(runs, _encoder(plan.model_path)),
@@ -228,9 +232,11 @@ def aggregate_served(runs: Sequence[Run], encode: Any) -> list[dict[str, Any]]:
 
 def format_served_markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
+    ours = " ".join([result["dtype"], *result.get("serve_extra", [])])  # e.g. "float32 --weights int4"
     lines = [
-        f"**Served over the OpenAI API**: {Path(result['model']).name}, {result['dtype']} (llama-server: "
-        f"{Path(result['gguf']).name}), {result['threads']} threads and {result['slots']} slots each, "
+        f"**Served over the OpenAI API**: {Path(result['model']).name}, {ours} "
+        f"(llama-server: {Path(result['gguf']).name}), "
+        f"{result['threads']} threads and {result['slots']} slots each, "
         f"{result['max_new_tokens']} new tokens max, streaming, temperature 0, one server at a time; "
         f"{m.get('cpu')} ({m.get('cpus')} cpus), load {m.get('load')} at start, {result.get('load_end')} at end.",
         "",

@@ -128,7 +128,14 @@ def bench(args: argparse.Namespace) -> int:
     from trt_lookahead.bench.bench import parse_peers
     from trt_lookahead.bench.servers import LLAMA_SERVER
 
-    if LLAMA_SERVER in parse_peers(args.peers):
+    served = LLAMA_SERVER in parse_peers(args.peers)
+    if (args.weights != "float" or args.activations is not None) and not (served and args.concurrency is not None):
+        raise UserError("bench --weights/--activations quantize the served rows (--peers llama-server --concurrency "
+                        "N); for in-process rows build a quantized engine (`trt-lookahead build --weights`) and "
+                        "pass it as --engine")
+    if args.llama_gguf is not None and not served:
+        raise UserError("--llama-gguf is the GGUF llama-server runs: add --peers llama-server, or drop it")
+    if served:
         return bench_served(args)
     if args.concurrency is not None:
         return bench_concurrency(args)
@@ -207,6 +214,13 @@ def bench_served(args: argparse.Namespace) -> int:
         raise UserError(f"--peers {','.join(in_process)} run in process, one request at a time; with --concurrency "
                         f"only llama-server is served: drop them or --concurrency")
     binary = find_llama_server(args.llama_server)  # before any model or GGUF work
+    gguf = None if args.llama_gguf is None else Path(args.llama_gguf).expanduser()
+    if gguf is None and args.weights != "float":
+        raise UserError(f"--weights {args.weights} with --peers llama-server needs --llama-gguf PATH: llama.cpp's "
+                        "quantized GGUF of this checkpoint (the file a GGUF-converted checkpoint came from runs the "
+                        "same numbers as ours); without it llama-server would run the float weights")
+    if gguf is not None and not gguf.is_file():
+        raise UserError(f"--llama-gguf {gguf} is not a file; give the path of a .gguf of this checkpoint")
     if args.threads is not None and args.threads < 1:
         raise UserError(f"--threads must be >= 1, got {args.threads}")
     out = None if args.out is None else check_output_dir(args.out, "--out")
@@ -214,9 +228,12 @@ def bench_served(args: argparse.Namespace) -> int:
     plan = plan_bench(source, datasets=args.dataset, limit=args.limit, max_new_tokens=args.max_new_tokens,
                       configs=args.configs, peers=args.peers, max_seq_len=args.max_seq_len)
     extra = [*(["--backend", args.backend] if args.backend else []),
-             *(["--tuning-file", args.tuning_file] if args.tuning_file else [])]
+             *(["--tuning-file", args.tuning_file] if args.tuning_file else []),
+             *(["--weights", args.weights] if args.weights != "float" else []),
+             *(["--activations", args.activations] if args.activations else [])]
     setup = ServedSetup(levels=levels, threads=args.threads or default_threads(), dtype=args.dtype,
-                        llama_server=binary, specs=parse_specs(args.llama_spec), serve_extra=tuple(extra))
+                        llama_server=binary, specs=parse_specs(args.llama_spec), serve_extra=tuple(extra),
+                        gguf=gguf)
     served = run_served(plan, setup)
     if args.concurrency is not None:
         result, markdown, paths = served, format_served_markdown(served), []

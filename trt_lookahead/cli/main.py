@@ -176,6 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-spec", "--llama_spec", dest="llama_spec", default=commands.DEFAULT_LLAMA_SPEC,
                    help=f"with --peers llama-server: a comma list of its n-gram --spec-type values, one row each "
                         f"besides the plain one (default {commands.DEFAULT_LLAMA_SPEC}; none: plain only)")
+    p.add_argument("--llama-gguf", "--llama_gguf", dest="llama_gguf", default=None, metavar="PATH",
+                   help="with --peers llama-server: the GGUF it runs (default: the checkpoint written as a GGUF in "
+                        "--dtype; with --weights, needed: llama.cpp's quantized file, e.g. the GGUF a converted "
+                        "checkpoint came from, whose blocks ours keep)")
+    _add_weights_arguments(p, model=True)
     p.add_argument("--out", default=None, help="write results.json, results.md and plots here")
     p.add_argument("--json", action="store_true")
     p.add_argument("--concurrency", default=None,
