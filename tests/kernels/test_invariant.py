@@ -143,6 +143,47 @@ def test_quantized_linear_refuses_a_tile_that_splits_a_block():
         invariant.quantized_linear(x, codes, scales, zeros, None, 4, tile=(16, 32, 16, 4))
 
 
+QUANTIZED_COMPILE_PROBE = """
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from trt_lookahead.kernels import invariant
+pointers = {"x_ptr": "*{x}", "w_ptr": "*u8", "b_ptr": "*u8", "y_ptr": "*{x}", "s_ptr": "*fp32", "z_ptr": "*u8",
+            "m_ptr": "*fp32"}
+ints = ("M", "N", "K", "SPAN_BLOCKS", "stride_xm", "stride_wn", "stride_ym", "stride_s", "stride_z")
+report = []
+for x, bits, mins in (("bf16", 4, True), ("bf16", 8, False), ("fp32", 4, False)):
+    for BM, BN, BK, warps in (invariant.LINEAR_TILES[0], invariant.LINEAR_TILES[-1]):
+        consts = dict(HAS_BIAS=False, SPLIT=False, UPCAST_DOT=False, QBITS=bits, QBLOCK=32, HAS_MINS=mins,
+                      BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK)
+        signature = {**{k: v.format(x=x) for k, v in pointers.items()}, **dict.fromkeys(ints, "i32"),
+                     **dict.fromkeys(consts, "constexpr")}
+        source = triton.compiler.ASTSource(fn=invariant._linear_kernel, signature=signature, constexprs=consts)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        report.append({"case": [x, bits, mins, BM], "cubin": len(compiled.asm["cubin"]),
+                       "shared": compiled.metadata.shared})
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.slow  # compiles in a fresh interpreter (seconds)
+def test_quantized_linear_compiles_for_a_hopper_gpu():
+    """The quantized product's kernel (int4 with Q4_1 mins, int8; bfloat16 and float32 activations; the largest
+    and the smallest tile) compiles to a cubin for sm_90 (H100, H200) with Triton's bundled ptxas: no GPU needed,
+    so a kernel that cannot compile fails here, not on a lent GPU. In a subprocess: this session interprets."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", QUANTIZED_COMPILE_PROBE], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report) == 6 and all(r["cubin"] > 0 and r["shared"] <= 228 * 1024 for r in report), report
+
+
 def padded_step(configs: list[tuple[LookaheadConfig, int]], T: int, S: int):
     """mask [B, T, S] over each slot's rows and positions [B, T] of a padded step of (config, cache_len) rows."""
     mask = np.zeros((len(configs), T, S), bool)
