@@ -143,6 +143,15 @@ def test_weights_on_no_gguf_grid_are_quantized_here():
     assert gguf_blocks(np.zeros((2, 32), np.float32)).dequantize().tolist() == np.zeros((2, 32)).tolist()
 
 
+def test_a_weight_with_one_row_off_its_gguf_grid_is_quantized_here():
+    """The first row decides which grids are checked in full; any row off the grid still rules that grid out."""
+    rng = np.random.default_rng(4)
+    w, _ = gguf_roundtrip(rng.standard_normal((6, 64)).astype(np.float32), "Q4_1")
+    assert gguf_blocks(w).grid == "Q4_1"
+    w[3, 5] = np.nextafter(w[3, 5], np.float32(np.inf))  # one weight one ulp off the grid, in a later row
+    assert gguf_blocks(w) is None
+
+
 def test_q4_1_keeps_its_mins_beside_the_product_under_int8_activations():
     """A Q4_1 block is d * q with zero point 0 and its m apart: the graph adds x's block sums times m (as llama.cpp's
     Q4_1 x Q8_1 product does), under int8 activations too."""
