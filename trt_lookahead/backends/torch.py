@@ -42,6 +42,10 @@ slot), allocated once; nothing is allocated per request. Two step paths, one con
     docs/design.md 6.9); elsewhere, and on the packed step, the module multiplies by its dequantized weight
     (QuantizedLinear.forward), never exact.
 
+  tensor parallelism (`collectives`, backends/tensor_parallel.py): the model is one rank's shard and each
+    projection's product is followed by its collective (`Ops.after`: the exact all-reduce after wo and w2, the
+    vocab gather after the lm_head); eager steps only (docs/design.md 5.3).
+
 Token choice: argmax, or the seeded Gumbel-max draw with each slot's temperature, top-k, top-p and seed
 (kernels/sampling_torch.py `select_rows_torch`), keyed by the position of the output slot (docs/design.md
 section 4.3).
@@ -54,12 +58,12 @@ import functools
 import inspect
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from trt_lookahead.backends.row_probe import row_invariant_ops, step_variance
 from trt_lookahead.engine.format import batch_buckets
@@ -163,6 +167,7 @@ class BatchedTorchExecutor:
         exact: bool | None = None,
         compile: bool = False,
         attention: str = "sdpa",
+        collectives: Mapping[nn.Module, Callable[[Tensor], Tensor]] | None = None,
     ) -> None:
         self.device = model.device if device is None else torch.device(device)
         self.tree = tree  # every lookahead row's verification slots are this template's nodes (fixed, like an engine's)
@@ -202,6 +207,11 @@ class BatchedTorchExecutor:
         self._ops = (invariant_ops() if self.padded else row_invariant_ops(model)) if self.exact else MODULE_OPS
         if model.quantized and self.padded and not invariant_kernels_reason(self.device):
             self._ops = dataclasses.replace(self._ops, quantized=quantized_projection)
+        if collectives:  # a tensor-parallel shard's (backends/tensor_parallel.py)
+            if self.cuda_graph or compile:
+                raise ValueError("collectives (tensor parallelism) run in eager steps for now: use cuda_graph=False "
+                                 "and compile=False")
+            self._ops = dataclasses.replace(self._ops, after=collectives)
         self.model = model
         self.vocab_size = model.cfg.vocab_size
         self.max_batch, self.max_seq_len, self.step_tokens = int(max_batch), int(max_seq_len), int(step_tokens)

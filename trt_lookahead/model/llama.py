@@ -65,20 +65,27 @@ class Ops:
     """The projections and norms of one forward (the seam beside `attention`); None: the modules' own.
     one_row_as_two: projections whose 1-row path rounds otherwise; they run a 1-row input as 2 rows, the second
     zeros. max_rows: projections whose GEMM reduces otherwise above that many rows; they run in calls of at
-    most that many (backends/row_probe.py measures both)."""
+    most that many (backends/row_probe.py measures both). after: what follows a projection's product, once for
+    all its rows (tensor parallelism's collectives, backends/tensor_parallel.py)."""
 
     linear: LinearFn | None = None
     rms_norm: NormFn | None = None
     quantized: Callable[[Tensor, QuantizedLinear], Tensor] | None = None  # projections on quantized weights
     one_row_as_two: frozenset[nn.Module] = frozenset()
     max_rows: Mapping[nn.Module, int] = field(default_factory=dict)
+    after: Mapping[nn.Module, Callable[[Tensor], Tensor]] = field(default_factory=dict)
 
     def project(self, module: Linear | QuantizedLinear, x: Tensor) -> Tensor:
+        y = self._product(module, x)
+        then = self.after.get(module)
+        return y if then is None else then(y)
+
+    def _product(self, module: Linear | QuantizedLinear, x: Tensor) -> Tensor:
         rows = x.shape[0]
         if rows == 1 and module in self.one_row_as_two:
-            return self.project(module, torch.cat([x, torch.zeros_like(x)]))[:1]
+            return self._product(module, torch.cat([x, torch.zeros_like(x)]))[:1]
         if rows > (limit := self.max_rows.get(module, rows)):
-            return torch.cat([self.project(module, part) for part in x.split(limit)])  # [rows, out]
+            return torch.cat([self._product(module, part) for part in x.split(limit)])  # [rows, out]
         if isinstance(module, QuantizedLinear):
             return module(x) if self.quantized is None else self.quantized(x, module)
         return module(x) if self.linear is None else self.linear(x, module.dense_weight(), module.bias)

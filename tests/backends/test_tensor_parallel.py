@@ -1,0 +1,114 @@
+"""backends/tensor_parallel.py: shards by heads, refusals, and two gloo ranks on the CPU (one process each, as
+`tests/support/tensor_parallel_worker.py` runs them) whose lookahead answers equal their greedy, batched or alone,
+whose slot logits keep their bits batched, and whose logits are the whole model's to float rounding."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trt_lookahead.backends.tensor_parallel import check_degree, shard_config, shard_llama
+from trt_lookahead.errors import UserError
+from trt_lookahead.files import free_port
+from trt_lookahead.model.checkpoint import load_llama
+from trt_lookahead.model.llama import Llama, ModelConfig
+
+STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
+WORKER = Path(__file__).parents[1] / "support" / "tensor_parallel_worker.py"
+GQA = ModelConfig(hidden_size=32, num_layers=1, num_heads=8, num_kv_heads=2, head_dim=4, intermediate_size=64,
+                  vocab_size=64)
+
+
+def test_two_shards_hold_the_heads_mlp_and_vocabulary_between_them():
+    """stories260K (8 query heads over 4 KV heads, head_dim 8, MLP 172, vocab 512) at degree 2: rank r holds query
+    heads 4r .. 4r + 3 and KV heads 2r, 2r + 1; the halves put together are the model's weights."""
+    model, cfg = load_llama(STORIES)
+    shards = [shard_llama(model, rank, 2).model for rank in (0, 1)]
+    assert shards[0].cfg == dataclasses.replace(cfg, num_heads=4, num_kv_heads=2, intermediate_size=86,
+                                                tie_word_embeddings=False)
+    D, q, kv = 8, cfg.q_size, cfg.kv_size
+    for i, layer in enumerate(model.layers):
+        parts = [s.layers[i] for s in shards]
+        wqkv = [p.attention.wqkv.weight for p in parts]  # [4 q heads; 2 k heads; 2 v heads] of 8 rows each
+        full = layer.attention.wqkv.dense_weight()
+        assert torch.equal(torch.cat([w[: 4 * D] for w in wqkv]), full[:q])
+        assert torch.equal(torch.cat([w[4 * D : 6 * D] for w in wqkv]), full[q : q + kv])
+        assert torch.equal(torch.cat([w[6 * D :] for w in wqkv]), full[q + kv :])
+        assert torch.equal(torch.cat([p.attention.wo.weight for p in parts], 1), layer.attention.wo.dense_weight())
+        w13 = [p.feed_forward.w13.weight for p in parts]  # [gate half; up half]
+        full13 = layer.feed_forward.w13.dense_weight()
+        assert torch.equal(torch.cat([w[:86] for w in w13] + [w[86:] for w in w13]), full13)
+        w2 = torch.cat([p.feed_forward.w2.weight for p in parts], 1)
+        assert torch.equal(w2, layer.feed_forward.w2.dense_weight())
+    assert torch.equal(torch.cat([s.output.weight for s in shards]), model.tok_embeddings.weight)  # tied head
+    assert all(torch.equal(s.tok_embeddings.weight, model.tok_embeddings.weight) for s in shards)
+
+
+def test_fewer_kv_heads_than_ranks_are_replicated_to_the_query_heads_that_read_them():
+    """8 query heads over 2 KV heads at degree 4: rank r holds query heads 2r, 2r + 1, which read KV head r // 2."""
+    torch.manual_seed(0)
+    model = Llama(GQA).eval().requires_grad_(False)
+    assert shard_config(GQA, 4).num_kv_heads == 1
+    D, q, kv = GQA.head_dim, GQA.q_size, GQA.kv_size
+    full = model.layers[0].attention.wqkv.weight
+    for rank in range(4):
+        wqkv = shard_llama(model, rank, 4).model.layers[0].attention.wqkv.weight  # [2 q heads; 1 k; 1 v]
+        head = rank // 2
+        assert torch.equal(wqkv[: 2 * D], full[2 * rank * D : (2 * rank + 2) * D])
+        assert torch.equal(wqkv[2 * D : 3 * D], full[q + head * D : q + (head + 1) * D])
+        assert torch.equal(wqkv[3 * D :], full[q + kv + head * D : q + kv + (head + 1) * D])
+
+
+def test_degrees_a_model_cannot_take_are_refused_naming_what_does_not_divide():
+    cfg = load_llama(STORIES)[1]
+    with pytest.raises(UserError, match=r"tensor_parallel 3 cannot split 8 attention heads, 4 key/value heads .*, "
+                                        r"an MLP of 172, a vocabulary of 512: use a degree that divides them"):
+        check_degree(cfg, 3)
+    with pytest.raises(UserError, match="tensor_parallel 8 cannot split an MLP of 172: use"):
+        check_degree(cfg, 8)  # 8 heads over 4 KV heads split (KV replicated), 172 = 8 x 21.5 does not
+    for bad in (0, -2, True, 2.0):
+        with pytest.raises(UserError, match="tensor_parallel must be a positive integer"):
+            check_degree(cfg, bad)
+    with pytest.raises(UserError, match="does not split projection biases yet"):
+        check_degree(dataclasses.replace(GQA, attention_bias=True), 2)
+    check_degree(GQA, 8)  # 8 query heads, KV heads replicated 4 ways
+
+
+def run_ranks(tmp_path: Path, mode: str = "run") -> tuple[dict, list[subprocess.CompletedProcess]]:
+    """Both ranks as processes on a free port; (rank 0's JSON, each rank's process)."""
+    out, port = tmp_path / "rank0.json", str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), "2", port, str(out), mode],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    done = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=300)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return json.loads(out.read_text()), done
+
+
+def test_two_ranks_answer_as_their_greedy_with_a_slots_bits_alone_or_batched(tmp_path):
+    result, done = run_ranks(tmp_path)
+    assert all(p.returncode == 0 for p in done), [p.stderr[-2000:] for p in done]
+    assert result["lookahead"] == result["greedy"] and result["batched"] == result["greedy"]
+    assert all(len(tokens) == 40 for tokens in result["greedy"])
+    assert result["alone_equals_batched"]  # the exact reduction: a row's sum never depends on its companions
+    # the whole model's logits (TP = 1) to float32 rounding of partial sums added in another order
+    assert result["max_abs_vs_whole"] <= 1e-4 * result["max_abs_whole"]
+
+
+def test_a_lost_rank_ends_rank_0s_next_call_with_an_error_not_a_hang(tmp_path):
+    result, done = run_ranks(tmp_path, "die")
+    assert done[0].returncode == 0 and result["error"] is not None
+    assert "RuntimeError" in result["error"] and ("peer" in result["error"] or "closed" in result["error"])

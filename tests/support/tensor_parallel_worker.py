@@ -1,0 +1,119 @@
+"""One rank of a tensor-parallel run on stories260K (tests/backends/test_tensor_parallel.py):
+
+    python tests/support/tensor_parallel_worker.py RANK WORLD PORT OUT [MODE]
+
+Every rank loads the checkpoint, takes its shard and builds the same exact CPU executor (one torch thread). Rank 0
+wraps it in a LeaderExecutor under a LookaheadRuntime and writes what the test checks to OUT (JSON); the others
+follow. MODE "die": rank 1 exits after its first few calls (a lost rank), and rank 0 records the error it gets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trt_lookahead.backends.tensor_parallel import LeaderExecutor, follow, init_group, shard_llama
+from trt_lookahead.backends.torch import BatchedTorchExecutor
+from trt_lookahead.lookahead.config import DEFAULT_LOOKAHEAD, Lookahead, LookaheadConfig
+from trt_lookahead.lookahead.executor import StepBatch
+from trt_lookahead.lookahead.layout import StepLayout
+from trt_lookahead.lookahead.policy import AutoPolicy
+from trt_lookahead.lookahead.sampling import SamplingParams
+from trt_lookahead.model.checkpoint import load_llama, load_tokenizer
+from trt_lookahead.runtime import LookaheadRuntime
+from trt_lookahead.runtime.load import LoadedModel
+
+STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
+PROMPTS = ["Once upon a time", "The little dog ran to the", "Lily and Ben went to the park"]
+CONFIG = LookaheadConfig(4, 3, 4)
+
+
+def executor(model: torch.nn.Module, collectives=None) -> BatchedTorchExecutor:
+    return BatchedTorchExecutor(model, 4, 256, 16, exact=True, collectives=collectives)
+
+
+def lookahead_step(rng: np.random.Generator, cache_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, positions, step config) of one random 4,3,4 lookahead row at cache_len."""
+    layout = StepLayout(CONFIG)
+    ids = rng.integers(3, 512, layout.step_tokens)
+    return ids, cache_len + layout.rel_positions, np.array([4, 3, 4], np.int32)
+
+
+def batch(rows: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], T: int) -> StepBatch:
+    """A StepBatch of (slot, ids, positions, config) rows padded to T tokens, logits at every slot."""
+    ids, positions = np.zeros((len(rows), T), np.int64), np.zeros((len(rows), T), np.int64)
+    for b, (_, i, p, _) in enumerate(rows):
+        ids[b, : len(i)], positions[b, : len(p)] = i, p
+    outputs = np.tile(np.arange(T), (len(rows), 1))
+    return StepBatch(np.array([r[0] for r in rows]), ids, positions, np.stack([r[3] for r in rows]), outputs)
+
+
+def leader(ex: BatchedTorchExecutor, group, mode: str) -> dict:
+    lead = LeaderExecutor(ex, group)
+    if mode == "die":
+        try:
+            for _ in range(20):
+                lead.prefill(0, np.arange(3, 40), SamplingParams())
+                lead.release(0)
+        except Exception as exc:  # what a lost rank looks like to rank 0
+            return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        return {"error": None}
+    result: dict = {}
+    # the logits of a lookahead step at TP = 2 against the whole model (TP = 1) on this rank, and a slot's bits
+    # alone against batched with a companion
+    rng = np.random.default_rng(0)
+    whole = executor(load_llama(STORIES, weight_layout="auto")[0])
+    prompt = rng.integers(3, 512, 40)
+    row = lookahead_step(rng, len(prompt))
+    T = len(row[0])
+    for e in (lead, whole):
+        e.prefill(0, prompt, SamplingParams())
+    lead.prefill(1, rng.integers(3, 512, 25), SamplingParams())  # a companion's prefix
+    alone = lead.step_logits(batch([(0, *row)], T))[0]
+    reference = whole.step_logits(batch([(0, *row)], T))[0]
+    other = lookahead_step(rng, 25)
+    together = lead.step_logits(batch([(1, *other), (0, *row)], T))[1]
+    result["alone_equals_batched"] = bool(torch.equal(alone, together))
+    result["max_abs_vs_whole"] = float((alone - reference).abs().max())
+    result["max_abs_whole"] = float(reference.abs().max())
+    for slot in (0, 1):
+        lead.release(slot)
+    # end to end: lookahead and batched requests answer as greedy
+    loaded = LoadedModel(load_tokenizer(STORIES), lead, 256, [2], "torch", "float32", STORIES, max_lookahead=None,
+                         default=DEFAULT_LOOKAHEAD)
+    rt = LookaheadRuntime(loaded, lookahead=Lookahead(CONFIG), auto=AutoPolicy.untuned(ex.step_tokens))
+    try:
+        greedy = [rt.generate(p, max_new_tokens=40, lookahead="greedy").token_ids for p in PROMPTS]
+        result["lookahead"] = [rt.generate(p, max_new_tokens=40).token_ids for p in PROMPTS]
+        handles = [rt.stream(p, 40) for p in PROMPTS]  # three requests at once: batched steps
+        result["batched"] = [[t for chunk in h for t in chunk.token_ids] for h in handles]
+        result["greedy"] = greedy
+    finally:
+        rt.close()
+    lead.close()
+    return result
+
+
+def main() -> None:
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+    mode = sys.argv[5] if len(sys.argv) > 5 else "run"
+    torch.set_num_threads(1)
+    group = init_group(rank, world, port)
+    model, _ = load_llama(STORIES, weight_layout="auto")
+    shard = shard_llama(model, rank, world, group)
+    ex = executor(shard.model, shard.collectives)
+    if rank:
+        if mode == "die":
+            os._exit(0)  # gone without a word: rank 0's next collective fails
+        follow(ex, group)
+        return
+    out.write_text(json.dumps(leader(ex, group, mode)))
+
+
+if __name__ == "__main__":
+    main()

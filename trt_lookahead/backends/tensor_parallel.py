@@ -1,0 +1,199 @@
+"""Tensor parallelism over torch.distributed: a Llama sharded by heads across ranks, exact by construction.
+
+    group = init_group(rank, world, port)                     # gloo over 127.0.0.1, collectives time out
+    shard = shard_llama(model, rank, world, group)            # this rank's heads, FFN columns and vocab rows
+    ex = BatchedTorchExecutor(shard.model, 4, 512, 16, exact=True, collectives=shard.collectives)  # every rank
+    ex = LeaderExecutor(ex, group)    # rank 0: each call reaches the followers first; the runtime drives it
+    follow(ex, group)                 # ranks 1 ..: run rank 0's calls until it closes
+
+Shards of rank r of W (Megatron-style): wqkv column-parallel (query heads r * Hq / W onwards and the KV heads they
+read: Hkv / W of them, or where Hkv < W the one they share, replicated), wo row-parallel (those heads' input
+dims), w13 column-parallel (gate and up rows r * F / W onwards), w2 row-parallel, the lm_head split by vocab rows;
+embeddings and norms replicated. The KV cache follows the heads (the executor sizes it from the shard's config).
+
+After wo and w2 each rank holds a partial sum [M, H]. `exact_all_reduce` all-gathers the partials and adds them
+in rank order on every rank: a row's sum depends on its own partials only, never on how many rows the step holds
+(a ring or tree all-reduce may chunk and order a message by its size), and every rank holds the same bits. After
+the lm_head the vocab slices are all-gathered, so every rank chooses the same token. With row-invariant products
+on each rank (the exact step) a slot's logits are then the same bits alone, batched or in greedy decoding, at a
+given degree W (docs/design.md 5.3). Rank 0 runs the scheduler, the pool and the host algorithm; the others
+follow its executor calls (one broadcast of the call's arguments each), so their forwards meet in the same
+collectives. A rank that dies ends the others' next collective with an error, one that hangs with the group's
+timeout.
+
+Imports torch (torch.distributed) and model.llama.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from trt_lookahead.errors import UserError
+from trt_lookahead.model.llama import Block, Linear, Llama, ModelConfig
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)  # a rank silent this long ends the others' collective
+STOP = "stop"  # the leader's last broadcast: followers return
+
+
+def init_group(rank: int, world: int, port: int, timeout: datetime.timedelta = COLLECTIVE_TIMEOUT) -> Any:
+    """This process's gloo group of `world` ranks rendezvousing on 127.0.0.1:`port` (the default group)."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timeout)
+    return dist.group.WORLD
+
+
+def check_degree(cfg: ModelConfig, world: int) -> None:
+    """UserError naming what a tensor-parallel degree cannot split in this model, before anything is loaded."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise UserError(f"tensor_parallel must be a positive integer (ranks), got {world!r}")
+    problems = []
+    if cfg.num_heads % world:
+        problems.append(f"{cfg.num_heads} attention heads")
+    if cfg.num_kv_heads % world and world % cfg.num_kv_heads:
+        problems.append(f"{cfg.num_kv_heads} key/value heads (neither divisible by the degree nor dividing it)")
+    if cfg.intermediate_size % world:
+        problems.append(f"an MLP of {cfg.intermediate_size}")
+    if cfg.vocab_size % world:
+        problems.append(f"a vocabulary of {cfg.vocab_size}")
+    if problems:
+        raise UserError(f"tensor_parallel {world} cannot split {', '.join(problems)}: use a degree that divides "
+                        "them (1, 2, 4, ... as the model allows)")
+    if cfg.attention_bias or cfg.mlp_bias:
+        raise UserError("tensor parallelism does not split projection biases yet; this model has them: use "
+                        "tensor_parallel 1")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One rank's model and the collectives that follow its projections (`Ops.after`)."""
+
+    model: Llama
+    collectives: dict[nn.Module, Callable[[Tensor], Tensor]]
+
+
+def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
+    """A rank's model config: its share of the heads and the MLP (the vocabulary stays whole: the embedding is)."""
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // world,
+                               num_kv_heads=max(cfg.num_kv_heads // world, 1),
+                               intermediate_size=cfg.intermediate_size // world, tie_word_embeddings=False)
+
+
+def shard_llama(model: Llama, rank: int, world: int, group: Any = None) -> Shard:
+    """Rank `rank`'s shard of `model` (see the module docstring), on the model's device and dtype."""
+    cfg = model.cfg
+    check_degree(cfg, world)
+    local = shard_config(cfg, world)
+    D, F, V = cfg.head_dim, local.intermediate_size, cfg.vocab_size // world
+    q0 = rank * local.num_heads  # the first query head
+    kv0 = q0 // (cfg.num_heads // cfg.num_kv_heads)  # the first KV head they read
+    q = slice(q0 * D, (q0 + local.num_heads) * D)
+    k = slice(cfg.q_size + kv0 * D, cfg.q_size + (kv0 + local.num_kv_heads) * D)
+    v = slice(k.start + cfg.kv_size, k.stop + cfg.kv_size)
+    gate = slice(rank * F, (rank + 1) * F)
+    up = slice(cfg.intermediate_size + gate.start, cfg.intermediate_size + gate.stop)
+    # replicated: the embedding and the norms
+    state = {name: t for name, t in model.state_dict().items() if "norm" in name or name.startswith("tok_embeddings")}
+    for i, layer in enumerate(cast("list[Block]", model.layers)):
+        p = f"layers.{i}."
+        wqkv = layer.attention.wqkv.dense_weight()
+        state[p + "attention.wqkv.weight"] = torch.cat([wqkv[q], wqkv[k], wqkv[v]])
+        state[p + "attention.wo.weight"] = layer.attention.wo.dense_weight()[:, q]
+        w13 = layer.feed_forward.w13.dense_weight()
+        state[p + "feed_forward.w13.weight"] = torch.cat([w13[gate], w13[up]])
+        state[p + "feed_forward.w2.weight"] = layer.feed_forward.w2.dense_weight()[:, gate]
+    state["output.weight"] = model.output.dense_weight()[rank * V : (rank + 1) * V]
+    with torch.device("meta"):
+        shard = Llama(local, dtype=model.dtype)
+        shard.output = Linear(cfg.hidden_size, V, bias=False, dtype=model.dtype)
+    shard.load_state_dict({name: t.detach().clone() for name, t in state.items()}, assign=True, strict=True)
+    shard = shard.to(model.device).eval().requires_grad_(False).set_weight_layout(model.weight_layout)
+
+    def reduce(x: Tensor) -> Tensor:
+        return exact_all_reduce(x, group)
+
+    def gather(x: Tensor) -> Tensor:
+        return torch.cat(all_gathered(x, group), dim=-1)
+
+    collectives: dict[nn.Module, Callable[[Tensor], Tensor]] = {shard.output: gather}
+    for block in cast("list[Block]", shard.layers):
+        collectives[block.attention.wo] = collectives[block.feed_forward.w2] = reduce
+    return Shard(shard, collectives)
+
+
+def all_gathered(x: Tensor, group: Any = None) -> list[Tensor]:
+    """Every rank's x, in rank order."""
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return parts
+
+
+def exact_all_reduce(x: Tensor, group: Any = None) -> Tensor:
+    """The ranks' partial sums x [..., H] added in rank order, element by element, the same bits on every rank."""
+    first, *rest = all_gathered(x, group)
+    for part in rest:
+        first = first + part
+    return first
+
+
+class LeaderExecutor:
+    """Rank 0's executor: each call that changes the cache or runs a forward is broadcast to the followers
+    (`follow`) before it runs here, so every rank runs the same forwards in the same order; reads (cache_len,
+    step_tokens, pads_rows, ...) are rank 0's own. `close` releases the followers."""
+
+    def __init__(self, executor: Any, group: Any = None) -> None:
+        self.executor, self.group = executor, group
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.executor, name)
+
+    def _both(self, name: str, *args: Any) -> Any:
+        dist.broadcast_object_list([(name, args)], src=0, group=self.group)
+        return getattr(self.executor, name)(*args)
+
+    def claim(self, slot: int, sampling: Any) -> None:
+        return self._both("claim", slot, sampling)
+
+    def prefill(self, slot: int, prompt_ids: Any, sampling: Any) -> int:
+        return self._both("prefill", slot, prompt_ids, sampling)
+
+    def prefill_logits(self, slot: int, prompt_ids: Any, sampling: Any) -> Tensor:
+        return self._both("prefill_logits", slot, prompt_ids, sampling)
+
+    def step(self, batch: Any) -> Any:
+        return self._both("step", batch)
+
+    def step_logits(self, batch: Any) -> Tensor:
+        return self._both("step_logits", batch)
+
+    def commit(self, slot: int, rows: Any) -> None:
+        return self._both("commit", slot, rows)
+
+    def release(self, slot: int) -> None:
+        return self._both("release", slot)
+
+    def close(self) -> None:
+        dist.broadcast_object_list([(STOP, ())], src=0, group=self.group)
+
+
+def follow(executor: Any, group: Any = None) -> None:
+    """A follower rank: run rank 0's executor calls on this rank's executor until rank 0 closes. A call rank 0's
+    own checks refuse (ValueError) is refused here the same way, before any collective, and the loop goes on."""
+    while True:
+        message: list[Any] = [None]
+        dist.broadcast_object_list(message, src=0, group=group)
+        name, args = message[0]
+        if name == STOP:
+            return
+        try:
+            getattr(executor, name)(*args)
+        except ValueError:
+            continue
