@@ -112,3 +112,40 @@ def test_a_lost_rank_ends_rank_0s_next_call_with_an_error_not_a_hang(tmp_path):
     result, done = run_ranks(tmp_path, "die")
     assert done[0].returncode == 0 and result["error"] is not None
     assert "RuntimeError" in result["error"] and ("peer" in result["error"] or "closed" in result["error"])
+
+
+# -- the runtime starts and stops the ranks ----------------------------------------------------------------------
+
+
+def test_a_runtime_on_two_ranks_answers_as_its_greedy_and_stops_its_ranks():
+    """from_pretrained(tensor_parallel=2): this process is rank 0, one rank process more; lookahead, `auto` and three
+    requests at once answer as greedy (exact step); close() ends the rank process."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from trt_lookahead.runtime import LookaheadRuntime
+
+    prompts = ["Once upon a time", "The little dog ran to the", "Lily and Ben went to the park"]
+    with LookaheadRuntime.from_pretrained(STORIES, tensor_parallel=2, exact=True) as rt:
+        followers = rt.executor.followers
+        assert rt.backend == "torch" and rt.exact and len(followers) == 1 and followers[0].poll() is None
+        assert rt.executor.model.cfg.num_heads == 4  # rank 0's shard: half the heads
+        greedy = [rt.generate(p, max_new_tokens=32, lookahead="greedy").token_ids for p in prompts]
+        for config in (None, "auto"):
+            assert [rt.generate(p, max_new_tokens=32, lookahead=config).token_ids for p in prompts] == greedy
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(lambda p: rt.generate(p, max_new_tokens=32).token_ids, prompts)) == greedy
+    assert followers[0].returncode == 0
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"tensor_parallel": 3}, "tensor_parallel 3 cannot split 8 attention heads"),
+    ({"tensor_parallel": 0}, "tensor_parallel must be a positive integer"),
+    ({"tensor_parallel": 2, "backend": "onnxruntime"}, "drop --backend other than torch, or tensor_parallel"),
+    ({"tensor_parallel": 2, "weights": "int4"}, "on float weights for now; drop --weights/--activations"),
+    ({"tensor_parallel": 2, "device": "cuda"}, "drop --device cuda \\(NCCL\\)"),
+])
+def test_tensor_parallel_runs_refuse_what_they_cannot_run_before_loading(kwargs, message):
+    from trt_lookahead.runtime import LookaheadRuntime
+
+    with pytest.raises(UserError, match=message):
+        LookaheadRuntime.from_pretrained(STORIES, **kwargs)

@@ -1,5 +1,9 @@
 """Tensor parallelism over torch.distributed: a Llama sharded by heads across ranks, exact by construction.
 
+    ex = open_leader(RankSpec("models/x", "float32", 8, 2048, exact=True), world=2)  # this process is rank 0; it
+    ...                                       # starts ranks 1 .. as processes (`python -m` this module) and
+    ex.close()                                # drives them: the runtime's executor (runtime/load.py)
+
     group = init_group(rank, world, port)                     # gloo over 127.0.0.1, collectives time out
     shard = shard_llama(model, rank, world, group)            # this rank's heads, FFN columns and vocab rows
     ex = BatchedTorchExecutor(shard.model, 4, 512, 16, exact=True, collectives=shard.collectives)  # every rank
@@ -21,26 +25,39 @@ follow its executor calls (one broadcast of the call's arguments each), so their
 collectives. A rank that dies ends the others' next collective with an error, one that hangs with the group's
 timeout.
 
-Imports torch (torch.distributed) and model.llama.
+Imports torch (torch.distributed), model (the Llama, the checkpoint), backends.torch and files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import json
+import selectors
+import subprocess
+import sys
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from trt_lookahead.backends.torch import BatchedTorchExecutor
 from trt_lookahead.errors import UserError
+from trt_lookahead.files import free_port
+from trt_lookahead.lookahead.tree import TreeTemplate
+from trt_lookahead.model.checkpoint import load_llama
 from trt_lookahead.model.llama import Block, Linear, Llama, ModelConfig
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)  # a rank silent this long ends the others' collective
+START_TIMEOUT = 300.0  # seconds for every follower to load its shard and say "ready"
+STOP_TIMEOUT = 30.0  # seconds a follower gets to leave after the leader's stop, then it is killed
 STOP = "stop"  # the leader's last broadcast: followers return
+READY = "ready"  # a follower's one stdout line once its executor is built
 
 
 def init_group(rank: int, world: int, port: int, timeout: datetime.timedelta = COLLECTIVE_TIMEOUT) -> Any:
@@ -149,8 +166,10 @@ class LeaderExecutor:
     (`follow`) before it runs here, so every rank runs the same forwards in the same order; reads (cache_len,
     step_tokens, pads_rows, ...) are rank 0's own. `close` releases the followers."""
 
-    def __init__(self, executor: Any, group: Any = None) -> None:
+    def __init__(self, executor: Any, group: Any = None, followers: list[subprocess.Popen] | None = None) -> None:
         self.executor, self.group = executor, group
+        self.followers = followers or []  # the rank processes this leader started (open_leader), ended by close
+        self._closed = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.executor, name)
@@ -181,7 +200,20 @@ class LeaderExecutor:
         return self._both("release", slot)
 
     def close(self) -> None:
-        dist.broadcast_object_list([(STOP, ())], src=0, group=self.group)
+        """Release the followers; the rank processes this leader started exit (killed after STOP_TIMEOUT)."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(RuntimeError):  # a follower already gone: the others are stopped below
+            dist.broadcast_object_list([(STOP, ())], src=0, group=self.group)
+        for proc in self.followers:
+            try:
+                proc.wait(timeout=STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self.followers and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def follow(executor: Any, group: Any = None) -> None:
@@ -197,3 +229,96 @@ def follow(executor: Any, group: Any = None) -> None:
             getattr(executor, name)(*args)
         except ValueError:
             continue
+
+
+# -- ranks as processes ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What every rank builds the same way: the checkpoint, dtype, executor sizes, exactness and draft tree."""
+
+    path: str
+    dtype: str
+    max_batch: int
+    max_seq_len: int
+    exact: bool | None = None
+    tree: tuple[int, ...] | None = None  # the draft tree's parents (TreeTemplate), None: linear candidates
+    threads: int | None = None  # torch threads per rank (None: as they are)
+
+
+def build_rank(spec: RankSpec, rank: int, world: int, group: Any = None) -> BatchedTorchExecutor:
+    """Rank `rank`'s executor: the checkpoint loaded, its shard kept, the CPU step over it with the collectives."""
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    model, _ = load_llama(spec.path, dtype=spec.dtype, weight_layout="auto")
+    shard = shard_llama(model, rank, world, group)
+    del model
+    tree = None if spec.tree is None else TreeTemplate(spec.tree)
+    return BatchedTorchExecutor(shard.model, spec.max_batch, spec.max_seq_len, exact=spec.exact, tree=tree,
+                                collectives=shard.collectives)
+
+
+def open_leader(spec: RankSpec, world: int) -> LeaderExecutor:
+    """This process as rank 0 of `world`: its executor built first (its exactness, resolved here, is every rank's),
+    ranks 1 .. started as processes with the same spec, the group formed once each has said it is ready. A rank
+    that fails to start is one UserError with the end of its stderr; the others are stopped."""
+    threads = spec.threads or max(1, torch.get_num_threads() // world)
+    executor = build_rank(dataclasses.replace(spec, threads=threads), 0, world)
+    spec = dataclasses.replace(spec, exact=executor.exact, threads=threads)
+    port = free_port()
+    followers = [subprocess.Popen([sys.executable, "-m", __name__, str(rank), str(world), str(port),
+                                   json.dumps(asdict(spec))], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for rank in range(1, world)]
+    try:
+        _wait_ready(followers)
+        init_group(0, world, port)
+    except BaseException:
+        for proc in followers:
+            proc.kill()
+            proc.wait()
+        raise
+    return LeaderExecutor(executor, None, followers)
+
+
+def _wait_ready(followers: list[subprocess.Popen]) -> None:
+    """Until every follower has printed READY; UserError naming one that exited or was silent too long."""
+    waiting = {proc.stdout: (rank, proc) for rank, proc in enumerate(followers, 1) if proc.stdout is not None}
+    deadline = time.monotonic() + START_TIMEOUT
+    with selectors.DefaultSelector() as selector:
+        for stream in waiting:
+            selector.register(stream, selectors.EVENT_READ)
+        while waiting:
+            left = deadline - time.monotonic()
+            events = selector.select(timeout=max(left, 0)) if left > 0 else []
+            if not events:
+                rank, proc = next(iter(waiting.values()))
+                raise UserError(f"tensor-parallel rank {rank} was not ready after {START_TIMEOUT:.0f} s; check the "
+                                "machine's memory and load")
+            for key, _ in events:
+                rank, proc = waiting[key.fileobj]  # type: ignore[index]
+                line = proc.stdout.readline() if proc.stdout else ""
+                if line.strip() == READY:
+                    selector.unregister(key.fileobj)
+                    del waiting[key.fileobj]  # type: ignore[arg-type]
+                elif not line:  # it exited
+                    proc.wait()
+                    tail = (proc.stderr.read() if proc.stderr else "")[-1500:]
+                    raise UserError(f"tensor-parallel rank {rank} exited while loading (status {proc.returncode}):\n"
+                                    f"{tail}")
+
+
+def _follower(argv: list[str]) -> None:
+    """`python -m trt_lookahead.backends.tensor_parallel RANK WORLD PORT SPEC`: build, say ready, follow rank 0."""
+    rank, world, port = int(argv[0]), int(argv[1]), int(argv[2])
+    raw = json.loads(argv[3])
+    spec = RankSpec(**{**raw, "tree": None if raw["tree"] is None else tuple(raw["tree"])})
+    executor = build_rank(spec, rank, world)
+    print(READY, flush=True)
+    group = init_group(rank, world, port)
+    follow(executor, group)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _follower(sys.argv[1:])

@@ -100,7 +100,7 @@ def generate(args: argparse.Namespace) -> int:
         source, backend=args.backend, dtype=args.dtype, lookahead=lookahead, max_seq_len=args.max_seq_len,
         threads=args.threads, verify=args.verify, tuning_file=args.tuning_file, exact=args.exact,
         pool_scope=args.pool_scope, tree=args.tree, compile=args.compile, attention=args.attention,
-        device=args.device, weights=args.weights, activations=args.activations,
+        device=args.device, weights=args.weights, activations=args.activations, tensor_parallel=args.tensor_parallel,
     )
     request = dict(max_new_tokens=args.max_new_tokens, chat=args.chat, **sampling)
     if args.json:
@@ -447,7 +447,7 @@ def serve(args: argparse.Namespace) -> int:
         threads=args.threads, verify=args.verify, tuning_file=args.tuning_file, max_batch=args.max_batch,
         max_queue=args.max_queue, exact=args.exact, pool_scope=args.pool_scope, prefill=prefill, tree=args.tree,
         compile=args.compile, attention=args.attention, device=args.device, weights=args.weights,
-        activations=args.activations,
+        activations=args.activations, tensor_parallel=args.tensor_parallel,
     ) as runtime:
         for choice in (runtime.lookahead, Lookahead.greedy()):  # both paths' first-call costs now, not on a request
             runtime.generate("Hello", max_new_tokens=2, lookahead=choice)

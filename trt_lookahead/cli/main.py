@@ -85,6 +85,12 @@ def _add_weights_arguments(p: argparse.ArgumentParser, model: bool = False) -> N
                         "on MatMulNBits' slower float path)")
 
 
+def _add_tensor_parallel_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel", "--tensor_parallel", dest="tensor_parallel", type=int, default=1,
+                   metavar="RANKS", help="shard a --model checkpoint over this many processes (heads split, exact "
+                                         "collectives over gloo; the CPU torch executor for now; default 1)")
+
+
 def _add_model_arguments(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--model", help=f"local HF Llama checkpoint dir, or a known name: {DEFAULT_MODEL}")
     if engine:
@@ -140,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text with lookahead (or greedy) decoding")
     _add_model_arguments(p)
     _add_weights_arguments(p, model=True)
+    _add_tensor_parallel_argument(p)
     _add_step_arguments(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
@@ -251,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     _add_model_arguments(p)
     _add_weights_arguments(p, model=True)
+    _add_tensor_parallel_argument(p)
     _add_step_arguments(p)
     _add_lookahead_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")

@@ -67,7 +67,7 @@ def load_model(
     path_or_name: str | Path, *, backend: str | None, dtype: str, asked: LookaheadConfig | None,
     max_seq_len: int | None, max_batch: int | None, verify: bool, exact: bool | None,
     tree: str | TreeTemplate | None, compile: bool = False, attention: str = "sdpa", device: str | None = None,
-    weights: str = "float", activations: str | None = None,
+    weights: str = "float", activations: str | None = None, tensor_parallel: int = 1,
 ) -> LoadedModel:
     """Load a HF Llama checkpoint dir, a known model name, or an engine dir (arguments as
     LookaheadRuntime.from_pretrained documents them; `asked`: the fixed config the runtime will default to, if
@@ -79,6 +79,9 @@ def load_model(
     path = resolve_model(str(path_or_name))
     if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
         raise UserError(f"max_batch must be a positive integer (request slots), got {max_batch!r}")
+    if tensor_parallel != 1 or isinstance(tensor_parallel, bool):
+        return _tensor_parallel(path, backend, dtype, asked, max_seq_len, max_batch, exact, tree, compile, attention,
+                                device, weights, activations, tensor_parallel)
     torch_step = compile or attention != "sdpa"
     if torch_step and (is_engine_dir(path) or backend not in (None, "torch")):
         raise UserError(TORCH_STEP_ON_ENGINE)
@@ -135,6 +138,39 @@ def _from_checkpoint(path: Path, dtype: str, max_seq_len: int | None, max_batch:
     return LoadedModel(load_tokenizer(path), executor, seq_len, _stop_token_ids(path), "torch", dtype, path,
                        max_lookahead=None, default=DEFAULT_LOOKAHEAD, device=device,
                        weights=weights_label(weights, "float"))
+
+
+def _tensor_parallel(path: Path, backend: str | None, dtype: str, asked: LookaheadConfig | None,
+                     max_seq_len: int | None, max_batch: int | None, exact: bool | None,
+                     tree: str | TreeTemplate | None, compile: bool, attention: str, device: str | None,
+                     weights: str, activations: str | None, world: int) -> LoadedModel:
+    """A checkpoint on `world` ranks (backends/tensor_parallel.py, docs/design.md 5.3): this process is rank 0 and
+    starts the others; the CPU torch executor only, for now. Every refusal comes before anything is loaded."""
+    from trt_lookahead.backends.tensor_parallel import RankSpec, check_degree, open_leader
+    from trt_lookahead.model.checkpoint import check_max_seq_len, load_tokenizer, read_config
+
+    if is_engine_dir(path):
+        raise UserError("tensor_parallel shards a checkpoint (--model), not an engine dir")
+    unsupported = [what for what, asked_for in (
+        ("--backend other than torch", backend not in (None, "torch")), ("--device cuda (NCCL)", device == "cuda"),
+        ("--weights/--activations", weights != "float" or activations is not None), ("--compile", compile),
+        ("--attention triton", attention != "sdpa")) if asked_for]
+    if unsupported:
+        raise UserError(f"tensor_parallel {world} runs the CPU torch executor on float weights for now; drop "
+                        f"{', '.join(unsupported)}, or tensor_parallel")
+    config = read_config(path)
+    check_degree(config, world)
+    seq_len = check_max_seq_len(max_seq_len, config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+    template = checkpoint_tree(tree, asked, "torch")
+    spec = RankSpec(str(path), dtype, max_batch or DEFAULT_MAX_BATCH, seq_len, exact,
+                    None if template is None else template.parents)
+    try:
+        executor = open_leader(spec, world)
+    except ValueError as exc:  # exact=True where the projections are not row-invariant
+        raise UserError(str(exc)) from exc
+    return LoadedModel(load_tokenizer(path), executor, seq_len, _stop_token_ids(path), "torch", dtype, path,
+                       max_lookahead=None, default=DEFAULT_LOOKAHEAD,
+                       why=f"tensor_parallel {world}: the torch executor sharded over {world} ranks (gloo)")
 
 
 def _from_engine(path: Path, backend: str, dtype: str, max_seq_len: int | None, max_batch: int | None, verify: bool,

@@ -225,6 +225,14 @@ class ChunkStream(Iterator[StreamChunk]):
         self._cancel()
 
 
+def _close(scheduler: Scheduler, executor: Any) -> None:
+    """Stop the scheduler, then an executor that holds processes (backends/tensor_parallel.py LeaderExecutor)."""
+    scheduler.close()
+    close = getattr(executor, "close", None)
+    if close is not None:
+        close()
+
+
 class LookaheadRuntime:
     """Tokenizer + one batched executor + its scheduler; `lookahead` is the choice of a request that names none."""
 
@@ -261,8 +269,9 @@ class LookaheadRuntime:
         prefill = default_prefill() if prefill is None else prefill
         self.scheduler = Scheduler(model.executor, auto.policy, max_queue, prefill)
         self.scheduler.start()
-        # a runtime dropped without close() still stops its thread and frees its KV cache
-        self._finalizer = weakref.finalize(self, self.scheduler.close)
+        # a runtime dropped without close() still stops its thread and frees its KV cache (and, tensor-parallel,
+        # its other ranks: after the scheduler, whose last releases they still follow)
+        self._finalizer = weakref.finalize(self, _close, self.scheduler, model.executor)
 
     @classmethod
     def from_pretrained(
@@ -286,6 +295,7 @@ class LookaheadRuntime:
         device: str | None = None,
         weights: str = "float",
         activations: str | None = None,
+        tensor_parallel: int = 1,
     ) -> LookaheadRuntime:
         """Load a HF Llama checkpoint dir, a known model name, or an engine dir from `trt-lookahead build`.
 
@@ -313,7 +323,9 @@ class LookaheadRuntime:
         --activations float|int8` quantizes them (activations None: int8 for quantized weights), on its cached
         onnxruntime engine on the CPU; on CUDA the torch executor holds them in the same blocks and multiplies
         float activations, each weight dequantized inside its product (docs/design.md 6.9; an engine dir's are
-        its build's).
+        its build's). tensor_parallel: ranks a checkpoint's model is sharded over (docs/design.md 5.3; the CPU torch
+        executor on float weights for now): this process is rank 0 and starts the others as processes, stopped by
+        `close`; torch's threads are shared out between the ranks.
         """
         choice = _default_choice(lookahead)
         check_pool_scope(pool_scope)
@@ -322,7 +334,8 @@ class LookaheadRuntime:
         asked = None if choice is None or choice.auto else choice.ceiling
         model = load_model(path_or_name, backend=backend, dtype=dtype, asked=asked, max_seq_len=max_seq_len,
                            max_batch=max_batch, verify=verify, exact=exact, tree=tree, compile=compile,
-                           attention=attention, device=device, weights=weights, activations=activations)
+                           attention=attention, device=device, weights=weights, activations=activations,
+                           tensor_parallel=tensor_parallel)
         auto = auto_policy(model, tuning_file, announce=choice is not None and choice.auto)
         # nothing to undo if this raises: the scheduler thread starts last, once every argument is checked
         runtime = cls(model, lookahead=choice or Lookahead(model.default), auto=auto, max_queue=max_queue,
