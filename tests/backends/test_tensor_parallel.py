@@ -149,3 +149,18 @@ def test_tensor_parallel_runs_refuse_what_they_cannot_run_before_loading(kwargs,
 
     with pytest.raises(UserError, match=message):
         LookaheadRuntime.from_pretrained(STORIES, **kwargs)
+
+
+def test_a_rank_that_cannot_start_is_one_error_with_the_end_of_its_stderr(tmp_path, monkeypatch):
+    """A rank process that exits before it is ready (here: its interpreter refuses to start) is a UserError naming
+    it, its status and its last stderr lines; no group is left formed in this process."""
+    import torch.distributed as dist
+
+    from trt_lookahead.runtime import LookaheadRuntime
+
+    refuse = "import sys\nsys.stderr.write('no room for this rank\\n')\nsys.exit(3)\n"  # fatal in site: status 1
+    (tmp_path / "sitecustomize.py").write_text(refuse)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the rank processes' interpreter only: this one has started
+    with pytest.raises(UserError, match=r"tensor-parallel rank 1 exited while loading \(status 1\):\nno room for"):
+        LookaheadRuntime.from_pretrained(STORIES, tensor_parallel=2, exact=True)
+    assert not dist.is_initialized()

@@ -34,9 +34,11 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import os
 import selectors
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -263,26 +265,31 @@ def open_leader(spec: RankSpec, world: int) -> LeaderExecutor:
     """This process as rank 0 of `world`: its executor built first (its exactness, resolved here, is every rank's),
     ranks 1 .. started as processes with the same spec, the group formed once each has said it is ready. A rank
     that fails to start is one UserError with the end of its stderr; the others are stopped."""
+    if dist.is_initialized():
+        raise UserError("this process already holds a tensor-parallel runtime (one group a process): close it first")
     threads = spec.threads or max(1, torch.get_num_threads() // world)
     executor = build_rank(dataclasses.replace(spec, threads=threads), 0, world)
     spec = dataclasses.replace(spec, exact=executor.exact, threads=threads)
     port = free_port()
-    followers = [subprocess.Popen([sys.executable, "-m", __name__, str(rank), str(world), str(port),
-                                   json.dumps(asdict(spec))], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True) for rank in range(1, world)]
-    try:
-        _wait_ready(followers)
-        init_group(0, world, port)
-    except BaseException:
-        for proc in followers:
-            proc.kill()
-            proc.wait()
-        raise
+    with contextlib.ExitStack() as files:  # stderr to files, not pipes: never full, so never blocking a rank
+        logs = [files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(1, world)]
+        followers = [subprocess.Popen([sys.executable, "-m", __name__, str(rank), str(world), str(port),
+                                       json.dumps(asdict(spec))], stdout=subprocess.PIPE, stderr=log, text=True)
+                     for rank, log in enumerate(logs, 1)]
+        try:
+            _wait_ready(followers, logs)
+            init_group(0, world, port)
+        except BaseException:
+            for proc in followers:
+                proc.kill()
+                proc.wait()
+            raise
     return LeaderExecutor(executor, None, followers)
 
 
-def _wait_ready(followers: list[subprocess.Popen]) -> None:
-    """Until every follower has printed READY; UserError naming one that exited or was silent too long."""
+def _wait_ready(followers: list[subprocess.Popen], logs: list[Any]) -> None:
+    """Until every follower has printed READY; UserError naming one that exited (with its stderr's end, from
+    `logs`) or was silent too long."""
     waiting = {proc.stdout: (rank, proc) for rank, proc in enumerate(followers, 1) if proc.stdout is not None}
     deadline = time.monotonic() + START_TIMEOUT
     with selectors.DefaultSelector() as selector:
@@ -303,7 +310,8 @@ def _wait_ready(followers: list[subprocess.Popen]) -> None:
                     del waiting[key.fileobj]  # type: ignore[arg-type]
                 elif not line:  # it exited
                     proc.wait()
-                    tail = (proc.stderr.read() if proc.stderr else "")[-1500:]
+                    logs[rank - 1].seek(0)
+                    tail = logs[rank - 1].read()[-1500:]
                     raise UserError(f"tensor-parallel rank {rank} exited while loading (status {proc.returncode}):\n"
                                     f"{tail}")
 
@@ -315,6 +323,7 @@ def _follower(argv: list[str]) -> None:
     spec = RankSpec(**{**raw, "tree": None if raw["tree"] is None else tuple(raw["tree"])})
     executor = build_rank(spec, rank, world)
     print(READY, flush=True)
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - nobody reads the pipe after READY: never let it fill
     group = init_group(rank, world, port)
     follow(executor, group)
     dist.destroy_process_group()
