@@ -23,7 +23,7 @@ on each rank (the exact step) a slot's logits are then the same bits alone, batc
 given degree W (docs/design.md 5.3). Rank 0 runs the scheduler, the pool and the host algorithm; the others
 follow its executor calls (one broadcast of the call's arguments each), so their forwards meet in the same
 collectives. A rank that dies ends the others' next collective with an error, one that hangs with the group's
-timeout.
+timeout; the leader then fails that call and every later one at once (restart the runtime).
 
 Imports torch (torch.distributed), model (the Llama, the checkpoint), backends.torch and files.
 """
@@ -172,13 +172,21 @@ class LeaderExecutor:
         self.executor, self.group = executor, group
         self.followers = followers or []  # the rank processes this leader started (open_leader), ended by close
         self._closed = False
+        self._failed: str | None = None  # why the group stopped working: every later call fails at once
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.executor, name)
 
     def _both(self, name: str, *args: Any) -> Any:
-        dist.broadcast_object_list([(name, args)], src=0, group=self.group)
-        return getattr(self.executor, name)(*args)
+        if self._failed:
+            raise RuntimeError(self._failed)
+        try:
+            dist.broadcast_object_list([(name, args)], src=0, group=self.group)
+            return getattr(self.executor, name)(*args)
+        except RuntimeError as exc:  # a collective failed, or rank 0 failed between them: the ranks are out of step
+            self._failed = (f"tensor parallelism: {name} failed on rank 0 ({str(exc)[:300]}); a rank was lost or the "
+                            "ranks fell out of step, so every later step fails too: restart the runtime")
+            raise RuntimeError(self._failed) from exc
 
     def claim(self, slot: int, sampling: Any) -> None:
         return self._both("claim", slot, sampling)
