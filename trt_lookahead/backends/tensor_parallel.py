@@ -305,9 +305,9 @@ def _wait_ready(followers: list[subprocess.Popen], logs: list[Any]) -> None:
             selector.register(stream, selectors.EVENT_READ)
         while waiting:
             left = deadline - time.monotonic()
-            events = selector.select(timeout=max(left, 0)) if left > 0 else []
+            events = selector.select(timeout=left) if left > 0 else []
             if not events:
-                rank, proc = next(iter(waiting.values()))
+                rank = next(iter(waiting.values()))[0]
                 raise UserError(f"tensor-parallel rank {rank} was not ready after {START_TIMEOUT:.0f} s; check the "
                                 "machine's memory and load")
             for key, _ in events:
