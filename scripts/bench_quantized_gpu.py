@@ -13,6 +13,11 @@ REPS times; the median over replays / CALLS is a call's time. `limit_us` is the 
 and zero points) at --peak-gbps (H200 4,800; H100 SXM 3,350), and `x_limit` the time over it: issue 44's goal
 is the 7B int4 step at 1.3x its limit or less. Then the whole step's sum over layers (each layer's four
 projections, times num_layers, plus the lm_head) per variant and M.
+
+--sweep BITS also times `quantized_linear` at BITS over a grid of tiles (SWEEP_TILES: BLOCK_N, BLOCK_K, warps),
+pipeline depths (SWEEP_STAGES) and spans (SWEEP_SPANS: None is one chain over all of K) for each projection and
+M, under "sweep": the evidence for invariant.py's choice of tile and span for quantized weights. A row's bits
+depend on the span (fixed per shape, never per M), never on the tile or the depth.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ from trt_lookahead.kernels import invariant  # noqa: E402
 BLOCK = 32  # engine/quantize.py BLOCK_SIZE: input dims per scale and zero point
 CALLS = 20
 REPS = 30
+SWEEP_TILES = tuple((16, n, k, w) for n in (32, 64, 128) for k in (128, 256) for w in (4, 8))
+SWEEP_STAGES = (3, 4)
+SWEEP_SPANS = (None, 1024, 2048)
 
 
 def projections(shape: dict[str, Any]) -> dict[str, tuple[int, int]]:
@@ -111,6 +119,38 @@ def bench(shape_name: str, rows: list[int], peak_gbps: float) -> dict[str, Any]:
     return {"shape": shape_name, "rows": out, "step": step_sums(out, shape["num_layers"])}
 
 
+def sweep(shape_name: str, rows: list[int], bits: int, peak_gbps: float) -> list[dict[str, Any]]:
+    """Each projection x M x SWEEP_TILES x SWEEP_STAGES x SWEEP_SPANS at `bits`: us and x_limit, best first per
+    (projection, M), with `default` the time of quantized_linear's own choice."""
+    out: list[dict[str, Any]] = []
+    for name, (N, K) in projections(SHAPES[shape_name]).items():
+        codes, scales, zeros = quantized_weight(N, K, bits, "cuda")
+        limit = (codes.numel() + scales.numel() * 4 + zeros.numel()) / (peak_gbps * 1e3)
+        for M in rows:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            default = graph_time_us(functools.partial(invariant.quantized_linear, x, codes, scales, zeros, None, bits))
+            timed = []
+            for tile in SWEEP_TILES:
+                for stages in SWEEP_STAGES:
+                    for span in SWEEP_SPANS:
+                        if span is not None and span >= K:
+                            continue
+                        fn = functools.partial(invariant.quantized_linear, x, codes, scales, zeros, None, bits,
+                                               tile=tile, span=span, stages=stages)
+                        try:
+                            us = graph_time_us(fn)
+                        except Exception as exc:  # a tile the GPU cannot hold (shared memory) is a row
+                            timed.append({"tile": tile, "stages": stages, "span": span, "error": f"{exc}"[:120]})
+                            continue
+                        timed.append({"tile": tile, "stages": stages, "span": span, "us": round(us, 2),
+                                      "x_limit": round(us / limit, 2)})
+            timed.sort(key=lambda t: t.get("us", float("inf")))
+            out.append({"projection": name, "N": N, "K": K, "M": M, "bits": bits, "limit_us": round(limit, 2),
+                        "default_us": round(default, 2), "best": timed[:12], "all": timed})
+            print(json.dumps({k: v for k, v in out[-1].items() if k != "all"}), flush=True)
+    return out
+
+
 def step_sums(rows: list[dict[str, Any]], layers: int) -> list[dict[str, Any]]:
     """Per (variant, M): the projections of a whole step (layers x the four, plus the lm_head) and their limit."""
     sums: dict[tuple[str, int], dict[str, float]] = {}
@@ -131,12 +171,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-7b")
     parser.add_argument("--rows", default="1,16,64", help="comma list of row counts M")
     parser.add_argument("--peak-gbps", type=float, default=4800.0, help="the GPU's HBM bandwidth (H200: 4800)")
+    parser.add_argument("--sweep", type=int, choices=(4, 8), help="also time quantized_linear's tiles at BITS")
+    parser.add_argument("--sweep-rows", default="1,16", help="comma list of the sweep's row counts M")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: no CUDA device: this benchmark times GPU kernels; run it on a GPU machine", file=sys.stderr)
         return 2
     result = bench(args.shape, [int(r) for r in args.rows.split(",")], args.peak_gbps)
     result["device"] = torch.cuda.get_device_name()
+    if args.sweep:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1), encoding="utf-8")  # the main table, if the sweep dies
+        result["sweep"] = sweep(args.shape, [int(r) for r in args.sweep_rows.split(",")], args.sweep, args.peak_gbps)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1), encoding="utf-8")
     for entry in result["step"]:

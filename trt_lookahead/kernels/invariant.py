@@ -10,7 +10,7 @@ A row's result depends only on its own inputs, never on how many rows the call h
   interpreter's tl.dot is numpy's matmul, whose bits depend on the tile's shape, so it runs one tile.
 - `quantized_linear`: `linear` of a weight held in int8 or int4 blocks (engine/quantize.py's layout, MatMulNBits'):
   each weight tile is dequantized in registers, so the weight streams at 1 or 1/2 byte an element (plus a scale
-  and zero point a block), and the product has the bits of `linear` by the dequantized weight: quantized steps,
+  and zero point a block); one tile (QUANTIZED_TILE) for every M and the span fixed per K, so quantized steps,
   fast or exact, are row-invariant (docs/design.md 6.9).
 - `rms_norm`: one program per row, the whole row in one block.
 Launched on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (the tests without a GPU).
@@ -32,6 +32,10 @@ from trt_lookahead.kernels.triton_kernel import interpreter_upcast
 LINEAR_TILES = ((128, 256, 64, 8), (128, 128, 64, 8), (64, 128, 64, 4), (16, 64, 128, 4), (16, 32, 128, 4))
 INTERPRETED_TILE = (32, 64, 64, 4)
 K_SPAN = 2048  # input dims per program where linear_span splits a product's reduction
+# a quantized product's tile and span on CUDA, for every M (quantized_linear): the fastest of a sweep at the 7B
+# shapes and one row (scripts/bench_quantized_gpu.py --sweep; docs/design.md 6.9)
+QUANTIZED_TILE = (16, 32, 256, 4)
+QUANTIZED_SPAN = 1024
 SPAN_SUM_BLOCK = 1024
 NUM_WARPS = 4
 
@@ -42,15 +46,17 @@ def _weight_tile(w_ptr, s_ptr, z_ptr, m_ptr, offs_n, kb, N, K, stride_wn, stride
                  BLOCK_K: tl.constexpr):
     """[BLOCK_K, BLOCK_N] float32: input dims kb * BLOCK_K .. of the weight's rows offs_n, dequantized from
     QBITS-bit codes in blocks of QBLOCK input dims (engine/quantize.py's layout): (q - z) * s, plus m with
-    HAS_MINS, in float32 as QuantizedWeight.dequantize computes them."""
+    HAS_MINS, in float32 as QuantizedWeight.dequantize computes them (a GPU may fuse the m into one rounding)."""
     offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     n_ok = (offs_n < N)[None, :]
-    ok = n_ok & (offs_k < K)[:, None]
     if QBITS == 4:  # two codes a byte, the lower input dim in the low nibble
-        byte = tl.load(w_ptr + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None], mask=ok, other=0)
-        q = (byte >> ((offs_k % 2) * 4)[:, None]) & 0xF
+        # each byte read once, contiguous along K (vector loads), then its nibbles interleaved as rows 2i, 2i + 1
+        offs_b = kb * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        byte = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_b[:, None], mask=n_ok & (offs_b * 2 < K)[:, None],
+                       other=0)  # [BLOCK_K / 2, BLOCK_N]; a dim past K meets a zero of x
+        q = tl.reshape(tl.permute(tl.join(byte & 0xF, byte >> 4), (0, 2, 1)), (BLOCK_K, BLOCK_N))
     else:
-        q = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=ok, other=0)
+        q = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=n_ok & (offs_k < K)[:, None], other=0)
     GROUPS: tl.constexpr = BLOCK_K // QBLOCK
     offs_g = kb * GROUPS + tl.arange(0, GROUPS)  # the tile's blocks
     g_ok = n_ok & (offs_g * QBLOCK < K)[:, None]
@@ -80,7 +86,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, s_ptr, z_ptr, m_ptr, M, N, K, SPA
                    UPCAST_DOT: tl.constexpr, QBITS: tl.constexpr, QBLOCK: tl.constexpr, HAS_MINS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y = x @ w^T (+ b) for a float weight w [N, K] (QBITS 0), or one held in QBITS-bit blocks (`_weight_tile`):
-    the same dot over the same tiles, so a quantized weight's product has the bits of its dequantized weight's."""
+    the same dot over the same tiles."""
     pid_m, pid_n, span = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -161,20 +167,30 @@ def linear(x: Any, weight: Any, bias: Any = None, tile: tuple[int, int, int, int
 
 
 def quantized_linear(x: Any, codes: Any, scales: Any, zero_points: Any, mins: Any, bits: int,
-                     tile: tuple[int, int, int, int] | None = None, span: int | str | None = "auto") -> Any:
+                     tile: tuple[int, int, int, int] | None = None, span: int | str | None = "auto",
+                     stages: int | None = None) -> Any:
     """`linear` of x [..., K] by a weight [N, K] held in blocks along K (engine/quantize.py's QuantizedWeight, as
     tensors): codes uint8 [N, blocks * block * bits / 8], scales float32 [N, blocks], zero points uint8 [N, blocks]
     (int8) or two a byte (int4), mins float32 [N, blocks] or None. Each weight tile is dequantized in float32 in
-    registers and cast to x's dtype before the dot, so the result has the bits of `linear(x, dequantized weight
-    in x's dtype)` with the same tile and span: row-invariant the same way, and the weight read at bits / 8 bytes
-    an element."""
+    registers and cast to x's dtype before the dot: the product by the dequantized weight, the weight read at
+    bits / 8 bytes an element. Row-invariant: one tile for every M (QUANTIZED_TILE on CUDA, where a bfloat16 dot
+    of weights made in registers gave an element other bits in other tiles) and the span `quantized_span`'s,
+    fixed per K. stages: the kernel's software pipeline depth (Triton's default when None); speed only."""
     N, blocks = scales.shape
     block = codes.shape[1] * 8 // bits // blocks  # the input dims a block holds
-    tile = tile or _tile(x, N)
+    tile = tile or (QUANTIZED_TILE if x.is_cuda else INTERPRETED_TILE)
     if tile[2] % block:
         raise ValueError(f"a tile's BLOCK_K ({tile[2]}) must hold whole blocks of {block} input dims")
+    if span == "auto":
+        span = quantized_span(x.shape[-1]) if x.is_cuda else None
     quantized = (scales, zero_points, mins, bits, block)
-    return _product(x, N, codes, quantized, None, tile, span)
+    return _product(x, N, codes, quantized, None, tile, span, stages)
+
+
+def quantized_span(K: int) -> int | None:
+    """The input dims each program of a quantized product reduces, whatever M: QUANTIZED_SPAN once K holds two
+    (more programs to stream the weight at one row), else all of K."""
+    return QUANTIZED_SPAN if K >= 2 * QUANTIZED_SPAN else None
 
 
 def _tile(x: Any, N: int) -> tuple[int, int, int, int]:
@@ -183,7 +199,7 @@ def _tile(x: Any, N: int) -> tuple[int, int, int, int]:
 
 
 def _product(x: Any, N: int, w: Any, quantized: tuple[Any, Any, Any, int, int] | None, bias: Any,
-             tile: tuple[int, int, int, int] | None, span: int | str | None) -> Any:
+             tile: tuple[int, int, int, int] | None, span: int | str | None, stages: int | None = None) -> Any:
     """Launch `_linear_kernel` for x [..., K] and w: a float weight [N, K], or `quantized` = (scales, zero points,
     mins, bits, block) beside the codes in w."""
     import torch
@@ -207,6 +223,7 @@ def _product(x: Any, N: int, w: Any, quantized: tuple[Any, Any, Any, int, int] |
         triton.cdiv(K if spans == 1 else span, BK), x2.stride(0), w.stride(0), y.stride(0), scales.stride(0),
         zeros.stride(0), HAS_BIAS=bias is not None, SPLIT=spans > 1, UPCAST_DOT=interpreter_upcast(x.dtype),
         QBITS=bits, QBLOCK=block, HAS_MINS=mins is not None, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=warps,
+        **({} if stages is None else {"num_stages": stages}),
     )
     if spans > 1:
         _span_sum_kernel[(triton.cdiv(M * N, SPAN_SUM_BLOCK),)](part, w if bias is None else bias, y, M, N,

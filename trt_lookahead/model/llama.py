@@ -584,7 +584,7 @@ class Llama(nn.Module):
         cache_rows: Tensor | None = None,
         ops: Ops = MODULE_OPS,
     ) -> Tensor:
-        attention = attention or self.attention
+        attention = self.attention if attention is None else attention  # no truth test: dynamo 2.11 cannot trace one
         T = input_ids.shape[0]
         x = self.tok_embeddings(input_ids)
         cos, sin = self.rope(positions)
