@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trt_lookahead.backends.tensor_parallel import check_degree, shard_config, shard_llama
+from trt_lookahead.backends.tensor_parallel import check_degree, load_shard, shard_config, shard_llama
 from trt_lookahead.errors import UserError
 from trt_lookahead.files import free_port
 from trt_lookahead.model.checkpoint import load_llama
@@ -63,6 +63,38 @@ def test_fewer_kv_heads_than_ranks_are_replicated_to_the_query_heads_that_read_t
         assert torch.equal(wqkv[: 2 * D], full[2 * rank * D : (2 * rank + 2) * D])
         assert torch.equal(wqkv[2 * D : 3 * D], full[q + head * D : q + (head + 1) * D])
         assert torch.equal(wqkv[3 * D :], full[q + kv + head * D : q + kv + (head + 1) * D])
+
+
+def random_checkpoint(tmp_path: Path) -> Path:
+    """stories260K's config with 2 KV heads and its own lm_head, random weights by HF names: at degree 4 each
+    KV head is replicated to two ranks, and the head is read from its own tensor."""
+    from safetensors.torch import save_file
+
+    from trt_lookahead.model.checkpoint import expected_tensors, hf_key, read_config
+
+    path = tmp_path / "gqa"
+    path.mkdir()
+    config = json.loads((STORIES / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 2, "tie_word_embeddings": False}))
+    generator = torch.Generator().manual_seed(0)
+    tensors = {hf_key(name): torch.randn(shape, generator=generator)
+               for name, shape in expected_tensors(read_config(path)).items()}
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("checkpoint", ["stories260K", "gqa-untied"])
+def test_a_rank_reads_its_shard_from_the_checkpoint_as_the_loaded_model_shards(tmp_path, checkpoint, world):
+    """load_shard reads each split weight's rows or columns alone; its shard has the bits of shard_llama's cut of
+    the whole loaded model, every tensor (tied head: the embedding's rows; untied: the head's own)."""
+    path = STORIES if checkpoint == "stories260K" else random_checkpoint(tmp_path)
+    model, _ = load_llama(path)
+    for rank in range(world):
+        read = load_shard(str(path), "float32", rank, world, weight_layout="out_in").model.state_dict()
+        cut = shard_llama(model, rank, world).model.state_dict()
+        assert read.keys() == cut.keys()
+        assert all(torch.equal(read[name], cut[name]) for name in cut), rank
 
 
 def test_degrees_a_model_cannot_take_are_refused_naming_what_does_not_divide():

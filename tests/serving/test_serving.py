@@ -36,6 +36,7 @@ NAME = "lookahead"
 BATCHED = "lookahead_batched"  # the same with max_batch_size 4: tensors carry a batch dimension
 ONE = "lookahead_one"  # one request slot, bfloat16 on the torch executor: a long request holds it for seconds
 QUANT = "lookahead_int4"  # the checkpoint's int4 engine (int8 activations), built by triton-repo
+TP = "lookahead_tp2"  # the checkpoint sharded over two rank processes the instance starts
 SERVED = "4,3,4"
 PROMPTS = ["Once upon a time", "Lily and Tom went to the park. They", "The cat sat on the", "Sam had a red ball"]
 TIMEOUT = 60
@@ -65,6 +66,8 @@ def server(tmp_path_factory):
                  "--lookahead_config", SERVED, "--max-batch", "1", "--dtype", "bfloat16"]) == 0
     assert main(["triton-repo", "--model", str(STORIES), "--output", str(root / "repo"), "--name", QUANT,
                  "--lookahead_config", SERVED, "--weights", "int4", "--pool-scope", "request"]) == 0
+    assert main(["triton-repo", "--model", str(STORIES), "--output", str(root / "repo"), "--name", TP,
+                 "--lookahead_config", SERVED, "--tensor-parallel", "2", "--pool-scope", "request"]) == 0
     yield from serve(root, timeout=180)
 
 
@@ -204,6 +207,9 @@ def test_triton_repo_writes_config_and_model(tmp_path, capsys):
         (["--model", str(STORIES), "--max-batch", "0"], "--max-batch must be >= 1"),
         (["--model", str(STORIES), "--weights", "int4", "--dtype", "bfloat16"], "float32 onnxruntime engine"),
         (["--model", str(STORIES), "--activations", "int8"], "multiplies quantized weights"),
+        (["--model", str(STORIES), "--tensor-parallel", "3"], "tensor_parallel 3 cannot split 8 attention heads"),
+        (["--model", str(STORIES), "--tensor-parallel", "2", "--weights", "int4"],
+         "on float weights for now; drop --weights/--activations"),
     ],
 )
 def test_triton_repo_bad_arguments(tmp_path, capsys, argv, words):
@@ -667,6 +673,24 @@ def test_quantized_checkpoint_repository_serves_its_own_greedy(server):
         assert want.text == quantized.generate(prompt, max_new_tokens=40, lookahead="greedy").text
         status, text = http_post(server, "generate", {"text_input": prompt, "max_tokens": 40}, model=QUANT)
         assert status == 200 and json.loads(text)["text_output"] == want.text, text
+
+
+@pytest.mark.server
+def test_tensor_parallel_repository_serves_its_own_greedy(server):
+    """triton-repo --tensor-parallel 2: the instance shards the checkpoint over itself and one rank process it
+    starts; answers equal a runtime on two ranks here, lookahead and greedy alike, and the server keeps serving
+    the other models beside it."""
+    from trt_lookahead.runtime import LookaheadRuntime
+
+    config = (server.repo / TP / "config.pbtxt").read_text()
+    assert 'key: "tensor_parallel" value: { string_value: "2" }' in config
+    with LookaheadRuntime.from_pretrained(STORIES, lookahead=SERVED, tensor_parallel=2, pool_scope="request") as rt:
+        for prompt in PROMPTS[:2]:
+            want = rt.generate(prompt, max_new_tokens=40)
+            assert want.text == rt.generate(prompt, max_new_tokens=40, lookahead="greedy").text
+            status, text = http_post(server, "generate", {"text_input": prompt, "max_tokens": 40}, model=TP)
+            assert status == 200 and json.loads(text)["text_output"] == want.text, text
+    assert generate(server, text_input=PROMPTS[0], max_tokens=8)["text_output"]
 
 
 @pytest.mark.server

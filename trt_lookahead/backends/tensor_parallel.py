@@ -5,7 +5,8 @@
     ex.close()                                # drives them: the runtime's executor (runtime/load.py)
 
     group = init_group(rank, world, port)                     # gloo over 127.0.0.1, collectives time out
-    shard = shard_llama(model, rank, world, group)            # this rank's heads, FFN columns and vocab rows
+    shard = load_shard("models/x", "float32", rank, world, group=group)  # this rank's heads, FFN columns and
+                                                              # vocab rows, read alone (shard_llama: of a model)
     ex = BatchedTorchExecutor(shard.model, 4, 512, 16, exact=True, collectives=shard.collectives)  # every rank
     ex = LeaderExecutor(ex, group)    # rank 0: each call reaches the followers first; the runtime drives it
     follow(ex, group)                 # ranks 1 ..: run rank 0's calls until it closes
@@ -42,6 +43,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -52,7 +54,7 @@ from trt_lookahead.backends.torch import BatchedTorchExecutor
 from trt_lookahead.errors import UserError
 from trt_lookahead.files import free_port
 from trt_lookahead.lookahead.tree import TreeTemplate
-from trt_lookahead.model.checkpoint import load_llama
+from trt_lookahead.model.checkpoint import HEAD, parse_dtype, read_config, read_tensors, to_state_dict, weight_files
 from trt_lookahead.model.llama import Block, Linear, Llama, ModelConfig
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)  # a rank silent this long ends the others' collective
@@ -105,35 +107,81 @@ def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
                                intermediate_size=cfg.intermediate_size // world, tie_word_embeddings=False)
 
 
-def shard_llama(model: Llama, rank: int, world: int, group: Any = None) -> Shard:
-    """Rank `rank`'s shard of `model` (see the module docstring), on the model's device and dtype."""
-    cfg = model.cfg
-    check_degree(cfg, world)
+@dataclass(frozen=True)
+class RankSlices:
+    """A rank's part of each split weight, as the checkpoint lays them out (every size from `rank_slices`)."""
+
+    q: slice  # rows of q_proj, columns of o_proj: its query heads
+    kv: slice  # rows of k_proj and v_proj: the KV heads those query heads read
+    ffn: slice  # rows of gate_proj and up_proj, columns of down_proj
+    vocab: slice  # rows of the lm_head
+
+
+def rank_slices(cfg: ModelConfig, rank: int, world: int) -> RankSlices:
+    """Rank `rank` of `world`'s slices (see the module docstring)."""
     local = shard_config(cfg, world)
     D, F, V = cfg.head_dim, local.intermediate_size, cfg.vocab_size // world
     q0 = rank * local.num_heads  # the first query head
     kv0 = q0 // (cfg.num_heads // cfg.num_kv_heads)  # the first KV head they read
-    q = slice(q0 * D, (q0 + local.num_heads) * D)
-    k = slice(cfg.q_size + kv0 * D, cfg.q_size + (kv0 + local.num_kv_heads) * D)
-    v = slice(k.start + cfg.kv_size, k.stop + cfg.kv_size)
-    gate = slice(rank * F, (rank + 1) * F)
-    up = slice(cfg.intermediate_size + gate.start, cfg.intermediate_size + gate.stop)
+    return RankSlices(q=slice(q0 * D, (q0 + local.num_heads) * D), kv=slice(kv0 * D, (kv0 + local.num_kv_heads) * D),
+                      ffn=slice(rank * F, (rank + 1) * F), vocab=slice(rank * V, (rank + 1) * V))
+
+
+def shard_llama(model: Llama, rank: int, world: int, group: Any = None) -> Shard:
+    """Rank `rank`'s shard of a loaded `model` (see the module docstring), on the model's device and dtype."""
+    cfg = model.cfg
+    check_degree(cfg, world)
+    part = rank_slices(cfg, rank, world)
+    q, kv, f = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     # replicated: the embedding and the norms
     state = {name: t for name, t in model.state_dict().items() if "norm" in name or name.startswith("tok_embeddings")}
     for i, layer in enumerate(cast("list[Block]", model.layers)):
         p = f"layers.{i}."
         wqkv = layer.attention.wqkv.dense_weight()
-        state[p + "attention.wqkv.weight"] = torch.cat([wqkv[q], wqkv[k], wqkv[v]])
-        state[p + "attention.wo.weight"] = layer.attention.wo.dense_weight()[:, q]
+        state[p + "attention.wqkv.weight"] = torch.cat([wqkv[:q][part.q], wqkv[q : q + kv][part.kv],
+                                                        wqkv[q + kv :][part.kv]])
+        state[p + "attention.wo.weight"] = layer.attention.wo.dense_weight()[:, part.q]
         w13 = layer.feed_forward.w13.dense_weight()
-        state[p + "feed_forward.w13.weight"] = torch.cat([w13[gate], w13[up]])
-        state[p + "feed_forward.w2.weight"] = layer.feed_forward.w2.dense_weight()[:, gate]
-    state["output.weight"] = model.output.dense_weight()[rank * V : (rank + 1) * V]
+        state[p + "feed_forward.w13.weight"] = torch.cat([w13[:f][part.ffn], w13[f:][part.ffn]])
+        state[p + "feed_forward.w2.weight"] = layer.feed_forward.w2.dense_weight()[:, part.ffn]
+    state["output.weight"] = model.output.dense_weight()[part.vocab]
+    return _assemble(cfg, world, state, model.dtype, model.device, model.weight_layout, group)
+
+
+def load_shard(path: str, dtype: str, rank: int, world: int, weight_layout: str = "auto",
+               group: Any = None) -> Shard:
+    """Rank `rank`'s shard read from the checkpoint at `path` on the CPU: each split weight only its rank's rows or
+    columns (the rest stays in the file), the embedding and norms whole."""
+    cfg = read_config(path)
+    check_degree(cfg, world)
+    part = rank_slices(cfg, rank, world)
+    parts: dict[str, tuple[int, slice]] = {} if cfg.tie_word_embeddings else {HEAD: (0, part.vocab)}
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        parts[p + "self_attn.q_proj.weight"], parts[p + "self_attn.o_proj.weight"] = (0, part.q), (1, part.q)
+        parts[p + "self_attn.k_proj.weight"] = parts[p + "self_attn.v_proj.weight"] = (0, part.kv)
+        parts[p + "mlp.gate_proj.weight"] = parts[p + "mlp.up_proj.weight"] = (0, part.ffn)
+        parts[p + "mlp.down_proj.weight"] = (1, part.ffn)
+    torch_dtype = parse_dtype(dtype)
+    hf = read_tensors(weight_files(Path(path)), cfg, torch_dtype, parts)
+    if cfg.tie_word_embeddings:  # the head is the embedding's rows
+        hf[HEAD] = hf["embed_tokens.weight"][part.vocab]
+    local = shard_config(cfg, world)  # untied: to_state_dict takes the head's slice as the output
+    return _assemble(cfg, world, to_state_dict(hf, local), torch_dtype, torch.device("cpu"), weight_layout, group)
+
+
+def _assemble(cfg: ModelConfig, world: int, state: dict[str, Tensor], dtype: torch.dtype, device: torch.device,
+              weight_layout: str, group: Any) -> Shard:
+    """The shard module holding `state` (the shard's weights by this package's names) and its collectives."""
     with torch.device("meta"):
-        shard = Llama(local, dtype=model.dtype)
-        shard.output = Linear(cfg.hidden_size, V, bias=False, dtype=model.dtype)
+        shard = Llama(shard_config(cfg, world), dtype=dtype)
+        shard.output = Linear(cfg.hidden_size, cfg.vocab_size // world, bias=False, dtype=dtype)
     shard.load_state_dict({name: t.detach().clone() for name, t in state.items()}, assign=True, strict=True)
-    shard = shard.to(model.device).eval().requires_grad_(False).set_weight_layout(model.weight_layout)
+    shard = shard.to(device).eval().requires_grad_(False)
+    try:
+        shard.set_weight_layout(weight_layout)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
 
     def reduce(x: Tensor) -> Tensor:
         return exact_all_reduce(x, group)
@@ -258,12 +306,10 @@ class RankSpec:
 
 
 def build_rank(spec: RankSpec, rank: int, world: int, group: Any = None) -> BatchedTorchExecutor:
-    """Rank `rank`'s executor: the checkpoint loaded, its shard kept, the CPU step over it with the collectives."""
+    """Rank `rank`'s executor: its shard read from the checkpoint, the CPU step over it with the collectives."""
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    model, _ = load_llama(spec.path, dtype=spec.dtype, weight_layout="auto")
-    shard = shard_llama(model, rank, world, group)
-    del model
+    shard = load_shard(spec.path, spec.dtype, rank, world, group=group)
     tree = None if spec.tree is None else TreeTemplate(spec.tree)
     return BatchedTorchExecutor(shard.model, spec.max_batch, spec.max_seq_len, exact=spec.exact, tree=tree,
                                 collectives=shard.collectives)
@@ -279,10 +325,14 @@ def open_leader(spec: RankSpec, world: int) -> LeaderExecutor:
     executor = build_rank(dataclasses.replace(spec, threads=threads), 0, world)
     spec = dataclasses.replace(spec, exact=executor.exact, threads=threads)
     port = free_port()
+    # the ranks import this process's trt_lookahead (a Triton stub finds it by a path of its own, not PYTHONPATH)
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))}
     with contextlib.ExitStack() as files:  # stderr to files, not pipes: never full, so never blocking a rank
         logs = [files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(1, world)]
         followers = [subprocess.Popen([sys.executable, "-m", __name__, str(rank), str(world), str(port),
-                                       json.dumps(asdict(spec))], stdout=subprocess.PIPE, stderr=log, text=True)
+                                       json.dumps(asdict(spec))], stdout=subprocess.PIPE, stderr=log, text=True,
+                                      env=env)
                      for rank, log in enumerate(logs, 1)]
         try:
             _wait_ready(followers, logs)

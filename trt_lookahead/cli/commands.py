@@ -405,6 +405,7 @@ def triton_repo(args: argparse.Namespace) -> int:
         lookahead_config=args.lookahead_config, instances=args.instances, max_batch_size=args.max_batch_size,
         max_seq_len=args.max_seq_len, dtype=args.dtype, verify=args.verify, max_batch=args.max_batch,
         pool_scope=args.pool_scope, weights=args.weights, activations=args.activations,
+        tensor_parallel=args.tensor_parallel,
     )
     print(model_root.parent.resolve())
     return 0

@@ -253,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_seq_len", "--max-seq-len", dest="max_seq_len", type=int, default=None)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     _add_weights_arguments(p, model=True)
+    _add_tensor_parallel_argument(p)
     _add_verify_argument(p)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")

@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -245,8 +246,12 @@ def _locate_tensors(files: list[Path], cfg: ModelConfig) -> dict[str, tuple[Path
     return located
 
 
-def _read_tensors(files: list[Path], cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Tensor]:
-    """Read every expected tensor (HF names without the decoder prefix), checking presence and shape first."""
+def read_tensors(files: list[Path], cfg: ModelConfig, dtype: torch.dtype,
+                 parts: Mapping[str, tuple[int, slice]] | None = None) -> dict[str, Tensor]:
+    """Read every expected tensor (HF names without the decoder prefix), checking presence and shape first. A
+    name in `parts` is read as only its (dim, slice) of rows (0) or columns (1): the rest stays in the file (a
+    tensor-parallel rank's shard)."""
+    parts = parts or {}
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for name, (file, key) in _locate_tensors(files, cfg).items():
         by_file.setdefault(file, []).append((name, key))
@@ -255,7 +260,12 @@ def _read_tensors(files: list[Path], cfg: ModelConfig, dtype: torch.dtype) -> di
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name, key in items:
-                    out[name] = f.get_tensor(key).to(dtype)
+                    if name in parts:
+                        dim, kept = parts[name]
+                        tensor = f.get_slice(key)[kept] if dim == 0 else f.get_slice(key)[:, kept]
+                    else:
+                        tensor = f.get_tensor(key)
+                    out[name] = tensor.to(dtype)
         except (SafetensorError, OSError) as exc:
             raise UserError(f"weight file {file} is unreadable ({exc}); re-download it") from exc
     return out
@@ -300,7 +310,7 @@ def load_llama(
         raise UserError(f"weight layout {weight_layout!r} is not one of {', '.join(layouts)}")
     cfg = read_config(path)
     files = weight_files(Path(path))
-    hf = _read_tensors(files, cfg, torch_dtype)
+    hf = read_tensors(files, cfg, torch_dtype)
     with torch.device("meta"):
         model = Llama(cfg, dtype=torch_dtype)
     model.load_state_dict(to_state_dict(hf, cfg), assign=True, strict=True)

@@ -531,7 +531,7 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, dtype: str = "float3
     import gguf
     import torch
 
-    from trt_lookahead.model.checkpoint import _read_tensors, hf_key, parse_dtype, read_config, weight_files
+    from trt_lookahead.model.checkpoint import hf_key, parse_dtype, read_config, read_tensors, weight_files
 
     if dtype not in GGUF_DTYPES:
         raise UserError(f"no GGUF type for dtype {dtype!r}; use {', '.join(GGUF_DTYPES)}")
@@ -568,7 +568,7 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, dtype: str = "float3
         else:
             writer.add_string(key, value)
 
-    tensors = _read_tensors(weight_files(root), cfg, parse_dtype(dtype))
+    tensors = read_tensors(weight_files(root), cfg, parse_dtype(dtype))
     for name, tensor in tensors.items():
         hf_name = hf_key(name) if name.startswith("lm_head") else f"model.{name}"
         t = tensor.contiguous()

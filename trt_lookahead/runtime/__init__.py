@@ -18,6 +18,7 @@ from trt_lookahead.runtime.load import (
     BACKEND_CHOICES,
     DEFAULT_MAX_SEQ_LEN,
     cached_checkpoint_engine,
+    check_tensor_parallel,
     checkpoint_backend,
     checkpoint_tree,
     checkpoint_tuning_key,
@@ -40,5 +41,6 @@ __all__ = [
     "BACKEND_CHOICES", "DEFAULT_MAX_NEW_TOKENS", "DEFAULT_MAX_QUEUE", "DEFAULT_MAX_SEQ_LEN", "MAX_STOP_CHARS",
     "MAX_STOP_STRINGS", "PROMPT_CHARS_MARGIN", "ChatTemplateError", "ChunkStream", "GenerationOutput",
     "LookaheadRuntime", "Prompt", "Request", "StreamChunk", "cached_checkpoint_engine", "check_pool_scope",
-    "checkpoint_backend", "checkpoint_tree", "checkpoint_tuning_key", "engine_cover", "refuse_weights_on_engine",
+    "check_tensor_parallel", "checkpoint_backend", "checkpoint_tree", "checkpoint_tuning_key", "engine_cover",
+    "refuse_weights_on_engine",
 ]

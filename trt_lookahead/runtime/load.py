@@ -14,7 +14,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trt_lookahead.engine.format import DEFAULT_MAX_BATCH, is_engine_dir
 from trt_lookahead.errors import UserError, as_int
@@ -23,6 +23,9 @@ from trt_lookahead.lookahead.executor import Executor, check_kv_memory
 from trt_lookahead.lookahead.policy import NGRAMS, TOP, AutoPolicy, auto_cover
 from trt_lookahead.lookahead.tree import DEFAULT_TREE, TreeTemplate, resolve_tree
 from trt_lookahead.runtime.tuning_file import read_tuning_file, tuning_key
+
+if TYPE_CHECKING:  # torch-free at import: the model is loaded lazily
+    from trt_lookahead.model.llama import ModelConfig
 
 DEFAULT_MAX_SEQ_LEN = 4096
 BACKEND_CHOICES = ("torch", "onnxruntime", "tensorrt")
@@ -140,26 +143,38 @@ def _from_checkpoint(path: Path, dtype: str, max_seq_len: int | None, max_batch:
                        weights=weights_label(weights, "float"))
 
 
-def _tensor_parallel(path: Path, backend: str | None, dtype: str, asked: LookaheadConfig | None,
-                     max_seq_len: int | None, max_batch: int | None, exact: bool | None,
-                     tree: str | TreeTemplate | None, compile: bool, attention: str, device: str | None,
-                     weights: str, activations: str | None, world: int) -> LoadedModel:
-    """A checkpoint on `world` ranks (backends/tensor_parallel.py, docs/design.md 5.3): this process is rank 0 and
-    starts the others; the CPU torch executor only, for now. Every refusal comes before anything is loaded."""
-    from trt_lookahead.backends.tensor_parallel import RankSpec, check_degree, open_leader
-    from trt_lookahead.model.checkpoint import check_max_seq_len, load_tokenizer, read_config
+def check_tensor_parallel(path: Path, world: int, backend: str | None = None, device: str | None = None,
+                          weights: str = "float", activations: str | None = None, compile: bool = False,
+                          attention: str = "sdpa") -> ModelConfig:
+    """The checkpoint's config if `world` ranks can run it with these settings, else one UserError naming what to
+    drop or which degree the model takes; reads config.json only."""
+    from trt_lookahead.backends.tensor_parallel import check_degree
+    from trt_lookahead.model.checkpoint import read_config
 
     if is_engine_dir(path):
         raise UserError("tensor_parallel shards a checkpoint (--model), not an engine dir")
     unsupported = [what for what, asked_for in (
-        ("--backend other than torch", backend not in (None, "torch")), ("--device cuda (NCCL)", device == "cuda"),
-        ("--weights/--activations", weights != "float" or activations is not None), ("--compile", compile),
+        ("--backend other than torch", backend not in (None, "", "torch")), ("--device cuda (NCCL)", device == "cuda"),
+        ("--weights/--activations", weights != "float" or activations not in (None, "float")), ("--compile", compile),
         ("--attention triton", attention != "sdpa")) if asked_for]
     if unsupported:
         raise UserError(f"tensor_parallel {world} runs the CPU torch executor on float weights for now; drop "
                         f"{', '.join(unsupported)}, or tensor_parallel")
     config = read_config(path)
     check_degree(config, world)
+    return config
+
+
+def _tensor_parallel(path: Path, backend: str | None, dtype: str, asked: LookaheadConfig | None,
+                     max_seq_len: int | None, max_batch: int | None, exact: bool | None,
+                     tree: str | TreeTemplate | None, compile: bool, attention: str, device: str | None,
+                     weights: str, activations: str | None, world: int) -> LoadedModel:
+    """A checkpoint on `world` ranks (backends/tensor_parallel.py, docs/design.md 5.3): this process is rank 0 and
+    starts the others; the CPU torch executor only, for now. Every refusal comes before anything is loaded."""
+    from trt_lookahead.backends.tensor_parallel import RankSpec, open_leader
+    from trt_lookahead.model.checkpoint import check_max_seq_len, load_tokenizer
+
+    config = check_tensor_parallel(path, world, backend, device, weights, activations, compile, attention)
     seq_len = check_max_seq_len(max_seq_len, config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
     template = checkpoint_tree(tree, asked, "torch")
     spec = RankSpec(str(path), dtype, max_batch or DEFAULT_MAX_BATCH, seq_len, exact,

@@ -34,6 +34,7 @@ from trt_lookahead.runtime import (
     DEFAULT_MAX_SEQ_LEN,
     cached_checkpoint_engine,
     check_pool_scope,
+    check_tensor_parallel,
     checkpoint_backend,
     checkpoint_tree,
     refuse_weights_on_engine,
@@ -70,9 +71,11 @@ def write_repository(
     pool_scope: str = "shared",
     weights: str = "float",
     activations: str | None = None,
+    tensor_parallel: int = 1,
 ) -> Path:
     """Write REPO/NAME/{config.pbtxt,1/model.py}; returns the model directory. weights, activations: a checkpoint's
-    quantized engine (`build --weights --activations`), built now and cached; an engine dir keeps its own."""
+    quantized engine (`build --weights --activations`), built now and cached; an engine dir keeps its own.
+    tensor_parallel: each instance shards a checkpoint over that many rank processes (checked here)."""
     if (model is None) == (engine is None):
         raise UserError("give exactly one of --model (checkpoint dir or known name) and --engine (engine dir)")
     if not _NAME.match(name or ""):
@@ -89,6 +92,8 @@ def write_repository(
         from trt_lookahead.engine.format import load_engine_config
 
         built = load_engine_config(Path(engine).expanduser(), verify=verify)  # UserError if not an engine dir
+        if tensor_parallel != 1:
+            check_tensor_parallel(built.path, tensor_parallel)  # refuses an engine dir
         refuse_weights_on_engine(weights, activations)
         served = LookaheadConfig.parse(lookahead_config) if lookahead_config else built.lookahead
         served.check_fits(built.lookahead)
@@ -110,12 +115,14 @@ def write_repository(
             asked = LookaheadConfig.parse(lookahead_config) if lookahead_config else None
             served = asked or DEFAULT_LOOKAHEAD
             lookahead = f"{served.W},{served.N},{served.G}"
+        if tensor_parallel != 1:
+            check_tensor_parallel(model_dir, tensor_parallel, backend, None, weights, activations)
         weights, activations = check_scheme(weights, activations)
-        if checkpoint_backend(backend, dtype, asked, weights=weights)[0] == "onnxruntime":  # the cached engine,
-            # built now: the instances only open it
+        # the cached engine, built now: the instances only open it (ranks shard the checkpoint itself: none)
+        if tensor_parallel == 1 and checkpoint_backend(backend, dtype, asked, weights=weights)[0] == "onnxruntime":
             cached_checkpoint_engine(model_dir, dtype, max_seq_len, max_batch, asked,
                                      checkpoint_tree(DEFAULT, asked, "onnxruntime"), weights, activations)
-        params.update(weights=weights, activations=activations)
+        params.update(weights=weights, activations=activations, tensor_parallel=str(tensor_parallel))
     params.update(
         backend=backend or "",
         dtype=dtype,

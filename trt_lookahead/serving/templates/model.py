@@ -83,6 +83,7 @@ class TritonPythonModel:
             pool_scope=params.get("pool_scope") or "shared",
             weights=params.get("weights") or "float",  # a checkpoint's quantized engine, built by triton-repo
             activations=params.get("activations") or None,
+            tensor_parallel=int(params.get("tensor_parallel") or 1),  # rank processes this instance starts
         )
         self.served = self.runtime.lookahead.ceiling  # per-request lookahead inputs fit inside it
         self.runtime.generate([1], max_new_tokens=2)  # warm the executor now, not on the first request
