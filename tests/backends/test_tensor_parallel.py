@@ -140,6 +140,14 @@ def test_two_ranks_answer_as_their_greedy_with_a_slots_bits_alone_or_batched(tmp
     assert result["max_abs_vs_whole"] <= 1e-4 * result["max_abs_whole"]
 
 
+def test_messages_of_any_size_reach_the_other_rank_whole(tmp_path):
+    """A step's arguments in one broadcast, a pickle that fills it exactly, one byte more (a second broadcast), and
+    256 KiB: each arrives as sent."""
+    result, done = run_ranks(tmp_path, "messages")
+    assert all(p.returncode == 0 for p in done), [p.stderr[-2000:] for p in done]
+    assert result == {"sent": 4} and json.loads((tmp_path / "rank0.json.rank1").read_text()) == [True] * 4
+
+
 def test_a_lost_rank_ends_rank_0s_next_call_with_an_error_not_a_hang(tmp_path):
     """The first call after a rank is gone fails with gloo's error, named; every later one fails at once, with no
     collective tried (a server answers its requests with the error instead of waiting out the timeout each)."""

@@ -5,12 +5,14 @@
 Every rank loads the checkpoint, takes its shard and builds the same exact CPU executor (one torch thread). Rank 0
 wraps it in a LeaderExecutor under a LookaheadRuntime and writes what the test checks to OUT (JSON); the others
 follow. MODE "die": rank 1 exits after its first few calls (a lost rank), and rank 0 records the error it gets.
+MODE "messages": rank 0 sends `messages()` (send_message), rank 1 writes to OUT.rank1 whether each arrived whole.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import sys
 import time
 from pathlib import Path
@@ -18,7 +20,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trt_lookahead.backends.tensor_parallel import LeaderExecutor, follow, init_group, shard_llama
+from trt_lookahead.backends.tensor_parallel import (
+    MESSAGE_BYTES,
+    LeaderExecutor,
+    follow,
+    init_group,
+    receive_message,
+    send_message,
+    shard_llama,
+)
 from trt_lookahead.backends.torch import BatchedTorchExecutor
 from trt_lookahead.lookahead.config import DEFAULT_LOOKAHEAD, Lookahead, LookaheadConfig
 from trt_lookahead.lookahead.executor import StepBatch
@@ -103,11 +113,34 @@ def leader(ex: BatchedTorchExecutor, group, mode: str) -> dict:
     return result
 
 
+def messages() -> list:
+    """What mode "messages" sends: a step-sized message, ones whose pickle fills one broadcast exactly and by one
+    byte too many (a second broadcast), and a large one."""
+    def sized(n: int) -> bytes:  # bytes whose pickle is n bytes long (a pickle's overhead past 255 bytes is fixed)
+        return b"x" * (n - (len(pickle.dumps(b"x" * 300)) - 300))
+
+    room = MESSAGE_BYTES - 8
+    sent = [[("step", (np.arange(64), {"a": 1}))], sized(room), sized(room + 1), bytes(range(256)) * 1024]
+    assert [len(pickle.dumps(m)) for m in sent[1:3]] == [room, room + 1]
+    return sent
+
+
 def main() -> None:
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
     mode = sys.argv[5] if len(sys.argv) > 5 else "run"
     torch.set_num_threads(1)
     group = init_group(rank, world, port)
+    if mode == "messages":  # rank 0 sends, rank 1 writes whether it received the same objects
+        sent = messages()
+        if rank:
+            received = [receive_message(group) for _ in sent]
+            same = [pickle.dumps(a) == pickle.dumps(b) for a, b in zip(received, sent, strict=True)]
+            Path(f"{out}.rank{rank}").write_text(json.dumps(same))
+        else:
+            for message in sent:
+                send_message(message, group)
+            out.write_text(json.dumps({"sent": len(sent)}))
+        return
     model, _ = load_llama(STORIES, weight_layout="auto")
     shard = shard_llama(model, rank, world, group)
     ex = executor(shard.model, shard.collectives)

@@ -22,9 +22,9 @@ in rank order on every rank: a row's sum depends on its own partials only, never
 the lm_head the vocab slices are all-gathered, so every rank chooses the same token. With row-invariant products
 on each rank (the exact step) a slot's logits are then the same bits alone, batched or in greedy decoding, at a
 given degree W (docs/design.md 5.3). Rank 0 runs the scheduler, the pool and the host algorithm; the others
-follow its executor calls (one broadcast of the call's arguments each), so their forwards meet in the same
-collectives. A rank that dies ends the others' next collective with an error, one that hangs with the group's
-timeout; the leader then fails that call and every later one at once (restart the runtime).
+follow its executor calls (one broadcast a forward, carrying the calls without one made since), so their forwards
+meet in the same collectives. A rank that dies ends the others' next collective with an error, one that hangs
+with the group's timeout; the leader then fails that call and every later one at once (restart the runtime).
 
 Imports torch (torch.distributed), model (the Llama, the checkpoint), backends.torch and files.
 """
@@ -36,6 +36,7 @@ import dataclasses
 import datetime
 import json
 import os
+import pickle
 import selectors
 import subprocess
 import sys
@@ -62,6 +63,10 @@ START_TIMEOUT = 300.0  # seconds for every follower to load its shard and say "r
 STOP_TIMEOUT = 30.0  # seconds a follower gets to leave after the leader's stop, then it is killed
 STOP = "stop"  # the leader's last broadcast: followers return
 READY = "ready"  # a follower's one stdout line once its executor is built
+# calls that change a slot without a forward: rank 0 runs them at once and sends them with the next call that runs
+# a forward (a step and the commit before it: one message)
+DEFERRED = frozenset({"claim", "commit", "release"})
+MESSAGE_BYTES = 1 << 16  # one broadcast carries a message this long (8 bytes of length first); a longer one, two
 
 
 def init_group(rank: int, world: int, port: int, timeout: datetime.timedelta = COLLECTIVE_TIMEOUT) -> Any:
@@ -211,9 +216,35 @@ def exact_all_reduce(x: Tensor, group: Any = None) -> Tensor:
     return first
 
 
+def send_message(message: Any, group: Any = None) -> None:
+    """Rank 0: `message` to every rank (pickled) in one broadcast of MESSAGE_BYTES, or two if it is longer."""
+    data = pickle.dumps(message)
+    head = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+    head[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+    fits = len(data) <= MESSAGE_BYTES - 8
+    if fits:
+        head[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dist.broadcast(head, src=0, group=group)
+    if not fits:
+        dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=group)
+
+
+def receive_message(group: Any = None) -> Any:
+    """A follower: rank 0's next `send_message`."""
+    head = torch.empty(MESSAGE_BYTES, dtype=torch.uint8)
+    dist.broadcast(head, src=0, group=group)
+    size = int.from_bytes(head[:8].numpy().tobytes(), "little")
+    if size <= MESSAGE_BYTES - 8:
+        return pickle.loads(head[8 : 8 + size].numpy().tobytes())
+    body = torch.empty(size, dtype=torch.uint8)
+    dist.broadcast(body, src=0, group=group)
+    return pickle.loads(body.numpy().tobytes())
+
+
 class LeaderExecutor:
-    """Rank 0's executor: each call that changes the cache or runs a forward is broadcast to the followers
-    (`follow`) before it runs here, so every rank runs the same forwards in the same order; reads (cache_len,
+    """Rank 0's executor: each call that changes the cache or runs a forward reaches the followers (`follow`) before
+    it runs here, so every rank runs the same calls in the same order; one that runs no forward (DEFERRED) travels
+    with the next one that does, so a step and the commit before it are one message. Reads (cache_len,
     step_tokens, pads_rows, ...) are rank 0's own. `close` releases the followers."""
 
     def __init__(self, executor: Any, group: Any = None, followers: list[subprocess.Popen] | None = None) -> None:
@@ -221,6 +252,7 @@ class LeaderExecutor:
         self.followers = followers or []  # the rank processes this leader started (open_leader), ended by close
         self._closed = False
         self._failed: str | None = None  # why the group stopped working: every later call fails at once
+        self._pending: list[tuple[str, tuple[Any, ...]]] = []  # DEFERRED calls the followers have not had yet
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.executor, name)
@@ -228,8 +260,11 @@ class LeaderExecutor:
     def _both(self, name: str, *args: Any) -> Any:
         if self._failed:
             raise RuntimeError(self._failed)
+        self._pending.append((name, args))
         try:
-            dist.broadcast_object_list([(name, args)], src=0, group=self.group)
+            if name not in DEFERRED:
+                calls, self._pending = self._pending, []
+                send_message(calls, self.group)
             return getattr(self.executor, name)(*args)
         except RuntimeError as exc:  # a collective failed, or rank 0 failed between them: the ranks are out of step
             self._failed = (f"tensor parallelism: {name} failed on rank 0 ({str(exc)[:300]}); a rank was lost or the "
@@ -263,7 +298,7 @@ class LeaderExecutor:
             return
         self._closed = True
         with contextlib.suppress(RuntimeError):  # a follower already gone: the others are stopped below
-            dist.broadcast_object_list([(STOP, ())], src=0, group=self.group)
+            send_message([(STOP, ())], self.group)
         for proc in self.followers:
             try:
                 proc.wait(timeout=STOP_TIMEOUT)
@@ -275,18 +310,17 @@ class LeaderExecutor:
 
 
 def follow(executor: Any, group: Any = None) -> None:
-    """A follower rank: run rank 0's executor calls on this rank's executor until rank 0 closes. A call rank 0's
-    own checks refuse (ValueError) is refused here the same way, before any collective, and the loop goes on."""
+    """A follower rank: run rank 0's executor calls on this rank's executor, in order, until rank 0 closes. A call
+    rank 0's own checks refuse (ValueError) is refused here the same way, before any collective, and the loop goes
+    on."""
     while True:
-        message: list[Any] = [None]
-        dist.broadcast_object_list(message, src=0, group=group)
-        name, args = message[0]
-        if name == STOP:
-            return
-        try:
-            getattr(executor, name)(*args)
-        except ValueError:
-            continue
+        for name, args in receive_message(group):
+            if name == STOP:
+                return
+            try:
+                getattr(executor, name)(*args)
+            except ValueError:
+                continue
 
 
 # -- ranks as processes ---------------------------------------------------------------------------------------
