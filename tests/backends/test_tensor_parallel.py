@@ -182,6 +182,20 @@ def test_a_runtime_on_two_ranks_answers_as_its_greedy_and_stops_its_ranks():
     assert followers[0].returncode == 0
 
 
+def test_a_killed_rank_process_is_named_with_its_status():
+    """A rank process killed under a running runtime: the next request fails with one error naming rank 1 and its
+    exit status (SIGKILL: -9), and so does every later one, at once; close() still returns."""
+    from trt_lookahead.runtime import LookaheadRuntime
+
+    with LookaheadRuntime.from_pretrained(STORIES, tensor_parallel=2, exact=True) as rt:
+        rt.generate("Once upon a time", max_new_tokens=8)
+        rt.executor.followers[0].kill()
+        for _ in range(2):
+            with pytest.raises(Exception, match=r"rank 1 exited with status -9.*restart the runtime") as caught:
+                rt.generate("Once upon a time", max_new_tokens=8)
+            assert "Traceback" not in str(caught.value)
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"tensor_parallel": 3}, "tensor_parallel 3 cannot split 8 attention heads"),
     ({"tensor_parallel": 0}, "tensor_parallel must be a positive integer"),

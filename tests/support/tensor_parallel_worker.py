@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from trt_lookahead.backends.tensor_parallel import (
     MESSAGE_BYTES,
@@ -130,6 +131,22 @@ def main() -> None:
     mode = sys.argv[5] if len(sys.argv) > 5 else "run"
     torch.set_num_threads(1)
     group = init_group(rank, world, port)
+    try:
+        run(rank, world, out, mode, group)
+    finally:  # as open_leader's ranks end: the followers leave the group and exit first, then rank 0 (a rank left
+        # in a group whose peer has gone can abort at exit: "terminate called without an active exception")
+        done = Path(f"{out}.done")
+        if rank:
+            dist.destroy_process_group()
+            done.touch()
+        else:
+            deadline = time.monotonic() + 60
+            while mode != "die" and not done.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            dist.destroy_process_group()
+
+
+def run(rank: int, world: int, out: Path, mode: str, group) -> None:
     if mode == "messages":  # rank 0 sends, rank 1 writes whether it received the same objects
         sent = messages()
         if rank:

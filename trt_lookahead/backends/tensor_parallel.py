@@ -61,6 +61,7 @@ from trt_lookahead.model.llama import Block, Linear, Llama, ModelConfig
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)  # a rank silent this long ends the others' collective
 START_TIMEOUT = 300.0  # seconds for every follower to load its shard and say "ready"
 STOP_TIMEOUT = 30.0  # seconds a follower gets to leave after the leader's stop, then it is killed
+LOST_WAIT = 2.0  # seconds a failed collective waits for a rank process to be seen exiting (`lost`)
 STOP = "stop"  # the leader's last broadcast: followers return
 READY = "ready"  # a follower's one stdout line once its executor is built
 # calls that change a slot without a forward: rank 0 runs them at once and sends them with the next call that runs
@@ -247,9 +248,11 @@ class LeaderExecutor:
     with the next one that does, so a step and the commit before it are one message. Reads (cache_len,
     step_tokens, pads_rows, ...) are rank 0's own. `close` releases the followers."""
 
-    def __init__(self, executor: Any, group: Any = None, followers: list[subprocess.Popen] | None = None) -> None:
+    def __init__(self, executor: Any, group: Any = None, followers: list[subprocess.Popen] | None = None,
+                 logs: list[Any] | None = None) -> None:
         self.executor, self.group = executor, group
         self.followers = followers or []  # the rank processes this leader started (open_leader), ended by close
+        self.logs = logs or []  # their stderr files, rank 1 first
         self._closed = False
         self._failed: str | None = None  # why the group stopped working: every later call fails at once
         self._pending: list[tuple[str, tuple[Any, ...]]] = []  # DEFERRED calls the followers have not had yet
@@ -267,9 +270,25 @@ class LeaderExecutor:
                 send_message(calls, self.group)
             return getattr(self.executor, name)(*args)
         except RuntimeError as exc:  # a collective failed, or rank 0 failed between them: the ranks are out of step
-            self._failed = (f"tensor parallelism: {name} failed on rank 0 ({str(exc)[:300]}); a rank was lost or the "
-                            "ranks fell out of step, so every later step fails too: restart the runtime")
+            self._failed = (f"tensor parallelism: {name} failed on rank 0 ({str(exc)[:300]}); {self.lost()}, so "
+                            "every later step fails too: restart the runtime")
             raise RuntimeError(self._failed) from exc
+
+    def lost(self) -> str:
+        """Which rank processes this leader started have exited (status, stderr's last lines), or that none has."""
+        deadline = time.monotonic() + LOST_WAIT
+        gone = []
+        for rank, proc in enumerate(self.followers, 1):
+            with contextlib.suppress(subprocess.TimeoutExpired):  # one dying now: its exit follows the socket's close
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.returncode is not None:
+                tail = _tail(self.logs[rank - 1], 300).strip().replace("\n", " | ") if rank <= len(self.logs) else ""
+                gone.append(f"rank {rank} exited with status {proc.returncode}" + (f" ({tail})" if tail else ""))
+        if gone:
+            return "; ".join(gone)
+        if self.followers:
+            return "no rank process exited: one is stalled past the collective timeout, or the ranks fell out of step"
+        return "a rank was lost or the ranks fell out of step"
 
     def claim(self, slot: int, sampling: Any) -> None:
         return self._both("claim", slot, sampling)
@@ -305,6 +324,8 @@ class LeaderExecutor:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for log in self.logs:
+            log.close()
         if self.followers and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -362,21 +383,22 @@ def open_leader(spec: RankSpec, world: int) -> LeaderExecutor:
     # the ranks import this process's trt_lookahead (a Triton stub finds it by a path of its own, not PYTHONPATH)
     package_root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))}
-    with contextlib.ExitStack() as files:  # stderr to files, not pipes: never full, so never blocking a rank
-        logs = [files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(1, world)]
-        followers = [subprocess.Popen([sys.executable, "-m", __name__, str(rank), str(world), str(port),
-                                       json.dumps(asdict(spec))], stdout=subprocess.PIPE, stderr=log, text=True,
-                                      env=env)
-                     for rank, log in enumerate(logs, 1)]
-        try:
-            _wait_ready(followers, logs)
-            init_group(0, world, port)
-        except BaseException:
-            for proc in followers:
-                proc.kill()
-                proc.wait()
-            raise
-    return LeaderExecutor(executor, None, followers)
+    # stderr to files, not pipes: never full, so never blocking a rank; kept open while the ranks run (`lost`)
+    logs = [tempfile.TemporaryFile("w+") for _ in range(1, world)]  # noqa: SIM115 - the leader closes them
+    followers = [subprocess.Popen([sys.executable, "-m", __name__, str(rank), str(world), str(port),
+                                   json.dumps(asdict(spec))], stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+                 for rank, log in enumerate(logs, 1)]
+    try:
+        _wait_ready(followers, logs)
+        init_group(0, world, port)
+    except BaseException:
+        for proc in followers:
+            proc.kill()
+            proc.wait()
+        for log in logs:
+            log.close()
+        raise
+    return LeaderExecutor(executor, None, followers, logs)
 
 
 def _wait_ready(followers: list[subprocess.Popen], logs: list[Any]) -> None:
@@ -402,10 +424,14 @@ def _wait_ready(followers: list[subprocess.Popen], logs: list[Any]) -> None:
                     del waiting[key.fileobj]  # type: ignore[arg-type]
                 elif not line:  # it exited
                     proc.wait()
-                    logs[rank - 1].seek(0)
-                    tail = logs[rank - 1].read()[-1500:]
                     raise UserError(f"tensor-parallel rank {rank} exited while loading (status {proc.returncode}):\n"
-                                    f"{tail}")
+                                    f"{_tail(logs[rank - 1], 1500)}")
+
+
+def _tail(log: Any, chars: int) -> str:
+    """The last `chars` characters written to a rank's stderr file (its last lines)."""
+    log.seek(0)
+    return log.read()[-chars:]
 
 
 def _follower(argv: list[str]) -> None:

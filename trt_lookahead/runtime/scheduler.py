@@ -498,6 +498,8 @@ class Scheduler:
         handle = self._active.pop(slot)
         try:
             self.executor.release(slot)
+        except Exception as exc:  # a broken executor (a lost tensor-parallel rank): the request still ends, told why
+            error = error if error is not None else exc
         finally:
             with self._cond:  # the counts too: `_withdraw` counts cancellations from other threads
                 self._free.append(slot)
