@@ -179,12 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = bench(args.shape, [int(r) for r in args.rows.split(",")], args.peak_gbps)
     result["device"] = torch.cuda.get_device_name()
-    if args.sweep:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1), encoding="utf-8")  # the main table, if the sweep dies
-        result["sweep"] = sweep(args.shape, [int(r) for r in args.sweep_rows.split(",")], args.sweep, args.peak_gbps)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1), encoding="utf-8")
+    args.out.write_text(json.dumps(result, indent=1), encoding="utf-8")  # the main table, if the sweep dies
+    if args.sweep:
+        result["sweep"] = sweep(args.shape, [int(r) for r in args.sweep_rows.split(",")], args.sweep, args.peak_gbps)
+        args.out.write_text(json.dumps(result, indent=1), encoding="utf-8")
     for entry in result["step"]:
         print(json.dumps(entry))
     return 0

@@ -109,12 +109,13 @@ def test_quantized_linear_dequantizes_a_block_by_hand():
     np.testing.assert_allclose(y[:, 1], np.ones(32), atol=1e-6)
 
 
-def quantized_case(bits: int, with_mins: bool) -> tuple[tuple[torch.Tensor | None, ...], torch.Tensor]:
+def quantized_case(bits: int, with_mins: bool, outputs: int = 72) -> tuple[tuple[torch.Tensor | None, ...],
+                                                                          torch.Tensor]:
     """K = 200: six whole blocks and a padded seventh (an odd count: the int4 zero points' last byte is half used);
     mins: a GGUF Q4_1 block's m added to (q - z) * s. ((codes, scales, zeros, mins) on DEVICE, the dequantized
-    float32 weight [72, 200] on DEVICE)."""
+    float32 weight [outputs, 200] on DEVICE)."""
     rng = np.random.default_rng(bits)
-    blocks = quantize_blocks(rng.standard_normal((72, 200)).astype(np.float32), bits)
+    blocks = quantize_blocks(rng.standard_normal((outputs, 200)).astype(np.float32), bits)
     if with_mins:
         blocks = dataclasses.replace(blocks, mins=rng.standard_normal(blocks.scales.shape).astype(np.float32))
     return blocks_as_tensors(blocks), torch.from_numpy(blocks.dequantize()).to(DEVICE)
@@ -154,11 +155,7 @@ def test_quantized_linear_is_linear_by_the_dequantized_weight_with_a_rows_bits_w
 def test_a_quantized_products_rows_keep_their_bits_where_linears_tile_would_grow(dtype, tolerance, bits, with_mins):
     """4096 outputs: from 33 rows on, linear_tile would take 64- and 128-row tiles, whose bfloat16 dot of weights
     made in registers gave an element other bits on an H200; the quantized product keeps QUANTIZED_TILE."""
-    rng = np.random.default_rng(bits)
-    blocks = quantize_blocks(rng.standard_normal((4096, 200)).astype(np.float32), bits)
-    if with_mins:
-        blocks = dataclasses.replace(blocks, mins=rng.standard_normal(blocks.scales.shape).astype(np.float32))
-    codes, scales, zeros, mins = blocks_as_tensors(blocks)
+    (codes, scales, zeros, mins), _ = quantized_case(bits, with_mins, outputs=4096)
     x = randn(130, 200, dtype=dtype)
     full = invariant.quantized_linear(x, codes, scales, zeros, mins, bits)
     for M in (1, 33, 65, 129):

@@ -220,7 +220,7 @@ def exact_all_reduce(x: Tensor, group: Any = None) -> Tensor:
 def send_message(message: Any, group: Any = None) -> None:
     """Rank 0: `message` to every rank (pickled) in one broadcast of MESSAGE_BYTES, or two if it is longer."""
     data = pickle.dumps(message)
-    head = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+    head = torch.empty(MESSAGE_BYTES, dtype=torch.uint8)  # only the length and the message are read
     head[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
     fits = len(data) <= MESSAGE_BYTES - 8
     if fits:
