@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from trt_lookahead.lookahead.config import Lookahead, LookaheadConfig
 from trt_lookahead.lookahead.decoder import GREEDY_STEP
+from trt_lookahead.lookahead.executor import priced_tokens
 from trt_lookahead.lookahead.policy import GREEDY_PROBE_EVERY, LookaheadPolicy, Priors, StepCost, ladder
 
 C = LookaheadConfig
@@ -216,18 +217,18 @@ def test_the_chosen_step_is_never_predicted_slower_than_batched_greedy(requests,
     assert np.isfinite(speed(configs))
 
 
-def run_on(policy, real, steps, n=1, supply=4, outlier_at=None):
-    """`steps` steps of n `auto` requests on an executor whose step of M tokens in B rows takes real(M, B) ms (10x
-    that at step `outlier_at`); a request's drafts match as the priors say (its emitted tokens add up to its configs'
-    compression). The configs chosen, and for each step whether it was a request's probe (chosen whatever the
-    prediction)."""
+def run_on(policy, real, steps, n=1, supply=4, outlier_at=None, pads_rows=False):
+    """`steps` steps of n `auto` requests on an executor (padding rows or not) whose step of M tokens in B rows takes
+    real(M, B) ms (10x that at step `outlier_at`); a request's drafts match as the priors say (its emitted tokens add
+    up to its configs' compression). The configs chosen, and for each step whether a request was due to probe
+    (chosen whatever the prediction, where a probe could pay)."""
     states = [policy.start(Lookahead(C(4, 3, 4), auto=True)) for _ in range(n)]
     extra = [0.0] * n  # each request's prior extra tokens so far: it emits their whole part
     chosen, probes = [], []
     for step in range(steps):
         probes.append(any(s.draftless_run >= s.probe_every for s in states))
-        configs = policy.choose(states, [supply] * n)
-        tokens = sum(c.step_tokens for c in configs)
+        configs = policy.choose(states, [supply] * n, pads_rows)
+        tokens = priced_tokens([c.step_tokens for c in configs], pads_rows)
         policy.observe_step(tokens, n, real(tokens, n) * (10 if step == outlier_at else 1) / 1000.0)
         for i, (state, config) in enumerate(zip(states, configs, strict=True)):
             before, extra[i] = extra[i], extra[i] + PRIORS.extra(config)
@@ -307,6 +308,11 @@ def test_the_learnt_cost_is_tunes_until_observed_and_per_row_count():
     assert policy.cost(16, 2) == STEEP(16, 2)  # another row count learns on its own
     assert policy.cost(4, 1) == STEEP(4, 1)  # far below the observed steps: tune's
     assert policy.cost.observations == 3 and policy.cost.last == (16, 1, pytest.approx(2 * STEEP(16, 1)))
+    long, short = policy.cost.curve(1, 64).copy(), policy.cost.curve(1, 20)  # kept per row count: a prefix
+    assert len(short) == 21 and np.array_equal(short, long[:21])
+    for _ in range(3):  # steps of 1 row twice as slow again: the curve read after each is learnt anew
+        policy.observe_step(16, 1, 4 * STEEP(16, 1) / 1000.0)
+    assert policy.cost.curve(1, 20)[16] == pytest.approx(4 * STEEP(16, 1))
     fixed = LookaheadPolicy(STEEP, PRIORS, learn=False)  # a replay of a tuning entry: its cost only
     fixed.observe_step(16, 1, 2 * STEEP(16, 1) / 1000.0)
     assert fixed.cost(16, 1) == STEEP(16, 1) and fixed.cost.observations == 0
@@ -381,3 +387,25 @@ def test_rows_sharing_a_padded_step_probe_together_and_more_rarely_than_one_alon
     # alone a probe widens 1 -> 4 tokens: STEEP costs 52 / 28 - 1 = 0.86 more; eight rows 8 -> 32 tokens cost
     # 276 / 84 - 1 = 2.29 more, 2.67 times that: the first probe waits 8 x 2.67 = 21.3 steps, the next 16 x 2.67
     assert probes == [22, 22 + 1 + 43]  # alone: [8, 25] (test_probes_of_a_request_whose_drafts_fail_...)
+
+
+@pytest.mark.parametrize("pads_rows", [False, True])
+def test_probes_that_could_not_pay_at_this_load_stop_once_their_step_is_timed(pads_rows):
+    """Eight rows on STEEP (tuned and real), drafts matching as the priors say. Even drafts matching as well as a
+    ratio can say (MAX_RATIO 4: 1/3/1 then emits its N = 3 tokens) cannot pay here: padded, 24 tokens in 276 ms
+    against greedy's 8 in 84; unpadded, one row's 1/3/1 makes 10 tokens in 108 ms. Probes run while their steps'
+    cost is tune's guess (and once more to confirm a knot one step made), then stop; alone, on the same cost, a
+    request keeps probing (its 1/3/1 could pay: 3 tokens in 52 ms against 1 in 28)."""
+    chosen, _ = run_on(LookaheadPolicy(STEEP, PRIORS), STEEP, 240, 8, pads_rows=pads_rows)
+    probes = [step for step, configs in enumerate(chosen) if configs != [GREEDY_STEP] * 8]
+    assert probes and max(probes) < 120  # what each probe timed stays known STALE = 256 steps
+    alone, _ = run_on(LookaheadPolicy(STEEP, PRIORS), STEEP, 240, 1, pads_rows=pads_rows)
+    assert sum(c != [GREEDY_STEP] for c in alone[120:]) >= 4
+
+
+def test_padded_probes_that_could_pay_keep_running():
+    """The same eight rows where a token costs a tenth of a one-token step: the priors keep them greedy (8 tokens
+    in 36 ms against 1/3/1's 12 in 84) but drafts matching at MAX_RATIO would pay (24 in 84), so they keep probing."""
+    cheaper = StepCost.linear(20.0, 2.0)
+    chosen, _ = run_on(LookaheadPolicy(cheaper, PRIORS), cheaper, 240, 8, pads_rows=True)
+    assert sum(configs != [GREEDY_STEP] * 8 for configs in chosen[120:]) >= 2

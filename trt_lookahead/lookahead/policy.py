@@ -21,7 +21,10 @@ harvest. A request that has drafts to verify and has run `probe_every` steps wit
 cheapest rung with drafts once whatever the prediction (a probe): a request whose drafts match far better than
 tune's prompts did (code, quoted text) then climbs where the priors alone would keep it greedy. `probe_every`
 starts at PROBE_EVERY, doubles after each lookahead step that accepted nothing (up to MAX_PROBE_EVERY) and resets
-after one that accepted, so probing a request whose drafts keep failing costs ever less. The step's predicted speed
+after one that accepted, so probing a request whose drafts keep failing costs ever less. A probe whose step shape has
+been timed at this row count runs only if it could pay: if the policy, given that request's drafts matching as well
+as a ratio can say (MAX_RATIO; every `auto` row's, where rows pad), would choose drafts; at loads where even that
+loses (8 rows of a small CPU), the step's timing is all a probe learns, and it has. The step's predicted speed
 is sum(e) / c(M, B) for M real tokens in B rows. c starts as tune's measurement (or the priors) and learns while
 it runs (LearnedCost): per row count B, a factor f_B(M) from the wall time of every decode step the scheduler
 runs (steps with prompt chunks are not fed: the prompts' tokens, not the policy's choice, make their cost), kept
@@ -59,7 +62,7 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import numpy as np
@@ -169,12 +172,20 @@ class LearnedCost:
         self._steps: dict[int, int] = {}  # rows -> steps observed with that many rows
         self._doubted: dict[int, dict[int, float]] = {}  # rows -> knot -> the one step of a knot forgotten unconfirmed
         self._since_greedy: dict[int, int] = {}  # rows -> steps of that many rows since one of one token per row
+        self._curves: dict[int, np.ndarray] = {}  # rows -> the curve as learnt so far (dropped by `observe`)
 
     def __call__(self, tokens: int, rows: int) -> float:
         return float(self.curve(rows, tokens)[tokens])
 
     def curve(self, rows: int, max_tokens: int) -> np.ndarray:
-        """[max_tokens + 1] predicted ms of M = 0 .. max_tokens tokens in `rows` rows."""
+        """[max_tokens + 1] predicted ms of M = 0 .. max_tokens tokens in `rows` rows (read-only: kept until the
+        next step of `rows` rows is observed, as the policy asks for it many times a step)."""
+        curve = self._curves.get(rows)
+        if curve is None or len(curve) <= max_tokens:
+            curve = self._curves[rows] = self._learned(rows, max_tokens)
+        return curve[: max_tokens + 1]
+
+    def _learned(self, rows: int, max_tokens: int) -> np.ndarray:
         tuned = self.tuned.curve(rows, max_tokens)
         knots = self._knots.get(rows)
         if not knots:
@@ -196,6 +207,7 @@ class LearnedCost:
             return
         self.observations += 1
         self.last = (tokens, rows, ms)
+        self._curves.pop(rows, None)
         steps = self._steps[rows] = self._steps.get(rows, 0) + 1
         self._since_greedy[rows] = 0 if tokens == rows else self._since_greedy.get(rows, 0) + 1
         knot = round(KNOTS * math.log2(tokens))
@@ -209,6 +221,10 @@ class LearnedCost:
             if len(knots[k]) == 1:
                 doubted[k] = knots[k][0]
             del knots[k], seen[k]
+
+    def observed(self, tokens: int, rows: int) -> bool:
+        """Whether steps of about `tokens` tokens in `rows` rows have been timed (their knot holds steps)."""
+        return tokens >= 1 and round(KNOTS * math.log2(tokens)) in self._knots.get(rows, {})
 
     def greedy_due(self, rows: int) -> bool:
         """Whether `rows` rows have run GREEDY_PROBE_EVERY steps since their one-token-per-row step was observed."""
@@ -337,7 +353,11 @@ class LookaheadPolicy:
         for i, (state, supply) in enumerate(zip(states, supplies, strict=True)):
             if chosen[i].is_greedy and state.auto and state.draftless_run >= state.probe_every:
                 probe = self._probe_rung(state, supply)
-                if probe is not None:
+                if probe is None:
+                    continue
+                tokens = sum(c.step_tokens for c in chosen) - chosen[i].step_tokens + probe.step_tokens
+                hopeful = [*states[:i], replace(state, ratio=MAX_RATIO), *states[i + 1:]]  # its best possible drafts
+                if not self.cost.observed(tokens, rows) or self._fastest(hopeful, supplies)[i].G:  # it could pay
                     chosen[i] = probe
         return chosen
 
@@ -396,7 +416,8 @@ class LookaheadPolicy:
         """Probes in a padded step: when a request is due, the step widens to its cheapest rung with drafts and every
         `auto` request rides in it (their probes then fall due together). A request is due after `probe_every`
         steps without drafts times what widening B rows costs over what its probe alone would cost, so the share
-        of time spent probing does not grow with B."""
+        of time spent probing does not grow with B; once the probe's step shape is timed at B rows, it runs only
+        if it could pay (the module docstring)."""
         rows = len(states)
         width = max(c.step_tokens for c in chosen)
         due = []
@@ -408,6 +429,10 @@ class LookaheadPolicy:
                     due.append(probe.step_tokens)
         if not due:
             return chosen
+        if self.cost.observed(priced_tokens([min(due)] * rows, pads_rows=True), rows):  # could it pay?
+            hopeful = [replace(s, ratio=MAX_RATIO) if s.auto else s for s in states]  # every row rides in it
+            if max(c.step_tokens for c in self._fastest_padded(hopeful, self._options(hopeful, supplies))) <= width:
+                return chosen
         return self._at_width(options, min(due))[1]
 
     def _shared_probe(self, rows: int, width: int, probe: int) -> float:
