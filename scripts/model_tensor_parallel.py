@@ -8,9 +8,9 @@ One decode step of one row holding T tokens at degree W:
     kv         the cached keys and values read (context x per-token KV bytes / W: the KV heads are split)
     reduce     2 per layer (after wo and w2) of an [T, hidden] bf16 partial sum, plus one gather of the vocab slices
                ring all-reduce (NCCL):   latency + 2 (W - 1) / W x S / link
-               exact (all-gather, then adds in rank order, backends/tensor_parallel.py):
+               exact (all-gather, then adds in rank order; backends/tensor_parallel.py reduce_seconds, GATHER):
                                           latency + (W - 1) x S / link + W x S / HBM
-               exact in two phases (all-to-all of 1/W chunks, adds in rank order, all-gather of the sums):
+               exact in two phases (all-to-all of 1/W chunks, adds in rank order, all-gather; TWO_PHASE):
                                           2 latency + 2 (W - 1) / W x S / link + S / HBM
 The weights and KV part grows with T as our H200's 7B step did (GROWTH); the collectives as above.
 Lookahead's projected speedup = compression(config) x t(1) / t(T) (exact: the cheaper exact reduction at each T,
@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 
+from trt_lookahead.backends.tensor_parallel import GATHER, TWO_PHASE, Link, reduce_seconds
+
 # Llama-3.1-70B (config.json): the shape the issue names
 LLAMA_70B = dict(hidden=8192, layers=80, heads=64, kv_heads=8, head_dim=128, ffn=28672, vocab=128256)
 # docs/results/README.md, "Compression of fixed configs", overall column: T = (W + G)(N - 1) -> tokens per forward
@@ -32,6 +34,7 @@ COMPRESSION = {"4/3/4 (T = 16)": (16, 1.70), "7/5/7 (T = 56)": (56, 2.05), "15/5
 # run4_all_sections.json, as ../shared/reference/gpu_step.md tabulates it)
 GROWTH = {1: 1.0, 16: 6.92 / 5.95, 56: 7.14 / 5.95, 120: 8.06 / 5.95}
 REDUCTIONS = ("nccl", "exact", "exact2")
+EXACT = {"exact": GATHER, "exact2": TWO_PHASE}
 
 
 def parameters(m: dict[str, int]) -> int:
@@ -54,10 +57,8 @@ def step_ms(m: dict[str, int], W: int, T: int, a: argparse.Namespace, reduction:
     latency = a.latency_us * 1e-6
     if W == 1:
         one = 0.0
-    elif reduction == "exact":
-        one = latency + (W - 1) * S / link + W * S / hbm
-    elif reduction == "exact2":
-        one = 2 * latency + 2 * (W - 1) / W * S / link + S / hbm
+    elif reduction in EXACT:  # the package's own cost of each exact form (backends/tensor_parallel.py)
+        one = reduce_seconds(EXACT[reduction], S, W, Link(latency, link, hbm))
     else:
         one = latency + 2 * (W - 1) / W * S / link
     gather = 0.0 if W == 1 else a.latency_us * 1e-6 + (W - 1) * T * m["vocab"] // W * 2 / link
@@ -102,7 +103,7 @@ def main() -> None:
 def exact_ms(m: dict[str, int], W: int, T: int, a: argparse.Namespace) -> float:
     """The step with the cheaper exact reduction at this T: both add a row's partials in rank order, so a step may
     take either by its size and keep its bits."""
-    return min(step_ms(m, W, T, a, r)["total"] for r in ("exact", "exact2"))
+    return min(step_ms(m, W, T, a, r)["total"] for r in EXACT)
 
 if __name__ == "__main__":
     main()

@@ -13,7 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from trt_lookahead.backends.tensor_parallel import check_degree, load_shard, shard_config, shard_llama
+from trt_lookahead.backends.tensor_parallel import (
+    GATHER,
+    TWO_PHASE,
+    Link,
+    check_degree,
+    load_shard,
+    reduce_form,
+    reduce_seconds,
+    shard_config,
+    shard_llama,
+)
 from trt_lookahead.errors import UserError
 from trt_lookahead.files import free_port
 from trt_lookahead.model.checkpoint import load_llama
@@ -112,11 +122,11 @@ def test_degrees_a_model_cannot_take_are_refused_naming_what_does_not_divide():
     check_degree(GQA, 8)  # 8 query heads, KV heads replicated 4 ways
 
 
-def run_ranks(tmp_path: Path, mode: str = "run") -> tuple[dict, list[subprocess.CompletedProcess]]:
-    """Both ranks as processes on a free port; (rank 0's JSON, each rank's process)."""
+def run_ranks(tmp_path: Path, mode: str = "run", world: int = 2) -> tuple[dict, list[subprocess.CompletedProcess]]:
+    """Every rank as a process on a free port; (rank 0's JSON, or {} where it writes none; each rank's process)."""
     out, port = tmp_path / "rank0.json", str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), "2", port, str(out), mode],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), str(world), port, str(out), mode],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world)]
     done = []
     try:
         for proc in procs:
@@ -127,7 +137,7 @@ def run_ranks(tmp_path: Path, mode: str = "run") -> tuple[dict, list[subprocess.
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return json.loads(out.read_text()), done
+    return (json.loads(out.read_text()) if out.exists() else {}), done
 
 
 def test_two_ranks_answer_as_their_greedy_with_a_slots_bits_alone_or_batched(tmp_path):
@@ -138,6 +148,30 @@ def test_two_ranks_answer_as_their_greedy_with_a_slots_bits_alone_or_batched(tmp
     assert result["alone_equals_batched"]  # the exact reduction: a row's sum never depends on its companions
     # the whole model's logits (TP = 1) to float32 rounding of partial sums added in another order
     assert result["max_abs_vs_whole"] <= 1e-4 * result["max_abs_whole"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_both_exact_reductions_add_the_partials_in_rank_order_on_every_rank(tmp_path, world):
+    """GATHER, TWO_PHASE and the form chosen by size each give every rank the partials added in rank order, bit for
+    bit (partials spread over 2^-10 .. 2^10, so another order would show), for 2- and 3-dimensional partials and
+    one whose columns do not split over 4 ranks (TWO_PHASE then gathers)."""
+    _, done = run_ranks(tmp_path, "reduce", world)
+    assert all(p.returncode == 0 for p in done), [p.stderr[-2000:] for p in done]
+    checks = [json.loads((tmp_path / f"rank0.json.rank{rank}").read_text()) for rank in range(world)]
+    assert checks == [[True] * 12] * world
+
+
+def test_the_cheaper_exact_reduction_is_chosen_by_size():
+    """GATHER moves W - 1 partials into each rank in one collective and adds W; TWO_PHASE 2 (W - 1) / W in two and
+    adds one. On a link of 10 us and 450 GB/s with 3 TB/s memory at 8 ranks, two phases pay from 10 us / (5.25 /
+    450 GB/s + 7 / 3 TB/s) = 0.71 MB; at 2 ranks with adds free, never (the same bytes, one more latency); one
+    rank: no collective."""
+    nvlink = Link(latency=10e-6, bandwidth=450e9, memory=3e12)
+    assert reduce_form(64 << 10, 8, nvlink) == GATHER and reduce_form(4 << 20, 8, nvlink) == TWO_PHASE
+    crossing = next(n << 10 for n in range(1, 4096) if reduce_form(n << 10, 8, nvlink) == TWO_PHASE)
+    assert 0.70e6 < crossing < 0.72e6
+    assert reduce_form(1 << 30, 2, Link(latency=1e-6, bandwidth=1e9, memory=float("inf"))) == GATHER
+    assert reduce_seconds(GATHER, 1e6, 1, nvlink) == 0.0 and reduce_form(1e9, 8, None) == GATHER
 
 
 def test_messages_of_any_size_reach_the_other_rank_whole(tmp_path):

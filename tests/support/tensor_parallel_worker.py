@@ -6,6 +6,8 @@ Every rank loads the checkpoint, takes its shard and builds the same exact CPU e
 wraps it in a LeaderExecutor under a LookaheadRuntime and writes what the test checks to OUT (JSON); the others
 follow. MODE "die": rank 1 exits after its first few calls (a lost rank), and rank 0 records the error it gets.
 MODE "messages": rank 0 sends `messages()` (send_message), rank 1 writes to OUT.rank1 whether each arrived whole.
+MODE "reduce": every rank reduces partials of several shapes in both exact forms; each writes to OUT.rankR whether
+both equal the partials added in rank order (every rank's partials are drawn from seeds all ranks know).
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ import torch
 import torch.distributed as dist
 
 from trt_lookahead.backends.tensor_parallel import (
+    GATHER,
     MESSAGE_BYTES,
+    TWO_PHASE,
     LeaderExecutor,
+    exact_all_reduce,
     follow,
     init_group,
     receive_message,
@@ -126,6 +131,27 @@ def messages() -> list:
     return sent
 
 
+REDUCE_SHAPES = [(2, 64), (7, 64), (3, 5, 64), (1, 30)]  # 30 columns split over 2 ranks, not 4 (then: gather)
+
+
+def partial(shape: tuple[int, ...], rank: int) -> torch.Tensor:
+    """Rank `rank`'s partial sum of this shape: values spread over 2^-10 .. 2^10, so the order of the adds shows."""
+    generator = torch.Generator().manual_seed(1000 * rank + len(shape) * 100 + shape[0])
+    return torch.randn(shape, generator=generator) * torch.exp2(torch.randint(-10, 11, shape, generator=generator))
+
+
+def reduce_checks(rank: int, world: int, group) -> list[bool]:
+    """Per shape and form: exact_all_reduce's result == the partials added in rank order, bit for bit."""
+    results = []
+    for shape in REDUCE_SHAPES:
+        expected = partial(shape, 0)
+        for other in range(1, world):
+            expected = expected + partial(shape, other)
+        for form in (GATHER, TWO_PHASE, None):
+            results.append(bool(torch.equal(exact_all_reduce(partial(shape, rank), group, form), expected)))
+    return results
+
+
 def main() -> None:
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
     mode = sys.argv[5] if len(sys.argv) > 5 else "run"
@@ -135,18 +161,21 @@ def main() -> None:
         run(rank, world, out, mode, group)
     finally:  # as open_leader's ranks end: the followers leave the group and exit first, then rank 0 (a rank left
         # in a group whose peer has gone can abort at exit: "terminate called without an active exception")
-        done = Path(f"{out}.done")
         if rank:
             dist.destroy_process_group()
-            done.touch()
+            Path(f"{out}.done{rank}").touch()
         else:
             deadline = time.monotonic() + 60
-            while mode != "die" and not done.exists() and time.monotonic() < deadline:
+            while (mode != "die" and not all(Path(f"{out}.done{r}").exists() for r in range(1, world))
+                   and time.monotonic() < deadline):
                 time.sleep(0.05)
             dist.destroy_process_group()
 
 
 def run(rank: int, world: int, out: Path, mode: str, group) -> None:
+    if mode == "reduce":
+        Path(f"{out}.rank{rank}").write_text(json.dumps(reduce_checks(rank, world, group)))
+        return
     if mode == "messages":  # rank 0 sends, rank 1 writes whether it received the same objects
         sent = messages()
         if rank:

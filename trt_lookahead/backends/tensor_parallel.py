@@ -16,9 +16,14 @@ read: Hkv / W of them, or where Hkv < W the one they share, replicated), wo row-
 dims), w13 column-parallel (gate and up rows r * F / W onwards), w2 row-parallel, the lm_head split by vocab rows;
 embeddings and norms replicated. The KV cache follows the heads (the executor sizes it from the shard's config).
 
-After wo and w2 each rank holds a partial sum [M, H]. `exact_all_reduce` all-gathers the partials and adds them
-in rank order on every rank: a row's sum depends on its own partials only, never on how many rows the step holds
-(a ring or tree all-reduce may chunk and order a message by its size), and every rank holds the same bits. After
+After wo and w2 each rank holds a partial sum [M, H]. `exact_all_reduce` adds the partials in rank order on every
+rank: a row's sum depends on its own partials only, never on how many rows the step holds (a ring or tree
+all-reduce may chunk and order a message by its size), and every rank holds the same bits. It has two forms of
+the same additions: GATHER (all-gather the partials, add them) and TWO_PHASE (an all-to-all hands rank j every
+rank's j-th 1/W of the columns, it adds those in rank order, an all-gather returns the sums), which moves
+2 (W - 1) / W of a partial into each rank instead of W - 1 at the price of a second collective; each call takes
+the cheaper for its size on the group's link (`reduce_form`), and since the bits are the same, a choice by size
+cannot change a row's logits. After
 the lm_head the vocab slices are all-gathered, so every rank chooses the same token. With row-invariant products
 on each rank (the exact step) a slot's logits are then the same bits alone, batched or in greedy decoding, at a
 given degree W (docs/design.md 5.3). Rank 0 runs the scheduler, the pool and the host algorithm; the others
@@ -68,6 +73,41 @@ READY = "ready"  # a follower's one stdout line once its executor is built
 # a forward (a step and the commit before it: one message)
 DEFERRED = frozenset({"claim", "commit", "release"})
 MESSAGE_BYTES = 1 << 16  # one broadcast carries a message this long (8 bytes of length first); a longer one, two
+GATHER, TWO_PHASE = "gather", "two_phase"  # exact_all_reduce's two forms (module docstring)
+
+
+@dataclass(frozen=True)
+class Link:
+    """What a collective costs between a group's ranks: seconds to start one, bytes a second into each rank, and
+    bytes a second of the memory its adds read."""
+
+    latency: float
+    bandwidth: float
+    memory: float
+
+
+# gloo over loopback, measured on a 2-core AMD EPYC VM (all_gather of 1 KB .. 4 MB at 2 ranks, and the adds;
+# docs/results/2026-11-30-cpu-auto-probes.md): GATHER wins there but for partials of megabytes
+LINKS = {"gloo": Link(latency=0.9e-3, bandwidth=0.55e9, memory=9e9)}
+
+
+def reduce_seconds(form: str, nbytes: float, world: int, link: Link) -> float:
+    """The time of one exact reduction of partials of `nbytes` bytes over `world` ranks, by the form's moves:
+    GATHER one collective bringing W - 1 partials into each rank, W partials read by the adds; TWO_PHASE two
+    collectives of (W - 1) / W of a partial each, one partial's worth read by the adds."""
+    if world == 1:
+        return 0.0
+    if form == GATHER:
+        return link.latency + (world - 1) * nbytes / link.bandwidth + world * nbytes / link.memory
+    return 2 * link.latency + 2 * (world - 1) / world * nbytes / link.bandwidth + nbytes / link.memory
+
+
+def reduce_form(nbytes: float, world: int, link: Link | None) -> str:
+    """The cheaper form for partials of `nbytes` bytes (GATHER on a tie, or where the link is unknown). A function of
+    the size alone, so every rank takes the same form for the same collective."""
+    if link is None or reduce_seconds(TWO_PHASE, nbytes, world, link) >= reduce_seconds(GATHER, nbytes, world, link):
+        return GATHER
+    return TWO_PHASE
 
 
 def init_group(rank: int, world: int, port: int, timeout: datetime.timedelta = COLLECTIVE_TIMEOUT) -> Any:
@@ -209,12 +249,31 @@ def all_gathered(x: Tensor, group: Any = None) -> list[Tensor]:
     return parts
 
 
-def exact_all_reduce(x: Tensor, group: Any = None) -> Tensor:
-    """The ranks' partial sums x [..., H] added in rank order, element by element, the same bits on every rank."""
+def exact_all_reduce(x: Tensor, group: Any = None, form: str | None = None) -> Tensor:
+    """The ranks' partial sums x [..., H] added in rank order, element by element, the same bits on every rank and
+    in either form (module docstring): `form` GATHER or TWO_PHASE, None for the cheaper on the group's link by x's
+    size (TWO_PHASE needs H a multiple of the ranks: else GATHER)."""
+    world = dist.get_world_size(group)
+    if form is None:
+        form = reduce_form(x.numel() * x.element_size(), world, LINKS.get(str(dist.get_backend(group))))
+    if form == TWO_PHASE and x.shape[-1] % world == 0:
+        return _two_phase(x, group, world)
     first, *rest = all_gathered(x, group)
     for part in rest:
         first = first + part
     return first
+
+
+def _two_phase(x: Tensor, group: Any, world: int) -> Tensor:
+    """TWO_PHASE: rank j adds every rank's j-th 1/W of the columns in rank order, then all hold all the sums."""
+    rows, chunk = x.numel() // x.shape[-1], x.shape[-1] // world
+    send = x.reshape(rows, world, chunk).transpose(0, 1).contiguous()  # [W, rows, chunk]: part j goes to rank j
+    received = torch.empty_like(send)  # [W, rows, chunk]: part i is rank i's partial of this rank's columns
+    dist.all_to_all_single(received, send, group=group)
+    total = received[0]
+    for part in received[1:]:
+        total = total + part
+    return torch.stack(all_gathered(total, group), 1).reshape(x.shape)  # [rows, W, chunk] -> [..., H]
 
 
 def send_message(message: Any, group: Any = None) -> None:
