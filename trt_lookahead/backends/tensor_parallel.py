@@ -23,13 +23,13 @@ the same additions: GATHER (all-gather the partials, add them) and TWO_PHASE (an
 rank's j-th 1/W of the columns, it adds those in rank order, an all-gather returns the sums), which moves
 2 (W - 1) / W of a partial into each rank instead of W - 1 at the price of a second collective; each call takes
 the cheaper for its size on the group's link (`reduce_form`), and since the bits are the same, a choice by size
-cannot change a row's logits. After
-the lm_head the vocab slices are all-gathered, so every rank chooses the same token. With row-invariant products
-on each rank (the exact step) a slot's logits are then the same bits alone, batched or in greedy decoding, at a
-given degree W (docs/design.md 5.3). Rank 0 runs the scheduler, the pool and the host algorithm; the others
-follow its executor calls (one broadcast a forward, carrying the calls without one made since), so their forwards
-meet in the same collectives. A rank that dies ends the others' next collective with an error, one that hangs
-with the group's timeout; the leader then fails that call and every later one at once (restart the runtime).
+cannot change a row's logits. After the lm_head the vocab slices are all-gathered, so every rank chooses the same
+token. With row-invariant products on each rank (the exact step) a slot's logits are then the same bits alone,
+batched or in greedy decoding, at a given degree W (docs/design.md 5.3). Rank 0 runs the scheduler, the pool and
+the host algorithm; the others follow its executor calls (one broadcast a forward, carrying the calls without
+one made since), so their forwards meet in the same collectives. A rank that dies ends the others' next
+collective with an error, one that hangs with the group's timeout; the leader then fails that call and every
+later one at once (restart the runtime).
 
 Imports torch (torch.distributed), model (the Llama, the checkpoint), backends.torch and files.
 """
