@@ -210,7 +210,7 @@ class LearnedCost:
         self._curves.pop(rows, None)
         steps = self._steps[rows] = self._steps.get(rows, 0) + 1
         self._since_greedy[rows] = 0 if tokens == rows else self._since_greedy.get(rows, 0) + 1
-        knot = round(KNOTS * math.log2(tokens))
+        knot = _knot(tokens)
         knots, seen = self._knots.setdefault(rows, {}), self._seen.setdefault(rows, {})
         doubted = self._doubted.setdefault(rows, {})
         if knot not in knots:  # a knot forgotten unconfirmed starts from its one step: the two then decide
@@ -224,7 +224,7 @@ class LearnedCost:
 
     def observed(self, tokens: int, rows: int) -> bool:
         """Whether steps of about `tokens` tokens in `rows` rows have been timed (their knot holds steps)."""
-        return tokens >= 1 and round(KNOTS * math.log2(tokens)) in self._knots.get(rows, {})
+        return tokens >= 1 and _knot(tokens) in self._knots.get(rows, {})
 
     def greedy_due(self, rows: int) -> bool:
         """Whether `rows` rows have run GREEDY_PROBE_EVERY steps since their one-token-per-row step was observed."""
@@ -233,6 +233,11 @@ class LearnedCost:
     def greedy_probed(self, rows: int) -> None:
         """An all-greedy step was chosen for `rows` rows: the next greedy probe waits GREEDY_PROBE_EVERY again."""
         self._since_greedy[rows] = 0
+
+
+def _knot(tokens: int) -> int:
+    """The knot a step of `tokens` tokens (at least 1) is learnt at: KNOTS per doubling of M."""
+    return round(KNOTS * math.log2(tokens))
 
 
 def _lower_median(values: deque[float]) -> float:
@@ -356,8 +361,8 @@ class LookaheadPolicy:
                 if probe is None:
                     continue
                 tokens = sum(c.step_tokens for c in chosen) - chosen[i].step_tokens + probe.step_tokens
-                hopeful = [*states[:i], replace(state, ratio=MAX_RATIO), *states[i + 1:]]  # its best possible drafts
-                if not self.cost.observed(tokens, rows) or self._fastest(hopeful, supplies)[i].G:  # it could pay
+                if not self.cost.observed(tokens, rows) or self._fastest(  # it could pay: with its best drafts
+                        [*states[:i], replace(state, ratio=MAX_RATIO), *states[i + 1:]], supplies)[i].G:
                     chosen[i] = probe
         return chosen
 
