@@ -1,0 +1,60 @@
+"""scripts/cpu_step_parts.py and scripts/bench_attention_kernel.py run end to end on what they measure: the step
+parts on stories260K's default CPU executor (its weights-only graph holds every weight product of the model: four
+a layer and the tied lm_head), the kernel's timing loop on the package's C source and on a variant given by path."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+STORIES = ROOT / "tests" / "fixtures" / "stories260K"
+
+
+def run_script(name: str, *args: str) -> dict:
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args, "--json"], check=True,
+                         capture_output=True, text=True, timeout=600).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_shapes_are_parsed_as_rows_and_configs():
+    spec = importlib.util.spec_from_file_location("cpu_step_parts", ROOT / "scripts" / "cpu_step_parts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.parse_shapes("1x4/3/4,8x2/2/2") == [(1, (4, 3, 4)), (8, (2, 2, 2))]
+    assert module.parse_shapes("") == []
+
+
+@pytest.mark.export
+def test_step_parts_time_every_part_on_stories260k():
+    config = json.loads((STORIES / "config.json").read_text())
+    result = run_script("cpu_step_parts.py", "--model", str(STORIES), "--steps", "3", "--contexts", "4,9",
+                        "--shapes", "2x2/2/2", "--shape-contexts", "5")
+    # q/k/v fused, o, gate/up fused, down: 4 projections a layer, and the lm_head
+    assert result["gemms"] == 4 * config["num_hidden_layers"] + 1
+    assert set(result["greedy"]) == {"4", "9"} and set(result["shapes"]) == {"2x2/2/2"}
+    assert set(result["shapes"]["2x2/2/2"]) == {"5"}
+    assert all(parts["session"] > 0 and parts["commit"] > 0 for parts in result["greedy"].values())
+    assert result["weights_only_ms"] > 0 and result["shapes"]["2x2/2/2"]["5"] > 0
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_attention_kernel_bench_times_the_package_source_and_a_variant(tmp_path):
+    package = run_script("bench_attention_kernel.py", "--cases", "16x1,8x4", "--heads", "4,2,8")
+    assert set(package["ns_per_pair"]) == {"16x1", "8x4"} and all(v > 0 for v in package["ns_per_pair"].values())
+    source = (ROOT / "trt_lookahead" / "kernels" / "onnxruntime_attention.c").read_text()
+    failing = tmp_path / "failing.c"  # the variant is what runs: one whose every task fails is reported as such
+    failing.write_text(source.replace("if (L < 0 || L > p->S) return 1;", "return 1;"))
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    for variant, message in ((failing, "failing.c: the kernel reported a failed task at 16x1"),
+                             (broken, f"{broken} does not compile")):
+        failed = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_attention_kernel.py"), "--source",
+                                 str(variant), "--cases", "16x1"], capture_output=True, text=True, timeout=600)
+        assert failed.returncode != 0 and "Traceback" not in failed.stderr and message in failed.stderr
