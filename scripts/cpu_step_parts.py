@@ -1,13 +1,16 @@
 """Where a CPU step's time goes: the weight products alone, the session, the host work, and step shapes by context.
 
     python scripts/cpu_step_parts.py [--model smollm2-135m-instruct] [--threads 2] [--steps 64]
-        [--contexts 8,128,1024] [--shapes "1x4/3/4,8x2/2/2"] [--shape-contexts 16,300,1000] [--json]
+        [--contexts 8,128,1024] [--shapes "1x4/3/4,8x2/2/2"] [--shape-contexts 16,300,1000] [--tiny-nodes 0,13]
+        [--json]
 
 On the default CPU executor of a float32 checkpoint (runtime/load.py, as `generate` opens it: the cached
 onnxruntime engine), one process, medians of --steps:
 - `weights`: a graph of just the engine's weight Gemms (the same initializers and attributes, one row of
   activations each, no other node), run by a session with the engine's threads and spinning: the step's
-  memory-bound floor.
+  memory-bound floor. With --tiny-nodes K,..., one such session per K with a chain of K elementwise nodes after
+  each product as wide as the hidden state: the slope is what one small node costs among the streaming weights
+  (a graph step has hundreds: norms, RoPE, reshapes, splits).
 - per context in --contexts, a greedy step + commit in slot 0 after that many cached tokens, split into the
   session run (the step's binding run again by itself), the executor's host work around it, and the commit.
 - per shape in --shapes (ROWS x W/N/G) and context in --shape-contexts, one executor step of ROWS rows of that
@@ -41,24 +44,36 @@ from trt_lookahead.lookahead.sampling import SamplingParams  # noqa: E402
 from trt_lookahead.model.fetch import resolve_model  # noqa: E402
 
 
-def weights_only_ms(engine_dir: Path, settings: Any, steps: int) -> tuple[float, int]:
-    """Median ms of a session running just the engine's Gemms with a weight, one activation row each; -> (ms, Gemms)."""
+def weights_only_ms(engine_dir: Path, settings: Any, steps: int, tiny: int = 0) -> tuple[float, int, int]:
+    """Median ms of a session running just the engine's Gemms with a weight, one activation row each, and after each
+    product as wide as the hidden state a chain of `tiny` elementwise nodes (Add and Mul by constant vectors, in
+    turn): what a node costs where the weights stream through the caches. -> (ms, Gemms, tiny nodes)."""
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
     proto = onnx.load(str(engine_dir / "model.onnx"))
     weights = {init.name: init for init in proto.graph.initializer}
+    gemms = [n for n in proto.graph.node if n.op_type == "Gemm" and n.input[1] in weights]
     nodes, outputs, used = [], [], []
     inputs: dict[int, Any] = {}  # activation width -> its graph input
-    for i, node in enumerate(n for n in proto.graph.node if n.op_type == "Gemm" and n.input[1] in weights):
-        weight = weights[node.input[1]]
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        k = weight.dims[1] if attrs.get("transB") else weight.dims[0]  # the activation's width
+    widths = []  # (activation width, output width) of each Gemm
+    for node in gemms:
+        weight, attrs = weights[node.input[1]], {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        widths.append((weight.dims[1], weight.dims[0]) if attrs.get("transB") else (weight.dims[0], weight.dims[1]))
+    hidden = widths[-1][0]  # the last product is the lm_head, reading the hidden state
+    for i, (node, (k, n)) in enumerate(zip(gemms, widths, strict=True)):
         inputs.setdefault(k, helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, [1, k]))
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         nodes.append(helper.make_node("Gemm", [f"x{k}", node.input[1]], [f"y{i}"], **attrs))
-        outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None))
-        used.append(weight)
+        used.append(weights[node.input[1]])
+        last = f"y{i}"
+        for j in range(tiny if n == hidden else 0):
+            constant = helper.make_tensor(f"c{i}_{j}", TensorProto.FLOAT, [n], np.full(n, 1 + 1e-3 * j, np.float32))
+            nodes.append(helper.make_node("Mul" if j % 2 else "Add", [last, constant.name], [f"z{i}_{j}"]))
+            used.append(constant)
+            last = f"z{i}_{j}"
+        outputs.append(helper.make_tensor_value_info(last, TensorProto.FLOAT, None))
     graph = helper.make_graph(nodes, "weights_only", list(inputs.values()), outputs, used)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     with tempfile.TemporaryDirectory() as tmp:
@@ -74,7 +89,7 @@ def weights_only_ms(engine_dir: Path, settings: Any, steps: int) -> tuple[float,
         start = time.perf_counter()
         session.run(None, feed)
         times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3, len(nodes)
+    return statistics.median(times) * 1e3, len(gemms), len(nodes) - len(gemms)
 
 
 def greedy_parts(executor: Any, context: int, steps: int) -> dict[str, float]:
@@ -142,6 +157,8 @@ def main() -> int:
     parser.add_argument("--contexts", default="8,128,1024", help="cached tokens of the greedy steps")
     parser.add_argument("--shapes", default="1x4/3/4,8x2/2/2", help="lookahead steps: ROWSxW/N/G, comma-separated")
     parser.add_argument("--shape-contexts", default="16,300,1000")
+    parser.add_argument("--tiny-nodes", default="0", help="elementwise nodes after each hidden-wide weight product, "
+                        "one weights-only session per value (0,13,26: the cost of a node among the Gemms)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -159,13 +176,21 @@ def main() -> int:
     if not isinstance(executor, OnnxRuntimeExecutor):
         raise SystemExit(f"the default CPU executor here is {type(executor).__name__}, not onnxruntime's")
     load = [os.getloadavg()[0]]
-    weights, gemms = weights_only_ms(executor.config.path, executor._engine.settings, args.steps)
+    weights = {}  # tiny nodes -> ms
+    for chain in (int(v) for v in args.tiny_nodes.split(",") if v):
+        ms, gemms, tiny = weights_only_ms(executor.config.path, executor._engine.settings, args.steps, chain)
+        weights[tiny] = ms
     greedy = {int(c): greedy_parts(executor, int(c), args.steps) for c in args.contexts.split(",") if c}
     shaped = {f"{r}x{'/'.join(map(str, cfg))}": {int(c): shape_ms(executor, r, cfg, int(c), args.steps)
                                                  for c in args.shape_contexts.split(",") if c} for r, cfg in shapes}
     load.append(os.getloadavg()[0])
     print(f"{args.model} float32, {args.threads} thread(s), load {load[0]:.2f} -> {load[1]:.2f}; medians, ms")
-    print(f"weights only ({gemms} Gemms, one row): {weights:.2f}")
+    for tiny, ms in weights.items():
+        print(f"weights only ({gemms} Gemms, one row) and {tiny} tiny nodes among them: {ms:.2f}")
+    if len(weights) > 1:
+        counts = sorted(weights)
+        slope = (weights[counts[-1]] - weights[counts[0]]) / (counts[-1] - counts[0]) * 1e3
+        print(f"a tiny node among the Gemms: {slope:.2f} us")
     print("| cached tokens | session run | host | commit | step + commit |")
     print("|---:|---:|---:|---:|---:|")
     for context, parts in greedy.items():

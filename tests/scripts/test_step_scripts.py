@@ -35,13 +35,15 @@ def test_shapes_are_parsed_as_rows_and_configs():
 def test_step_parts_time_every_part_on_stories260k():
     config = json.loads((STORIES / "config.json").read_text())
     result = run_script("cpu_step_parts.py", "--model", str(STORIES), "--steps", "3", "--contexts", "4,9",
-                        "--shapes", "2x2/2/2", "--shape-contexts", "5")
+                        "--shapes", "2x2/2/2", "--shape-contexts", "5", "--tiny-nodes", "0,3")
     # q/k/v fused, o, gate/up fused, down: 4 projections a layer, and the lm_head
     assert result["gemms"] == 4 * config["num_hidden_layers"] + 1
+    # the chains follow the products as wide as the hidden state: o and down, two a layer
+    assert set(result["weights_only_ms"]) == {"0", str(3 * 2 * config["num_hidden_layers"])}
     assert set(result["greedy"]) == {"4", "9"} and set(result["shapes"]) == {"2x2/2/2"}
     assert set(result["shapes"]["2x2/2/2"]) == {"5"}
     assert all(parts["session"] > 0 and parts["commit"] > 0 for parts in result["greedy"].values())
-    assert result["weights_only_ms"] > 0 and result["shapes"]["2x2/2/2"]["5"] > 0
+    assert all(ms > 0 for ms in result["weights_only_ms"].values()) and result["shapes"]["2x2/2/2"]["5"] > 0
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
