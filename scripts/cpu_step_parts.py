@@ -55,17 +55,15 @@ def weights_only_ms(engine_dir: Path, settings: Any, steps: int, tiny: int = 0) 
     proto = onnx.load(str(engine_dir / "model.onnx"))
     weights = {init.name: init for init in proto.graph.initializer}
     gemms = [n for n in proto.graph.node if n.op_type == "Gemm" and n.input[1] in weights]
+    attrs = [{a.name: helper.get_attribute_value(a) for a in node.attribute} for node in gemms]
+    dims = [weights[node.input[1]].dims for node in gemms]
+    widths = [(d[1], d[0]) if a.get("transB") else (d[0], d[1]) for d, a in zip(dims, attrs, strict=True)]  # (K, N)
+    hidden = widths[-1][0]  # the last product is the lm_head, reading the hidden state
     nodes, outputs, used = [], [], []
     inputs: dict[int, Any] = {}  # activation width -> its graph input
-    widths = []  # (activation width, output width) of each Gemm
-    for node in gemms:
-        weight, attrs = weights[node.input[1]], {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        widths.append((weight.dims[1], weight.dims[0]) if attrs.get("transB") else (weight.dims[0], weight.dims[1]))
-    hidden = widths[-1][0]  # the last product is the lm_head, reading the hidden state
-    for i, (node, (k, n)) in enumerate(zip(gemms, widths, strict=True)):
+    for i, (node, attr, (k, n)) in enumerate(zip(gemms, attrs, widths, strict=True)):
         inputs.setdefault(k, helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, [1, k]))
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        nodes.append(helper.make_node("Gemm", [f"x{k}", node.input[1]], [f"y{i}"], **attrs))
+        nodes.append(helper.make_node("Gemm", [f"x{k}", node.input[1]], [f"y{i}"], **attr))
         used.append(weights[node.input[1]])
         last = f"y{i}"
         for j in range(tiny if n == hidden else 0):
@@ -176,8 +174,8 @@ def main() -> int:
     if not isinstance(executor, OnnxRuntimeExecutor):
         raise SystemExit(f"the default CPU executor here is {type(executor).__name__}, not onnxruntime's")
     load = [os.getloadavg()[0]]
-    weights = {}  # tiny nodes -> ms
-    for chain in (int(v) for v in args.tiny_nodes.split(",") if v):
+    weights, gemms = {}, 0  # tiny nodes -> ms; the weight products
+    for chain in [int(v) for v in args.tiny_nodes.split(",") if v] or [0]:
         ms, gemms, tiny = weights_only_ms(executor.config.path, executor._engine.settings, args.steps, chain)
         weights[tiny] = ms
     greedy = {int(c): greedy_parts(executor, int(c), args.steps) for c in args.contexts.split(",") if c}
