@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # the package from this checkout, installed or not
     sys.path.insert(0, str(ROOT))
 
-from trt_lookahead.kernels.onnxruntime_library import FLAGS, SOURCE  # noqa: E402
+from trt_lookahead.kernels.onnxruntime_library import FLAGS, HEADER, SOURCE  # noqa: E402
 
 HARNESS = r"""
 #include SOURCE_FILE
@@ -72,8 +72,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         harness, binary = Path(tmp) / "harness.c", Path(tmp) / "harness"
         harness.write_text(HARNESS.replace("SOURCE_FILE", f'"{args.source.resolve()}"'), encoding="utf-8")
-        built = subprocess.run([compiler, *flags, "-o", str(binary), str(harness), "-lm"], capture_output=True,
-                               text=True)
+        built = subprocess.run([compiler, *flags, "-I", str(HEADER.parent), "-o", str(binary), str(harness), "-lm"],
+                               capture_output=True, text=True)
         if built.returncode:
             raise SystemExit(f"{args.source} does not compile with the timing loop:\n{built.stderr.strip()}")
         results = {}

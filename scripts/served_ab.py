@@ -1,7 +1,7 @@
 """`auto` against greedy on one `serve`, alternating round by round: paired tok/s ratios under the same load.
 
     python scripts/served_ab.py [--model smollm2-135m-instruct] [--dataset humaneval,mt_bench] [--limit 8]
-        [--max-new-tokens 128] [--concurrency 8] [--rounds 8] [--threads 2] [--json]
+        [--max-new-tokens 128] [--concurrency 8] [--rounds 8] [--threads 2] [--weights float|int8|int4] [--json]
 
 `trt-lookahead bench` measures each arm once, a minute apart, and this VM's speed drifts 5-15% between minutes:
 too much to tell 0.95x from 1.0x. Here one server (bench's own `serve` command line, `auto` by default, greedy
@@ -43,12 +43,14 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--weights", default="float", help="the served engine's weights (serve --weights)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
     plan = plan_bench(args.model, datasets=args.dataset, limit=args.limit, max_new_tokens=args.max_new_tokens)
     port = free_port()
-    argv = serve_argv(plan.model_path, port, args.threads, args.concurrency, "float32", plan.max_seq_len)
+    argv = serve_argv(plan.model_path, port, args.threads, args.concurrency, "float32", plan.max_seq_len,
+                      extra=["--weights", args.weights])
     body = {"temperature": 0.0, "seed": 0, "model": plan.model_path.name, "max_tokens": args.max_new_tokens}
     seconds: dict[tuple[str, str], list[float]] = {}
     texts: dict[tuple[str, str], list[list[str]]] = {}

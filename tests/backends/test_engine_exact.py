@@ -85,9 +85,10 @@ def greedy_logits(ex, prompt: np.ndarray, chain: np.ndarray) -> np.ndarray:
 def differences(engine_dir: Path, trials: int, seed: int, threads: int = 1, native: bool = True
                 ) -> tuple[int, list[tuple]]:
     """(slots compared, the differing ones): each output slot of random lookahead steps, alone and batched with
-    random companions in a random row order, against 1-token greedy decoding of the same context. native: the
-    attention by kernels/onnxruntime_attention.c (the default where it builds), else by standard ops."""
-    engine = open_engine(engine_dir, session=SessionSettings(threads=threads, native_attention=native))
+    random companions in a random row order, against 1-token greedy decoding of the same context. native: the C
+    kernels (the default where they build: kernels/onnxruntime_attention.c, and onnxruntime_quantized.c for int8
+    activations), else standard ops and MatMulNBits."""
+    engine = open_engine(engine_dir, session=SessionSettings(threads=threads, native_kernels=native))
     ex, ref, tree = engine.executor(), engine.executor(max_batch=1), engine.config.tree
     rng = np.random.default_rng(seed)
     compared, differ = 0, []
@@ -130,6 +131,19 @@ def test_exact_engine_lookahead_slots_equal_greedy_steps_bit_for_bit(engines, na
     assert (load_engine_config(engines[name]).tree is not None) == (name not in ("exact", "fast"))
     compared, differ = differences(engines[name], trials=16, seed=threads, threads=threads, native=native)
     assert compared > 150 and differ == []
+
+
+def test_the_quantized_exact_engine_steps_one_row_natively_and_pads_to_two_with_matmulnbits(engines):
+    """With QuantizedMatMul every product is row-invariant down to one row, so a greedy step runs one token; the
+    MatMulNBits graph rounds a 1-row product another way, so there an exact engine pads it to two (design 6.9)."""
+    from trt_lookahead.kernels.onnxruntime_library import native_library
+
+    if not native_library().quantized:
+        pytest.skip("no QuantizedMatMul on this CPU (AVX2, FMA and F16C)")
+    for native, rows, op in ((True, 1, "QuantizedMatMul"), (False, 2, "MatMulNBits")):
+        engine = open_engine(engines["exact-int4a8"], session=SessionSettings(threads=1, native_kernels=native))
+        ops = {node.op_type for node in engine.graph().graph.node}
+        assert engine.min_rows == rows and op in ops and ops.isdisjoint({"QuantizedMatMul", "MatMulNBits"} - {op})
 
 
 def test_fast_decomposition_lookahead_slots_differ_from_greedy_steps(engines):

@@ -1,4 +1,4 @@
-"""kernels/onnxruntime_library.py: onnxruntime_attention.c is built once per machine into the cache dir and reused;
+"""kernels/onnxruntime_library.py: the C kernels are built once per machine into the cache dir and reused;
 without a working compiler there is no library, one line says why, and engines run the standard-op attention."""
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def test_no_compiler_no_library_and_one_line_says_why(fresh, monkeypatch, capsys
     assert built.path is None and "no C compiler" in built.why and "/nonexistent/cc" in built.why
     native_library()
     err = capsys.readouterr().err
-    assert err.count("trt-lookahead: float32 attention runs as standard onnxruntime ops") == 1, err
+    assert err.count("trt-lookahead: float32 attention runs as standard onnxruntime ops and quantized products as "
+                     "MatMulNBits") == 1, err
 
 
 def test_a_failing_build_leaves_nothing_behind(fresh, monkeypatch, tmp_path):
@@ -63,7 +64,8 @@ def test_the_key_follows_the_source(fresh, monkeypatch, tmp_path):
     first = native_library().path
     edited = tmp_path / "onnxruntime_attention.c"
     edited.write_text(onnxruntime_library.SOURCE.read_text() + "\n/* edited */\n")
-    monkeypatch.setattr(onnxruntime_library, "SOURCE", edited)
+    monkeypatch.setattr(onnxruntime_library, "SOURCES", tuple(edited if path == onnxruntime_library.SOURCE else path
+                                                            for path in onnxruntime_library.SOURCES))
     native_library.cache_clear()
     second = native_library().path
     assert first is not None and second is not None and second != first and first.is_file()

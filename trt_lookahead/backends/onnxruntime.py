@@ -17,9 +17,10 @@ compact physical order and the host-side token choice are backends/graphs.py's S
 
 LookaheadAttention nodes (--attention plugin) have no onnxruntime kernel: in a float32 graph they run as
 kernels/onnxruntime_attention.c, row-invariant, built for this machine on first use (SessionSettings
-native_attention; docs/design.md section 6.4), else as their standard-op decomposition (kernels/onnx_op.decompose).
+native_kernels; docs/design.md section 6.4), else as their standard-op decomposition (kernels/onnx_op.decompose).
 An engine built with --exact runs the row-invariant decomposition there (section 4.2) and prefills in chunks of
-at most EXACT_MAX_TOKENS tokens.
+at most EXACT_MAX_TOKENS tokens. A quantized engine's products of int8 activations run as the same library's
+QuantizedMatMul where it holds one (engine/quantize.native_products; section 6.9), else as MatMulNBits.
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ class SessionSettings:
     optimization: str = "all"  # onnxruntime graph optimisation level: disabled, basic, extended, all
     prepacking: bool = True  # MatMul weights repacked for the CPU kernels once, at load
     profile_prefix: str | None = None  # onnxruntime's per-node profiler on, its JSON named from this prefix
-    # float32 attention by kernels/onnxruntime_attention.c where it builds here, else by standard ops
-    native_attention: bool = True
+    # float32 attention and quantized products by the C kernels where they build here (kernels/onnxruntime_library),
+    # else by standard ops and MatMulNBits
+    native_kernels: bool = True
 
     def options(self) -> Any:
         """onnxruntime.SessionOptions for these settings."""
@@ -127,6 +129,7 @@ class OnnxRuntimeEngine(OpenedEngine):
                 "(no bfloat16 MatMul); build a float32 engine for the onnxruntime backend, or use --backend tensorrt"
             )
         super().__init__(config, max_seq_len, max_batch)
+        self.settings = settings
         if config.exact:
             from trt_lookahead.kernels.onnx_op import EXACT_MAX_TOKENS
 
@@ -137,11 +140,10 @@ class OnnxRuntimeEngine(OpenedEngine):
                 raise UserError(f"engine {config.path} is exact, and its projections are row-invariant only with "
                                 "prepacked weights: run it with prepacking on (the default)")
             self.exact = True
-            if config.quantization != "float":  # MatMulNBits rounds a 1-row product another way (design 6.9)
-                self.min_rows = 2
+            if config.quantization != "float" and not self.native_products:
+                self.min_rows = 2  # MatMulNBits rounds a 1-row product another way (design 6.9)
             # exact graphs hold at most EXACT_MAX_TOKENS tokens per row: longer prompts are prefilled in chunks
             self.prefill_tokens = min(config.max_input_len, EXACT_MAX_TOKENS)
-        self.settings = settings
         self.spinning: bool | None = None  # the current session's workers spin; None: no session yet
         self.respins = 0  # sessions replaced because the machine's spare CPUs changed (`current_session`)
         self._session: Any = None
@@ -205,13 +207,23 @@ class OnnxRuntimeEngine(OpenedEngine):
 
     @functools.cached_property
     def native_library(self) -> Path | None:
-        """kernels/onnxruntime_attention.c built here, where the settings ask for it and the attention is float32
-        (else, or where it cannot be built, the graph runs the standard-op decomposition)."""
-        if not self.settings.native_attention or self.config.dtype != "float32":
+        """The C kernels built here (kernels/onnxruntime_library.py), where the settings ask for them and the graph is
+        float32 (else, or where they cannot be built, the graph runs the standard-op decomposition)."""
+        if not self.settings.native_kernels or self.config.dtype != "float32":
             return None
         from trt_lookahead.kernels.onnxruntime_library import native_library
 
         return native_library().path
+
+    @functools.cached_property
+    def native_products(self) -> bool:
+        """Whether the quantized products run as the library's QuantizedMatMul: int8 activations, and a library
+        built with it (this CPU has AVX2, FMA and F16C)."""
+        if self.config.quantization == "float" or self.config.activations != "int8" or self.native_library is None:
+            return False
+        from trt_lookahead.kernels.onnxruntime_library import native_library
+
+        return native_library().quantized
 
     def _weight_bytes(self) -> int:
         """The engine dir's file sizes: about what a second session's weights take."""
@@ -238,6 +250,13 @@ class OnnxRuntimeEngine(OpenedEngine):
             proto = onnx_op.decompose(proto, exact=self.config.exact, native=self.native_library is not None)
         except ValueError as exc:
             raise UserError(f"engine {self.config.path}: {exc}; rebuild it without --exact") from exc
+        if self.native_products:
+            from trt_lookahead.engine.quantize import native_products
+
+            proto, left = native_products(proto)
+            if left:  # min_rows is 1: a MatMulNBits left would round a 1-row step another way
+                raise UserError(f"engine {self.config.path}: {left} quantized products multiply float activations "
+                                "although config.json says int8; rebuild the engine")
         return proto
 
     def session_options(self, settings: SessionSettings) -> Any:

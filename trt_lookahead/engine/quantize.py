@@ -5,6 +5,7 @@
     proto, used = quantize_graph(proto, "int4")    # every Gemm(x, W^T) on a weight -> com.microsoft MatMulNBits
     proto, used = quantize_graph(proto, "int4", activations="int8")  # ... multiplying int8 activation blocks
     x_hat = quantize_activations(x)                # x [..., K] torch: what those nodes multiply instead of x
+    proto, left = native_products(proto)           # at load: int8-activation products -> our C QuantizedMatMul
     used = quantize_model(llama, "int4", torch.bfloat16)  # a torch Llama's projections -> QuantizedLinear (GPU)
 
 Each output channel's K inputs are cut into blocks of BLOCK_SIZE (the last one padded with zeros); a block
@@ -25,13 +26,14 @@ The layout is onnxruntime's MatMulNBits (contrib op, CPU): codes [N, blocks, BLO
 4-bit codes per byte low nibble first, scales [N * blocks], zero points [N, blocks] bytes for int8 and two per
 byte for int4; a Q4_1 block's m rides beside the node (`mins`). The engine's config.json records the scheme
 (engine/format.py); docs/design.md section 6.9.
-Imports numpy, onnx (and torch and model.llama for `quantize_activations` and `quantize_model`) and engine.format.
+Imports numpy, onnx (and torch and model.llama for `quantize_activations` and `quantize_model`, kernels.onnx_op for
+`native_products`) and engine.format.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -240,6 +242,24 @@ def quantize_model(model: Any, scheme: str, dtype: Any = None) -> dict[str, Quan
     return used
 
 
+class MinsTerm(NamedTuple):
+    """The names of a Q4_1 product's mins term in the graph `quantize_graph` writes (`MinsTerm.of(codes)`, the
+    codes' initializer name): MatMulNBits -> product; Reshape(x, block_shape) -> x_blocks; ReduceSum(x_blocks,
+    sum_axis) -> x_sums; MatMul(x_sums, mins) -> offsets; Add(product, offsets) -> the projection's output."""
+
+    product: str
+    mins: str
+    block_shape: str
+    sum_axis: str
+    x_blocks: str
+    x_sums: str
+    offsets: str
+
+    @classmethod
+    def of(cls, codes: str) -> MinsTerm:
+        return cls(*(f"{codes}.{part}" for part in cls._fields))
+
+
 def quantize_graph(proto: Any, scheme: str, activations: str = "float") -> tuple[Any, dict[str, QuantizedWeight]]:
     """Replace every projection Gemm(x, W, transB=1) whose W is a float initializer by a MatMulNBits node holding W
     in blocks, multiplying float or int8 `activations` (see the module docstring): W's own GGUF blocks where it has
@@ -276,22 +296,23 @@ def quantize_graph(proto: Any, scheme: str, activations: str = "float") -> tuple
             numpy_helper.from_array(blocks.scales.reshape(-1), f"{b}.scales"),
             numpy_helper.from_array(blocks.zero_points.reshape(-1), f"{b}.zero_points"),
         ])
-        product = list(node.output) if blocks.mins is None else [f"{b}.product"]
+        term = MinsTerm.of(b)
+        product = list(node.output) if blocks.mins is None else [term.product]
         nodes.append(helper.make_node(
             "MatMulNBits", [node.input[0], b, f"{b}.scales", f"{b}.zero_points"], product, name=node.name,
             domain=CONTRIB_DOMAIN, K=k, N=n, bits=blocks.bits, block_size=BLOCK_SIZE, **accuracy,
         ))
         if blocks.mins is not None:  # + x's block sums [M, K/32] @ mins^T [K/32, N]
             graph.initializer.extend([
-                numpy_helper.from_array(np.ascontiguousarray(blocks.mins.T), f"{b}.mins"),
-                numpy_helper.from_array(np.array([0, -1, BLOCK_SIZE], np.int64), f"{b}.block_shape"),
-                numpy_helper.from_array(np.array([2], np.int64), f"{b}.sum_axis"),
+                numpy_helper.from_array(np.ascontiguousarray(blocks.mins.T), term.mins),
+                numpy_helper.from_array(np.array([0, -1, BLOCK_SIZE], np.int64), term.block_shape),
+                numpy_helper.from_array(np.array([2], np.int64), term.sum_axis),
             ])
             nodes.extend([
-                helper.make_node("Reshape", [node.input[0], f"{b}.block_shape"], [f"{b}.x_blocks"]),
-                helper.make_node("ReduceSum", [f"{b}.x_blocks", f"{b}.sum_axis"], [f"{b}.x_sums"], keepdims=0),
-                helper.make_node("MatMul", [f"{b}.x_sums", f"{b}.mins"], [f"{b}.offsets"]),
-                helper.make_node("Add", [*product, f"{b}.offsets"], list(node.output)),
+                helper.make_node("Reshape", [node.input[0], term.block_shape], [term.x_blocks]),
+                helper.make_node("ReduceSum", [term.x_blocks, term.sum_axis], [term.x_sums], keepdims=0),
+                helper.make_node("MatMul", [term.x_sums, term.mins], [term.offsets]),
+                helper.make_node("Add", [term.product, term.offsets], list(node.output)),
             ])
         used[name] = blocks
         readers[name] -= 1
@@ -305,3 +326,54 @@ def quantize_graph(proto: Any, scheme: str, activations: str = "float") -> tuple
     if not any(op.domain == CONTRIB_DOMAIN for op in proto.opset_import):
         proto.opset_import.append(helper.make_opsetid(CONTRIB_DOMAIN, 1))
     return proto, used
+
+
+NATIVE_PRODUCT = "QuantizedMatMul"  # kernels/onnxruntime_quantized.c's node (its name there, written once more in C)
+
+
+def native_products(proto: Any) -> tuple[Any, int]:
+    """Each MatMulNBits of `quantize_graph` that multiplies int8 activations (accuracy_level 4) by 4- or 8-bit codes
+    -> one QuantizedMatMul node of kernels/onnxruntime_quantized.c on the same initializers, its mins term (MinsTerm)
+    folded in: one node per product, row-invariant at every row count (docs/design.md 6.9).
+    -> (the graph, the MatMulNBits nodes left: float activations, which the kernel does not take)."""
+    from onnx import helper
+
+    from trt_lookahead.kernels.onnx_op import NATIVE_DOMAIN
+
+    graph = proto.graph
+    producers = {output: node for node in graph.node for output in node.output}
+    readers: dict[str, list[Any]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    dropped: set[int] = set()  # ids of the mins terms' nodes, replaced with their product
+    unused: set[str] = set()  # the initializers only those nodes read
+    replaced: dict[int, Any] = {}
+    left = 0
+    for node in graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if attrs.get("accuracy_level") != ACCURACY_LEVEL["int8"] or attrs["bits"] not in BITS.values():
+            left += 1
+            continue
+        term = MinsTerm.of(node.input[1])
+        output, mins = list(node.output), ""
+        if node.output[0] == term.product:  # the mins term: the Add of the product and the offsets is the output
+            (add,) = readers[term.offsets]
+            output, mins = list(add.output), term.mins
+            dropped.update(id(producers[name]) for name in (term.x_blocks, term.x_sums, term.offsets))
+            dropped.add(id(add))
+            unused.update((term.block_shape, term.sum_axis))
+        replaced[id(node)] = helper.make_node(
+            NATIVE_PRODUCT, [*node.input[:4], mins], output, name=node.name, domain=NATIVE_DOMAIN,
+            K=attrs["K"], N=attrs["N"], bits=attrs["bits"], mins=int(bool(mins)))
+    nodes = [replaced.get(id(node), node) for node in graph.node if id(node) not in dropped]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    kept = [tensor for tensor in graph.initializer if tensor.name not in unused]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    if replaced and not any(op.domain == NATIVE_DOMAIN for op in proto.opset_import):
+        proto.opset_import.append(helper.make_opsetid(NATIVE_DOMAIN, 1))
+    return proto, left

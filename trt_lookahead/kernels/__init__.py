@@ -4,8 +4,9 @@ decomposition, the TensorRT plugin registration, torch twins of lookahead.sampli
 projections and norms of the exact CUDA step (invariant.py), the padded step's attention kernel over each slot's
 own keys, row-invariant for the exact step or with the step mask in registers for the fast one
 (padded_attention.py), the padded step's attention and those kernels as torch.library custom ops, opaque
-to torch.compile (step_ops.py), and onnxruntime's float32 attention kernel in C (onnxruntime_attention.c, built
-for this machine by onnxruntime_library.py).
+to torch.compile (step_ops.py), and onnxruntime's CPU kernels in C, built for this machine by
+onnxruntime_library.py: the float32 attention (onnxruntime_attention.c) and the row-invariant product of
+block-quantized weights and int8 rows (onnxruntime_quantized.c).
 
 Owns what runs inside a compiled step (docs/design.md sections 2.6 and 6.4). May import
 trt_lookahead.lookahead, trt_lookahead.files and trt_lookahead.errors; torch, onnx and triton are imported by

@@ -14,91 +14,9 @@
  * key (fixed lanes, combined in a fixed order), the maximum, exp, the denominator and the weighted values
  * summed key by key. A token verified in a lookahead step therefore gets the bits of the same token decoded
  * alone. Built with -ffp-contract=off so that no fused multiply-add differs between code paths.
- *
- * onnxruntime's C API is declared below as far as this kernel uses it, by slot: the OrtApi table is
- * append-only, so a function's slot never moves. Slots and struct layouts: onnxruntime's
- * include/onnxruntime/core/session/onnxruntime_c_api.h; API version 17 (onnxruntime 1.17) or later.
+ * onnxruntime's C API: onnxruntime_api.h; registered by onnxruntime_ops.c.
  */
-#include <math.h>
-#include <stddef.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-/* ---- onnxruntime's C API, the part this kernel uses ------------------------------------------------------ */
-
-typedef struct OrtStatus OrtStatus;
-typedef struct OrtApi OrtApi; /* opaque here: read as a table of function pointers */
-typedef struct OrtKernelInfo OrtKernelInfo;
-typedef struct OrtKernelContext OrtKernelContext;
-typedef struct OrtValue OrtValue;
-typedef struct OrtTensorTypeAndShapeInfo OrtShape;
-typedef struct OrtSessionOptions OrtSessionOptions;
-typedef struct OrtCustomOpDomain OrtCustomOpDomain;
-
-typedef struct {
-    const OrtApi *(*GetApi)(uint32_t version);
-    const char *(*GetVersionString)(void);
-} OrtApiBase;
-
-enum { API_VERSION = 17 };                               /* KernelContext_ParallelFor came with it */
-enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };         /* OrtErrorCode */
-enum { TYPE_FLOAT = 1, TYPE_INT32 = 6, TYPE_BOOL = 9 };  /* ONNXTensorElementDataType */
-
-/* OrtApi slots */
-enum {
-    CREATE_STATUS = 0, CREATE_CUSTOM_OP_DOMAIN = 26, CUSTOM_OP_DOMAIN_ADD = 27, ADD_CUSTOM_OP_DOMAIN = 28,
-    GET_TENSOR_MUTABLE_DATA = 51, GET_DIMENSIONS_COUNT = 61, GET_DIMENSIONS = 62,
-    GET_TENSOR_TYPE_AND_SHAPE = 65, KERNEL_INFO_GET_ATTRIBUTE_FLOAT = 85, KERNEL_INFO_GET_ATTRIBUTE_INT64 = 86,
-    KERNEL_CONTEXT_GET_INPUT = 90, KERNEL_CONTEXT_GET_OUTPUT = 91, RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99,
-    KERNEL_CONTEXT_PARALLEL_FOR = 274,
-};
-
-typedef OrtStatus *(*CreateStatusFn)(int code, const char *msg);
-typedef OrtStatus *(*CreateCustomOpDomainFn)(const char *domain, OrtCustomOpDomain **out);
-typedef OrtStatus *(*CustomOpDomainAddFn)(OrtCustomOpDomain *domain, const void *op);
-typedef OrtStatus *(*AddCustomOpDomainFn)(OrtSessionOptions *options, OrtCustomOpDomain *domain);
-typedef OrtStatus *(*GetTensorMutableDataFn)(OrtValue *value, void **out);
-typedef OrtStatus *(*GetDimensionsCountFn)(const OrtShape *info, size_t *out);
-typedef OrtStatus *(*GetDimensionsFn)(const OrtShape *info, int64_t *dims, size_t count);
-typedef OrtStatus *(*GetTensorTypeAndShapeFn)(const OrtValue *value, OrtShape **out);
-typedef OrtStatus *(*GetAttributeFloatFn)(const OrtKernelInfo *info, const char *name, float *out);
-typedef OrtStatus *(*GetAttributeInt64Fn)(const OrtKernelInfo *info, const char *name, int64_t *out);
-typedef OrtStatus *(*GetInputFn)(const OrtKernelContext *context, size_t index, const OrtValue **out);
-typedef OrtStatus *(*GetOutputFn)(OrtKernelContext *context, size_t index, const int64_t *dims, size_t count,
-                                  OrtValue **out);
-typedef void (*ReleaseShapeFn)(OrtShape *info);
-typedef OrtStatus *(*ParallelForFn)(const OrtKernelContext *context, void (*fn)(void *, size_t), size_t total,
-                                    size_t num_batch, void *data);
-
-#define API(api, slot, type) ((type)(((void *const *)(api))[slot]))
-#define TRY(expr) do { OrtStatus *status_ = (expr); if (status_) return status_; } while (0)
-
-/* OrtCustomOp as of API_VERSION: `version`, then function pointers (onnxruntime reads the ones that version has) */
-typedef struct {
-    uint32_t version;
-    void *(*CreateKernel)(const void *op, const OrtApi *api, const OrtKernelInfo *info);
-    const char *(*GetName)(const void *op);
-    const char *(*GetExecutionProviderType)(const void *op);
-    int (*GetInputType)(const void *op, size_t index);
-    size_t (*GetInputTypeCount)(const void *op);
-    int (*GetOutputType)(const void *op, size_t index);
-    size_t (*GetOutputTypeCount)(const void *op);
-    void (*KernelCompute)(void *kernel, OrtKernelContext *context);
-    void (*KernelDestroy)(void *kernel);
-    int (*GetInputCharacteristic)(const void *op, size_t index);
-    int (*GetOutputCharacteristic)(const void *op, size_t index);
-    int (*GetInputMemoryType)(const void *op, size_t index);
-    int (*GetVariadicInputMinArity)(const void *op);
-    int (*GetVariadicInputHomogeneity)(const void *op);
-    int (*GetVariadicOutputMinArity)(const void *op);
-    int (*GetVariadicOutputHomogeneity)(const void *op);
-    OrtStatus *(*CreateKernelV2)(const void *op, const OrtApi *api, const OrtKernelInfo *info, void **kernel);
-    OrtStatus *(*KernelComputeV2)(void *kernel, OrtKernelContext *context);
-    OrtStatus *(*InferOutputShapeFn)(const void *op, void *context);
-    int (*GetStartVersion)(const void *op);
-    int (*GetEndVersion)(const void *op);
-} OrtCustomOp;
+#include "onnxruntime_api.h"
 
 /* ---- the attention ----------------------------------------------------------------------------------------- */
 
@@ -282,10 +200,6 @@ static const int INPUT_TYPES[INPUTS] = {TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT, TYPE
                                         TYPE_BOOL};
 static const int INPUT_RANKS[INPUTS] = {4, 4, 4, 4, 4, 1, 3};
 
-static OrtStatus *fail(const OrtApi *api, const char *msg) {
-    return API(api, CREATE_STATUS, CreateStatusFn)(ORT_INVALID_ARGUMENT, msg);
-}
-
 /* input i's data and dims (rank checked) */
 static OrtStatus *input(const OrtApi *api, OrtKernelContext *context, size_t i, void **data, int64_t *dims) {
     const OrtValue *value;
@@ -348,16 +262,13 @@ static OrtStatus *create_kernel(const void *op, const OrtApi *api, const OrtKern
 
 static void destroy_kernel(void *kernel) { free(kernel); }
 static const char *op_name(const void *op) { (void)op; return "MaskedAttention"; }
-static const char *op_provider(const void *op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const void *op, size_t i) { (void)op; return i < INPUTS ? INPUT_TYPES[i] : 0; }
 static size_t input_count(const void *op) { (void)op; return INPUTS; }
 static int output_type(const void *op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
 static size_t output_count(const void *op) { (void)op; return 1; }
 static int required(const void *op, size_t i) { (void)op; (void)i; return 0; }  /* INPUT_OUTPUT_REQUIRED */
-static int default_memory(const void *op, size_t i) { (void)op; (void)i; return 0; }  /* OrtMemTypeDefault */
-static int one(const void *op) { (void)op; return 1; }  /* variadic arity and homogeneity: none is variadic */
 
-static const OrtCustomOp OP = {
+const OrtCustomOp ATTENTION_OP = {
     .version = API_VERSION,
     .GetName = op_name,
     .GetExecutionProviderType = op_provider,
@@ -376,14 +287,3 @@ static const OrtCustomOp OP = {
     .CreateKernelV2 = create_kernel,
     .KernelComputeV2 = compute,
 };
-
-/* what SessionOptions.register_custom_ops_library calls */
-__attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options,
-                                                                    const OrtApiBase *base) {
-    const OrtApi *api = base->GetApi(API_VERSION);
-    if (!api) return NULL; /* a runtime older than API_VERSION: the session then names the unknown op */
-    OrtCustomOpDomain *domain;
-    TRY(API(api, CREATE_CUSTOM_OP_DOMAIN, CreateCustomOpDomainFn)("trt_lookahead.cpu", &domain));
-    TRY(API(api, CUSTOM_OP_DOMAIN_ADD, CustomOpDomainAddFn)(domain, &OP));
-    return API(api, ADD_CUSTOM_OP_DOMAIN, AddCustomOpDomainFn)(options, domain);
-}

@@ -1,11 +1,13 @@
-"""onnxruntime_attention.c built for this machine: the shared library that gives onnxruntime its MaskedAttention
-kernel (the nodes of onnx_op.decompose(native=True); docs/design.md section 6.4).
+"""The C kernels built for this machine: the shared library that gives onnxruntime its MaskedAttention kernel
+(onnxruntime_attention.c: the nodes of onnx_op.decompose(native=True); docs/design.md section 6.4) and, on a CPU
+with AVX2, FMA and F16C, its QuantizedMatMul (onnxruntime_quantized.c: onnx_quantized.native_products; section 6.9),
+registered by onnxruntime_ops.c.
 
-    built = native_library()                      # Built(path, None), or Built(None, why not)
+    built = native_library()                      # Built(path, None, quantized), or Built(None, why not)
     options.register_custom_ops_library(str(built.path))
 
 Compiled once per machine by the system C compiler ($CC, else cc) into the cache dir's kernels/ folder, under a name
-keyed by the source, the compiler, the flags and this CPU's instruction-set flags (the library is built for this
+keyed by the sources, the compiler, the flags and this CPU's instruction-set flags (the library is built for this
 CPU, -march=native: a cache dir shared with another kind of CPU builds its own). Written under a temporary name and
 renamed, so processes that build at once race harmlessly. Without a compiler, or where the build fails or the cache
 dir cannot be written, there is no library and the engines run the standard-op decomposition (the reason in `why`).
@@ -14,6 +16,7 @@ Imports files (the cache dir) and the standard library.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import os
@@ -28,6 +31,9 @@ from pathlib import Path
 from trt_lookahead.files import cache_dir
 
 SOURCE = Path(__file__).with_name("onnxruntime_attention.c")
+# compiled together into one library: the registration, the kernels, and the header they share
+SOURCES = (Path(__file__).with_name("onnxruntime_ops.c"), SOURCE, Path(__file__).with_name("onnxruntime_quantized.c"))
+HEADER = Path(__file__).with_name("onnxruntime_api.h")
 # -ffp-contract=off: no multiply-add is fused on one code path and not on another (the kernel's row invariance)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-fvisibility=hidden")
 BUILD_TIMEOUT_S = 120
@@ -38,6 +44,7 @@ KERNELS = "kernels"  # the cache dir's subfolder of built libraries
 class Built:
     path: Path | None  # the shared library, or None
     why: str | None = None  # why there is none
+    quantized: bool = False  # the library holds QuantizedMatMul (this CPU has AVX2, FMA and F16C)
 
 
 def _cpu_flags() -> str:
@@ -62,24 +69,35 @@ def native_library() -> Built:
     """The built library (once per process; see the module docstring). Without one, says why on stderr, once."""
     built = _build()
     if built.path is None:
-        print(f"trt-lookahead: float32 attention runs as standard onnxruntime ops, slower: {built.why}",
-              file=sys.stderr)
+        print("trt-lookahead: float32 attention runs as standard onnxruntime ops and quantized products as "
+              f"MatMulNBits, slower: {built.why}", file=sys.stderr)
     return built
 
 
 def _build() -> Built:
+    built = _compile()
+    if built.path is None:
+        return built
+    try:  # the library says whether it was built with QuantizedMatMul (onnxruntime_ops.c)
+        quantized = bool(ctypes.CDLL(str(built.path)).trt_lookahead_quantized_matmul())
+    except (OSError, AttributeError) as exc:
+        return Built(None, f"the built library {built.path} does not load ({exc})")
+    return Built(built.path, quantized=quantized)
+
+
+def _compile() -> Built:
     compiler = _compiler()
     if compiler is None:
         return Built(None, f"no C compiler ({os.environ.get('CC', 'cc')!r} not found)")
     try:
         version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
                                  check=True).stdout.splitlines()[0]
-        source = SOURCE.read_bytes()
+        sources = [path.read_bytes() for path in (*SOURCES, HEADER)]
     except (OSError, subprocess.SubprocessError, IndexError) as exc:
-        return Built(None, f"cannot run the C compiler or read {SOURCE.name} ({exc})")
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()]))
+        return Built(None, f"cannot run the C compiler or read the kernels' sources ({exc})")
+    key = hashlib.sha256(b"\0".join([*sources, version.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()]))
     folder = cache_dir() / KERNELS
-    path = folder / f"onnxruntime_attention-{key.hexdigest()[:16]}.so"
+    path = folder / f"onnxruntime_kernels-{key.hexdigest()[:16]}.so"
     if path.is_file():
         return Built(path)
     try:
@@ -89,14 +107,15 @@ def _build() -> Built:
     except OSError as exc:
         return Built(None, f"the cache dir {folder} is not writable ({exc})")
     try:
-        done = subprocess.run([*compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT_S)
+        done = subprocess.run([*compiler, *FLAGS, "-I", str(HEADER.parent), "-o", tmp, *map(str, SOURCES), "-lm"],
+                              capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
-            return Built(None, f"{compiler[0]} failed on {SOURCE.name}: {done.stderr.strip()[-500:]}")
+            names = ", ".join(path.name for path in SOURCES)
+            return Built(None, f"{compiler[0]} failed on {names}: {done.stderr.strip()[-500:]}")
         os.replace(tmp, path)
         return Built(path)
     except (OSError, subprocess.SubprocessError) as exc:
-        return Built(None, f"building {SOURCE.name} failed ({exc})")
+        return Built(None, f"building the kernels failed ({exc})")
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

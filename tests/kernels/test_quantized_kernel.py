@@ -1,0 +1,106 @@
+"""kernels/onnxruntime_quantized.c's QuantizedMatMul under real onnxruntime: the product of the int8-quantized rows
+and the dequantized weight for every block scheme and odd shape, a row's bits the same at every row count and
+thread count, and the graph rewrite (engine/quantize.native_products) that puts it in place of MatMulNBits."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
+from onnx import TensorProto, helper, numpy_helper
+
+from trt_lookahead.engine.quantize import (
+    NATIVE_PRODUCT,
+    QuantizedWeight,
+    native_products,
+    quantize_activations,
+    quantize_graph,
+)
+from trt_lookahead.kernels.onnxruntime_library import native_library
+
+pytestmark = pytest.mark.skipif(not native_library().quantized,
+                                reason=f"no QuantizedMatMul here: {native_library().why or 'no AVX2, FMA and F16C'}")
+
+
+def weight(kind: str, n: int, k: int, seed: int) -> np.ndarray:
+    """A float [n, k] weight: random (int4 / int8 quantize it here), or exactly a GGUF `kind` tensor dequantized."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    if kind in ("int4", "int8"):
+        return w
+    qtype = GGMLQuantizationType[kind]
+    return np.asarray(gguf_quants.dequantize(gguf_quants.quantize(w, qtype), qtype), np.float32)
+
+
+def quantized_graph(w: np.ndarray, kind: str, activations: str = "int8") -> tuple[object, QuantizedWeight]:
+    """One Gemm(x, w^T) through the build's graph pass: MatMulNBits (and a Q4_1 weight's mins term)."""
+    n, k = w.shape
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "W"], ["y"], transB=1)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])], [numpy_helper.from_array(w, "W")])
+    proto, used = quantize_graph(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+                                 "int8" if kind in ("int8", "Q8_0") else "int4", activations=activations)
+    assert used["W"].grid == kind
+    return proto, used["W"]
+
+
+def native_session(proto: object, threads: int = 2) -> ort.InferenceSession:
+    proto, left = native_products(copy.deepcopy(proto))
+    assert left == 0 and [node.op_type for node in proto.graph.node] == [NATIVE_PRODUCT]
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.register_custom_ops_library(str(native_library().path))
+    return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize(("kind", "n", "k"), [("int4", 200, 96), ("int4", 7, 40), ("int8", 130, 70), ("int8", 5, 33),
+                                              ("Q4_1", 67, 128), ("Q4_0", 64, 96), ("Q8_0", 33, 64)])
+def test_the_product_is_the_quantized_rows_times_the_dequantized_weight(kind, n, k):
+    """Odd channel counts (a last group of 4 repeating its channel), K off the blocks (a zero-padded last block),
+    zero points, GGUF mins: y == quantize_activations(x) @ w_hat^T to float32 rounding, and not the product of the
+    float rows (the codes are what it multiplies)."""
+    proto, blocks = quantized_graph(weight(kind, n, k, seed=n), kind)
+    rng = np.random.default_rng(k)
+    x = (rng.standard_normal((9, k)) * np.exp(rng.standard_normal((9, k)))).astype(np.float32)
+    y = native_session(proto).run(None, {"x": x})[0]
+    w_hat = blocks.dequantize().astype(np.float64)  # d * q + m, or (q - z) * d
+    want = quantize_activations(torch.from_numpy(x)).numpy().astype(np.float64) @ w_hat.T
+    scale = np.abs(want).max()
+    assert y.shape == (9, n) and np.abs(y - want).max() < 2e-6 * scale
+    assert np.abs(y - x.astype(np.float64) @ w_hat.T).max() > 1e-4 * scale
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "int8"])
+def test_a_row_has_the_same_bits_at_every_row_count_and_thread_count(kind):
+    """The exact step's premise: row r of a product of M rows is the bits of row r alone, for every M (the kernel
+    tiles rows 3 at a time, one row through other code) and on 1 or 2 threads (channels split across them)."""
+    proto, _ = quantized_graph(weight(kind, 70, 160, seed=3), kind)
+    x = np.random.default_rng(4).standard_normal((40, 160)).astype(np.float32)
+    sessions = [native_session(proto, threads) for threads in (1, 2)]
+    full = sessions[1].run(None, {"x": x})[0]
+    for session in sessions:
+        for m in (1, 2, 3, 4, 5, 7, 17, 40):
+            np.testing.assert_array_equal(session.run(None, {"x": x[:m]})[0], full[:m])
+        for r in range(0, 40, 9):
+            np.testing.assert_array_equal(session.run(None, {"x": x[r:r + 1]})[0][0], full[r])
+
+
+def test_native_products_fold_the_mins_term_and_leave_float_activations():
+    """A Q4_1 product's five nodes become one QuantizedMatMul reading the mins; MatMulNBits of float activations
+    (accuracy_level unset) are left and counted, so an engine knows it still pads 1-row steps."""
+    w = weight("Q4_1", 24, 64, seed=1)
+    proto, _ = quantized_graph(w, "Q4_1")
+    assert [node.op_type for node in proto.graph.node] == ["MatMulNBits", "Reshape", "ReduceSum", "MatMul", "Add"]
+    native, left = native_products(copy.deepcopy(proto))
+    (node,) = native.graph.node
+    assert left == 0 and node.op_type == NATIVE_PRODUCT and node.input[4] == "W.q4.mins" and node.output == ["y"]
+    assert {tensor.name for tensor in native.graph.initializer} == {"W.q4", "W.q4.scales", "W.q4.zero_points",
+                                                                   "W.q4.mins"}
+    floats, _ = quantized_graph(w, "Q4_1", activations="float")
+    kept, left = native_products(copy.deepcopy(floats))
+    assert left == 1 and [node.op_type for node in kept.graph.node] == [node.op_type for node in floats.graph.node]
