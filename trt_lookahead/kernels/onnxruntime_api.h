@@ -93,10 +93,25 @@ static inline OrtStatus *fail(const OrtApi *api, const char *msg) {
     return API(api, CREATE_STATUS, CreateStatusFn)(ORT_INVALID_ARGUMENT, msg);
 }
 
-/* the OrtCustomOp slots every op here fills alike */
+/* the OrtCustomOp slots every op here fills alike: one float32 output, on the CPU, nothing variadic */
 static inline const char *op_provider(const void *op) { (void)op; return "CPUExecutionProvider"; }
 static inline int default_memory(const void *op, size_t i) { (void)op; (void)i; return 0; }  /* OrtMemTypeDefault */
 static inline int one(const void *op) { (void)op; return 1; }  /* variadic arity and homogeneity: none is variadic */
+static inline int float_output(const void *op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
+static inline size_t one_output(const void *op) { (void)op; return 1; }
+static inline int required(const void *op, size_t i) { (void)op; (void)i; return INPUT_REQUIRED; }
+
+/* an op's OrtCustomOp from its own callbacks: its name, inputs' types, count and characteristics (required or
+ * optional), and its kernel's creation, computation and destruction */
+#define CUSTOM_OP(name, input_type, input_count, input_characteristic, create, compute, destroy)                  \
+    {                                                                                                              \
+        .version = API_VERSION, .GetName = name, .GetExecutionProviderType = op_provider,                          \
+        .GetInputType = input_type, .GetInputTypeCount = input_count, .GetOutputType = float_output,              \
+        .GetOutputTypeCount = one_output, .KernelDestroy = destroy, .GetInputCharacteristic = input_characteristic, \
+        .GetOutputCharacteristic = required, .GetInputMemoryType = default_memory,                                 \
+        .GetVariadicInputMinArity = one, .GetVariadicInputHomogeneity = one, .GetVariadicOutputMinArity = one,     \
+        .GetVariadicOutputHomogeneity = one, .CreateKernelV2 = create, .KernelComputeV2 = compute,                  \
+    }
 
 /* QuantizedMatMul's kernel takes AVX2's byte products, fused multiply-adds and F16C: built only where the compiler
  * targets them (-march=native on such a CPU); elsewhere quantized products stay MatMulNBits nodes */

@@ -264,26 +264,6 @@ static void destroy_kernel(void *kernel) { free(kernel); }
 static const char *op_name(const void *op) { (void)op; return "MaskedAttention"; }
 static int input_type(const void *op, size_t i) { (void)op; return i < INPUTS ? INPUT_TYPES[i] : 0; }
 static size_t input_count(const void *op) { (void)op; return INPUTS; }
-static int output_type(const void *op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
-static size_t output_count(const void *op) { (void)op; return 1; }
-static int required(const void *op, size_t i) { (void)op; (void)i; return 0; }  /* INPUT_OUTPUT_REQUIRED */
 
-const OrtCustomOp ATTENTION_OP = {
-    .version = API_VERSION,
-    .GetName = op_name,
-    .GetExecutionProviderType = op_provider,
-    .GetInputType = input_type,
-    .GetInputTypeCount = input_count,
-    .GetOutputType = output_type,
-    .GetOutputTypeCount = output_count,
-    .KernelDestroy = destroy_kernel,
-    .GetInputCharacteristic = required,
-    .GetOutputCharacteristic = required,
-    .GetInputMemoryType = default_memory,
-    .GetVariadicInputMinArity = one,
-    .GetVariadicInputHomogeneity = one,
-    .GetVariadicOutputMinArity = one,
-    .GetVariadicOutputHomogeneity = one,
-    .CreateKernelV2 = create_kernel,
-    .KernelComputeV2 = compute,
-};
+const OrtCustomOp ATTENTION_OP = CUSTOM_OP(op_name, input_type, input_count, required, create_kernel, compute,
+                                          destroy_kernel);

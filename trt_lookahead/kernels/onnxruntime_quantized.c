@@ -40,9 +40,7 @@
 #define BLOCK 32        /* weights per (channel, block): engine/quantize.py's BLOCK_SIZE */
 #define A_BYTES 64      /* a row's block of activation codes as the products read it (see quantize_row) */
 #define GROUP 4         /* channels whose blocks lie together in the kernel's copy of the weight (two pairs) */
-#ifndef ROWS
 #define ROWS 3          /* rows multiplied together where there are more than one */
-#endif
 #define TASK_GROUPS 4   /* groups per parallel task */
 #define CODE_MAX 127.0f /* an activation code's largest magnitude (engine/quantize.py's ACTIVATION_CODE) */
 
@@ -362,27 +360,7 @@ static const char *op_name(const void *op) { (void)op; return "QuantizedMatMul";
 static int input_type(const void *op, size_t i) { (void)op; return i < INPUTS ? INPUT_TYPES[i] : 0; }
 static size_t input_count(const void *op) { (void)op; return INPUTS; }
 static int input_characteristic(const void *op, size_t i) { (void)op; return i == MINS ? INPUT_OPTIONAL : INPUT_REQUIRED; }
-static int output_type(const void *op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
-static size_t output_count(const void *op) { (void)op; return 1; }
-static int output_characteristic(const void *op, size_t i) { (void)op; (void)i; return INPUT_REQUIRED; }
 
-const OrtCustomOp QUANTIZED_OP = {
-    .version = API_VERSION,
-    .GetName = op_name,
-    .GetExecutionProviderType = op_provider,
-    .GetInputType = input_type,
-    .GetInputTypeCount = input_count,
-    .GetOutputType = output_type,
-    .GetOutputTypeCount = output_count,
-    .KernelDestroy = destroy_kernel,
-    .GetInputCharacteristic = input_characteristic,
-    .GetOutputCharacteristic = output_characteristic,
-    .GetInputMemoryType = default_memory,
-    .GetVariadicInputMinArity = one,
-    .GetVariadicInputHomogeneity = one,
-    .GetVariadicOutputMinArity = one,
-    .GetVariadicOutputHomogeneity = one,
-    .CreateKernelV2 = create_kernel,
-    .KernelComputeV2 = compute,
-};
+const OrtCustomOp QUANTIZED_OP = CUSTOM_OP(op_name, input_type, input_count, input_characteristic, create_kernel,
+                                          compute, destroy_kernel);
 #endif
