@@ -341,16 +341,17 @@ def native_products(proto: Any) -> tuple[Any, int]:
     from trt_lookahead.kernels.onnx_op import NATIVE_DOMAIN
 
     graph = proto.graph
-    producers = {output: node for node in graph.node for output in node.output}
-    readers: dict[str, list[Any]] = {}
-    for node in graph.node:
+    nodes = list(graph.node)
+    producers = {output: i for i, node in enumerate(nodes) for output in node.output}
+    readers: dict[str, list[int]] = {}
+    for i, node in enumerate(nodes):
         for name in node.input:
-            readers.setdefault(name, []).append(node)
-    dropped: set[int] = set()  # ids of the mins terms' nodes, replaced with their product
+            readers.setdefault(name, []).append(i)
+    dropped: set[int] = set()  # the mins terms' nodes (indices), replaced with their product
     unused: set[str] = set()  # the initializers only those nodes read
     replaced: dict[int, Any] = {}
     left = 0
-    for node in graph.node:
+    for i, node in enumerate(nodes):
         if node.op_type != "MatMulNBits":
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
@@ -361,16 +362,15 @@ def native_products(proto: Any) -> tuple[Any, int]:
         output, mins = list(node.output), ""
         if node.output[0] == term.product:  # the mins term: the Add of the product and the offsets is the output
             (add,) = readers[term.offsets]
-            output, mins = list(add.output), term.mins
-            dropped.update(id(producers[name]) for name in (term.x_blocks, term.x_sums, term.offsets))
-            dropped.add(id(add))
+            output, mins = list(nodes[add].output), term.mins
+            dropped.update([producers[term.x_blocks], producers[term.x_sums], producers[term.offsets], add])
             unused.update((term.block_shape, term.sum_axis))
-        replaced[id(node)] = helper.make_node(
+        replaced[i] = helper.make_node(
             NATIVE_PRODUCT, [*node.input[:4], mins], output, name=node.name, domain=NATIVE_DOMAIN,
             K=attrs["K"], N=attrs["N"], bits=attrs["bits"], mins=int(bool(mins)))
-    nodes = [replaced.get(id(node), node) for node in graph.node if id(node) not in dropped]
+    kept_nodes = [replaced.get(i, node) for i, node in enumerate(nodes) if i not in dropped]
     del graph.node[:]
-    graph.node.extend(nodes)
+    graph.node.extend(kept_nodes)
     kept = [tensor for tensor in graph.initializer if tensor.name not in unused]
     del graph.initializer[:]
     graph.initializer.extend(kept)

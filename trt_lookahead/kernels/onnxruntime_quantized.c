@@ -266,10 +266,11 @@ static OrtStatus *constant(const OrtApi *api, const OrtKernelInfo *info, size_t 
 
 /* memory for `bytes` of the kernel's weight, in huge pages where the system gives them on request */
 static void *weight_memory(size_t bytes) {
-    const size_t page = (size_t)2 << 20;
-    void *memory = aligned_alloc(page, (bytes + page - 1) / page * page);
+    const size_t page = (size_t)2 << 20, align = bytes < page ? 64 : page; /* a small weight: no huge page */
+    const size_t size = (bytes + align - 1) / align * align;
+    void *memory = aligned_alloc(align, size);
 #ifdef MADV_HUGEPAGE
-    if (memory) madvise(memory, (bytes + page - 1) / page * page, MADV_HUGEPAGE);
+    if (memory && align == page) madvise(memory, size, MADV_HUGEPAGE);
 #endif
     return memory;
 }
