@@ -1,6 +1,6 @@
 """The C kernels built for this machine: the shared library that gives onnxruntime its MaskedAttention kernel
 (onnxruntime_attention.c: the nodes of onnx_op.decompose(native=True); docs/design.md section 6.4) and, on a CPU
-with AVX2, FMA and F16C, its QuantizedMatMul (onnxruntime_quantized.c: onnx_quantized.native_products; section 6.9),
+with AVX2, FMA and F16C, its QuantizedMatMul (onnxruntime_quantized.c: engine/quantize.py native_products; 6.9),
 registered by onnxruntime_ops.c.
 
     built = native_library()                      # Built(path, None, quantized), or Built(None, why not)
