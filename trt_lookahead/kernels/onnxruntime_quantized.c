@@ -15,10 +15,10 @@
  * int8 codes a = round(x * (127 / amax)) (half to even) with the scale s = amax / 127 and the sum S = s * sum(a),
  * as llama.cpp's Q8_1 blocks. Then, per output channel, over the blocks in order:
  *
- *     lanes[l] = fma(float(dot_l), d * s, lanes[l])   l < 4, dot_l the exact integer sum of q * a over a fixed
- *                                                     8 of the block's 32 elements
- *     tail     = fma(e, S, tail)
- *     y        = ((lanes0 + lanes2) + (lanes1 + lanes3)) + tail
+ *     lanes[l] = fma(float(dot_l), d * s, fma(l == 0 ? e : 0, S, lanes[l]))   l < 2, dot_l the exact integer sum
+ *                                                                            of q * a over a fixed 16 of the
+ *                                                                            block's 32 elements
+ *     y        = lanes0 + lanes1
  *
  * Row-invariant by construction: a row's codes depend only on the row, the integer sums are exact, and every
  * float operation above runs in this order for every row count and thread split (channels are split across
@@ -26,10 +26,13 @@
  * and an exact engine need not pad a step to two rows (docs/design.md 6.9).
  *
  * The kernel copies the weight once, when onnxruntime creates it, into records that stream in the order it reads
- * them: per group of 4 channels and block, their codes, d and e. Two channels share each 256-bit product: a 4-bit
- * record's 32 bytes (two channels' 16) split into low and high nibbles multiply the even and odd elements' codes,
- * which quantize_row lays out twice over. Needs AVX2, FMA and F16C (QUANTIZED_KERNEL); onnxruntime's C API:
- * onnxruntime_api.h; registered by onnxruntime_ops.c.
+ * them: per group of 4 channels and block, their codes, d and e. A block's products for all 4 channels come out
+ * of one 256-bit vector of 32-bit sums, lanes c and 4 + c channel c's: a 4-bit record holds each 8-element chunk
+ * of the block (4 code bytes) for the 4 channels side by side, so its low and high nibbles multiply the chunk's
+ * even and odd elements' codes, which quantize_row lays out 4 times over: a 4-bit (row, group, block) costs 4
+ * byte products, 1 widening and 3 float operations, and 4 rows share a record's loads and nibble splits. Needs
+ * AVX2, FMA and F16C (QUANTIZED_KERNEL); onnxruntime's C API: onnxruntime_api.h; registered by
+ * onnxruntime_ops.c.
  */
 #include "onnxruntime_api.h"
 
@@ -38,35 +41,37 @@
 #include <sys/mman.h>
 
 #define BLOCK 32        /* weights per (channel, block): engine/quantize.py's BLOCK_SIZE */
-#define A_BYTES 64      /* a row's block of activation codes as the products read it (see quantize_row) */
-#define GROUP 4         /* channels whose blocks lie together in the kernel's copy of the weight (two pairs) */
-#define ROWS 3          /* rows multiplied together where there are more than one */
+#define A_BYTES(bits) ((bits) == 4 ? 128 : 64) /* a row's block of codes as block_dot reads them */
+#define GROUP 4         /* channels whose blocks lie together in the kernel's copy of the weight */
+#define ROWS 4          /* rows multiplied together where there are more than one */
 #define TASK_GROUPS 4   /* groups per parallel task */
 #define CODE_MAX 127.0f /* an activation code's largest magnitude (engine/quantize.py's ACTIVATION_CODE) */
 
 /* A (group, block)'s record in the kernel's copy of the weight, so that a group's blocks stream in order: the
- * four channels' code bytes, then their d and then their e, each `half` ? float16 : float32. Channels past N
- * repeat the last. */
+ * four channels' code bytes (4-bit: chunk by chunk, see make_weight; 8-bit: channel by channel), then their d and
+ * then their e, each `half` ? float16 : float32. Channels past N repeat the last. */
 #define CODE_BYTES(bits) (BLOCK * (bits) / 8)
 #define SCALE_BYTES(half) ((half) ? 2 : 4)
 #define RECORD(bits, half) (GROUP * CODE_BYTES(bits) + 2 * GROUP * SCALE_BYTES(half))
 
 typedef struct {
     const uint8_t *records; /* [ceil(N / GROUP), blocks] RECORD(bits, half) each (the Kernel's) */
-    const uint8_t *a;       /* [M, blocks, A_BYTES] the rows' codes */
+    const uint8_t *a;       /* [M, blocks, A_BYTES(bits)] the rows' codes */
     const float *s, *sums;  /* [M, blocks] each block's scale and scaled code sum */
     float *y;               /* [M, N] */
     int64_t M, N, blocks, bits, half;
 } Product;
 
-/* Row r's codes, scales and sums. A block's codes go as the products read them: 4-bit weights, the even elements'
- * codes twice then the odd elements' twice (int8, matching a record's low nibbles, then its high ones, for both
- * channels of a pair); 8-bit weights, the 32 codes as int16. */
+/* Row r's codes, scales and sums. A block's codes go as block_dot reads them: 4-bit weights, four vectors of 32
+ * bytes, each half of a vector the 4 even (or odd) elements of one 8-element chunk q of the block repeated for the
+ * group's 4 channels, in the order (chunk 0 | chunk 1) even, odd, then (chunk 2 | chunk 3) even, odd (a record's
+ * layout, make_weight); 8-bit weights, the 32 codes as int16. */
 static void quantize_row(const float *x, int64_t K, int64_t blocks, int64_t bits, uint8_t *a, float *s, float *sums) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes packs' lane interleave */
-    const __m256i even_odd = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
-                                              0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m256i even = _mm256_setr_epi8(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6,
+                                          8, 10, 12, 14, 8, 10, 12, 14, 8, 10, 12, 14, 8, 10, 12, 14);
+    const __m256i odd = _mm256_add_epi8(even, _mm256_set1_epi8(1));
     for (int64_t b = 0; b < blocks; b++) {
         float v[BLOCK] = {0};
         const int64_t n = K - b * BLOCK < BLOCK ? K - b * BLOCK : BLOCK;
@@ -84,12 +89,14 @@ static void quantize_row(const float *x, int64_t K, int64_t blocks, int64_t bits
         _mm256_storeu_si256((__m256i *)parts, total);
         for (int i = 0; i < 8; i++) sum += parts[i];
         const __m256i low = _mm256_packs_epi32(c[0], c[1]), high = _mm256_packs_epi32(c[2], c[3]); /* |c| <= 127 */
-        uint8_t *out = a + b * A_BYTES;
-        if (bits == 4) { /* bytes in element order, then each 16's even elements before its odd ones */
+        uint8_t *out = a + b * A_BYTES(bits);
+        if (bits == 4) { /* bytes in element order; each half of chunks (0 | 1), then (2 | 3), picked per lane */
             const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(low, high), in_order);
-            const __m256i split = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(bytes, even_odd), 0xd8);
-            _mm256_storeu_si256((__m256i *)out, _mm256_permute4x64_epi64(split, 0x44));       /* even, even */
-            _mm256_storeu_si256((__m256i *)(out + 32), _mm256_permute4x64_epi64(split, 0xee)); /* odd, odd */
+            for (int h = 0; h < 2; h++) {
+                const __m256i chunks = _mm256_permute4x64_epi64(bytes, h ? 0xee : 0x44); /* elements 16h .. 16h + 15 twice */
+                _mm256_storeu_si256((__m256i *)(out + 64 * h), _mm256_shuffle_epi8(chunks, even));
+                _mm256_storeu_si256((__m256i *)(out + 64 * h + 32), _mm256_shuffle_epi8(chunks, odd));
+            }
         } else { /* int16 in element order */
             _mm256_storeu_si256((__m256i *)out, _mm256_permute4x64_epi64(low, 0xd8));
             _mm256_storeu_si256((__m256i *)(out + 32), _mm256_permute4x64_epi64(high, 0xd8));
@@ -99,25 +106,29 @@ static void quantize_row(const float *x, int64_t K, int64_t blocks, int64_t bits
     }
 }
 
-/* A pair's block products: lanes 0-3 the first channel's, 4-7 the second's, each lane the exact integer sum of
- * q * a over 8 of the block's elements (a fixed subset per lane). */
-static inline __m256i pair_dot(const uint8_t *record, const uint8_t *a, int bits) {
-    if (bits == 4) { /* low nibbles x even elements + high nibbles x odd: |sum| <= 4 * 15 * 127 fits 16 bits */
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)record), mask = _mm256_set1_epi8(0x0f);
-        const __m256i low = _mm256_and_si256(raw, mask), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-        const __m256i sums = _mm256_add_epi16(_mm256_maddubs_epi16(low, _mm256_loadu_si256((const __m256i *)a)),
-                                              _mm256_maddubs_epi16(high, _mm256_loadu_si256((const __m256i *)(a + 32))));
+/* A group's block products with one row: lanes c and 4 + c channel c's, each the exact integer sum of q * a over
+ * a fixed 16 of the block's 32 elements. */
+static inline __m256i block_dot(const uint8_t *record, const uint8_t *a, int bits) {
+    if (bits == 4) { /* per chunk, low nibbles x even elements + high x odd: |sum| <= 8 * 15 * 127 fits 16 bits */
+        const __m256i mask = _mm256_set1_epi8(0x0f);
+        __m256i sums = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(record + 32 * h));
+            const __m256i low = _mm256_and_si256(raw, mask), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+            sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(low, _mm256_loadu_si256((const __m256i *)(a + 64 * h))));
+            sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(high, _mm256_loadu_si256((const __m256i *)(a + 64 * h + 32))));
+        }
         return _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
     }
     const __m256i a0 = _mm256_loadu_si256((const __m256i *)a), a1 = _mm256_loadu_si256((const __m256i *)(a + 32));
-    __m256i dots[2];
-    for (int c = 0; c < 2; c++) {
+    __m256i dots[GROUP]; /* lane l: elements 2l, 2l + 1, 16 + 2l, 17 + 2l */
+    for (int c = 0; c < GROUP; c++) {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(record + c * CODE_BYTES(8)));
         dots[c] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(q)), a0),
                                    _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1)), a1));
     }
-    /* hadd: (c0 l0+l1, l2+l3, c1 l0+l1, l2+l3 | c0 l4+l5, l6+l7, c1 ..), then the first channel's four lanes first */
-    return _mm256_permute4x64_epi64(_mm256_hadd_epi32(dots[0], dots[1]), 0xd8);
+    /* per 128-bit half: (c0 l0+l1, l2+l3, c1 ..), then (c0 l0..l3, c1, c2, c3 | c0 l4..l7, c1, c2, c3) */
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(dots[0], dots[1]), _mm256_hadd_epi32(dots[2], dots[3]));
 }
 
 /* a record's four d (or e) as float32 */
@@ -129,47 +140,37 @@ static inline __m128 four(const uint8_t *at, int half) {
  * registers: each (row, channel) runs the same chains. */
 static inline __attribute__((always_inline)) void tile(const Product *p, int64_t g, int64_t r0, int rows, int bits,
                                                        int half) {
-    __m256 lanes[ROWS][2]; /* per pair: lanes 0-3 its first channel's, 4-7 its second's */
-    __m128 tail[ROWS];     /* lane c: channel c's offset sums */
-    for (int r = 0; r < rows; r++) {
-        tail[r] = _mm_setzero_ps();
-        lanes[r][0] = lanes[r][1] = _mm256_setzero_ps();
-    }
-    const __m256i pair_lanes[2] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)};
+    __m256 lanes[ROWS]; /* lanes c and 4 + c: channel c's */
+    for (int r = 0; r < rows; r++) lanes[r] = _mm256_setzero_ps();
     const uint8_t *record = p->records + g * p->blocks * RECORD(bits, half);
     for (int64_t b = 0; b < p->blocks; b++, record += RECORD(bits, half)) {
         const uint8_t *scales = record + GROUP * CODE_BYTES(bits);
-        const __m256 d = _mm256_castps128_ps256(four(scales, half));
-        const __m128 e = four(scales + GROUP * SCALE_BYTES(half), half);
-        for (int c = 0; c < 2; c++) {
-            const __m256 ds = _mm256_permutevar8x32_ps(d, pair_lanes[c]); /* (d0 x4, d1 x4) of the pair */
-            for (int r = 0; r < rows; r++) {
-                const int64_t row = (r0 + r) * p->blocks + b;
-                const __m256 dot = _mm256_cvtepi32_ps(pair_dot(record + 2 * c * CODE_BYTES(bits), p->a + row * A_BYTES, bits));
-                lanes[r][c] = _mm256_fmadd_ps(dot, _mm256_mul_ps(ds, _mm256_set1_ps(p->s[row])), lanes[r][c]);
-            }
+        const __m128 d4 = four(scales, half);
+        const __m256 d = _mm256_set_m128(d4, d4);
+        const __m256 e = _mm256_zextps128_ps256(four(scales + GROUP * SCALE_BYTES(half), half)); /* lanes 4-7: 0 */
+        for (int r = 0; r < rows; r++) {
+            const int64_t row = (r0 + r) * p->blocks + b;
+            const __m256 dot = _mm256_cvtepi32_ps(block_dot(record, p->a + row * A_BYTES(bits), bits));
+            const __m256 offsets = _mm256_fmadd_ps(e, _mm256_set1_ps(p->sums[row]), lanes[r]);
+            lanes[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(p->s[row])), offsets);
         }
-        for (int r = 0; r < rows; r++)
-            tail[r] = _mm_fmadd_ps(e, _mm_set1_ps(p->sums[(r0 + r) * p->blocks + b]), tail[r]);
     }
     for (int r = 0; r < rows; r++) {
-        float t[GROUP], l[2][8];
-        _mm_storeu_ps(t, tail[r]);
-        _mm256_storeu_ps(l[0], lanes[r][0]);
-        _mm256_storeu_ps(l[1], lanes[r][1]);
-        for (int c = 0; c < GROUP && g * GROUP + c < p->N; c++) {
-            const float *h = l[c / 2] + 4 * (c % 2); /* the channel's four lanes */
-            p->y[(r0 + r) * p->N + g * GROUP + c] = ((h[0] + h[2]) + (h[1] + h[3])) + t[c];
-        }
+        float l[2 * GROUP];
+        _mm256_storeu_ps(l, lanes[r]);
+        for (int c = 0; c < GROUP && g * GROUP + c < p->N; c++)
+            p->y[(r0 + r) * p->N + g * GROUP + c] = l[c] + l[GROUP + c];
     }
 }
 
 static inline __attribute__((always_inline)) void groups(const Product *p, int64_t first, int64_t end, int bits,
                                                          int half) {
+    const int64_t left = p->M % ROWS, tiled = p->M - left;
     for (int64_t g = first; g < end; g++) {
-        int64_t r0 = 0;
-        for (; r0 + ROWS <= p->M; r0 += ROWS) tile(p, g, r0, ROWS, bits, half);
-        for (; r0 < p->M; r0++) tile(p, g, r0, 1, bits, half);
+        for (int64_t r0 = 0; r0 < tiled; r0 += ROWS) tile(p, g, r0, ROWS, bits, half);
+        if (left == 1) tile(p, g, tiled, 1, bits, half); /* constant row counts: each its own registers */
+        else if (left == 2) tile(p, g, tiled, 2, bits, half);
+        else if (left == 3) tile(p, g, tiled, 3, bits, half);
     }
 }
 
@@ -236,12 +237,12 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *context) {
     Product p = {kn->records, NULL, NULL, NULL, NULL, M, N, blocks, kn->bits, kn->half};
     TRY(API(api, GET_TENSOR_MUTABLE_DATA, GetTensorMutableDataFn)(output, (void **)&p.y));
     if (M == 0) return NULL;
-    const size_t bytes = (size_t)(M * blocks * A_BYTES) + (size_t)(2 * M * blocks) * sizeof(float);
+    const size_t bytes = (size_t)(M * blocks * A_BYTES(kn->bits)) + (size_t)(2 * M * blocks) * sizeof(float);
     uint8_t *a = aligned_alloc(32, (bytes + 31) / 32 * 32); /* the codes, then the scales and sums */
     if (!a) return API(api, CREATE_STATUS, CreateStatusFn)(ORT_FAIL, "QuantizedMatMul: no memory for the rows' codes");
-    float *s = (float *)(a + M * blocks * A_BYTES), *sums = s + M * blocks;
+    float *s = (float *)(a + M * blocks * A_BYTES(kn->bits)), *sums = s + M * blocks;
     for (int64_t r = 0; r < M; r++)
-        quantize_row((const float *)x + r * K, K, blocks, kn->bits, a + r * blocks * A_BYTES, s + r * blocks,
+        quantize_row((const float *)x + r * K, K, blocks, kn->bits, a + r * blocks * A_BYTES(kn->bits), s + r * blocks,
                      sums + r * blocks);
     p.a = a, p.s = s, p.sums = sums;
     const size_t tasks = (size_t)(((N + GROUP - 1) / GROUP + TASK_GROUPS - 1) / TASK_GROUPS);
@@ -318,7 +319,11 @@ static OrtStatus *make_weight(const OrtApi *api, const OrtKernelInfo *info, Kern
         for (int64_t b = 0; b < blocks; b++) {
             uint8_t *record = kn->records + (n / GROUP * blocks + b) * record_bytes;
             uint8_t *floats = record + GROUP * code_bytes;
-            memcpy(record + c * code_bytes, (const uint8_t *)codes + (from + b) * code_bytes, (size_t)code_bytes);
+            const uint8_t *code = (const uint8_t *)codes + (from + b) * code_bytes;
+            if (kn->bits == 4) /* 4-byte chunk q (elements 8q .. 8q + 7) of the 4 channels together */
+                for (int q = 0; q < 4; q++) memcpy(record + 16 * q + 4 * c, code + 4 * q, 4);
+            else
+                memcpy(record + c * code_bytes, code, (size_t)code_bytes);
             store_scale(floats + c * scale, d[from + b], kn->half);
             store_scale(floats + (GROUP + c) * scale, e[from + b], kn->half);
         }
