@@ -27,7 +27,7 @@ typedef struct {
 
 enum { API_VERSION = 17 };                               /* KernelContext_ParallelFor came with it */
 enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };         /* OrtErrorCode */
-enum { TYPE_FLOAT = 1, TYPE_UINT8 = 2, TYPE_INT32 = 6, TYPE_BOOL = 9 };  /* ONNXTensorElementDataType */
+enum { TYPE_FLOAT = 1, TYPE_UINT8 = 2, TYPE_INT32 = 6, TYPE_INT64 = 7, TYPE_BOOL = 9 }; /* ONNXTensorElementDataType */
 enum { INPUT_REQUIRED = 0, INPUT_OPTIONAL = 1 };                          /* OrtCustomOpInputOutputCharacteristic */
 
 /* OrtApi slots */
@@ -93,7 +93,7 @@ static inline OrtStatus *fail(const OrtApi *api, const char *msg) {
     return API(api, CREATE_STATUS, CreateStatusFn)(ORT_INVALID_ARGUMENT, msg);
 }
 
-/* the OrtCustomOp slots every op here fills alike: one float32 output, on the CPU, nothing variadic */
+/* the OrtCustomOp slots every op here fills alike: float32 outputs, on the CPU, nothing variadic */
 static inline const char *op_provider(const void *op) { (void)op; return "CPUExecutionProvider"; }
 static inline int default_memory(const void *op, size_t i) { (void)op; (void)i; return 0; }  /* OrtMemTypeDefault */
 static inline int one(const void *op) { (void)op; return 1; }  /* variadic arity and homogeneity: none is variadic */
@@ -102,12 +102,12 @@ static inline size_t one_output(const void *op) { (void)op; return 1; }
 static inline int required(const void *op, size_t i) { (void)op; (void)i; return INPUT_REQUIRED; }
 
 /* an op's OrtCustomOp from its own callbacks: its name, inputs' types, count and characteristics (required or
- * optional), and its kernel's creation, computation and destruction */
-#define CUSTOM_OP(name, input_type, input_count, input_characteristic, create, compute, destroy)                  \
+ * optional), its output count, and its kernel's creation, computation and destruction */
+#define CUSTOM_OP(name, input_type, input_count, input_characteristic, output_count, create, compute, destroy)    \
     {                                                                                                              \
         .version = API_VERSION, .GetName = name, .GetExecutionProviderType = op_provider,                          \
         .GetInputType = input_type, .GetInputTypeCount = input_count, .GetOutputType = float_output,              \
-        .GetOutputTypeCount = one_output, .KernelDestroy = destroy, .GetInputCharacteristic = input_characteristic, \
+        .GetOutputTypeCount = output_count, .KernelDestroy = destroy, .GetInputCharacteristic = input_characteristic, \
         .GetOutputCharacteristic = required, .GetInputMemoryType = default_memory,                                 \
         .GetVariadicInputMinArity = one, .GetVariadicInputHomogeneity = one, .GetVariadicOutputMinArity = one,     \
         .GetVariadicOutputHomogeneity = one, .CreateKernelV2 = create, .KernelComputeV2 = compute,                  \
@@ -121,6 +121,6 @@ static inline int required(const void *op, size_t i) { (void)op; (void)i; return
 #define QUANTIZED_KERNEL 0
 #endif
 
-extern const OrtCustomOp ATTENTION_OP, QUANTIZED_OP;
+extern const OrtCustomOp ATTENTION_OP, QUANTIZED_OP, ROTARY_OP;
 
 #endif

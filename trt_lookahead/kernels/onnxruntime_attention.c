@@ -265,5 +265,5 @@ static const char *op_name(const void *op) { (void)op; return "MaskedAttention";
 static int input_type(const void *op, size_t i) { (void)op; return i < INPUTS ? INPUT_TYPES[i] : 0; }
 static size_t input_count(const void *op) { (void)op; return INPUTS; }
 
-const OrtCustomOp ATTENTION_OP = CUSTOM_OP(op_name, input_type, input_count, required, create_kernel, compute,
-                                          destroy_kernel);
+const OrtCustomOp ATTENTION_OP = CUSTOM_OP(op_name, input_type, input_count, required, one_output,
+                                          create_kernel, compute, destroy_kernel);

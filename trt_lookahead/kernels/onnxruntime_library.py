@@ -1,7 +1,7 @@
 """The C kernels built for this machine: the shared library that gives onnxruntime its MaskedAttention kernel
-(onnxruntime_attention.c: the nodes of onnx_op.decompose(native=True); docs/design.md section 6.4) and, on a CPU
-with AVX2, FMA and F16C, its QuantizedMatMul (onnxruntime_quantized.c: engine/quantize.py native_products; 6.9),
-registered by onnxruntime_ops.c.
+(onnxruntime_attention.c: the nodes of onnx_op.decompose(native=True); docs/design.md section 6.4), its RotaryQKV
+(onnxruntime_rotary.c: onnx_rotary.native_rotary) and, on a CPU with AVX2, FMA and F16C, its QuantizedMatMul
+(onnxruntime_quantized.c: engine/quantize.py native_products; 6.9), registered by onnxruntime_ops.c.
 
     built = native_library()                      # Built(path, None, quantized), or Built(None, why not)
     options.register_custom_ops_library(str(built.path))
@@ -32,7 +32,8 @@ from trt_lookahead.files import cache_dir
 
 SOURCE = Path(__file__).with_name("onnxruntime_attention.c")
 # compiled together into one library: the registration, the kernels, and the header they share
-SOURCES = (Path(__file__).with_name("onnxruntime_ops.c"), SOURCE, Path(__file__).with_name("onnxruntime_quantized.c"))
+SOURCES = (Path(__file__).with_name("onnxruntime_ops.c"), SOURCE, Path(__file__).with_name("onnxruntime_rotary.c"),
+           Path(__file__).with_name("onnxruntime_quantized.c"))
 HEADER = Path(__file__).with_name("onnxruntime_api.h")
 # -ffp-contract=off: no multiply-add is fused on one code path and not on another (the kernel's row invariance)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-fvisibility=hidden")

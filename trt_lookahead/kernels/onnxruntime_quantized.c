@@ -367,6 +367,6 @@ static int input_type(const void *op, size_t i) { (void)op; return i < INPUTS ? 
 static size_t input_count(const void *op) { (void)op; return INPUTS; }
 static int input_characteristic(const void *op, size_t i) { (void)op; return i == MINS ? INPUT_OPTIONAL : INPUT_REQUIRED; }
 
-const OrtCustomOp QUANTIZED_OP = CUSTOM_OP(op_name, input_type, input_count, input_characteristic, create_kernel,
-                                          compute, destroy_kernel);
+const OrtCustomOp QUANTIZED_OP = CUSTOM_OP(op_name, input_type, input_count, input_characteristic, one_output,
+                                          create_kernel, compute, destroy_kernel);
 #endif
