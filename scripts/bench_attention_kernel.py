@@ -4,7 +4,7 @@
         [--cases "1024x16,512x4,128x1,1024x1"] [--heads 9,3,64] [--json]
 
 Compiles a timing loop that #includes the kernel's source (the package's, or a variant given by --source) with
-the flags the package builds it with (kernels/onnxruntime_library.py FLAGS, less the shared-library ones), and
+the flags the package builds it with (scripts/c_harness.py), and
 runs every (row, query head) task of one layer on one thread for each case KEYSxQUERIES: KEYS cached keys, QUERIES
 causal step queries a head (SmolLM2's 9 query heads, 3 KV heads, head_dim 64 unless --heads says otherwise), best
 of 50 runs with the caches warm. Comparing a variant of the kernel against the package's is what this is for:
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # the package from this checkout, installed or not
     sys.path.insert(0, str(ROOT))
 
-from trt_lookahead.kernels.onnxruntime_library import FLAGS, HEADER, SOURCE  # noqa: E402
+from trt_lookahead.kernels.onnxruntime_library import SOURCE  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from c_harness import build_harness  # noqa: E402  the timing loop's build, shared with bench_quantized_kernel.py
 
 HARNESS = r"""
 #include SOURCE_FILE
@@ -65,17 +67,8 @@ def main() -> int:
     parser.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head_dim")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        raise SystemExit("no C compiler: set CC or install cc")
-    flags = [f for f in FLAGS if f not in ("-fPIC", "-shared", "-fvisibility=hidden")]
     with tempfile.TemporaryDirectory() as tmp:
-        harness, binary = Path(tmp) / "harness.c", Path(tmp) / "harness"
-        harness.write_text(HARNESS.replace("SOURCE_FILE", f'"{args.source.resolve()}"'), encoding="utf-8")
-        built = subprocess.run([compiler, *flags, "-I", str(HEADER.parent), "-o", str(binary), str(harness), "-lm"],
-                               capture_output=True, text=True)
-        if built.returncode:
-            raise SystemExit(f"{args.source} does not compile with the timing loop:\n{built.stderr.strip()}")
+        binary = build_harness(HARNESS, args.source, Path(tmp))
         results = {}
         for case in filter(None, args.cases.split(",")):
             keys, queries = case.split("x")

@@ -1,6 +1,7 @@
-"""scripts/cpu_step_parts.py and scripts/bench_attention_kernel.py run end to end on what they measure: the step
-parts on stories260K's default CPU executor (its weights-only graph holds every weight product of the model: four
-a layer and the tied lm_head), the kernel's timing loop on the package's C source and on a variant given by path."""
+"""scripts/cpu_step_parts.py, scripts/bench_attention_kernel.py and scripts/bench_quantized_kernel.py run end to end
+on what they measure: the step parts on stories260K's default CPU executor (its weights-only graph holds every
+weight product of the model: four a layer and the tied lm_head), the kernels' timing loops on the package's C
+sources and on a variant given by path."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from trt_lookahead.kernels.onnxruntime_library import native_library
 
 ROOT = Path(__file__).resolve().parents[2]
 STORIES = ROOT / "tests" / "fixtures" / "stories260K"
@@ -59,4 +62,18 @@ def test_attention_kernel_bench_times_the_package_source_and_a_variant(tmp_path)
                              (broken, f"{broken} does not compile")):
         failed = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_attention_kernel.py"), "--source",
                                  str(variant), "--cases", "16x1"], capture_output=True, text=True, timeout=600)
+        assert failed.returncode != 0 and "Traceback" not in failed.stderr and message in failed.stderr
+
+
+@pytest.mark.skipif(not native_library().quantized, reason="QuantizedMatMul is not built here (no AVX2, FMA, F16C)")
+def test_quantized_kernel_bench_times_each_row_count_and_names_a_source_that_does_not_build(tmp_path):
+    timed = run_script("bench_quantized_kernel.py", "--shapes", "64x8x4,40x5x8", "--rows", "1,5")
+    assert set(timed["us"]) == {"64x8x4", "40x5x8"}
+    assert all(set(times) == {"1", "5"} and min(times.values()) > 0 for times in timed["us"].values())
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    for argv, message in ((["--source", str(broken)], f"{broken} does not compile"),
+                          (["--shapes", "64x8x3"], "64x8x3: BITS must be 4 or 8")):
+        failed = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_quantized_kernel.py"), *argv],
+                                capture_output=True, text=True, timeout=600)
         assert failed.returncode != 0 and "Traceback" not in failed.stderr and message in failed.stderr
