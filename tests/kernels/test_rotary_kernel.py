@@ -84,7 +84,7 @@ def engine_dir(tmp_path_factory):
 
 def run_steps(engine_dir, monkeypatch, fused: bool) -> list[np.ndarray]:
     """The first tokens of two prefills, the logits of a greedy step and of a lookahead step of both rows, and the KV
-    caches after, on an engine
+    caches after both steps' commits (their keys and values), on an engine
     whose graph has RotaryQKV nodes (fused) or the exported layers' own nodes."""
     if not fused:
         monkeypatch.setattr(onnx_rotary, "native_rotary", lambda model: (model, 0))
@@ -99,11 +99,15 @@ def run_steps(engine_dir, monkeypatch, fused: bool) -> list[np.ndarray]:
     ex.step(StepBatch(np.array([0]), np.array([[7]]), np.array([[29]]), np.array([[1, 2, 0]], np.int32),
                       np.array([[0]])))
     got.append(ex.step_logits().copy())
+    ex.commit(0, np.array([0]))
     T = (2 + 2) * (3 - 1)
     ex.step(StepBatch(np.array([0, 1]), np.arange(2 * T).reshape(2, T) % 500 + 3,
-                      np.array([np.arange(29, 29 + T), np.arange(11, 11 + T)]), np.array([[2, 3, 2]] * 2, np.int32),
+                      np.array([np.arange(30, 30 + T), np.arange(11, 11 + T)]), np.array([[2, 3, 2]] * 2, np.int32),
                       np.tile(np.arange(T), (2, 1))))
-    got += [ex.step_logits().copy(), ex.k_cache.copy(), ex.v_cache.copy()]
+    got.append(ex.step_logits().copy())
+    ex.commit(0, np.array([0, 2, 5]))
+    ex.commit(1, np.arange(T))
+    got += [ex.k_cache.copy(), ex.v_cache.copy()]
     monkeypatch.undo()
     return got
 
