@@ -93,6 +93,37 @@ static inline OrtStatus *fail(const OrtApi *api, const char *msg) {
     return API(api, CREATE_STATUS, CreateStatusFn)(ORT_INVALID_ARGUMENT, msg);
 }
 
+#define MAX_RANK 8 /* the most dims a node's input may have here */
+
+/* a tensor's data, rank (1 .. MAX_RANK) and dims */
+static inline OrtStatus *tensor(const OrtApi *api, const OrtValue *value, void **data, size_t *rank, int64_t *dims) {
+    OrtShape *info;
+    TRY(API(api, GET_TENSOR_TYPE_AND_SHAPE, GetTensorTypeAndShapeFn)(value, &info));
+    OrtStatus *status = API(api, GET_DIMENSIONS_COUNT, GetDimensionsCountFn)(info, rank);
+    if (!status && (*rank < 1 || *rank > MAX_RANK)) status = fail(api, "a trt_lookahead.cpu node's input of rank 0 "
+                                                                     "or above 8");
+    if (!status) status = API(api, GET_DIMENSIONS, GetDimensionsFn)(info, dims, *rank);
+    API(api, RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, ReleaseShapeFn)(info);
+    if (status) return status;
+    return API(api, GET_TENSOR_MUTABLE_DATA, GetTensorMutableDataFn)((OrtValue *)value, data);
+}
+
+/* a kernel's input i: its data, rank and dims */
+static inline OrtStatus *input_tensor(const OrtApi *api, OrtKernelContext *context, size_t i, void **data,
+                                      size_t *rank, int64_t *dims) {
+    const OrtValue *value;
+    TRY(API(api, KERNEL_CONTEXT_GET_INPUT, GetInputFn)(context, i, &value));
+    return tensor(api, value, data, rank, dims);
+}
+
+/* the attention's heads from a node's attributes num_q_heads, num_kv_heads and head_dim */
+static inline OrtStatus *head_attributes(const OrtApi *api, const OrtKernelInfo *info, int64_t *hq, int64_t *hkv,
+                                         int64_t *d) {
+    TRY(API(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, GetAttributeInt64Fn)(info, "num_q_heads", hq));
+    TRY(API(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, GetAttributeInt64Fn)(info, "num_kv_heads", hkv));
+    return API(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, GetAttributeInt64Fn)(info, "head_dim", d);
+}
+
 /* the OrtCustomOp slots every op here fills alike: float32 outputs, on the CPU, nothing variadic */
 static inline const char *op_provider(const void *op) { (void)op; return "CPUExecutionProvider"; }
 static inline int default_memory(const void *op, size_t i) { (void)op; (void)i; return 0; }  /* OrtMemTypeDefault */

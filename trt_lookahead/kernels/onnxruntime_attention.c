@@ -20,7 +20,6 @@
 
 /* ---- the attention ----------------------------------------------------------------------------------------- */
 
-#define MAX_RANK 4
 #define VALUE_CHUNK 64 /* output dims one query's weighted-value sums keep in registers */
 #define KEY_TILE 64    /* cached keys every query of a head goes over before the next ones (a multiple of 8) */
 
@@ -202,17 +201,9 @@ static const int INPUT_RANKS[INPUTS] = {4, 4, 4, 4, 4, 1, 3};
 
 /* input i's data and dims (rank checked) */
 static OrtStatus *input(const OrtApi *api, OrtKernelContext *context, size_t i, void **data, int64_t *dims) {
-    const OrtValue *value;
-    OrtShape *info;
     size_t rank;
-    TRY(API(api, KERNEL_CONTEXT_GET_INPUT, GetInputFn)(context, i, &value));
-    TRY(API(api, GET_TENSOR_TYPE_AND_SHAPE, GetTensorTypeAndShapeFn)(value, &info));
-    OrtStatus *status = API(api, GET_DIMENSIONS_COUNT, GetDimensionsCountFn)(info, &rank);
-    if (!status && rank != (size_t)INPUT_RANKS[i]) status = fail(api, "MaskedAttention: an input of the wrong rank");
-    if (!status) status = API(api, GET_DIMENSIONS, GetDimensionsFn)(info, dims, rank);
-    API(api, RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, ReleaseShapeFn)(info);
-    if (status) return status;
-    return API(api, GET_TENSOR_MUTABLE_DATA, GetTensorMutableDataFn)((OrtValue *)value, data);
+    TRY(input_tensor(api, context, i, data, &rank, dims));
+    return rank == (size_t)INPUT_RANKS[i] ? NULL : fail(api, "MaskedAttention: an input of the wrong rank");
 }
 
 static OrtStatus *compute(void *kernel, OrtKernelContext *context) {
@@ -246,9 +237,7 @@ static OrtStatus *create_kernel(const void *op, const OrtApi *api, const OrtKern
     Kernel *kn = calloc(1, sizeof(Kernel));
     if (!kn) return API(api, CREATE_STATUS, CreateStatusFn)(ORT_FAIL, "MaskedAttention: out of memory");
     kn->api = api;
-    OrtStatus *status = API(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, GetAttributeInt64Fn)(info, "num_q_heads", &kn->hq);
-    if (!status) status = API(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, GetAttributeInt64Fn)(info, "num_kv_heads", &kn->hkv);
-    if (!status) status = API(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, GetAttributeInt64Fn)(info, "head_dim", &kn->d);
+    OrtStatus *status = head_attributes(api, info, &kn->hq, &kn->hkv, &kn->d);
     if (!status) status = API(api, KERNEL_INFO_GET_ATTRIBUTE_FLOAT, GetAttributeFloatFn)(info, "scale", &kn->scale);
     if (!status && (kn->hq <= 0 || kn->hkv <= 0 || kn->d <= 0 || kn->hq % kn->hkv))
         status = fail(api, "MaskedAttention: num_q_heads must be a positive multiple of num_kv_heads");

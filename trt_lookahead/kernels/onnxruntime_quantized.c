@@ -92,8 +92,8 @@ static void quantize_row(const float *x, int64_t K, int64_t blocks, int64_t bits
         uint8_t *out = a + b * A_BYTES(bits);
         if (bits == 4) { /* bytes in element order; each half of chunks (0 | 1), then (2 | 3), picked per lane */
             const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(low, high), in_order);
-            for (int h = 0; h < 2; h++) {
-                const __m256i chunks = _mm256_permute4x64_epi64(bytes, h ? 0xee : 0x44); /* elements 16h .. 16h + 15 twice */
+            for (int h = 0; h < 2; h++) { /* chunks: elements 16h .. 16h + 15 in each half */
+                const __m256i chunks = _mm256_permute4x64_epi64(bytes, h ? 0xee : 0x44);
                 _mm256_storeu_si256((__m256i *)(out + 64 * h), _mm256_shuffle_epi8(chunks, even));
                 _mm256_storeu_si256((__m256i *)(out + 64 * h + 32), _mm256_shuffle_epi8(chunks, odd));
             }
@@ -115,8 +115,10 @@ static inline __m256i block_dot(const uint8_t *record, const uint8_t *a, int bit
         for (int h = 0; h < 2; h++) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(record + 32 * h));
             const __m256i low = _mm256_and_si256(raw, mask), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-            sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(low, _mm256_loadu_si256((const __m256i *)(a + 64 * h))));
-            sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(high, _mm256_loadu_si256((const __m256i *)(a + 64 * h + 32))));
+            const __m256i even = _mm256_loadu_si256((const __m256i *)(a + 64 * h));
+            const __m256i odd = _mm256_loadu_si256((const __m256i *)(a + 64 * h + 32));
+            const __m256i chunk = _mm256_add_epi16(_mm256_maddubs_epi16(low, even), _mm256_maddubs_epi16(high, odd));
+            sums = _mm256_add_epi16(sums, chunk);
         }
         return _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
     }
@@ -186,7 +188,6 @@ static void multiply_task(void *data, size_t task) {
 
 /* ---- the kernel ------------------------------------------------------------------------------------------- */
 
-#define MAX_RANK 8
 enum { INPUTS = 5, X = 0, CODES = 1, SCALES = 2, ZEROS = 3, MINS = 4 };
 static const int INPUT_TYPES[INPUTS] = {TYPE_FLOAT, TYPE_UINT8, TYPE_FLOAT, TYPE_UINT8, TYPE_FLOAT};
 
@@ -198,18 +199,6 @@ typedef struct {
     int64_t half;     /* every d and e is a float16 exactly (a GGUF's blocks): the records hold them so */
     uint8_t *records; /* [ceil(N / GROUP), blocks] RECORD(bits, half) each */
 } Kernel;
-
-/* a value's data, rank and dims */
-static OrtStatus *tensor(const OrtApi *api, const OrtValue *value, void **data, size_t *rank, int64_t *dims) {
-    OrtShape *info;
-    TRY(API(api, GET_TENSOR_TYPE_AND_SHAPE, GetTensorTypeAndShapeFn)(value, &info));
-    OrtStatus *status = API(api, GET_DIMENSIONS_COUNT, GetDimensionsCountFn)(info, rank);
-    if (!status && (*rank < 1 || *rank > MAX_RANK)) status = fail(api, "QuantizedMatMul: an input of rank 0 or above 8");
-    if (!status) status = API(api, GET_DIMENSIONS, GetDimensionsFn)(info, dims, *rank);
-    API(api, RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, ReleaseShapeFn)(info);
-    if (status) return status;
-    return API(api, GET_TENSOR_MUTABLE_DATA, GetTensorMutableDataFn)((OrtValue *)value, data);
-}
 
 static int64_t elements(const int64_t *dims, size_t rank) {
     int64_t n = 1;
@@ -242,8 +231,8 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *context) {
     if (!a) return API(api, CREATE_STATUS, CreateStatusFn)(ORT_FAIL, "QuantizedMatMul: no memory for the rows' codes");
     float *s = (float *)(a + M * blocks * A_BYTES(kn->bits)), *sums = s + M * blocks;
     for (int64_t r = 0; r < M; r++)
-        quantize_row((const float *)x + r * K, K, blocks, kn->bits, a + r * blocks * A_BYTES(kn->bits), s + r * blocks,
-                     sums + r * blocks);
+        quantize_row((const float *)x + r * K, K, blocks, kn->bits, a + r * blocks * A_BYTES(kn->bits),
+                     s + r * blocks, sums + r * blocks);
     p.a = a, p.s = s, p.sums = sums;
     const size_t tasks = (size_t)(((N + GROUP - 1) / GROUP + TASK_GROUPS - 1) / TASK_GROUPS);
     OrtStatus *status = API(api, KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(context, multiply_task, tasks, 0, &p);

@@ -20,7 +20,6 @@
 enum { X, COS, SIN, Q_SHAPE, KV_SHAPE, INPUTS };
 enum { Q, K, V, OUTPUTS };
 static const int INPUT_TYPES[INPUTS] = {TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT, TYPE_INT64, TYPE_INT64};
-#define MAX_RANK 8
 
 typedef struct {
     const OrtApi *api;
@@ -29,20 +28,12 @@ typedef struct {
 
 /* input i's data and element count */
 static OrtStatus *input(const OrtApi *api, OrtKernelContext *context, size_t i, void **data, int64_t *count) {
-    const OrtValue *value;
-    OrtShape *info;
     size_t rank;
     int64_t dims[MAX_RANK];
-    TRY(API(api, KERNEL_CONTEXT_GET_INPUT, GetInputFn)(context, i, &value));
-    TRY(API(api, GET_TENSOR_TYPE_AND_SHAPE, GetTensorTypeAndShapeFn)(value, &info));
-    OrtStatus *status = API(api, GET_DIMENSIONS_COUNT, GetDimensionsCountFn)(info, &rank);
-    if (!status && rank > MAX_RANK) status = fail(api, "RotaryQKV: an input of rank above 8");
-    if (!status) status = API(api, GET_DIMENSIONS, GetDimensionsFn)(info, dims, rank);
-    API(api, RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, ReleaseShapeFn)(info);
-    if (status) return status;
+    TRY(input_tensor(api, context, i, data, &rank, dims));
     *count = 1;
     for (size_t r = 0; r < rank; r++) *count *= dims[r];
-    return API(api, GET_TENSOR_MUTABLE_DATA, GetTensorMutableDataFn)((OrtValue *)value, data);
+    return NULL;
 }
 
 /* heads of D from x, rotated by one row's cos and sin, into out (each half of a head a loop of its own, so that
@@ -92,9 +83,7 @@ static OrtStatus *create_kernel(const void *op, const OrtApi *api, const OrtKern
     Kernel *kn = calloc(1, sizeof(Kernel));
     if (!kn) return API(api, CREATE_STATUS, CreateStatusFn)(ORT_FAIL, "RotaryQKV: out of memory");
     kn->api = api;
-    OrtStatus *status = API(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, GetAttributeInt64Fn)(info, "num_q_heads", &kn->hq);
-    if (!status) status = API(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, GetAttributeInt64Fn)(info, "num_kv_heads", &kn->hkv);
-    if (!status) status = API(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, GetAttributeInt64Fn)(info, "head_dim", &kn->d);
+    OrtStatus *status = head_attributes(api, info, &kn->hq, &kn->hkv, &kn->d);
     if (!status && (kn->hq <= 0 || kn->hkv <= 0 || kn->d <= 0 || kn->d % 2))
         status = fail(api, "RotaryQKV: heads must be positive and head_dim even");
     if (status) {
