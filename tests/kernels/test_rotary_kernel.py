@@ -63,12 +63,26 @@ def test_heads_rotate_as_float32_products_and_a_sum():
     np.testing.assert_array_equal(v.reshape(B * T, HKV, D), heads[:, HQ + HKV:])
 
 
+def test_an_inferred_batch_or_token_dim_is_inferred_as_reshape_does():
+    """q_shape (-1, T, ..) and kv_shape (B, -1, ..), as an export may write them: the outputs' dims B and T."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((6, (HQ + 2 * HKV) * D)).astype(np.float32)
+    table = rng.standard_normal((6, 1, D)).astype(np.float32)
+    q, k, v = rotary_session().run(None, {"x": x, "cos": table, "sin": table, "q_shape": np.array([-1, 3, HQ, D]),
+                                          "kv_shape": np.array([2, -1, HKV, D])})
+    assert q.shape == (2, 3, HQ, D) and k.shape == v.shape == (2, 3, HKV, D)
+    np.testing.assert_array_equal(v.reshape(6, HKV * D), x[:, (HQ + HKV) * D:])
+
+
 def test_shapes_that_disagree_are_refused_by_name():
     x = np.zeros((6, (HQ + 2 * HKV) * D), np.float32)
     table = np.zeros((6, 1, D), np.float32)
     with pytest.raises(Exception, match="RotaryQKV: input shapes disagree"):
         rotary_session().run(None, {"x": x, "cos": table, "sin": table, "q_shape": np.array([2, 3, HQ + 1, D]),
                                     "kv_shape": np.array([2, 3, HKV, D])})
+    with pytest.raises(Exception, match="RotaryQKV: input shapes disagree"):  # B x T not the rows
+        rotary_session().run(None, {"x": x, "cos": table, "sin": table, "q_shape": np.array([4, -1, HQ, D]),
+                                    "kv_shape": np.array([4, -1, HKV, D])})
     with pytest.raises(Exception, match="RotaryQKV: input shapes disagree"):  # a row short of cos
         rotary_session().run(None, {"x": x, "cos": table[:5], "sin": table, "q_shape": np.array([2, 3, HQ, D]),
                                     "kv_shape": np.array([2, 3, HKV, D])})

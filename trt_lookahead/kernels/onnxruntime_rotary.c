@@ -7,6 +7,7 @@
  *   inputs  x [rows, (Hq + 2 Hkv) * D] float32 (the heads in order: Hq query, Hkv key, Hkv value heads),
  *           cos, sin [rows, 1, D] float32 (sin negated on the first half of D, as the exported graph's table),
  *           q_shape, kv_shape [4] int64: the outputs' dims (B, T, Hq, D) and (B, T, Hkv, D), B * T = rows
+ *           (B or T may be -1, inferred as the Reshapes it replaces infer it)
  *   outputs q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D] float32
  *   attrs   num_q_heads, num_kv_heads, head_dim (INT)
  *
@@ -46,6 +47,16 @@ static void rotate(const float *x, const float *cos, const float *sin, int64_t h
     }
 }
 
+/* the dims a Reshape of `rows` rows of `heads` heads of d into `shape` [B, T, heads, d] gives (B or T may be -1:
+ * inferred, as Reshape infers it), or 0 where they do not fit */
+static int reshaped(const int64_t *shape, int64_t rows, int64_t heads, int64_t d, int64_t *dims) {
+    memcpy(dims, shape, 4 * sizeof(int64_t));
+    if (dims[2] != heads || dims[3] != d || (dims[0] == -1 && dims[1] == -1)) return 0;
+    if (dims[0] == -1 && dims[1] > 0 && rows % dims[1] == 0) dims[0] = rows / dims[1];
+    if (dims[1] == -1 && dims[0] > 0 && rows % dims[0] == 0) dims[1] = rows / dims[0];
+    return dims[0] >= 0 && dims[1] >= 0 && dims[0] * dims[1] == rows;
+}
+
 static OrtStatus *compute(void *kernel, OrtKernelContext *context) {
     const Kernel *kn = kernel;
     const OrtApi *api = kn->api;
@@ -53,19 +64,20 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *context) {
     int64_t count[INPUTS];
     for (size_t i = 0; i < INPUTS; i++) TRY(input(api, context, i, &data[i], &count[i]));
     const int64_t hq = kn->hq, hkv = kn->hkv, d = kn->d, width = (hq + 2 * hkv) * d;
-    const int64_t *q_shape = data[Q_SHAPE], *kv_shape = data[KV_SHAPE];
     if (count[Q_SHAPE] != 4 || count[KV_SHAPE] != 4)
         return fail(api, "RotaryQKV: q_shape and kv_shape must hold 4 dims each");
-    const int64_t rows = q_shape[0] * q_shape[1];
-    const int ok = q_shape[0] >= 0 && q_shape[1] >= 0 && q_shape[2] == hq && q_shape[3] == d
-                   && kv_shape[0] == q_shape[0] && kv_shape[1] == q_shape[1] && kv_shape[2] == hkv && kv_shape[3] == d
-                   && count[X] == rows * width && count[COS] == rows * d && count[SIN] == rows * d;
+    const int64_t rows = count[X] / width;
+    int64_t shapes[OUTPUTS][4];
+    const int ok = count[X] == rows * width && count[COS] == rows * d && count[SIN] == rows * d
+                   && reshaped(data[Q_SHAPE], rows, hq, d, shapes[Q])
+                   && reshaped(data[KV_SHAPE], rows, hkv, d, shapes[K])
+                   && shapes[K][0] == shapes[Q][0] && shapes[K][1] == shapes[Q][1];
     if (!ok) return fail(api, "RotaryQKV: input shapes disagree with each other or with the node's heads");
+    memcpy(shapes[V], shapes[K], sizeof shapes[K]);
     float *out[OUTPUTS];
     for (int o = 0; o < OUTPUTS; o++) {
         OrtValue *value;
-        const int64_t *dims = o == Q ? q_shape : kv_shape;
-        TRY(API(api, KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(context, (size_t)o, dims, 4, &value));
+        TRY(API(api, KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(context, (size_t)o, shapes[o], 4, &value));
         TRY(API(api, GET_TENSOR_MUTABLE_DATA, GetTensorMutableDataFn)(value, (void **)&out[o]));
     }
     for (int64_t r = 0; r < rows; r++) {
