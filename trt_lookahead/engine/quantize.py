@@ -338,7 +338,7 @@ def native_products(proto: Any) -> tuple[Any, int]:
     -> (the graph, the MatMulNBits nodes left: float activations, which the kernel does not take)."""
     from onnx import helper
 
-    from trt_lookahead.kernels.onnx_op import NATIVE_DOMAIN
+    from trt_lookahead.kernels.onnx_op import NATIVE_DOMAIN, replace_nodes
 
     graph = proto.graph
     nodes = list(graph.node)
@@ -368,12 +368,8 @@ def native_products(proto: Any) -> tuple[Any, int]:
         replaced[i] = helper.make_node(
             NATIVE_PRODUCT, [*node.input[:4], mins], output, name=node.name, domain=NATIVE_DOMAIN,
             K=attrs["K"], N=attrs["N"], bits=attrs["bits"], mins=int(bool(mins)))
-    kept_nodes = [replaced.get(i, node) for i, node in enumerate(nodes) if i not in dropped]
-    del graph.node[:]
-    graph.node.extend(kept_nodes)
+    replace_nodes(proto, nodes, replaced, dropped)
     kept = [tensor for tensor in graph.initializer if tensor.name not in unused]
     del graph.initializer[:]
     graph.initializer.extend(kept)
-    if replaced and not any(op.domain == NATIVE_DOMAIN for op in proto.opset_import):
-        proto.opset_import.append(helper.make_opsetid(NATIVE_DOMAIN, 1))
     return proto, left

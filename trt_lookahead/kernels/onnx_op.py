@@ -383,12 +383,25 @@ def _native_node(g: _Graph, node: onnx.NodeProto, masks: _Masks) -> None:
                                     domain=NATIVE_DOMAIN, **attrs))
 
 
-def _elem_type(model: onnx.ModelProto, name: str) -> int:
+def elem_type(model: onnx.ModelProto, name: str) -> int:
     """The element type of graph input `name` (a key cache: the attention's dtype); float32 if not declared."""
     for value in model.graph.input:
         if value.name == name:
             return value.type.tensor_type.elem_type
     return TensorProto.FLOAT
+
+
+def replace_nodes(model: onnx.ModelProto, nodes: list[onnx.NodeProto], replaced: dict[int, onnx.NodeProto],
+                  dropped: set[int]) -> None:
+    """`model`'s nodes, listed once as `nodes` (positions name them: protobuf wrappers have no stable identity),
+    with node i as replaced[i] where given and without the nodes at `dropped`; the NATIVE_DOMAIN opset imported
+    once a node of it went in. The graph rewrites for this library's C kernels (onnx_rotary.native_rotary,
+    engine/quantize.native_products) end here."""
+    kept = [replaced.get(i, node) for i, node in enumerate(nodes) if i not in dropped]
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    if replaced and not any(op.domain == NATIVE_DOMAIN for op in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(NATIVE_DOMAIN, 1))
 
 
 def decompose(model: onnx.ModelProto, exact: bool = False, native: bool = False) -> onnx.ModelProto:
@@ -407,7 +420,7 @@ def decompose(model: onnx.ModelProto, exact: bool = False, native: bool = False)
     out.CopyFrom(model)
     g = _Graph("lookahead_attention")
     first = nodes[0]
-    dtype = _elem_type(model, first.input[3])
+    dtype = elem_type(model, first.input[3])
     masks = _Masks(g, first, dtype)
     plan = None
     if native and dtype != TensorProto.FLOAT:

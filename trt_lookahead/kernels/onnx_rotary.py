@@ -22,7 +22,7 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from trt_lookahead.kernels.onnx_op import NATIVE_DOMAIN, attention_nodes
+from trt_lookahead.kernels.onnx_op import NATIVE_DOMAIN, attention_nodes, elem_type, replace_nodes
 
 NATIVE_ROTARY = "RotaryQKV"  # the node onnxruntime_rotary.c registers (its name there, written once more in C)
 
@@ -107,8 +107,7 @@ def native_rotary(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     """(`model` with each layer's pattern (module docstring) one RotaryQKV node, how many layers it fused), in
     place. A float32 graph only: the kernel's dtype."""
     nodes = attention_nodes(model)
-    keys = {value.name: value.type.tensor_type.elem_type for value in model.graph.input}
-    if not nodes or keys.get(nodes[0].input[3], TensorProto.FLOAT) != TensorProto.FLOAT:
+    if not nodes or elem_type(model, nodes[0].input[3]) != TensorProto.FLOAT:
         return model, 0
     listed = list(model.graph.node)  # one list of the nodes throughout: positions name them
     g = _Graph(model, listed)
@@ -126,11 +125,5 @@ def native_rotary(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
             continue  # a reader of q, k or v ahead of the fused node's place: the graph's order would break
         gone |= spots
         at[last] = fused
-    if not at:
-        return model, 0
-    rewritten = [at.get(i, node) for i, node in enumerate(listed) if i in at or i not in gone]
-    del model.graph.node[:]
-    model.graph.node.extend(rewritten)
-    if all(o.domain != NATIVE_DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(NATIVE_DOMAIN, 1))
+    replace_nodes(model, listed, at, gone - set(at))
     return model, len(at)
