@@ -666,10 +666,13 @@ class BatchedTorchExecutor:
         options: dict[str, str | int | bool | Callable[..., Any]] | None = (
             {"split_reductions": False} if self.exact else None)
         # its own graphs (isolated from other executors'), one per shape and no more: a recompile beyond them fails
-        # (fullgraph); a torch without these arguments (< 2.13) counts every executor's graphs toward one limit
+        # (fullgraph); a torch without these arguments (< 2.13) counts every executor's graphs of this method toward
+        # one process-wide limit, which each executor then raises by its own graphs
         limits = {"recompile_limit": len(self.buckets) * len(self.widths), "isolate_recompiles": True}
         supported = inspect.signature(torch.compile).parameters
         kwargs: dict[str, Any] = {name: value for name, value in limits.items() if name in supported}
+        if "recompile_limit" not in supported:
+            torch._dynamo.config.recompile_limit += limits["recompile_limit"]
         return torch.compile(self._padded_forward, fullgraph=True, dynamic=False, options=options, **kwargs)
 
     def _padded_forward(self, k_cache: Tensor, v_cache: Tensor, ids: Tensor, positions: Tensor, outputs: Tensor,
