@@ -14,10 +14,10 @@ and zero points) at --peak-gbps (H200 4,800; H100 SXM 3,350), and `x_limit` the 
 is the 7B int4 step at 1.3x its limit or less. Then the whole step's sum over layers (each layer's four
 projections, times num_layers, plus the lm_head) per variant and M.
 
---sweep BITS also times `quantized_linear` at BITS over a grid of tiles (SWEEP_TILES: BLOCK_N, BLOCK_K, warps),
-pipeline depths (SWEEP_STAGES) and spans (SWEEP_SPANS: None is one chain over all of K) for each projection and
-M, under "sweep": the evidence for invariant.py's choice of tile and span for quantized weights. A row's bits
-depend on the span (fixed per shape, never per M), never on the tile or the depth.
+--sweep BITS also times `quantized_linear` at BITS over a grid of tiles (SWEEP_TILES: BLOCK_M, BLOCK_N, BLOCK_K,
+warps) and spans (SWEEP_SPANS: None is one chain over all of K) for each projection and M, under "sweep": the
+evidence for invariant.py's QUANTIZED_TILES and QUANTIZED_SPAN. A row's bits depend on the tile and the span
+(both fixed per code width and K, never per M).
 """
 
 from __future__ import annotations
@@ -44,8 +44,7 @@ BLOCK = 32  # engine/quantize.py BLOCK_SIZE: input dims per scale and zero point
 CALLS = 20
 REPS = 30
 SWEEP_TILES = tuple((16, n, k, w) for n in (32, 64, 128) for k in (128, 256) for w in (4, 8))
-SWEEP_STAGES = (3, 4)
-SWEEP_SPANS = (None, 1024, 2048)
+SWEEP_SPANS = (None, 1024)
 
 
 def projections(shape: dict[str, Any]) -> dict[str, tuple[int, int]]:
@@ -120,8 +119,8 @@ def bench(shape_name: str, rows: list[int], peak_gbps: float) -> dict[str, Any]:
 
 
 def sweep(shape_name: str, rows: list[int], bits: int, peak_gbps: float) -> list[dict[str, Any]]:
-    """Each projection x M x SWEEP_TILES x SWEEP_STAGES x SWEEP_SPANS at `bits`: us and x_limit, best first per
-    (projection, M), with `default` the time of quantized_linear's own choice."""
+    """Each projection x M x SWEEP_TILES x SWEEP_SPANS at `bits`: us and x_limit, best first per (projection, M),
+    with `default` the time of quantized_linear's own choice."""
     out: list[dict[str, Any]] = []
     for name, (N, K) in projections(SHAPES[shape_name]).items():
         codes, scales, zeros = quantized_weight(N, K, bits, "cuda")
@@ -131,19 +130,17 @@ def sweep(shape_name: str, rows: list[int], bits: int, peak_gbps: float) -> list
             default = graph_time_us(functools.partial(invariant.quantized_linear, x, codes, scales, zeros, None, bits))
             timed = []
             for tile in SWEEP_TILES:
-                for stages in SWEEP_STAGES:
-                    for span in SWEEP_SPANS:
-                        if span is not None and span >= K:
-                            continue
-                        fn = functools.partial(invariant.quantized_linear, x, codes, scales, zeros, None, bits,
-                                               tile=tile, span=span, stages=stages)
-                        try:
-                            us = graph_time_us(fn)
-                        except Exception as exc:  # a tile the GPU cannot hold (shared memory) is a row
-                            timed.append({"tile": tile, "stages": stages, "span": span, "error": f"{exc}"[:120]})
-                            continue
-                        timed.append({"tile": tile, "stages": stages, "span": span, "us": round(us, 2),
-                                      "x_limit": round(us / limit, 2)})
+                for span in SWEEP_SPANS:
+                    if span is not None and span >= K:
+                        continue
+                    fn = functools.partial(invariant.quantized_linear, x, codes, scales, zeros, None, bits, tile=tile,
+                                           span=span)
+                    try:
+                        us = graph_time_us(fn)
+                    except Exception as exc:  # a tile the GPU cannot hold (registers, shared memory) is a row
+                        timed.append({"tile": tile, "span": span, "error": f"{exc}"[:120]})
+                        continue
+                    timed.append({"tile": tile, "span": span, "us": round(us, 2), "x_limit": round(us / limit, 2)})
             timed.sort(key=lambda t: t.get("us", float("inf")))
             out.append({"projection": name, "N": N, "K": K, "M": M, "bits": bits, "limit_us": round(limit, 2),
                         "default_us": round(default, 2), "best": timed[:12], "all": timed})

@@ -100,7 +100,7 @@ RULES: tuple[tuple[str, str | None, str | None], ...] = (
                         r"|eager_attention_forward)$|^(PaddedAttention|RowAttention|BlockedAttention)\."
                         r"|^invariant_attention\."),
     ("GEMM", r"aten::(mm|addmm|bmm|baddbmm|matmul|_?mkldnn\w*|_mkl\w*|_weight_int\w*)$|^\w+::\w*linear|gemm"
-             r"|gemv|cutlass|cublas|xmma|nvjet|_linear_kernel|_span_sum_kernel", None),
+             r"|gemv|cutlass|cublas|xmma|nvjet|_linear_kernel|_quantized_kernel|_span_sum_kernel", None),
     ("norm", r"rms_norm|layer_norm|aten::rsqrt$", None),
     ("norm", None, r"(^|\.)(RMSNorm\.forward|LlamaRMSNorm\.forward|rms_norm)$"),
     ("RoPE", r"(?<![a-z])rope|rotary", None),
