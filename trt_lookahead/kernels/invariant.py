@@ -105,7 +105,7 @@ def _step_4bit(acc, x_ptr, w_ptr, s_ptr, z_ptr, m_ptr, step, offs_m, offs_n, M, 
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc + one step of BLOCK_K input dims by 4-bit codes read as uint32 words: one dot per code position j, code
     j of every word (dequantized in float32 registers) against x's input dims 8 * word + j. No code is moved back
-    into input-dim order, so the step costs a shift, a mask and a multiply-add an element; the dot takes the dims
+    into input-dim order: a shift, a mask and a multiply-add dequantize an element; the dot takes the dims
     in that fixed order, the same for every row."""
     WORDS: tl.constexpr = BLOCK_K // 8  # per output
     word = step * WORDS + tl.arange(0, WORDS)  # the step's words along a weight row
