@@ -23,6 +23,7 @@ KNOWN = (
     ("aten::linear", "Linear.forward", "GEMM"),
     ("mkldnn::_linear_pointwise", "Linear.forward", "GEMM"),
     ("_linear_kernel", "", "GEMM"),
+    ("_quantized_kernel", "", "GEMM"),  # a quantized projection (kernels/invariant.py)
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", "", "GEMM"),
     ("aten::scaled_dot_product_attention", "PaddedAttention.__call__", "attention"),
     ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "", "attention"),  # CUTLASS, but attention's
