@@ -102,7 +102,7 @@ def _dot(acc, x, w, UPCAST_DOT: tl.constexpr):
 @triton.jit
 def _step_4bit(acc, x_ptr, w_ptr, s_ptr, z_ptr, m_ptr, step, offs_m, offs_n, M, N, K, stride_xm, stride_wn,
                stride_s, stride_z, UPCAST_DOT: tl.constexpr, QBLOCK: tl.constexpr, HAS_MINS: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               BLOCK_K: tl.constexpr):
     """acc + one step of BLOCK_K input dims by 4-bit codes read as uint32 words: one dot per code position j, code
     j of every word (dequantized in float32 registers) against x's input dims 8 * word + j. No code is moved back
     into input-dim order: a shift, a mask and a multiply-add dequantize an element; the dot takes the dims
@@ -117,14 +117,14 @@ def _step_4bit(acc, x_ptr, w_ptr, s_ptr, z_ptr, m_ptr, step, offs_m, offs_n, M, 
     z = (tl.load(z_ptr + offs_n[None, :] * stride_z + (g // 2)[:, None], mask=ok, other=0)  # two a byte
          >> ((g % 2) * 4)[:, None]) & 0xF
     # (q - z) * s + m = (1 + q / 16) * 16 * s + c, c = m - (16 + z) * s rounded once a block
-    c = -(16 + z.to(tl.float32)) * s
+    scale, c = s * 16, -(16 + z.to(tl.float32)) * s
     if HAS_MINS:
         c += tl.load(m_ptr + offs_n[None, :] * stride_s + g[:, None], mask=ok, other=0.0)
     for j in tl.static_range(8):
         dims = word * 8 + j  # code j's input dims
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + dims[None, :],
                     mask=(offs_m < M)[:, None] & (dims < K)[None, :], other=0.0)  # [BLOCK_M, WORDS]
-        acc = _dot(acc, x, _code_values(words, j, 4) * (s * 16) + c, UPCAST_DOT)
+        acc = _dot(acc, x, _code_values(words, j, 4) * scale + c, UPCAST_DOT)
     return acc
 
 
@@ -165,7 +165,7 @@ def _quantized_kernel(x_ptr, w_ptr, y_ptr, s_ptr, z_ptr, m_ptr, M, N, K, SPAN_ST
     for step in range(span * SPAN_STEPS, tl.minimum(tl.cdiv(K, BLOCK_K), (span + 1) * SPAN_STEPS)):
         if QBITS == 4:
             acc = _step_4bit(acc, x_ptr, w_ptr, s_ptr, z_ptr, m_ptr, step, offs_m, offs_n, M, N, K, stride_xm,
-                             stride_wn, stride_s, stride_z, UPCAST_DOT, QBLOCK, HAS_MINS, BLOCK_N, BLOCK_K)
+                             stride_wn, stride_s, stride_z, UPCAST_DOT, QBLOCK, HAS_MINS, BLOCK_K)
         else:
             acc = _step_8bit(acc, x_ptr, w_ptr, s_ptr, z_ptr, m_ptr, step, offs_m, offs_n, M, N, K, stride_xm,
                              stride_wn, stride_s, stride_z, UPCAST_DOT, QBLOCK, HAS_MINS, BLOCK_N, BLOCK_K)
@@ -243,8 +243,7 @@ def quantized_linear(x: Any, codes: Any, scales: Any, zero_points: Any, mins: An
         raise ValueError(f"a tile's BLOCK_K ({BK}) must hold whole blocks of {block} input dims, a multiple of 8")
     if span == "auto":
         span = quantized_span(x.shape[-1]) if x.is_cuda else None
-    if span is not None and (not isinstance(span, int) or span <= 0 or span % BK):
-        raise ValueError(f"span must be a positive multiple of BLOCK_K ({BK}), got {span!r}")
+    _check_span(span, BK, f"BLOCK_K ({BK})")
     x2 = _rows(x)
     M, K = x2.shape
     w = codes if codes.stride(-1) == 1 else codes.contiguous()
@@ -267,6 +266,12 @@ def quantized_span(K: int) -> int | None:
     """The input dims each program of a quantized product reduces, whatever M: QUANTIZED_SPAN once K holds two
     (more programs to stream the weight at one row), else all of K."""
     return QUANTIZED_SPAN if K >= 2 * QUANTIZED_SPAN else None
+
+
+def _check_span(span: Any, unit: int, what: str) -> None:
+    """Refuse a span that is not None or a positive multiple of `unit` (named `what` in the message)."""
+    if span is not None and (not isinstance(span, int) or span <= 0 or span % unit):
+        raise ValueError(f"span must be a positive multiple of {what}, got {span!r}")
 
 
 def _rows(x: Any) -> Any:
@@ -305,8 +310,7 @@ def _product(x: Any, w: Any, bias: Any, tile: tuple[int, int, int, int] | None, 
     BM, BN, BK, warps = tile or _tile(x, N)
     if span == "auto":
         span = linear_span(N, K, _sms(x.device)) if x.is_cuda else None
-    if span is not None and (not isinstance(span, int) or span <= 0 or span % 128):
-        raise ValueError(f"span must be a positive multiple of 128, got {span!r}")
+    _check_span(span, 128, "128")
     spans = 1 if span is None else triton.cdiv(K, span)
     y, part = _outputs(x2, N, spans)
     _linear_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN), spans)](
