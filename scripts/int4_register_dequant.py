@@ -1,0 +1,379 @@
+"""A candidate GPU int4 product for issue 44's goal, waiting for a lent GPU to time it against kernels/invariant.py's
+`quantized_linear` before it may replace it (docs/results/2026-11-30-int4-register-dequant.md).
+
+On a lent GPU machine, from the repository root (nothing to install or carry; a few minutes):
+
+    python scripts/int4_register_dequant.py --out OUT/candidate.json [--shape llama-7b] [--rows 1,16]
+
+The landed kernel dequantizes each weight tile in float32, rounds it to bfloat16 and stores it to shared memory,
+where the 16-row mma reads it back: about 8.3 SASS instructions a weight in its sm_90 loop
+(scripts/sass_census.py). This one reads codes repacked once at load (`repack`) so that each tensor-core
+instruction's weight operand is made in registers from the words as they arrive, and Hopper's wgmma takes it
+from there (its A operand; x, the B operand, through shared memory as the pipeliner stages it): about 3.2.
+
+- Layout. K is cut into steps of STEP = 128 input dims, four blocks of 32. A step's codes for one output are
+  16 uint32 words; nibble p of word w holds dim (p % 4) * 32 + 2 * w + p // 4 of the step. So `(word >> 4j) &
+  0x000F000F` holds the codes of dims 2w and 2w + 1 of block j, the lower in the low half, which is how a
+  bfloat16 pair sits in the tensor core's operand register: OR-ing in 0x43004300 makes them the bfloat16 pair
+  (128 + q, 128 + q') exactly. Worked example: dim 37 of a step is block 1, 2w + h = 5, so word 2, nibble
+  1 + 4 * 1 = 5: bits 20-23 of word 2.
+- Dequantization, a pair at a time (`_PAIR_ASM`, PTX): one LOP3 makes the pair, + -(128 + z) is exact (small
+  integers), * s + m rounds once (fma.rn.bf16x2). Scales, offsets -(128 + z) and Q4_1 mins are bfloat16
+  [N, blocks]; the landed kernel keeps float32 scales and rounds the float32 weight, so the two products agree
+  to bfloat16's precision, not bit for bit (`dense` is this one's weight). The interpreter runs no PTX: it makes
+  the same values in float32 and rounds them to bfloat16 by hand (twice rounded: rarely a unit apart).
+- Row-invariant as the landed kernel: one tile for every M (BLOCK_M 16 rows, wgmma's N), the span fixed by K,
+  the spans' float32 sums added in span order, by invariant._span_sums' second launch or (fused_sum) by the
+  last of a tile's spans to finish, inside the one launch.
+
+`main` times both products on every projection of a Llama shape at each row count (CUDA graphs, as
+bench_quantized_gpu.py does) over TILES x SPANS x fused_sum, checks each against the float64 product by its own
+`dense` weight, a row against itself alone, and the fused sums against the second launch's, and writes one JSON
+with the whole step's sums, best first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, NamedTuple, cast
+
+import torch
+import triton
+import triton.language as tl
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+
+from bench_quantized_gpu import graph_time_us, projections, quantized_weight  # noqa: E402
+from gpu_check import SHAPES  # noqa: E402
+
+from trt_lookahead.engine.quantize import BLOCK_SIZE  # noqa: E402
+from trt_lookahead.kernels import invariant  # noqa: E402
+
+STEP = 128  # input dims per step: four blocks of 32, 16 words of 8 codes per output
+BLOCKS = STEP // BLOCK_SIZE
+WORDS = STEP // 8
+PAIR_MASK = tl.constexpr(0x000F000F)  # a word's codes j and j + 4, shifted down by 4j
+MAGIC = tl.constexpr(0x43004300)  # bfloat16 128.0 in both halves: OR-ed over a code q in a half's low bits, 128 + q
+# (BLOCK_N, warps, steps a loop iteration, pipeline stages), BLOCK_N >= 64 (one warpgroup's wgmma A operand), for
+# main's sweep: fewest loop instructions a weight first (scripts/sass_census.py). TILE, until a GPU's sweep
+# picks: the fewest among those giving a 1-row 7B projection a program per SM at SPAN (BLOCK_N 128)
+TILES = ((256, 8, 1, 2), (256, 8, 1, 3), (128, 4, 1, 2), (128, 4, 1, 3), (128, 4, 1, 4), (128, 8, 2, 3),
+         (128, 8, 1, 3), (64, 4, 1, 3))
+TILE = (128, 4, 1, 2)
+BLOCK_M = 16  # rows per program, for every M: wgmma's N
+SPAN = 1024  # input dims per program once K holds two (more programs at one row), as QUANTIZED_SPAN
+SPANS = (512, 1024, 2048, None)  # the spans main times at each tile
+
+
+class Packed(NamedTuple):
+    """An [N, k] int4 weight in the candidate's layout (see the module docstring)."""
+
+    words: torch.Tensor  # int32 [N, steps * WORDS]
+    scales: torch.Tensor  # bfloat16 [N, steps * BLOCKS]
+    offsets: torch.Tensor  # bfloat16 [N, steps * BLOCKS]: -(128 + z)
+    mins: torch.Tensor | None  # bfloat16 [N, steps * BLOCKS]: a Q4_1 block's m
+    k: int
+
+
+def repack(codes: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor, mins: torch.Tensor | None,
+           k: int) -> Packed:
+    """An int4 QuantizedLinear's buffers (MatMulNBits' layout: two codes a byte, low nibble first; zero points two
+    a byte) in the candidate's layout, K padded to whole steps with zero codes and zero scales."""
+    n, blocks = scales.shape
+    if codes.shape[1] * 2 != blocks * BLOCK_SIZE:
+        raise ValueError(f"int4 codes of {codes.shape[1]} bytes per output do not hold {blocks} blocks of "
+                         f"{BLOCK_SIZE}")
+    steps = -(-blocks // BLOCKS)
+    q = torch.stack([codes & 0xF, codes >> 4], -1).reshape(n, blocks * BLOCK_SIZE).int()
+    q = torch.nn.functional.pad(q, (0, steps * STEP - q.shape[1]))
+    # dim j * 32 + 2w + h of a step -> nibble p = j + 4h of word w
+    q = q.view(n, steps, BLOCKS, WORDS, 2).permute(0, 1, 3, 4, 2).reshape(n, steps, WORDS, 8)
+    shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int32)
+    words = (q << shifts).sum(-1, dtype=torch.int64)  # the nibbles are disjoint: the sum is their OR
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).view(n, steps * WORDS)
+    z = torch.stack([zero_points & 0xF, zero_points >> 4], -1).reshape(n, -1)[:, :blocks]
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t.float(), (0, steps * BLOCKS - blocks)).to(torch.bfloat16)
+
+    return Packed(words, per_block(scales), per_block(-128 - z.int()), None if mins is None else per_block(mins), k)
+
+
+def dense(packed: Packed) -> torch.Tensor:
+    """[N, k] float32: the weight the candidate multiplies by, ((128 + q) - (128 + z)) * s (+ m) rounded once to
+    bfloat16, as its fused multiply-add computes it."""
+    n = packed.words.shape[0]
+    nibbles = torch.stack([(packed.words >> (4 * p)) & 0xF for p in range(8)], -1)  # [n, steps * WORDS, 8]
+    # nibble p = j + 4h of word w -> dim j * 32 + 2w + h
+    q = nibbles.view(n, -1, WORDS, 2, BLOCKS).permute(0, 1, 4, 2, 3).reshape(n, -1, BLOCK_SIZE).double()
+    z = -packed.offsets.double()[..., None] - 128
+    w = (q - z) * packed.scales.double()[..., None]
+    if packed.mins is not None:
+        w = w + packed.mins.double()[..., None]
+    return w.to(torch.bfloat16).float().reshape(n, -1)[:, : packed.k]
+
+
+# one pair of weights on sm_80+: the codes' bits under 128.0's (a & b | c), + -(128 + z) exactly, then one rounding
+# of * s + m; Triton packs each two bfloat16 operands and results in one 32-bit register (pack=2)
+_PAIR_ASM = tl.constexpr(f"""{{
+.reg .b32 t, one;
+mov.b32 one, 0x3F803F80;
+lop3.b32 t, $1, {PAIR_MASK.value:#010x}, {MAGIC.value:#010x}, 0xea;
+fma.rn.bf16x2 t, t, one, $3;
+fma.rn.bf16x2 $0, t, $4, $5;
+}}""")
+
+
+@triton.jit
+def _block_weights(words, j: tl.constexpr, scale, offset, m, INTERPRETED: tl.constexpr):
+    """[BLOCK_N, 32] weights of block j of a step, ((128 + q) - (128 + z)) * s + m, from its [BLOCK_N, WORDS] words
+    and the block's [BLOCK_N] scale, offset -(128 + z) and min (0 without mins): bfloat16 pairs made in the
+    operand's registers (float32 holding bfloat16 values in the interpreter, which runs no PTX: the same values,
+    rounded twice, so rarely a bfloat16 unit apart)."""
+    shifted = words >> (4 * j)
+    if INTERPRETED:
+        t = (shifted & PAIR_MASK) | MAGIC  # (128 + q, 128 + q') bfloat16 pairs
+        pairs = tl.join((t << 16).to(tl.float32, bitcast=True), (t & 0xFFFF0000).to(tl.float32, bitcast=True))
+        w = tl.reshape(pairs, (pairs.shape[0], pairs.shape[1] * 2))  # dims 2w + h of block j
+        return invariant._bfloat16_values((w + offset.to(tl.float32)[:, None]) * scale.to(tl.float32)[:, None]
+                                + m.to(tl.float32)[:, None])
+    both = tl.join(shifted, shifted)
+    both = tl.reshape(both, (both.shape[0], both.shape[1] * 2))  # each word at the dims 2w, 2w + 1 it holds
+    shape: tl.constexpr = both.shape
+    return tl.inline_asm_elementwise(_PAIR_ASM, "=r,r,r,r,r,r",
+                                     [both, tl.broadcast_to(offset[:, None], shape),
+                                      tl.broadcast_to(scale[:, None], shape), tl.broadcast_to(m[:, None], shape)],
+                                     dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _column(t, j: tl.constexpr):
+    """Column j of a [BLOCK_N, 4] tensor, by two splits (Triton has no register indexing)."""
+    even, odd = tl.split(tl.reshape(t, (t.shape[0], 2, 2)))  # columns (0, 2) and (1, 3)
+    low, high = tl.split(even if j % 2 == 0 else odd)
+    return low if j < 2 else high
+
+
+@triton.jit(do_not_specialize=["M", "SPAN_STEPS"])
+def _int4_kernel(x_ptr, w_ptr, y_ptr, part_ptr, c_ptr, s_ptr, o_ptr, m_ptr, M, N, K, SPAN_STEPS, stride_xm,
+                 stride_wn, stride_ym, stride_s, SPLIT: tl.constexpr, FUSED_SUM: tl.constexpr,
+                 HAS_MINS: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 SUBSTEPS: tl.constexpr, EVEN_K: tl.constexpr):
+    """y = x @ w^T for w [N, K] in the candidate's layout, over this program's span of SPAN_STEPS iterations of
+    SUBSTEPS steps; the accumulator is [BLOCK_N, BLOCK_M] (weights as wgmma's A operand). SPLIT: the span's float32
+    sums go to part [spans, M, N], added in span order by invariant._span_sums, or (FUSED_SUM) by the tile's last
+    span to finish, counted in c (int32 a tile, zero between calls)."""
+    pid_m, pid_n, span = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for it in range(span * SPAN_STEPS, tl.minimum(tl.cdiv(K, 128 * SUBSTEPS), (span + 1) * SPAN_STEPS)):
+        for sub in tl.static_range(SUBSTEPS):
+            step = it * SUBSTEPS + sub
+            word = step * 16 + tl.arange(0, 16)  # the step's words; an iteration's last steps may lie past K
+            g = step * 4 + tl.arange(0, 4)  # the step's blocks
+            w_ok = n_ok[:, None] & (EVEN_K or (word < tl.cdiv(K, 128) * 16)[None, :])
+            ok = n_ok[:, None] & (EVEN_K or (g < tl.cdiv(K, 128) * 4)[None, :])
+            words = tl.load(w_ptr + offs_n[:, None] * stride_wn + word[None, :], mask=w_ok,
+                            other=0).to(tl.uint32, bitcast=True)  # [BLOCK_N, 16]
+            s4 = tl.load(s_ptr + offs_n[:, None] * stride_s + g[None, :], mask=ok, other=0.0)  # [BLOCK_N, 4]
+            o4 = tl.load(o_ptr + offs_n[:, None] * stride_s + g[None, :], mask=ok, other=0.0)
+            m4 = tl.zeros_like(s4)
+            if HAS_MINS:
+                m4 = tl.load(m_ptr + offs_n[:, None] * stride_s + g[None, :], mask=ok, other=0.0)
+            for j in tl.static_range(4):
+                dims = (step * 4 + j) * 32 + tl.arange(0, 32)
+                xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + dims[:, None],
+                             mask=m_ok[None, :] & (EVEN_K or (dims < K)[:, None]), other=0.0)  # [32, BLOCK_M]
+                w = _block_weights(words, j, _column(s4, j), _column(o4, j), _column(m4, j), INTERPRETED)
+                acc = tl.dot(w.to(tl.float32 if INTERPRETED else xt.dtype),
+                             xt.to(tl.float32) if INTERPRETED else xt, acc, input_precision="ieee")
+    out_ok = n_ok[:, None] & m_ok[None, :]
+    if SPLIT:
+        tl.store(part_ptr + (span * M + offs_m)[None, :] * N + offs_n[:, None], acc, mask=out_ok)
+        if FUSED_SUM:  # the last of the tile's spans to finish adds all their sums, in span order
+            tl.debug_barrier()  # every thread's sums stored before the release below
+            tile = pid_m * tl.num_programs(1) + pid_n
+            if tl.atomic_add(c_ptr + tile, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
+                total = tl.load(part_ptr + offs_m[None, :] * N + offs_n[:, None], mask=out_ok, other=0.0,
+                                cache_modifier=".cg")  # from L2: this SM's L1 may hold an earlier call's
+                for other in range(1, tl.num_programs(2)):
+                    total += tl.load(part_ptr + (other * M + offs_m)[None, :] * N + offs_n[:, None], mask=out_ok,
+                                     other=0.0, cache_modifier=".cg")
+                tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], total.to(y_ptr.dtype.element_ty),
+                         mask=out_ok)
+                tl.atomic_xchg(c_ptr + tile, 0)  # zero for the next call (a CUDA graph's replay)
+    else:
+        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_ok)
+
+
+_COUNTERS: dict[str, torch.Tensor] = {}  # per device: one int32 a tile, zero between calls (FUSED_SUM)
+
+
+def counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """A zeroed int32 counter a tile on `device`, kept across calls (each call leaves it zero)."""
+    have = _COUNTERS.get(str(device))
+    if have is None or have.numel() < tiles:
+        have = _COUNTERS[str(device)] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return have
+
+
+def span_of(K: int) -> int | None:
+    """The input dims one program reduces, fixed by K: SPAN once K holds two, else all of K."""
+    return SPAN if K >= 2 * SPAN else None
+
+
+def int4_linear(x: torch.Tensor, packed: Packed, tile: tuple[int, int, int, int] = TILE,
+                span: int | str | None = "auto", fused_sum: bool = False) -> torch.Tensor:
+    """x [..., k] times the packed weight's transpose, row-invariant; float32 accumulation. tile: (BLOCK_N, warps,
+    steps an iteration, pipeline stages); span: a multiple of 128 * steps an iteration, or None for all of K;
+    fused_sum: the spans' sums added inside the product's launch (same bits, one launch fewer; calls on one
+    device must not overlap: they share the counters)."""
+    BN, warps, substeps, stages = tile
+    if span == "auto":
+        span = span_of(packed.k)
+    if span is not None and (not isinstance(span, int) or span <= 0 or span % (STEP * substeps)):
+        raise ValueError(f"span must be a positive multiple of {STEP * substeps}, got {span!r}")
+    x2 = invariant._rows(x)
+    M, K = x2.shape
+    N = packed.words.shape[0]
+    iters = triton.cdiv(K if span is None else span, STEP * substeps)
+    spans = triton.cdiv(K, iters * STEP * substeps)
+    y, part = invariant._outputs(x2, N, spans)
+    mins = packed.scales if packed.mins is None else packed.mins
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BN), spans)
+    fused = fused_sum and spans > 1
+    count = counters(x2.device, grid[0] * grid[1]) if fused else part
+    _int4_kernel[grid](
+        x2, packed.words, y, part, count, packed.scales, packed.offsets, mins, M, N, K, iters, x2.stride(0),
+        packed.words.stride(0), y.stride(0), packed.scales.stride(0), SPLIT=spans > 1, FUSED_SUM=fused,
+        HAS_MINS=packed.mins is not None, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", BLOCK_M=BLOCK_M,
+        BLOCK_N=BN, SUBSTEPS=substeps, EVEN_K=K % (STEP * substeps) == 0, num_warps=warps, num_stages=stages)
+    if spans > 1 and not fused:
+        invariant._span_sums(part, None, y, M, N, spans)
+    return y.view(*x.shape[:-1], N)
+
+
+def packed_bytes(packed: Packed) -> int:
+    """The bytes one product reads for the weight: words, and the bfloat16 scales, offsets (and mins)."""
+    extra = [] if packed.mins is None else [packed.mins]
+    return sum(t.numel() * t.element_size() for t in (packed.words, packed.scales, packed.offsets, *extra))
+
+
+def check(x: torch.Tensor, packed: Packed, weight: torch.Tensor, tile: tuple[int, int, int, int],
+          span: int | str | None, fused_sum: bool) -> dict[str, Any]:
+    """The candidate against the float64 product by `weight` (its own `dense` weight), row 0 against itself
+    alone, and (fused_sum) the whole against the spans added by a second launch."""
+    y = int4_linear(x, packed, tile, span, fused_sum)
+    want = x.double() @ weight.double().t()
+    err = ((y.double() - want).norm() / want.norm()).item()
+    alone = int4_linear(x[:1], packed, tile, span, fused_sum)
+    found = {"relative_error": err, "row_alone_same_bits": bool(torch.equal(alone[0], y[0]))}
+    if fused_sum:
+        found["same_bits_as_two_launches"] = bool(torch.equal(int4_linear(x, packed, tile, span), y))
+    return found
+
+
+def variants(tiles: tuple[tuple[int, int, int, int], ...], spans: tuple[int | None, ...],
+             K: int) -> list[tuple[tuple[int, int, int, int], int | None, bool]]:
+    """(tile, span, fused_sum) main times for K: spans that split K and are whole iterations, each with its sums
+    added by a second launch and inside the first; all of K once."""
+    out: list[tuple[tuple[int, int, int, int], int | None, bool]] = []
+    for tile in tiles:
+        for span in spans:
+            if span is None:
+                out.append((tile, None, False))
+            elif span < K and span % (STEP * tile[2]) == 0:
+                out += [(tile, span, False), (tile, span, True)]
+    return out
+
+
+def run(shape_name: str, rows: list[int], peak_gbps: float, tiles: tuple[tuple[int, int, int, int], ...],
+        spans: tuple[int | None, ...], device: str = "cuda") -> list[dict[str, Any]]:
+    """Per projection and M: the landed int4 product's time, and the candidate's at each tile and span with its
+    checks (a random weight in MatMulNBits' layout, repacked; bfloat16 rows)."""
+    out: list[dict[str, Any]] = []
+    shape = cast(dict[str, Any], SHAPES[shape_name])
+    for name, (N, K) in projections(shape).items():
+        codes, scales, zeros = quantized_weight(N, K, 4, device)
+        packed = repack(codes, scales, zeros, None, K)
+        weight = dense(packed)
+        landed_limit = (codes.numel() + scales.numel() * 4 + zeros.numel()) / (peak_gbps * 1e3)
+        limit = packed_bytes(packed) / (peak_gbps * 1e3)
+        for M in rows:
+            x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+            landed = graph_time_us(functools.partial(invariant.quantized_linear, x, codes, scales, zeros, None, 4))
+            row: dict[str, Any] = {"projection": name, "N": N, "K": K, "M": M, "landed_us": round(landed, 2),
+                                   "landed_x_limit": round(landed / landed_limit, 2), "limit_us": round(limit, 2),
+                                   "candidates": []}
+            for tile, span, fused in variants(tiles, spans, K):
+                entry: dict[str, Any] = {"tile": tile, "span": span, "fused_sum": fused}
+                try:
+                    us = graph_time_us(functools.partial(int4_linear, x, packed, tile, span, fused))
+                    entry |= {"us": round(us, 2), "x_limit": round(us / limit, 2),
+                              **check(torch.randn(max(M, 2), K, device=device, dtype=torch.bfloat16), packed,
+                                      weight, tile, span, fused)}
+                except Exception as exc:  # a tile the GPU cannot hold is a row, not the end of the run
+                    entry["error"] = f"{exc}"[:200]
+                row["candidates"].append(entry)
+            row["candidates"].sort(key=lambda e: e.get("us", float("inf")))
+            out.append(row)
+            print(json.dumps({**row, "candidates": row["candidates"][:3]}), flush=True)
+    return out
+
+
+def step_sums(rows: list[dict[str, Any]], layers: int) -> list[dict[str, Any]]:
+    """Per M: a whole step's projections (layers x each layer's four, plus the lm_head), landed, the memory limit
+    of the candidate's bytes, and the candidate at each (tile, span, fused_sum) that ran on every projection, fastest
+    first."""
+    sums: dict[int, dict[str, Any]] = {}
+    for r in rows:
+        times = layers if r["projection"] != "lm_head" else 1
+        entry = sums.setdefault(r["M"], {"landed_us": 0.0, "limit_us": 0.0, "projections": 0, "candidates": {}})
+        entry["landed_us"] += r["landed_us"] * times
+        entry["limit_us"] += r["limit_us"] * times
+        entry["projections"] += 1
+        for c in r["candidates"]:
+            if "us" in c:
+                key = (tuple(c["tile"]), c["span"], c["fused_sum"])
+                entry["candidates"].setdefault(key, []).append(c["us"] * times)
+    out = []
+    for M, e in sorted(sums.items()):
+        whole = sorted((sum(t), key) for key, t in e["candidates"].items() if len(t) == e["projections"])
+        out.append({"M": M, "landed_ms": round(e["landed_us"] / 1e3, 3), "limit_ms": round(e["limit_us"] / 1e3, 3),
+                    "best": [{"tile": list(tile), "span": span, "fused_sum": fused, "ms": round(us / 1e3, 3),
+                              "x_limit": round(us / e["limit_us"], 2)} for us, (tile, span, fused) in whole[:5]]})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-7b")
+    parser.add_argument("--rows", default="1,16", help="comma list of row counts M")
+    parser.add_argument("--peak-gbps", type=float, default=4800.0, help="the GPU's HBM bandwidth (H200: 4800)")
+    parser.add_argument("--tiles", type=int, default=len(TILES), help="time the first TILES only")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: no CUDA device: this script times GPU kernels; run it on a GPU machine", file=sys.stderr)
+        return 2
+    rows = run(args.shape, [int(r) for r in args.rows.split(",")], args.peak_gbps, TILES[: args.tiles], SPANS)
+    shape = cast(dict[str, Any], SHAPES[args.shape])
+    result = {"shape": args.shape, "device": torch.cuda.get_device_name(),
+              "step": step_sums(rows, shape["num_layers"]), "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1), encoding="utf-8")
+    for entry in result["step"]:
+        print(json.dumps(entry))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
