@@ -162,28 +162,50 @@ def step_sums(rows: list[dict[str, Any]], layers: int) -> list[dict[str, Any]]:
              "x_limit": round(e["us"] / e["limit_us"], 2)} for (v, m), e in sorted(sums.items())]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def gpu_parser(description: str, rows: str) -> argparse.ArgumentParser:
+    """The arguments of a script timing the quantized products here: --out, --shape, --rows, --peak-gbps."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-7b")
-    parser.add_argument("--rows", default="1,16,64", help="comma list of row counts M")
+    parser.add_argument("--rows", default=rows, help="comma list of row counts M")
     parser.add_argument("--peak-gbps", type=float, default=4800.0, help="the GPU's HBM bandwidth (H200: 4800)")
-    parser.add_argument("--sweep", type=int, choices=(4, 8), help="also time quantized_linear's tiles at BITS")
-    parser.add_argument("--sweep-rows", default="1,16", help="comma list of the sweep's row counts M")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("error: no CUDA device: this benchmark times GPU kernels; run it on a GPU machine", file=sys.stderr)
-        return 2
-    result = bench(args.shape, [int(r) for r in args.rows.split(",")], args.peak_gbps)
-    result["device"] = torch.cuda.get_device_name()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1), encoding="utf-8")  # the main table, if the sweep dies
-    if args.sweep:
-        result["sweep"] = sweep(args.shape, [int(r) for r in args.sweep_rows.split(",")], args.sweep, args.peak_gbps)
-        args.out.write_text(json.dumps(result, indent=1), encoding="utf-8")
+    return parser
+
+
+def no_gpu() -> bool:
+    """Whether there is no CUDA device, said in one line on stderr."""
+    if torch.cuda.is_available():
+        return False
+    print("error: no CUDA device: this script times GPU kernels; run it on a GPU machine", file=sys.stderr)
+    return True
+
+
+def write_result(out: Path, result: dict[str, Any]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1), encoding="utf-8")
+
+
+def finish(out: Path, result: dict[str, Any]) -> int:
+    """Write the result, print its whole-step lines; main's exit status."""
+    write_result(out, result)
     for entry in result["step"]:
         print(json.dumps(entry))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = gpu_parser(__doc__.splitlines()[0], "1,16,64")
+    parser.add_argument("--sweep", type=int, choices=(4, 8), help="also time quantized_linear's tiles at BITS")
+    parser.add_argument("--sweep-rows", default="1,16", help="comma list of the sweep's row counts M")
+    args = parser.parse_args(argv)
+    if no_gpu():
+        return 2
+    result = bench(args.shape, [int(r) for r in args.rows.split(",")], args.peak_gbps)
+    result["device"] = torch.cuda.get_device_name()
+    if args.sweep:
+        write_result(args.out, result)  # the main table, if the sweep dies
+        result["sweep"] = sweep(args.shape, [int(r) for r in args.sweep_rows.split(",")], args.sweep, args.peak_gbps)
+    return finish(args.out, result)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ with the whole step's sums, best first.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -49,7 +48,7 @@ import triton.language as tl
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-from bench_quantized_gpu import graph_time_us, projections, quantized_weight  # noqa: E402
+import bench_quantized_gpu as bench  # noqa: E402
 from gpu_check import SHAPES  # noqa: E402
 
 from trt_lookahead.engine.quantize import BLOCK_SIZE  # noqa: E402
@@ -301,22 +300,23 @@ def run(shape_name: str, rows: list[int], peak_gbps: float, tiles: tuple[tuple[i
     checks (a random weight in MatMulNBits' layout, repacked; bfloat16 rows)."""
     out: list[dict[str, Any]] = []
     shape = cast(dict[str, Any], SHAPES[shape_name])
-    for name, (N, K) in projections(shape).items():
-        codes, scales, zeros = quantized_weight(N, K, 4, device)
+    for name, (N, K) in bench.projections(shape).items():
+        codes, scales, zeros = bench.quantized_weight(N, K, 4, device)
         packed = repack(codes, scales, zeros, None, K)
         weight = dense(packed)
         landed_limit = (codes.numel() + scales.numel() * 4 + zeros.numel()) / (peak_gbps * 1e3)
         limit = packed_bytes(packed) / (peak_gbps * 1e3)
         for M in rows:
             x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
-            landed = graph_time_us(functools.partial(invariant.quantized_linear, x, codes, scales, zeros, None, 4))
+            landed = bench.graph_time_us(
+                functools.partial(invariant.quantized_linear, x, codes, scales, zeros, None, 4))
             row: dict[str, Any] = {"projection": name, "N": N, "K": K, "M": M, "landed_us": round(landed, 2),
                                    "landed_x_limit": round(landed / landed_limit, 2), "limit_us": round(limit, 2),
                                    "candidates": []}
             for tile, span, fused in variants(tiles, spans, K):
                 entry: dict[str, Any] = {"tile": tile, "span": span, "fused_sum": fused}
                 try:
-                    us = graph_time_us(functools.partial(int4_linear, x, packed, tile, span, fused))
+                    us = bench.graph_time_us(functools.partial(int4_linear, x, packed, tile, span, fused))
                     entry |= {"us": round(us, 2), "x_limit": round(us / limit, 2),
                               **check(torch.randn(max(M, 2), K, device=device, dtype=torch.bfloat16), packed,
                                       weight, tile, span, fused)}
@@ -354,25 +354,16 @@ def step_sums(rows: list[dict[str, Any]], layers: int) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-7b")
-    parser.add_argument("--rows", default="1,16", help="comma list of row counts M")
-    parser.add_argument("--peak-gbps", type=float, default=4800.0, help="the GPU's HBM bandwidth (H200: 4800)")
+    parser = bench.gpu_parser(__doc__.splitlines()[0], "1,16")
     parser.add_argument("--tiles", type=int, default=len(TILES), help="time the first TILES only")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("error: no CUDA device: this script times GPU kernels; run it on a GPU machine", file=sys.stderr)
+    if bench.no_gpu():
         return 2
     rows = run(args.shape, [int(r) for r in args.rows.split(",")], args.peak_gbps, TILES[: args.tiles], SPANS)
     shape = cast(dict[str, Any], SHAPES[args.shape])
     result = {"shape": args.shape, "device": torch.cuda.get_device_name(),
               "step": step_sums(rows, shape["num_layers"]), "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1), encoding="utf-8")
-    for entry in result["step"]:
-        print(json.dumps(entry))
-    return 0
+    return bench.finish(args.out, result)
 
 
 if __name__ == "__main__":
