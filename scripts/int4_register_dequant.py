@@ -297,13 +297,14 @@ def variants(tiles: tuple[tuple[int, int, int, int], ...], spans: tuple[int | No
 def run(shape_name: str, rows: list[int], peak_gbps: float, tiles: tuple[tuple[int, int, int, int], ...],
         spans: tuple[int | None, ...], device: str = "cuda") -> list[dict[str, Any]]:
     """Per projection and M: the landed int4 product's time, and the candidate's at each tile and span with its
-    checks (a random weight in MatMulNBits' layout, repacked; bfloat16 rows)."""
+    checks (a random weight in MatMulNBits' layout, repacked; bfloat16 rows); the checks once more with mins."""
     out: list[dict[str, Any]] = []
     shape = cast(dict[str, Any], SHAPES[shape_name])
     for name, (N, K) in bench.projections(shape).items():
         codes, scales, zeros = bench.quantized_weight(N, K, 4, device)
         packed = repack(codes, scales, zeros, None, K)
         weight = dense(packed)
+        with_mins = repack(codes, scales, zeros, torch.rand_like(scales) - 0.5, K)  # a Q4_1 weight: m added
         landed_limit = (codes.numel() + scales.numel() * 4 + zeros.numel()) / (peak_gbps * 1e3)
         limit = packed_bytes(packed) / (peak_gbps * 1e3)
         for M in rows:
@@ -312,6 +313,8 @@ def run(shape_name: str, rows: list[int], peak_gbps: float, tiles: tuple[tuple[i
                 functools.partial(invariant.quantized_linear, x, codes, scales, zeros, None, 4))
             row: dict[str, Any] = {"projection": name, "N": N, "K": K, "M": M, "landed_us": round(landed, 2),
                                    "landed_x_limit": round(landed / landed_limit, 2), "limit_us": round(limit, 2),
+                                   "mins_check": check(torch.randn(max(M, 2), K, device=device, dtype=torch.bfloat16),
+                                                       with_mins, dense(with_mins), TILE, "auto", False),
                                    "candidates": []}
             for tile, span, fused in variants(tiles, spans, K):
                 entry: dict[str, Any] = {"tile": tile, "span": span, "fused_sum": fused}

@@ -17,6 +17,8 @@ from support.scripts import ROOT, load_script, run_script
 from trt_lookahead.backends.devices import gpu_count
 from trt_lookahead.model.llama import QuantizedLinear
 
+DEVICE = "cuda" if gpu_count() else "cpu"  # where the kernel runs (interpreted on the CPU)
+
 
 @pytest.fixture(scope="module")
 def cand():
@@ -41,7 +43,7 @@ def int4_buffers(n: int, k: int, seed: int, exact: bool = False):
     else:
         scales = torch.rand(n, blocks, generator=g) / 16
         mins = torch.rand(n, blocks, generator=g) - 0.5
-    return codes, scales, zeros, mins
+    return codes.to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE), mins.to(DEVICE)
 
 
 def test_repack_puts_each_code_where_the_docstring_says(cand):
@@ -81,7 +83,7 @@ def test_dense_rounds_the_engine_weight_to_bfloat16(cand):
 
 
 @pytest.mark.parametrize(("dtype", "k", "tile", "span", "tolerance"), [
-    (torch.float32, 96, None, "auto", 1e-6),  # one step, K padded
+    (torch.float32, 96, None, "auto", 1e-6),  # one step, K padded (a GPU's float32 dot: not tensor cores)
     (torch.float32, 1000, (64, 4, 2, 3), 256, 1e-6),  # two steps an iteration, four spans, a half-used last step
     (torch.bfloat16, 512, (128, 8, 1, 3), None, 8e-3),  # bfloat16 out: its rounding
 ])
@@ -91,7 +93,7 @@ def test_product_is_the_float64_product_by_its_weight(cand, dtype, k, tile, span
     codes, scales, zeros, mins = int4_buffers(70, k, seed=3)
     for m in (None, mins):
         packed = cand.repack(codes, scales, zeros, m, k)
-        x = torch.randn(5, k).to(dtype)
+        x = torch.randn(5, k, device=DEVICE).to(dtype)
         y = cand.int4_linear(x, packed, tile or cand.TILE, span)
         want = x.double() @ cand.dense(packed).double().t()
         assert y.dtype == dtype and y.shape == (5, 70)
@@ -102,7 +104,7 @@ def test_a_row_has_the_same_bits_alone_and_in_any_batch(cand):
     """M = 1, 2 and 17 (two programs of 16 rows): row i's bits never depend on the rows beside it."""
     codes, scales, zeros, mins = int4_buffers(64, 384, seed=4)
     packed = cand.repack(codes, scales, zeros, mins, 384)
-    x = torch.randn(17, 384).to(torch.bfloat16)
+    x = torch.randn(17, 384, device=DEVICE).to(torch.bfloat16)
     together = cand.int4_linear(x, packed, span=128)
     for i in (0, 1, 16):
         assert torch.equal(cand.int4_linear(x[i : i + 1], packed, span=128)[0], together[i])
@@ -114,7 +116,7 @@ def test_spans_added_inside_the_launch_give_the_same_bits_and_leave_the_counters
     all four in span order, as the second launch does; twice, as a CUDA graph's replays reuse the counters."""
     codes, scales, zeros, mins = int4_buffers(70, 1000, seed=6)
     packed = cand.repack(codes, scales, zeros, mins, 1000)
-    x = torch.randn(17, 1000).to(torch.bfloat16)
+    x = torch.randn(17, 1000, device=DEVICE).to(torch.bfloat16)
     two_launches = cand.int4_linear(x, packed, (64, 4, 1, 3), 256)
     for _ in range(2):
         assert torch.equal(cand.int4_linear(x, packed, (64, 4, 1, 3), 256, fused_sum=True), two_launches)
@@ -125,7 +127,7 @@ def test_refuses_a_span_that_splits_an_iteration_and_codes_that_are_not_blocks(c
     codes, scales, zeros, _ = int4_buffers(4, 256, seed=5)
     packed = cand.repack(codes, scales, zeros, None, 256)
     with pytest.raises(ValueError, match="multiple of 256"):
-        cand.int4_linear(torch.ones(1, 256), packed, (64, 4, 2, 3), span=128)
+        cand.int4_linear(torch.ones(1, 256, device=DEVICE), packed, (64, 4, 2, 3), span=128)
     with pytest.raises(ValueError, match="do not hold 8 blocks"):
         cand.repack(codes[:, :100], scales, zeros, None, 256)
 
