@@ -178,8 +178,10 @@ def _int4_kernel(x_ptr, w_ptr, y_ptr, part_ptr, c_ptr, s_ptr, o_ptr, m_ptr, M, N
             step = it * SUBSTEPS + sub
             word = step * 16 + tl.arange(0, 16)  # the step's words; an iteration's last steps may lie past K
             g = step * 4 + tl.arange(0, 4)  # the step's blocks
-            w_ok = n_ok[:, None] & (EVEN_K or (word < tl.cdiv(K, 128) * 16)[None, :])
-            ok = n_ok[:, None] & (EVEN_K or (g < tl.cdiv(K, 128) * 4)[None, :])
+            w_ok, ok = n_ok[:, None], n_ok[:, None]
+            if not EVEN_K:
+                w_ok = w_ok & (word < tl.cdiv(K, 128) * 16)[None, :]
+                ok = ok & (g < tl.cdiv(K, 128) * 4)[None, :]
             words = tl.load(w_ptr + offs_n[:, None] * stride_wn + word[None, :], mask=w_ok,
                             other=0).to(tl.uint32, bitcast=True)  # [BLOCK_N, 16]
             s4 = tl.load(s_ptr + offs_n[:, None] * stride_s + g[None, :], mask=ok, other=0.0)  # [BLOCK_N, 4]
@@ -189,8 +191,10 @@ def _int4_kernel(x_ptr, w_ptr, y_ptr, part_ptr, c_ptr, s_ptr, o_ptr, m_ptr, M, N
                 m4 = tl.load(m_ptr + offs_n[:, None] * stride_s + g[None, :], mask=ok, other=0.0)
             for j in tl.static_range(4):
                 dims = (step * 4 + j) * 32 + tl.arange(0, 32)
-                xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + dims[:, None],
-                             mask=m_ok[None, :] & (EVEN_K or (dims < K)[:, None]), other=0.0)  # [32, BLOCK_M]
+                x_ok = m_ok[None, :]
+                if not EVEN_K:
+                    x_ok = x_ok & (dims < K)[:, None]
+                xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + dims[:, None], mask=x_ok, other=0.0)  # [32, BLOCK_M]
                 w = _block_weights(words, j, _column(s4, j), _column(o4, j), _column(m4, j), INTERPRETED)
                 acc = tl.dot(w.to(tl.float32 if INTERPRETED else xt.dtype),
                              xt.to(tl.float32) if INTERPRETED else xt, acc, input_precision="ieee")
