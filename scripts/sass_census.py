@@ -6,12 +6,13 @@ counted by opcode (docs/results/2026-11-30-int4-register-dequant.md).
 
 Kernels: the landed int4 product (kernels/invariant.py `_quantized_kernel` at QUANTIZED_TILES[4]) and the
 candidate (scripts/int4_register_dequant.py `_int4_kernel` at each of its TILES), bfloat16 activations, zero points
-without mins and Q4_1 mins, one span, the divisibility a launch on real tensors gives (pointers, N, K and the
-strides multiples of 16). Per kernel: registers a thread, shared memory, whether the weight operand reaches the
-tensor cores from registers (wgmma's A operand) or through shared memory, the loop's instructions a thread and per
-weight, and its most frequent opcodes. Counts are static: a loop instruction issues once per iteration, and
-an iteration covers BLOCK_N x BLOCK_K weights over the program's threads. They depend on the installed Triton;
-the lent GPUs run Triton 3.6.
+without mins and Q4_1 mins, one span (and the candidate's first tile once with its spans' sums added inside the
+launch), K a whole number of the candidate's steps, the divisibility a launch on real tensors gives (pointers, N,
+K and the strides multiples of 16). Per kernel: registers a thread, shared memory, whether the weight operand
+reaches the tensor cores from registers (wgmma's A operand) or through shared memory, the loop's instructions a
+thread and per weight, and its most frequent opcodes. Counts are static: a loop instruction issues once per
+iteration, and an iteration covers BLOCK_N x BLOCK_K weights over the program's threads. They depend on the
+installed Triton; the lent GPUs run Triton 3.6.
 """
 
 from __future__ import annotations
