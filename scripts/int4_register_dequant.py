@@ -61,12 +61,11 @@ PAIR_MASK = tl.constexpr(0x000F000F)  # a word's codes j and j + 4, shifted down
 MAGIC = tl.constexpr(0x43004300)  # bfloat16 128.0 in both halves: OR-ed over a code q in a half's low bits, 128 + q
 # (BLOCK_N, warps, steps a loop iteration, pipeline stages), BLOCK_N >= 64 (one warpgroup's wgmma A operand), for
 # main's sweep: fewest loop instructions a weight first (scripts/sass_census.py). TILE, until a GPU's sweep
-# picks: the fewest among those giving a 1-row 7B projection a program per SM at SPAN (BLOCK_N 128)
+# picks: the fewest among those giving a 1-row 7B projection a program per SM at QUANTIZED_SPAN (BLOCK_N 128)
 TILES = ((256, 8, 1, 2), (256, 8, 1, 3), (128, 4, 1, 2), (128, 4, 1, 3), (128, 4, 1, 4), (128, 8, 2, 3),
          (128, 8, 1, 3), (64, 4, 1, 3))
 TILE = (128, 4, 1, 2)
 BLOCK_M = 16  # rows per program, for every M: wgmma's N
-SPAN = 1024  # input dims per program once K holds two (more programs at one row), as QUANTIZED_SPAN
 SPANS = (512, 1024, 2048, None)  # the spans main times at each tile
 
 
@@ -228,11 +227,6 @@ def counters(device: torch.device, tiles: int) -> torch.Tensor:
     return have
 
 
-def span_of(K: int) -> int | None:
-    """The input dims one program reduces, fixed by K: SPAN once K holds two, else all of K."""
-    return SPAN if K >= 2 * SPAN else None
-
-
 def int4_linear(x: torch.Tensor, packed: Packed, tile: tuple[int, int, int, int] = TILE,
                 span: int | str | None = "auto", fused_sum: bool = False) -> torch.Tensor:
     """x [..., k] times the packed weight's transpose, row-invariant; float32 accumulation. tile: (BLOCK_N, warps,
@@ -241,9 +235,8 @@ def int4_linear(x: torch.Tensor, packed: Packed, tile: tuple[int, int, int, int]
     device must not overlap: they share the counters)."""
     BN, warps, substeps, stages = tile
     if span == "auto":
-        span = span_of(packed.k)
-    if span is not None and (not isinstance(span, int) or span <= 0 or span % (STEP * substeps)):
-        raise ValueError(f"span must be a positive multiple of {STEP * substeps}, got {span!r}")
+        span = invariant.quantized_span(packed.k)  # the landed product's rule: fixed by K
+    invariant._check_span(span, STEP * substeps, str(STEP * substeps))
     x2 = invariant._rows(x)
     M, K = x2.shape
     N = packed.words.shape[0]
@@ -309,6 +302,7 @@ def run(shape_name: str, rows: list[int], peak_gbps: float, tiles: tuple[tuple[i
         packed = repack(codes, scales, zeros, None, K)
         weight = dense(packed)
         with_mins = repack(codes, scales, zeros, torch.rand_like(scales) - 0.5, K)  # a Q4_1 weight: m added
+        weight_with_mins = dense(with_mins)
         landed_limit = (codes.numel() + scales.numel() * 4 + zeros.numel()) / (peak_gbps * 1e3)
         limit = packed_bytes(packed) / (peak_gbps * 1e3)
         for M in rows:
@@ -318,7 +312,7 @@ def run(shape_name: str, rows: list[int], peak_gbps: float, tiles: tuple[tuple[i
             row: dict[str, Any] = {"projection": name, "N": N, "K": K, "M": M, "landed_us": round(landed, 2),
                                    "landed_x_limit": round(landed / landed_limit, 2), "limit_us": round(limit, 2),
                                    "mins_check": check(torch.randn(max(M, 2), K, device=device, dtype=torch.bfloat16),
-                                                       with_mins, dense(with_mins), TILE, "auto", False),
+                                                       with_mins, weight_with_mins, TILE, "auto", False),
                                    "candidates": []}
             for tile, span, fused in variants(tiles, spans, K):
                 entry: dict[str, Any] = {"tile": tile, "span": span, "fused_sum": fused}
