@@ -26,20 +26,21 @@ from there (its A operand; x, the B operand, through shared memory as the pipeli
   the spans' float32 sums added in span order, by invariant._span_sums' second launch or (fused_sum) by the
   last of a tile's spans to finish, inside the one launch.
 
-`main` times both products on every projection of a Llama shape at each row count (CUDA graphs, as
-bench_quantized_gpu.py does) over TILES x SPANS x fused_sum, checks each against the float64 product by its own
-`dense` weight, a row against itself alone, and the fused sums against the second launch's, and writes one JSON
-with the whole step's sums, best first.
+`main` times both products on every projection of a Llama shape at each row count (CUDA graphs, weights read
+from HBM, as bench_quantized_gpu.py does) over TILES x SPANS x fused_sum, checks each against the float64 product
+by its own `dense` weight, a row against itself alone, and the fused sums against the second launch's; adds each
+variant's projections over a step (`projection_sums`); then times whole steps as they run (`step`: every layer's
+own weights, one CUDA graph), the landed product's and the candidate's at its STEP_CONFIGS best variants by those
+sums, and writes one JSON, fastest first.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -49,7 +50,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 import bench_quantized_gpu as bench  # noqa: E402
-from gpu_check import SHAPES  # noqa: E402
 
 from trt_lookahead.engine.quantize import BLOCK_SIZE  # noqa: E402
 from trt_lookahead.kernels import invariant  # noqa: E402
@@ -67,6 +67,7 @@ TILES = ((256, 8, 1, 2), (256, 8, 1, 3), (128, 4, 1, 2), (128, 4, 1, 3), (128, 4
 TILE = (128, 4, 1, 2)
 BLOCK_M = 16  # rows per program, for every M: wgmma's N
 SPANS = (512, 1024, 2048, None)  # the spans main times at each tile
+STEP_CONFIGS = 5  # (tile, span, fused_sum) main times as whole steps per M, the best by their projections' sums
 
 
 class Packed(NamedTuple):
@@ -291,33 +292,50 @@ def variants(tiles: tuple[tuple[int, int, int, int], ...], spans: tuple[int | No
     return out
 
 
-def run(shape_name: str, rows: list[int], peak_gbps: float, tiles: tuple[tuple[int, int, int, int], ...],
+def candidate_product(tile: tuple[int, int, int, int], span: int | str | None, fused_sum: bool) -> bench.Product:
+    """`int4_linear` at a tile, span and fused_sum, as bench_quantized_gpu times a product."""
+    def product(x: torch.Tensor, packed: Packed) -> torch.Tensor:
+        return int4_linear(x, packed, tile, span, fused_sum)
+    return product
+
+
+def random_packed(N: int, K: int, device: str) -> Packed:
+    """A random int4 weight of [N, K] in the candidate's layout (bench_quantized_gpu's random blocks, repacked)."""
+    codes, scales, zeros = bench.quantized_weight(N, K, 4, device)
+    return repack(codes, scales, zeros, None, K)
+
+
+def run(shape: dict[str, Any], rows: list[int], peak_gbps: float, tiles: tuple[tuple[int, int, int, int], ...],
         spans: tuple[int | None, ...], device: str = "cuda") -> list[dict[str, Any]]:
     """Per projection and M: the landed int4 product's time, and the candidate's at each tile and span with its
-    checks (a random weight in MatMulNBits' layout, repacked; bfloat16 rows); the checks once more with mins."""
+    checks (random weights in MatMulNBits' layout, repacked; bfloat16 rows); the checks once more with mins.
+    Weights cold as bench_quantized_gpu's: each product cycles through its own `cold_copies`."""
     out: list[dict[str, Any]] = []
-    shape = cast(dict[str, Any], SHAPES[shape_name])
+    l2 = bench.l2_bytes(device)
     for name, (N, K) in bench.projections(shape).items():
-        codes, scales, zeros = bench.quantized_weight(N, K, 4, device)
-        packed = repack(codes, scales, zeros, None, K)
+        codes, scales, zeros = first = bench.quantized_weight(N, K, 4, device)
+        landed_weights = [first] + [bench.quantized_weight(N, K, 4, device)
+                                    for _ in range(bench.cold_copies(bench.tensor_bytes(*first), l2) - 1)]
+        packed_weights = [repack(c, s, z, None, K) for c, s, z in landed_weights]
+        packed = packed_weights[0]
         weight = dense(packed)
         with_mins = repack(codes, scales, zeros, torch.rand_like(scales) - 0.5, K)  # a Q4_1 weight: m added
         weight_with_mins = dense(with_mins)
-        landed_limit = (codes.numel() + scales.numel() * 4 + zeros.numel()) / (peak_gbps * 1e3)
+        landed_limit = bench.tensor_bytes(*first) / (peak_gbps * 1e3)
         limit = packed_bytes(packed) / (peak_gbps * 1e3)
         for M in rows:
             x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
-            landed = bench.graph_time_us(
-                functools.partial(invariant.quantized_linear, x, codes, scales, zeros, None, 4))
-            row: dict[str, Any] = {"projection": name, "N": N, "K": K, "M": M, "landed_us": round(landed, 2),
-                                   "landed_x_limit": round(landed / landed_limit, 2), "limit_us": round(limit, 2),
+            landed = bench.call_us(bench.quantized_product(4), x, landed_weights)
+            row: dict[str, Any] = {"projection": name, "N": N, "K": K, "M": M, "copies": len(landed_weights),
+                                   "landed_us": round(landed, 2), "landed_x_limit": round(landed / landed_limit, 2),
+                                   "limit_us": round(limit, 2),
                                    "mins_check": check(torch.randn(max(M, 2), K, device=device, dtype=torch.bfloat16),
                                                        with_mins, weight_with_mins, TILE, "auto", False),
                                    "candidates": []}
             for tile, span, fused in variants(tiles, spans, K):
                 entry: dict[str, Any] = {"tile": tile, "span": span, "fused_sum": fused}
                 try:
-                    us = bench.graph_time_us(functools.partial(int4_linear, x, packed, tile, span, fused))
+                    us = bench.call_us(candidate_product(tile, span, fused), x, packed_weights)
                     entry |= {"us": round(us, 2), "x_limit": round(us / limit, 2),
                               **check(torch.randn(max(M, 2), K, device=device, dtype=torch.bfloat16), packed,
                                       weight, tile, span, fused)}
@@ -327,13 +345,40 @@ def run(shape_name: str, rows: list[int], peak_gbps: float, tiles: tuple[tuple[i
             row["candidates"].sort(key=lambda e: e.get("us", float("inf")))
             out.append(row)
             print(json.dumps({**row, "candidates": row["candidates"][:3]}), flush=True)
+        del landed_weights, packed_weights
+    return out
+
+
+def steps(shape: dict[str, Any], sums: list[dict[str, Any]], peak_gbps: float, configs: int,
+          device: str = "cuda") -> list[dict[str, Any]]:
+    """Per M of `sums` (step_sums'): the whole step timed as it runs (bench_quantized_gpu.step_weights, one CUDA
+    graph) with the landed product and with the candidate at each of the `configs` best (tile, span, fused_sum)
+    by their projections' sums, fastest first."""
+    landed = bench.step_weights(shape, bench.KINDS["int4"].make, device)
+    packed = bench.step_weights(shape, random_packed, device)
+    landed_limit = sum(bench.tensor_bytes(*w) for _, w in landed) / (peak_gbps * 1e3)
+    limit = sum(packed_bytes(w) for _, w in packed) / (peak_gbps * 1e3)
+    out: list[dict[str, Any]] = []
+    for entry in sums:
+        inputs = bench.step_inputs(shape, entry["M"], device)
+        us = bench.replay_us(bench.step_calls(landed, bench.quantized_product(4), inputs))
+        timed = []
+        for best in entry["best"][:configs]:
+            product = candidate_product(tuple(best["tile"]), best["span"], best["fused_sum"])
+            step_us = bench.replay_us(bench.step_calls(packed, product, inputs))
+            timed.append({**best, "sum_ms": best["ms"], "ms": round(step_us / 1e3, 3),
+                          "x_limit": round(step_us / limit, 2)})
+        timed.sort(key=lambda t: t["ms"])
+        out.append({"M": entry["M"], "limit_ms": round(limit / 1e3, 3), "landed_ms": round(us / 1e3, 3),
+                    "landed_x_limit": round(us / landed_limit, 2), "best": timed})
+        print(json.dumps(out[-1]), flush=True)
     return out
 
 
 def step_sums(rows: list[dict[str, Any]], layers: int) -> list[dict[str, Any]]:
-    """Per M: a whole step's projections (layers x each layer's four, plus the lm_head), landed, the memory limit
-    of the candidate's bytes, and the candidate at each (tile, span, fused_sum) that ran on every projection, fastest
-    first."""
+    """Per M: the projections' own times added over a whole step (layers x each layer's four, plus the lm_head),
+    landed, the memory limit of the candidate's bytes, and the candidate at each (tile, span, fused_sum) that ran on
+    every projection, fastest first."""
     sums: dict[int, dict[str, Any]] = {}
     for r in rows:
         times = layers if r["projection"] != "lm_head" else 1
@@ -350,20 +395,25 @@ def step_sums(rows: list[dict[str, Any]], layers: int) -> list[dict[str, Any]]:
         whole = sorted((sum(t), key) for key, t in e["candidates"].items() if len(t) == e["projections"])
         out.append({"M": M, "landed_ms": round(e["landed_us"] / 1e3, 3), "limit_ms": round(e["limit_us"] / 1e3, 3),
                     "best": [{"tile": list(tile), "span": span, "fused_sum": fused, "ms": round(us / 1e3, 3),
-                              "x_limit": round(us / e["limit_us"], 2)} for us, (tile, span, fused) in whole[:5]]})
+                              "x_limit": round(us / e["limit_us"], 2)} for us, (tile, span, fused) in whole]})
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = bench.gpu_parser(__doc__.splitlines()[0], "1,16")
     parser.add_argument("--tiles", type=int, default=len(TILES), help="time the first TILES only")
+    parser.add_argument("--step-configs", type=int, default=STEP_CONFIGS,
+                        help="whole steps timed per M: the best (tile, span, fused_sum) by their projections' sums")
     args = parser.parse_args(argv)
     if bench.no_gpu():
         return 2
-    rows = run(args.shape, [int(r) for r in args.rows.split(",")], args.peak_gbps, TILES[: args.tiles], SPANS)
-    shape = cast(dict[str, Any], SHAPES[args.shape])
-    result = {"shape": args.shape, "device": torch.cuda.get_device_name(),
-              "step": step_sums(rows, shape["num_layers"]), "rows": rows}
+    shape = bench.shape_of(args.shape)
+    rows = run(shape, [int(r) for r in args.rows.split(",")], args.peak_gbps, TILES[: args.tiles], SPANS)
+    sums = step_sums(rows, shape["num_layers"])
+    result = {"shape": args.shape, "device": torch.cuda.get_device_name(), "l2_bytes": bench.l2_bytes("cuda"),
+              "projection_sums": sums, "rows": rows}
+    bench.write_result(args.out, result)  # the projections, if the steps die
+    result["step"] = steps(shape, sums, args.peak_gbps, args.step_configs)
     return bench.finish(args.out, result)
 
 

@@ -146,6 +146,35 @@ def test_step_sums_add_each_layers_projections_and_rank_whole_steps(cand):
          "best": [{"tile": [64, 4, 1, 3], "span": None, "fused_sum": False, "ms": 0.008, "x_limit": 2.0}]}]
 
 
+# a small Llama whose K (256) splits into spans of 128: every variant main times, in small
+SMALL = {"hidden_size": 256, "head_dim": 64, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256,
+         "vocab_size": 64, "num_layers": 2}
+
+
+def test_run_and_steps_check_and_time_every_variant_on_a_small_shape(cand):
+    """main's flow without its GPU check: each variant (a whole-K chain, spans of 128 added by a second launch and
+    inside the first) timed and checked on every projection, then whole steps of the best two by their sums, the
+    limit the candidate's bytes by hand (16 words of 4 bytes and 4 blocks' bfloat16 scale and offset a step of 128
+    input dims an output)."""
+    rows = cand.run(SMALL, [2], 1.0, ((64, 4, 1, 3),), (128, None), device=DEVICE)
+    assert len(rows) == 5 and all(r["mins_check"]["row_alone_same_bits"] for r in rows)
+    for r in rows:
+        assert [(c["span"], c["fused_sum"]) for c in sorted(r["candidates"], key=lambda c: (c["span"] or 0,
+                c["fused_sum"]))] == [(None, False), (128, False), (128, True)]
+        for c in r["candidates"]:
+            assert c["us"] > 0 and c["row_alone_same_bits"] and c["relative_error"] < 1e-2
+            assert c.get("same_bits_as_two_launches", True)
+    sums = cand.step_sums(rows, SMALL["num_layers"])
+    steps = cand.steps(SMALL, sums, 1.0, configs=2, device=DEVICE)
+    step_bytes = sum(n * -(-k // 128) * (16 * 4 + 4 * 2 * 2) * (2 if name != "lm_head" else 1)
+                     for name, (n, k) in {"wqkv": (512, 256), "wo": (256, 256), "w13": (512, 256),
+                                          "w2": (256, 256), "lm_head": (64, 256)}.items())
+    assert [s["M"] for s in steps] == [2]
+    for s in steps:
+        assert s["limit_ms"] == round(step_bytes / 1e6, 3) and s["landed_ms"] > 0
+        assert len(s["best"]) == 2 and all(b["ms"] > 0 and b["sum_ms"] > 0 for b in s["best"])
+
+
 @pytest.mark.skipif(gpu_count() > 0, reason="the error is for machines without a GPU")
 def test_without_a_gpu_it_says_so_in_one_line(tmp_path):
     result = run_script("int4_register_dequant", "--out", str(tmp_path / "c.json"))
