@@ -30,8 +30,9 @@ from there (its A operand; x, the B operand, through shared memory as the pipeli
 from HBM, as bench_quantized_gpu.py does) over TILES x SPANS x fused_sum, checks each against the float64 product
 by its own `dense` weight, a row against itself alone, and the fused sums against the second launch's; adds each
 variant's projections over a step (`projection_sums`); then times whole steps as they run (`step`: every layer's
-own weights, one CUDA graph), the landed product's and the candidate's at its STEP_CONFIGS best variants by those
-sums, and writes one JSON, fastest first.
+own weights, one CUDA graph), the landed product's and the candidate's at the STEP_CONFIGS best configurations by
+those sums of each of RULES (one span for every projection, or each weight shape's fastest), and writes one JSON,
+fastest first.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ TILES = ((256, 8, 1, 2), (256, 8, 1, 3), (128, 4, 1, 2), (128, 4, 1, 3), (128, 4
 TILE = (128, 4, 1, 2)
 BLOCK_M = 16  # rows per program, for every M: wgmma's N
 SPANS = (512, 1024, 2048, None)  # the spans main times at each tile
-STEP_CONFIGS = 5  # (tile, span, fused_sum) main times as whole steps per M, the best by their projections' sums
+STEP_CONFIGS = 5  # configurations of each rule main times as whole steps per M, the best by their projections' sums
+RULES = ("fixed", "per shape")  # how a configuration picks each projection's (span, fused_sum): step_sums
 
 
 class Packed(NamedTuple):
@@ -292,9 +294,12 @@ def variants(tiles: tuple[tuple[int, int, int, int], ...], spans: tuple[int | No
     return out
 
 
-def candidate_product(tile: tuple[int, int, int, int], span: int | str | None, fused_sum: bool) -> bench.Product:
-    """`int4_linear` at a tile, span and fused_sum, as bench_quantized_gpu times a product."""
+def candidate_product(tile: tuple[int, int, int, int],
+                      spans: dict[tuple[int, int], tuple[int | str | None, bool]]) -> bench.Product:
+    """`int4_linear` at a tile, with the (span, fused_sum) that `spans` gives a weight's shape (N, k), as
+    bench_quantized_gpu times a product: one choice per shape, whatever M, so still row-invariant."""
     def product(x: torch.Tensor, packed: Packed) -> torch.Tensor:
+        span, fused_sum = spans[(packed.words.shape[0], packed.k)]
         return int4_linear(x, packed, tile, span, fused_sum)
     return product
 
@@ -335,7 +340,7 @@ def run(shape: dict[str, Any], rows: list[int], peak_gbps: float, tiles: tuple[t
             for tile, span, fused in variants(tiles, spans, K):
                 entry: dict[str, Any] = {"tile": tile, "span": span, "fused_sum": fused}
                 try:
-                    us = bench.call_us(candidate_product(tile, span, fused), x, packed_weights)
+                    us = bench.call_us(candidate_product(tile, {(N, K): (span, fused)}), x, packed_weights)
                     entry |= {"us": round(us, 2), "x_limit": round(us / limit, 2),
                               **check(torch.randn(max(M, 2), K, device=device, dtype=torch.bfloat16), packed,
                                       weight, tile, span, fused)}
@@ -352,22 +357,25 @@ def run(shape: dict[str, Any], rows: list[int], peak_gbps: float, tiles: tuple[t
 def steps(shape: dict[str, Any], sums: list[dict[str, Any]], peak_gbps: float, configs: int,
           device: str = "cuda") -> list[dict[str, Any]]:
     """Per M of `sums` (step_sums'): the whole step timed as it runs (bench_quantized_gpu.step_weights, one CUDA
-    graph) with the landed product and with the candidate at each of the `configs` best (tile, span, fused_sum)
-    by their projections' sums, fastest first."""
+    graph) with the landed product, and with the candidate at the `configs` best configurations of each rule by
+    their projections' sums, fastest first."""
     landed = bench.step_weights(shape, bench.KINDS["int4"].make, device)
     packed = bench.step_weights(shape, random_packed, device)
     landed_limit = sum(bench.tensor_bytes(*w) for _, w in landed) / (peak_gbps * 1e3)
     limit = sum(packed_bytes(w) for _, w in packed) / (peak_gbps * 1e3)
+    sizes = bench.projections(shape)
     out: list[dict[str, Any]] = []
     for entry in sums:
         inputs = bench.step_inputs(shape, entry["M"], device)
         us = bench.replay_us(bench.step_calls(landed, bench.quantized_product(4), inputs))
         timed = []
-        for best in entry["best"][:configs]:
-            product = candidate_product(tuple(best["tile"]), best["span"], best["fused_sum"])
-            step_us = bench.replay_us(bench.step_calls(packed, product, inputs))
-            timed.append({**best, "sum_ms": best["ms"], "ms": round(step_us / 1e3, 3),
-                          "x_limit": round(step_us / limit, 2)})
+        for rule in RULES:
+            for best in [b for b in entry["best"] if b["rule"] == rule][:configs]:
+                spans = {sizes[name]: (span, fused) for name, (span, fused) in best["spans"].items()}
+                step_us = bench.replay_us(bench.step_calls(packed, candidate_product(tuple(best["tile"]), spans),
+                                                           inputs))
+                timed.append({**best, "sum_ms": best["ms"], "ms": round(step_us / 1e3, 3),
+                              "x_limit": round(step_us / limit, 2)})
         timed.sort(key=lambda t: t["ms"])
         out.append({"M": entry["M"], "limit_ms": round(limit / 1e3, 3), "landed_ms": round(us / 1e3, 3),
                     "landed_x_limit": round(us / landed_limit, 2), "best": timed})
@@ -376,26 +384,44 @@ def steps(shape: dict[str, Any], sums: list[dict[str, Any]], peak_gbps: float, c
 
 
 def step_sums(rows: list[dict[str, Any]], layers: int) -> list[dict[str, Any]]:
-    """Per M: the projections' own times added over a whole step (layers x each layer's four, plus the lm_head),
-    landed, the memory limit of the candidate's bytes, and the candidate at each (tile, span, fused_sum) that ran on
-    every projection, fastest first."""
-    sums: dict[int, dict[str, Any]] = {}
+    """Per M: the projections' own times added over a whole step (layers x each layer's four, plus the lm_head):
+    landed, the memory limit of the candidate's bytes, and the candidate's configurations that ran on every
+    projection, fastest first. A configuration is a tile and each projection's (span, fused_sum), by one of RULES:
+    "fixed", one (span, fused_sum) for every projection, as main times them; or "per shape", at each tile each
+    projection's fastest by its times added over every M measured (a choice per weight shape, never per M)."""
+    times = {r["projection"]: layers if r["projection"] != "lm_head" else 1 for r in rows}
+    Ms = sorted({r["M"] for r in rows})
+    us: dict[tuple[Any, ...], float] = {}  # (M, projection, tile, span, fused) -> microseconds of one call
     for r in rows:
-        times = layers if r["projection"] != "lm_head" else 1
-        entry = sums.setdefault(r["M"], {"landed_us": 0.0, "limit_us": 0.0, "projections": 0, "candidates": {}})
-        entry["landed_us"] += r["landed_us"] * times
-        entry["limit_us"] += r["limit_us"] * times
-        entry["projections"] += 1
         for c in r["candidates"]:
             if "us" in c:
-                key = (tuple(c["tile"]), c["span"], c["fused_sum"])
-                entry["candidates"].setdefault(key, []).append(c["us"] * times)
+                us[(r["M"], r["projection"], tuple(c["tile"]), c["span"], c["fused_sum"])] = c["us"]
+    configs: list[tuple[str, tuple[int, ...], dict[str, tuple[int | None, bool]]]] = []
+    for tile, span, fused in sorted({key[2:] for key in us}, key=str):
+        configs.append(("fixed", tile, {name: (span, fused) for name in times}))
+    for tile in sorted({key[2] for key in us}):
+        choice: dict[str, tuple[int | None, bool]] = {}
+        for name in times:
+            options = {key[3:] for key in us if key[1] == name and key[2] == tile}
+            whole = [o for o in options if all((M, name, tile, *o) in us for M in Ms)]
+            if whole:
+                choice[name] = min(whole, key=lambda o: (sum(us[(M, name, tile, *o)] for M in Ms), str(o)))
+        configs.append(("per shape", tile, choice))
     out = []
-    for M, e in sorted(sums.items()):
-        whole = sorted((sum(t), key) for key, t in e["candidates"].items() if len(t) == e["projections"])
-        out.append({"M": M, "landed_ms": round(e["landed_us"] / 1e3, 3), "limit_ms": round(e["limit_us"] / 1e3, 3),
-                    "best": [{"tile": list(tile), "span": span, "fused_sum": fused, "ms": round(us / 1e3, 3),
-                              "x_limit": round(us / e["limit_us"], 2)} for us, (tile, span, fused) in whole]})
+    for M in Ms:
+        at_m = [r for r in rows if r["M"] == M]
+        landed = sum(r["landed_us"] * times[r["projection"]] for r in at_m)
+        limit = sum(r["limit_us"] * times[r["projection"]] for r in at_m)
+        ranked: list[dict[str, Any]] = []
+        for rule, tile, spans in configs:
+            keys = [(M, name, tile, *spans[name]) for name in times if name in spans]
+            if len(keys) == len(times) and all(k in us for k in keys):
+                total = sum(us[k] * times[k[1]] for k in keys)
+                ranked.append({"tile": list(tile), "rule": rule,
+                               "spans": {name: list(spans[name]) for name in times}, "ms": round(total / 1e3, 3),
+                               "x_limit": round(total / limit, 2)})
+        ranked.sort(key=lambda w: (w["ms"], w["rule"]))
+        out.append({"M": M, "landed_ms": round(landed / 1e3, 3), "limit_ms": round(limit / 1e3, 3), "best": ranked})
     return out
 
 
@@ -403,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = bench.gpu_parser(__doc__.splitlines()[0], "1,16")
     parser.add_argument("--tiles", type=int, default=len(TILES), help="time the first TILES only")
     parser.add_argument("--step-configs", type=int, default=STEP_CONFIGS,
-                        help="whole steps timed per M: the best (tile, span, fused_sum) by their projections' sums")
+                        help="whole steps timed per M and rule: the best configurations by their projections' sums")
     args = parser.parse_args(argv)
     if bench.no_gpu():
         return 2

@@ -132,18 +132,36 @@ def test_refuses_a_span_that_splits_an_iteration_and_codes_that_are_not_blocks(c
         cand.repack(codes[:, :100], scales, zeros, None, 256)
 
 
-def test_step_sums_add_each_layers_projections_and_rank_whole_steps(cand):
-    """Two layers: (wqkv 2 + w2 3) x 2 + lm_head 10 = 20 us landed; tile A runs everywhere (1 + 1) x 2 + 4 = 8,
-    tile B misses the lm_head (an error row) so no whole step."""
-    def row(name, landed, limit, a, b):
-        return {"projection": name, "M": 1, "landed_us": landed, "limit_us": limit,
-                "candidates": [{"tile": [64, 4, 1, 3], "span": None, "fused_sum": False, "us": a},
-                               {"tile": [128, 4, 1, 3], "span": 512, "fused_sum": True,
-                                **({"us": b} if b else {"error": "x"})}]}
-    rows = [row("wqkv", 2.0, 0.5, 1.0, 0.5), row("w2", 3.0, 0.5, 1.0, 0.5), row("lm_head", 10.0, 2.0, 4.0, None)]
+def test_step_sums_rank_fixed_and_per_shape_configurations(cand):
+    """Two layers, M 1 and 16. Tile A runs (None, False) and (512, True) everywhere; tile B misses the lm_head (an
+    error row), so it has no whole step. A's per-shape choice by the sums over both M: wqkv (512, True) 150 < 300,
+    w2 (None, False) 300 < 700, lm_head (None, False) 1200 < 1350. At M 1: per shape 50 x 2 + 100 x 2 + 400 = 700
+    us, fixed None 800, fixed 512 850; at M 16: 1400, 1600, 2200. Limit (50 + 50) x 2 + 300 = 500, landed (300 +
+    300) x 2 + 1000 = 2200."""
+    A, B = [64, 4, 1, 3], [128, 4, 1, 3]
+    times = {  # (projection, M): (A None, A 512 fused, B None or None for an error)
+        ("wqkv", 1): (100, 50, 70), ("w2", 1): (100, 200, 70), ("lm_head", 1): (400, 350, None),
+        ("wqkv", 16): (200, 100, 100), ("w2", 16): (200, 500, 100), ("lm_head", 16): (800, 1000, None)}
+    rows = [{"projection": name, "M": M, "landed_us": 1000.0 if name == "lm_head" else 300.0,
+             "limit_us": 300.0 if name == "lm_head" else 50.0,
+             "candidates": [{"tile": A, "span": None, "fused_sum": False, "us": a},
+                            {"tile": A, "span": 512, "fused_sum": True, "us": a512},
+                            {"tile": B, "span": None, "fused_sum": False, **({"us": b} if b else {"error": "x"})}]}
+            for (name, M), (a, a512, b) in times.items()]
+    names = ("wqkv", "w2", "lm_head")
+
+    def config(rule, spans, ms, x_limit):
+        return {"tile": A, "rule": rule, "spans": dict(zip(names, spans, strict=True)), "ms": ms, "x_limit": x_limit}
+
+    per_shape = ([512, True], [None, False], [None, False])
+    every_none, every_512 = ([None, False],) * 3, ([512, True],) * 3
     assert cand.step_sums(rows, layers=2) == [
-        {"M": 1, "landed_ms": 0.02, "limit_ms": 0.004,
-         "best": [{"tile": [64, 4, 1, 3], "span": None, "fused_sum": False, "ms": 0.008, "x_limit": 2.0}]}]
+        {"M": 1, "landed_ms": 2.2, "limit_ms": 0.5,
+         "best": [config("per shape", per_shape, 0.7, 1.4), config("fixed", every_none, 0.8, 1.6),
+                  config("fixed", every_512, 0.85, 1.7)]},
+        {"M": 16, "landed_ms": 2.2, "limit_ms": 0.5,
+         "best": [config("per shape", per_shape, 1.4, 2.8), config("fixed", every_none, 1.6, 3.2),
+                  config("fixed", every_512, 2.2, 4.4)]}]
 
 
 # a small Llama whose K (256) splits into spans of 128: every variant main times, in small
@@ -153,7 +171,8 @@ SMALL = {"hidden_size": 256, "head_dim": 64, "num_heads": 4, "num_kv_heads": 2, 
 
 def test_run_and_steps_check_and_time_every_variant_on_a_small_shape(cand):
     """main's flow without its GPU check: each variant (a whole-K chain, spans of 128 added by a second launch and
-    inside the first) timed and checked on every projection, then whole steps of the best two by their sums, the
+    inside the first) timed and checked on every projection, then whole steps of the best two fixed configurations
+    by their sums and the per-shape one, the
     limit the candidate's bytes by hand (16 words of 4 bytes and 4 blocks' bfloat16 scale and offset a step of 128
     input dims an output)."""
     rows = cand.run(SMALL, [2], 1.0, ((64, 4, 1, 3),), (128, None), device=DEVICE)
@@ -165,14 +184,15 @@ def test_run_and_steps_check_and_time_every_variant_on_a_small_shape(cand):
             assert c["us"] > 0 and c["row_alone_same_bits"] and c["relative_error"] < 1e-2
             assert c.get("same_bits_as_two_launches", True)
     sums = cand.step_sums(rows, SMALL["num_layers"])
-    steps = cand.steps(SMALL, sums, 1.0, configs=2, device=DEVICE)
+    steps = cand.steps(SMALL, sums, 1.0, configs=2, device=DEVICE)  # two fixed, one per shape (one tile)
     step_bytes = sum(n * -(-k // 128) * (16 * 4 + 4 * 2 * 2) * (2 if name != "lm_head" else 1)
                      for name, (n, k) in {"wqkv": (512, 256), "wo": (256, 256), "w13": (512, 256),
                                           "w2": (256, 256), "lm_head": (64, 256)}.items())
     assert [s["M"] for s in steps] == [2]
     for s in steps:
         assert s["limit_ms"] == round(step_bytes / 1e6, 3) and s["landed_ms"] > 0
-        assert len(s["best"]) == 2 and all(b["ms"] > 0 and b["sum_ms"] > 0 for b in s["best"])
+        assert sorted(b["rule"] for b in s["best"]) == ["fixed", "fixed", "per shape"]
+        assert all(b["ms"] > 0 and b["sum_ms"] > 0 for b in s["best"])
 
 
 @pytest.mark.skipif(gpu_count() > 0, reason="the error is for machines without a GPU")
