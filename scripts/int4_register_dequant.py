@@ -68,6 +68,7 @@ TILES = ((256, 8, 1, 2), (256, 8, 1, 3), (128, 4, 1, 2), (128, 4, 1, 3), (128, 4
 TILE = (128, 4, 1, 2)
 BLOCK_M = 16  # rows per program, for every M: wgmma's N
 SPANS = (512, 1024, 2048, None)  # the spans main times at each tile
+CHECK_TOLERANCE = 1e-2  # a product's relative error: bfloat16 rows and outputs give about 2^-9, a misplaced code ~1
 STEP_CONFIGS = 5  # configurations of each rule main times as whole steps per M, the best by their projections' sums
 RULES = ("fixed", "per shape")  # how a configuration picks each projection's (span, fused_sum): step_sums
 
@@ -269,14 +270,17 @@ def packed_bytes(packed: Packed) -> int:
 def check(x: torch.Tensor, packed: Packed, weight: torch.Tensor, tile: tuple[int, int, int, int],
           span: int | str | None, fused_sum: bool) -> dict[str, Any]:
     """The candidate against the float64 product by `weight` (its own `dense` weight), row 0 against itself
-    alone, and (fused_sum) the whole against the spans added by a second launch."""
+    alone, and (fused_sum) the whole against the spans added by a second launch; `passed` if all hold (the error
+    under CHECK_TOLERANCE)."""
     y = int4_linear(x, packed, tile, span, fused_sum)
     want = x.double() @ weight.double().t()
     err = ((y.double() - want).norm() / want.norm()).item()
     alone = int4_linear(x[:1], packed, tile, span, fused_sum)
-    found = {"relative_error": err, "row_alone_same_bits": bool(torch.equal(alone[0], y[0]))}
+    found: dict[str, Any] = {"relative_error": err, "row_alone_same_bits": bool(torch.equal(alone[0], y[0]))}
     if fused_sum:
         found["same_bits_as_two_launches"] = bool(torch.equal(int4_linear(x, packed, tile, span), y))
+    found["passed"] = bool(err < CHECK_TOLERANCE and found["row_alone_same_bits"]
+                           and found.get("same_bits_as_two_launches", True))
     return found
 
 
@@ -385,27 +389,32 @@ def steps(shape: dict[str, Any], sums: list[dict[str, Any]], peak_gbps: float, c
 
 def step_sums(rows: list[dict[str, Any]], layers: int) -> list[dict[str, Any]]:
     """Per M: the projections' own times added over a whole step (layers x each layer's four, plus the lm_head):
-    landed, the memory limit of the candidate's bytes, and the candidate's configurations that ran on every
-    projection, fastest first. A configuration is a tile and each projection's (span, fused_sum), by one of RULES:
-    "fixed", one (span, fused_sum) for every projection, as main times them; or "per shape", at each tile each
-    projection's fastest by its times added over every M measured (a choice per weight shape, never per M)."""
+    landed, the memory limit of the candidate's bytes, and the candidate's configurations that ran and passed their
+    checks on every projection, fastest first. A configuration is a tile and each projection's (span, fused_sum),
+    by one of RULES: "fixed", one (span, fused_sum) for every projection, as main times them; or "per shape", at
+    each tile each projection's fastest by its times added over every M measured (a choice per weight shape, never
+    per M)."""
     times = {r["projection"]: layers if r["projection"] != "lm_head" else 1 for r in rows}
     Ms = sorted({r["M"] for r in rows})
     us: dict[tuple[Any, ...], float] = {}  # (M, projection, tile, span, fused) -> microseconds of one call
+    failed = set()  # (tile, span, fused) that failed a check anywhere: a fault may show on any shape, so out
     for r in rows:
         for c in r["candidates"]:
             if "us" in c:
                 us[(r["M"], r["projection"], tuple(c["tile"]), c["span"], c["fused_sum"])] = c["us"]
+                if not c["passed"]:
+                    failed.add((tuple(c["tile"]), c["span"], c["fused_sum"]))
+    # a projection's variant counts where it ran at every M (one choice serves every M) and never failed
+    usable = {key[1:] for key in us if all((M, *key[1:]) in us for M in Ms) and key[2:] not in failed}
     configs: list[tuple[str, tuple[int, ...], dict[str, tuple[int | None, bool]]]] = []
-    for tile, span, fused in sorted({key[2:] for key in us}, key=str):
+    for tile, span, fused in sorted({key[1:] for key in usable}, key=str):
         configs.append(("fixed", tile, {name: (span, fused) for name in times}))
-    for tile in sorted({key[2] for key in us}):
+    for tile in sorted({key[1] for key in usable}):
         choice: dict[str, tuple[int | None, bool]] = {}
         for name in times:
-            options = {key[3:] for key in us if key[1] == name and key[2] == tile}
-            whole = [o for o in options if all((M, name, tile, *o) in us for M in Ms)]
-            if whole:
-                choice[name] = min(whole, key=lambda o: (sum(us[(M, name, tile, *o)] for M in Ms), str(o)))
+            options = [key[2:] for key in usable if key[:2] == (name, tile)]
+            if options:
+                choice[name] = min(options, key=lambda o: (sum(us[(M, name, tile, *o)] for M in Ms), str(o)))
         configs.append(("per shape", tile, choice))
     out = []
     for M in Ms:
@@ -415,7 +424,7 @@ def step_sums(rows: list[dict[str, Any]], layers: int) -> list[dict[str, Any]]:
         ranked: list[dict[str, Any]] = []
         for rule, tile, spans in configs:
             keys = [(M, name, tile, *spans[name]) for name in times if name in spans]
-            if len(keys) == len(times) and all(k in us for k in keys):
+            if len(keys) == len(times) and all(k[1:] in usable for k in keys):
                 total = sum(us[k] * times[k[1]] for k in keys)
                 ranked.append({"tile": list(tile), "rule": rule,
                                "spans": {name: list(spans[name]) for name in times}, "ms": round(total / 1e3, 3),
