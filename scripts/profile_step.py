@@ -1,14 +1,18 @@
 """Profile the executor's step against the memory limit: ms per step, limit, kernels per layer by category.
 
     python scripts/profile_step.py --out DIR [--device cpu|cuda] [--shape tiny|llama-1b|llama-7b]
-                                   [--dtype float32|bfloat16] [--budget-seconds S] [--iters N]
-                                   [--cache-len 512] [--max-seq-len 1024] [--threads 1]
+                                   [--dtype float32|bfloat16] [--weights float|int8|int4] [--budget-seconds S]
+                                   [--iters N] [--cache-len 512] [--max-seq-len 1024] [--threads 1]
 
 The first lent GPU must run, from the repository root (nothing to install; the package is imported from this
 checkout, as scripts/gpu_check.py does):
 
     python scripts/profile_step.py --out docs/gpu/<date>-<gpu>/profile_7b --device cuda --shape llama-7b
     python scripts/profile_step.py --out docs/gpu/<date>-<gpu>/profile_1b --device cuda --shape llama-1b
+
+and issue 44's int4 step is the first with `--weights int4`: every projection and the lm_head hold random int4
+blocks of 32 (`random_blocks`), the step runs kernels/invariant.py's quantized product, and the limit counts the
+bytes as held.
 
 Per variant x T in STEP_TOKENS x batch in BATCHES, one cell of profile_step.json:
     fast           BatchedTorchExecutor(exact=False): the padded step (CUDA graph on a GPU, eager on the CPU);
@@ -152,6 +156,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, help="timed steps per cell (default: 20 on cuda, 3 on cpu)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"),
                         help="model dtype (default: bfloat16 on cuda, float32 on cpu)")
+    parser.add_argument("--weights", choices=("float", "int8", "int4"), default="float",
+                        help="the projections' weights: the model's dtype, or random blocks of 32 (a QuantizedLinear "
+                             "each, kernels/invariant.py's product; CUDA only): issue 44's int4 step")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU (default 1)")
     parser.add_argument("--cache-len", type=int, default=gpu_check.CACHED_TOKENS, help="cached tokens before the step")
     parser.add_argument("--max-seq-len", type=int, default=gpu_check.CACHE_ROOM,
@@ -169,6 +176,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("iters", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.weights != "float" and args.device != "cuda":
+        parser.error(f"--weights {args.weights} profiles the GPU's quantized product; use --device cuda")
     if args.device == "cpu" and args.shape != "tiny":
         parser.error(f"--shape {args.shape} on the CPU would take minutes a step; use --shape tiny on the CPU "
                      "or --device cuda")
@@ -207,21 +216,34 @@ class Budget:
             self.took[kind] = max(self.took.get(kind, 0.0), time.monotonic() - start)
 
 
-def model_bytes(cfg: Any, itemsize: int, batch: int, T: int, cache_len: int) -> dict[str, int]:
-    """What one step must read at least: every weight but the embedding table (the lm_head reads it when tied),
-    and the K and V of cache_len + T rows of each of `batch` slots in every layer."""
-    per_layer = (cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
-                 + 3 * cfg.hidden_size * cfg.intermediate_size + 2 * cfg.hidden_size)
-    weights = cfg.num_layers * per_layer + cfg.hidden_size + cfg.vocab_size * cfg.hidden_size
+def model_bytes(model: Any, batch: int, T: int, cache_len: int) -> dict[str, int]:
+    """What one step must read at least: every projection's weight as held (a quantized one's codes, scales, zero
+    points and mins), the lm_head's (the embedding table when tied; of the embedding itself a step reads a few rows)
+    and the norms', and the K and V of cache_len + T rows of each of `batch` slots in every layer."""
+    from trt_lookahead.model.llama import Linear, QuantizedLinear, RMSNorm
+
+    held: dict[int, int] = {}  # by tensor, so a weight shared (tied) counts once
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            tensors = [module.codes, module.scales, module.zero_points, module.mins]
+        elif isinstance(module, (Linear, RMSNorm)):
+            tensors = [module.weight]
+        else:
+            continue
+        for t in tensors:
+            if t is not None:
+                held[id(t)] = t.numel() * t.element_size()
+    cfg = model.cfg
     kv = batch * cfg.num_layers * 2 * (cache_len + T) * cfg.kv_size
-    return {"weight_bytes": weights * itemsize, "kv_bytes": kv * itemsize}
+    return {"weight_bytes": sum(held.values()), "kv_bytes": kv * model.dtype.itemsize}
 
 
 def new_report(args: argparse.Namespace) -> dict[str, Any]:
     not_asked = {"status": "skipped", "seconds": 0.0, "error": "not reached"}
     return {
         "schema": SCHEMA, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "device": args.device,
-        "shape": args.shape, "shape_config": SHAPES[args.shape], "dtype": args.dtype, "cache_len": args.cache_len,
+        "shape": args.shape, "shape_config": SHAPES[args.shape], "dtype": args.dtype, "weights": args.weights,
+        "cache_len": args.cache_len,
         "max_seq_len": args.max_seq_len, "step_tokens": list(STEP_TOKENS), "batches": list(BATCHES),
         "configs": CONFIGS, "iters": args.iters, "budget_seconds": args.budget_seconds,
         "timing": ("CUDA events around the bucket's CUDA-graph replay (ms) and perf_counter around step() (wall_ms),"
@@ -531,11 +553,31 @@ def profile_cell(model, variant: str, B: int, T: int, args: argparse.Namespace, 
 
 
 def build_model(args: argparse.Namespace, variant: str):
-    """The shape's random-weight Llama (the CPU's exact variant: the row-invariant weight layout)."""
+    """The shape's random-weight Llama (the CPU's exact variant: the row-invariant weight layout), its projections in
+    random blocks with --weights int8|int4."""
     if args.device == "cuda" and args.shape != "tiny" and args.dtype == "bfloat16":
-        return gpu_check.gpu_llama(SHAPES[args.shape])
-    model = gpu_check.random_llama(SHAPES[args.shape], args.dtype, args.device)
+        model = gpu_check.gpu_llama(SHAPES[args.shape])
+    else:
+        model = gpu_check.random_llama(SHAPES[args.shape], args.dtype, args.device)
+    if args.weights != "float":
+        return random_blocks(model, 8 if args.weights == "int8" else 4)
     return model.set_weight_layout("auto") if args.device == "cpu" and variant == "exact" else model
+
+
+def random_blocks(model: Any, bits: int) -> Any:
+    """The model with every bias-free projection and the lm_head (what engine/quantize.py `quantize_model` turns
+    into a QuantizedLinear) holding random blocks of `bits` instead, drawn on its device: a profile times the
+    bytes and kernels of a quantized step, and quantizing a 7B model's weights on the host would take minutes."""
+    from bench_quantized_gpu import quantized_weight
+
+    from trt_lookahead.model.llama import Linear, QuantizedLinear
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Linear) and module.bias is None:
+            codes, scales, zeros = quantized_weight(module.out_features, module.in_features, bits,
+                                                    str(module.weight.device))
+            model.set_submodule(name, QuantizedLinear(codes, scales, zeros, None, bits, module.in_features))
+    return model
 
 
 def section_steps(args: argparse.Namespace, report: dict[str, Any], budget: Budget, emit: Emit) -> None:
@@ -546,7 +588,6 @@ def section_steps(args: argparse.Namespace, report: dict[str, Any], budget: Budg
     start = time.monotonic()
     cells: list[dict[str, Any]] = steps["cells"]
     bandwidth = report["bandwidth"].get("gb_per_s")
-    itemsize = getattr(torch, args.dtype).itemsize
     failures = []
     # one model for every variant (the CPU's exact one: its own, in the row-invariant weight layout); cells in
     # order of size, so a spent budget skips the largest B x T of every variant
@@ -564,7 +605,7 @@ def section_steps(args: argparse.Namespace, report: dict[str, Any], budget: Budg
                     cell.update(status=state["status"], error=state["error"])
                     continue
                 model = models[variant]
-                cell.update(model_bytes(model.cfg, itemsize, B, T, args.cache_len))
+                cell.update(model_bytes(model, B, T, args.cache_len))
                 reason = budget.skip_reason(f"{variant} cell", reserve=reserve)
                 if reason:
                     cell.update(status="skipped", error=reason)
@@ -796,7 +837,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def summary(report: dict[str, Any]) -> str:
     """A short text table of the cells and the fast step's kernels per layer."""
-    lines = [f"profile_step: {report['shape']} {report['dtype']} on {report['device']}, cache_len "
+    weights = "" if report["weights"] == "float" else f", {report['weights']} weights"
+    lines = [f"profile_step: {report['shape']} {report['dtype']}{weights} on {report['device']}, cache_len "
              f"{report['cache_len']}, bandwidth {report['bandwidth'].get('gb_per_s', '?')} GB/s, "
              f"{report.get('seconds', '?')} s",
              f"{'variant':<14}{'T':>4}{'B':>3}{'ms':>10}{'limit ms':>10}{'ratio':>8}  kernels/layer"]

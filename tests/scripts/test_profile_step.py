@@ -75,10 +75,44 @@ def test_arguments(profile_step, tmp_path, capsys):
     for bad, message in ((["--device", "cpu", "--shape", "llama-7b"], "use --shape tiny on the CPU"),
                          (["--budget-seconds", "0"], "--budget-seconds must be positive"),
                          (["--cache-len", "2000"], "--cache-len must be in 1 .."),
-                         (["--iters", "0"], "--iters must be at least 1")):
+                         (["--iters", "0"], "--iters must be at least 1"),
+                         (["--device", "cpu", "--weights", "int4"], "use --device cuda")):
         with pytest.raises(SystemExit) as exit_info:
             profile_step.parse_args(["--out", str(tmp_path), *bad])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def tiny_bytes(profile_step, projection) -> int:
+    """The tiny shape's step by hand: each layer's QKV, output, gate/up and down projections and the lm_head at
+    `projection(n, k)` bytes, and float32 norms (two a layer and the last), no embedding table."""
+    cfg = profile_step.SHAPES["tiny"]
+    h, q, kv, ffn = (cfg["hidden_size"], cfg["num_heads"] * cfg["head_dim"], cfg["num_kv_heads"] * cfg["head_dim"],
+                     cfg["intermediate_size"])
+    layer = projection(q + 2 * kv, h) + projection(h, q) + projection(2 * ffn, h) + projection(h, ffn)
+    return cfg["num_layers"] * (layer + 2 * h * 4) + h * 4 + projection(cfg["vocab_size"], h)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_random_blocks_quantize_every_projection_and_the_limit_counts_them_as_held(profile_step, tmp_path, bits):
+    from trt_lookahead.model.llama import Linear, QuantizedLinear
+
+    args = profile_step.parse_args(["--out", str(tmp_path), "--device", "cpu"])
+    float_model = profile_step.build_model(args, "fast")
+    assert profile_step.model_bytes(float_model, 1, 1, 8)["weight_bytes"] == tiny_bytes(
+        profile_step, lambda n, k: n * k * 4)
+    model = profile_step.random_blocks(profile_step.build_model(args, "fast"), bits)
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(quantized) == 4 * profile_step.SHAPES["tiny"]["num_layers"] + 1
+    assert not [m for m in model.modules() if isinstance(m, Linear)] and all(m.bits == bits for m in quantized)
+
+    def blocks(n: int, k: int) -> int:  # codes, a float32 scale a block of 32, zero points (int4: two a byte)
+        b = -(-k // 32)
+        return n * b * 32 * bits // 8 + n * b * 4 + n * (b if bits == 8 else -(-b // 2))
+
+    found = profile_step.model_bytes(model, 2, 3, 8)
+    cfg = profile_step.SHAPES["tiny"]
+    assert found == {"weight_bytes": tiny_bytes(profile_step, blocks),
+                     "kv_bytes": 2 * cfg["num_layers"] * 2 * (8 + 3) * cfg["num_kv_heads"] * cfg["head_dim"] * 4}
 
 
 @pytest.mark.slow  # the script in a fresh interpreter (~30 s on 2 cores)
