@@ -119,6 +119,12 @@ def cold_copies(nbytes: int, l2_bytes: int) -> int:
     return max(1, min(COPIES_MAX, -(-L2_PASSES * l2_bytes // nbytes)))
 
 
+def cold_weights(kind: Kind, N: int, K: int, device: str) -> list[Any]:
+    """`cold_copies` random [N, K] weights of `kind` on `device`, for `call_us` to cycle through."""
+    first = kind.make(N, K, device)
+    return [first] + [kind.make(N, K, device) for _ in range(cold_copies(kind.nbytes(first), l2_bytes(device)) - 1)]
+
+
 def l2_bytes(device: str) -> int:
     """The L2 cache a timing on `device` reads past: the GPU's; none on the CPU (see replay_us)."""
     if torch.device(device).type != "cuda":
@@ -196,9 +202,8 @@ def bench(shape: dict[str, Any], rows: list[int], peak_gbps: float, device: str 
     out: list[dict[str, Any]] = []
     for name, (N, K) in projections(shape).items():
         for kind in KINDS.values():
-            first = kind.make(N, K, device)
-            size = kind.nbytes(first)
-            weights = [first] + [kind.make(N, K, device) for _ in range(cold_copies(size, l2) - 1)]
+            weights = cold_weights(kind, N, K, device)
+            size = kind.nbytes(weights[0])
             for M in rows:
                 x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
                 for variant, product in kind.products.items():
@@ -212,7 +217,7 @@ def bench(shape: dict[str, Any], rows: list[int], peak_gbps: float, device: str 
                                 "bytes": size, "copies": len(weights), "limit_us": round(limit, 2),
                                 "x_limit": round(us / limit, 2), "gbps": round(size / us / 1e3, 1)})
                     print(json.dumps(out[-1]), flush=True)
-            del weights, first
+            del weights
     return {"l2_bytes": l2, "rows": out, "step": steps(shape, rows, peak_gbps, device),
             "projection_sums": step_sums(out, shape["num_layers"])}
 
@@ -244,11 +249,9 @@ def sweep(shape_name: str, rows: list[int], bits: int, peak_gbps: float) -> list
     """Each projection x M x SWEEP_TILES x SWEEP_SPANS at `bits` (weights cold, as `bench`'s): us and x_limit, best
     first per (projection, M), with `default` the time of quantized_linear's own choice."""
     out: list[dict[str, Any]] = []
-    l2 = l2_bytes("cuda")
     for name, (N, K) in projections(shape_of(shape_name)).items():
-        first = quantized_weight(N, K, bits, "cuda")
-        size = tensor_bytes(*first)
-        weights = [first] + [quantized_weight(N, K, bits, "cuda") for _ in range(cold_copies(size, l2) - 1)]
+        weights = cold_weights(quantized_kind(bits), N, K, "cuda")
+        size = tensor_bytes(*weights[0])
         limit = size / (peak_gbps * 1e3)
         for M in rows:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)

@@ -263,8 +263,7 @@ def int4_linear(x: torch.Tensor, packed: Packed, tile: tuple[int, int, int, int]
 
 def packed_bytes(packed: Packed) -> int:
     """The bytes one product reads for the weight: words, and the bfloat16 scales, offsets (and mins)."""
-    extra = [] if packed.mins is None else [packed.mins]
-    return sum(t.numel() * t.element_size() for t in (packed.words, packed.scales, packed.offsets, *extra))
+    return bench.tensor_bytes(packed.words, packed.scales, packed.offsets, packed.mins)
 
 
 def check(x: torch.Tensor, packed: Packed, weight: torch.Tensor, tile: tuple[int, int, int, int],
@@ -320,11 +319,9 @@ def run(shape: dict[str, Any], rows: list[int], peak_gbps: float, tiles: tuple[t
     checks (random weights in MatMulNBits' layout, repacked; bfloat16 rows); the checks once more with mins.
     Weights cold as bench_quantized_gpu's: each product cycles through its own `cold_copies`."""
     out: list[dict[str, Any]] = []
-    l2 = bench.l2_bytes(device)
     for name, (N, K) in bench.projections(shape).items():
-        codes, scales, zeros = first = bench.quantized_weight(N, K, 4, device)
-        landed_weights = [first] + [bench.quantized_weight(N, K, 4, device)
-                                    for _ in range(bench.cold_copies(bench.tensor_bytes(*first), l2) - 1)]
+        landed_weights = bench.cold_weights(bench.KINDS["int4"], N, K, device)
+        codes, scales, zeros = first = landed_weights[0]
         packed_weights = [repack(c, s, z, None, K) for c, s, z in landed_weights]
         packed = packed_weights[0]
         weight = dense(packed)
