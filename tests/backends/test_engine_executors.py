@@ -324,6 +324,12 @@ def test_runtime_generates_from_the_engine_dir(engines):
     with (LookaheadRuntime.from_pretrained(STORIES, lookahead="4,3,4", max_seq_len=MAX_SEQ_LEN) as checkpoint,
           LookaheadRuntime.from_pretrained(engines["plugin"]) as engine):
         assert engine.backend == "onnxruntime" and engine.max_batch == MAX_BATCH
+        # naming no config runs `auto`, within the built 4/3/4 (greedy's tokens)
+        assert engine.lookahead.auto and engine.lookahead.ceiling.W <= 4 and engine.lookahead.ceiling.G <= 4
+        assert engine.lookahead.ceiling.N <= 3
+        default = engine.generate("Once upon a time", max_new_tokens=40)
+        greedy = checkpoint.generate("Once upon a time", max_new_tokens=40, lookahead="greedy")
+        assert default.config == "auto" and default.token_ids == greedy.token_ids
         for config in ("4,3,4", "2,2,1", "greedy"):
             a = engine.generate("Once upon a time", max_new_tokens=40, lookahead=config)
             b = checkpoint.generate("Once upon a time", max_new_tokens=40, lookahead=config)

@@ -126,6 +126,16 @@ def test_auto_without_an_entry_runs_on_the_priors_says_so_once_and_keeps_greedy_
         assert rt.auto.source == PRIORS and "built-in priors" not in capsys.readouterr().err  # greedy: not said
 
 
+def test_a_runtime_naming_no_config_runs_auto_on_the_priors_without_a_word(tuning, capsys):
+    with LookaheadRuntime.from_pretrained(STORIES, backend="torch", max_seq_len=256, tuning_file=tuning) as rt:
+        assert rt.auto.source == PRIORS and rt.lookahead == Lookahead(rt.auto.ceiling, auto=True)
+        ids = rt.encode("Once upon a time")
+        out = rt.generate(ids, 60)
+        assert out.config == AUTO and sum(c != GREEDY for c in out.stats.configs)  # it ran lookahead steps
+        assert out.token_ids == rt.generate(ids, 60, lookahead=GREEDY).token_ids
+    assert "built-in priors" not in capsys.readouterr().err  # the default: `auto` was not asked for by name
+
+
 def test_an_auto_request_on_a_runtime_serving_a_config_says_the_priors_once(tuning, capsys):
     with LookaheadRuntime.from_pretrained(STORIES, backend="torch", lookahead="4,3,4", max_seq_len=256,
                                           tuning_file=tuning) as rt:

@@ -341,6 +341,7 @@ def test_lookahead_on_a_quantized_engine_equals_its_own_greedy_alone_and_batched
     with LookaheadRuntime.from_pretrained(str(engine), max_batch=4) as rt:
         greedy = [rt.generate(p, max_new_tokens=48, lookahead="greedy").token_ids for p in PROMPTS]
         alone = [rt.generate(p, max_new_tokens=48, lookahead="4,3,4").token_ids for p in PROMPTS]
+        assert [rt.generate(p, max_new_tokens=48).token_ids for p in PROMPTS] == greedy  # the default, `auto`
         batched: list[list[int] | None] = [None] * len(PROMPTS)
         barrier = threading.Barrier(len(PROMPTS))
 

@@ -283,7 +283,9 @@ def assert_same(got: dict, want: dict) -> None:
     assert got["usage"]["prompt_tokens"] == want["prompt_tokens"]
     assert got["usage"]["completion_tokens"] == want["generated_tokens"]
     assert got["usage"]["total_tokens"] == want["prompt_tokens"] + want["generated_tokens"]
-    assert got["lookahead"]["steps"] == want["steps"] and got["lookahead"]["config"] == want["config"]
+    assert got["lookahead"]["config"] == want["config"]
+    if want["config"] != "auto":  # `auto` chooses by the step times it measures: its steps vary from run to run
+        assert got["lookahead"]["steps"] == want["steps"]
 
 
 # -- endpoints ----------------------------------------------------------------------------------
@@ -553,7 +555,8 @@ def test_engine_dir_serves_at_most_its_built_config(tmp_path, one_torch_thread):
         assert srv.stop() == 0, srv.tail()
     want = cli_generate(str(engine), PROMPTS[0], "--max-new-tokens", "40", "--temperature", "0.0", "--seed", "0",
                         "--top-p", "1.0")
-    assert_same(got[0], want)
+    assert_same(got[0], want)  # both the default: `auto` within the built 4,3,4
+    assert want["config"] == "auto"
     assert got[1]["text"] == want["text"] and got[1]["lookahead"]["config"] == "2/3/1"
 
 
@@ -571,5 +574,5 @@ def test_smollm2_chat_stream_equals_cli(tmp_path):
     finally:
         assert srv.stop() == 0, srv.tail()
     want = cli_generate("smollm2-135m-instruct", question, "--max-new-tokens", "32", "--temperature", "0.0", "--seed",
-                        "0", "--top-p", "1.0", "--lookahead_config", SERVED, "--chat", "--max-seq-len", "1024")
+                        "0", "--top-p", "1.0", "--chat", "--max-seq-len", "1024")  # both the default, `auto`
     assert_same(got, want)

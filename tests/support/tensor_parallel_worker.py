@@ -36,7 +36,7 @@ from trt_lookahead.backends.tensor_parallel import (
     shard_llama,
 )
 from trt_lookahead.backends.torch import BatchedTorchExecutor
-from trt_lookahead.lookahead.config import DEFAULT_LOOKAHEAD, Lookahead, LookaheadConfig
+from trt_lookahead.lookahead.config import Lookahead, LookaheadConfig
 from trt_lookahead.lookahead.executor import StepBatch
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.policy import AutoPolicy
@@ -104,8 +104,7 @@ def leader(ex: BatchedTorchExecutor, group, mode: str) -> dict:
     for slot in (0, 1):
         lead.release(slot)
     # end to end: lookahead and batched requests answer as greedy
-    loaded = LoadedModel(load_tokenizer(STORIES), lead, 256, [2], "torch", "float32", STORIES, max_lookahead=None,
-                         default=DEFAULT_LOOKAHEAD)
+    loaded = LoadedModel(load_tokenizer(STORIES), lead, 256, [2], "torch", "float32", STORIES, max_lookahead=None)
     rt = LookaheadRuntime(loaded, lookahead=Lookahead(CONFIG), auto=AutoPolicy.untuned(ex.step_tokens))
     try:
         greedy = [rt.generate(p, max_new_tokens=40, lookahead="greedy").token_ids for p in PROMPTS]

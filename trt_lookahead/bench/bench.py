@@ -59,7 +59,7 @@ from trt_lookahead.model.checkpoint import weight_bytes
 if TYPE_CHECKING:
     from trt_lookahead.runtime import GenerationOutput, LookaheadRuntime
 
-DEFAULT_CONFIGS = "greedy,4/3/4,7/5/7,15/5/15"
+DEFAULT_CONFIGS = "greedy,auto,4/3/4,7/5/7,15/5/15"  # greedy, the default (auto), and fixed configs
 SCHEMA_VERSION = 1
 
 

@@ -35,8 +35,8 @@ __all__ = ["CONCURRENCY_MODES", "DEFAULT_BUDGET", "DEFAULT_CONFIGS", "DEFAULT_MA
 
 
 def lookahead_choice(args: argparse.Namespace) -> Lookahead | None:
-    """--greedy or --lookahead_config greedy|auto|W,N,G as a choice, None for what the model or engine serves
-    (its built config, else DEFAULT_LOOKAHEAD); validated before loading."""
+    """--greedy or --lookahead_config greedy|auto|W,N,G as a choice, None for the runtime's default (`auto`, up to
+    an engine dir's built config); validated before loading."""
     if getattr(args, "greedy", False):
         return Lookahead.greedy()
     if args.lookahead_config is None:
@@ -450,7 +450,7 @@ def serve(args: argparse.Namespace) -> int:
         compile=args.compile, attention=args.attention, device=args.device, weights=args.weights,
         activations=args.activations, tensor_parallel=args.tensor_parallel,
     ) as runtime:
-        for choice in (runtime.lookahead, Lookahead.greedy()):  # both paths' first-call costs now, not on a request
+        for choice in (None, Lookahead.greedy()):  # the default's and greedy's first-call costs now, not on a request
             runtime.generate("Hello", max_new_tokens=2, lookahead=choice)
         serve(runtime, sock, model_name=args.served_model_name or runtime.model_path.name,
               max_body_bytes=args.max_body_bytes, shutdown_grace=args.shutdown_grace)

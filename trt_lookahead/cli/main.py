@@ -42,6 +42,8 @@ COMMANDS = {
     "serve": commands.serve,
 }
 DEFAULT = f"{DEFAULT_LOOKAHEAD.W},{DEFAULT_LOOKAHEAD.N},{DEFAULT_LOOKAHEAD.G}"
+SERVED = ("`auto` (the default: the policy chooses each step's config, up to an engine dir's built config, from "
+          "`trt-lookahead tune`'s entry or built-in priors), or W,N,G (also W/N/G or [W,N,G]) every step")
 SAMPLING = SamplingParams()
 
 
@@ -127,9 +129,10 @@ def _add_step_arguments(p: argparse.ArgumentParser) -> None:
                         "each slot's own keys, split over long contexts (implies --backend torch and --no-exact)")
 
 
-def _add_lookahead_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lookahead_config", "--lookahead-config", dest="lookahead_config", default=None,
-                   help=f"W,N,G (also W/N/G or [W,N,G]) or `auto` (tuned); default {DEFAULT}")
+def _add_lookahead_argument(p: argparse.ArgumentParser, build: bool = False) -> None:
+    what = (f"W,N,G (also W/N/G or [W,N,G]) the steps are compiled for; requests and `auto` run within it; default "
+            f"{DEFAULT}") if build else SERVED
+    p.add_argument("--lookahead_config", "--lookahead-config", dest="lookahead_config", default=None, help=what)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                    default=commands.DEFAULT_MAX_NEW_TOKENS)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--lookahead_config", "--lookahead-config", dest="lookahead_config", default=None,
-                      help=f"W,N,G (also W/N/G or [W,N,G]) or `auto`; default {DEFAULT}")
+                      help=SERVED)
     mode.add_argument("--greedy", action="store_true", help="plain greedy (or sampled) decoding, T = 1")
     p.add_argument("--temperature", type=float, default=SAMPLING.temperature)
     p.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=SAMPLING.top_k)
@@ -221,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("build", help="compile a checkpoint into an engine dir at fixed W,N,G")
     p.add_argument("--model", required=True)
     p.add_argument("--output", required=True, help="engine dir, e.g. engines/NAME")
-    _add_lookahead_argument(p)
+    _add_lookahead_argument(p, build=True)
     p.add_argument("--max_seq_len", "--max-seq-len", dest="max_seq_len", type=int, default=None,
                    help=f"prompt + generated tokens (default: min(model context, {DEFAULT_BUILD_SEQ_LEN}))")
     p.add_argument("--max_input_len", "--max-input-len", dest="max_input_len", type=int, default=None)

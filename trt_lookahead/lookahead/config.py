@@ -15,7 +15,7 @@ _INTEGER = re.compile(r"-?[0-9]{1,30}")  # ASCII digits only (str.isdigit also t
 MAX_STEP_TOKENS = 1024  # the largest T = (W+G)(N-1) a step may feed; so W, G <= 1024 and N <= 1025
 GREEDY = "greedy"  # the label of the (1, 2, 0) config: plain greedy (or sampled) decoding
 AUTO = "auto"  # the label of `auto`: the policy chooses each step's config, up to a ceiling
-DEFAULT = "default"  # the input word for "what was loaded serves": an engine's built config, else DEFAULT_LOOKAHEAD
+DEFAULT = "default"  # the input word for "as loaded": a runtime's lookahead AUTO, its tree an engine's built one
 # `LookaheadConfig.split` gives the window WINDOW_SCALE x sqrt(W + G) of a step's columns: harvesting wants a few
 # columns at any budget, while a draft tree keeps paying for more nodes (docs/design.md section 9; the fit to the
 # best measured splits of T = 28, 56 and 120: docs/results/2026-11-27-cpu.md, "Splitting a step budget")
@@ -126,6 +126,8 @@ class LookaheadConfig:
         return f"{self.W}/{self.N}/{self.G}"
 
 
+# the shape `build` compiles when none is given; a checkpoint's cached engine and tree cover it. What a request that
+# names no config runs is AUTO, not this (runtime.from_pretrained)
 DEFAULT_LOOKAHEAD = LookaheadConfig(4, 3, 4)
 
 

@@ -53,7 +53,6 @@ class LoadedModel:
     dtype: str
     model_path: Path  # the checkpoint (a cached engine answers for its checkpoint) or the engine dir
     max_lookahead: LookaheadConfig | None  # an engine's built config: requests must fit inside it
-    default: LookaheadConfig  # what `lookahead="default"` runs: an engine's built config, else DEFAULT_LOOKAHEAD
     why: str | None = None  # a checkpoint: why this backend runs it (said once the runtime is up)
     device: str = "cpu"  # where the torch executor runs a checkpoint ("cpu" or "cuda")
     weights: str | None = None  # a quantized engine's weights and activations ("int4", "int4+int8"); None: float
@@ -139,7 +138,7 @@ def _from_checkpoint(path: Path, dtype: str, max_seq_len: int | None, max_batch:
     except ValueError as exc:  # exact=True without row-invariant projections; attention='triton' without CUDA
         raise UserError(str(exc)) from exc
     return LoadedModel(load_tokenizer(path), executor, seq_len, _stop_token_ids(path), "torch", dtype, path,
-                       max_lookahead=None, default=DEFAULT_LOOKAHEAD, device=device,
+                       max_lookahead=None, device=device,
                        weights=weights_label(weights, "float"))
 
 
@@ -184,23 +183,22 @@ def _tensor_parallel(path: Path, backend: str | None, dtype: str, asked: Lookahe
     except ValueError as exc:  # exact=True where the projections are not row-invariant
         raise UserError(str(exc)) from exc
     return LoadedModel(load_tokenizer(path), executor, seq_len, _stop_token_ids(path), "torch", dtype, path,
-                       max_lookahead=None, default=DEFAULT_LOOKAHEAD,
+                       max_lookahead=None,
                        why=f"tensor_parallel {world}: the torch executor sharded over {world} ranks (gloo)")
 
 
 def _from_engine(path: Path, backend: str, dtype: str, max_seq_len: int | None, max_batch: int | None, verify: bool,
                  model_path: Path | None = None, exact: bool | None = None) -> LoadedModel:
     """An engine dir; `model_path`: the checkpoint of a cached engine (its tokenizer files as they are now, and the
-    name it answers for: the tuning key), else the engine dir itself (its built config is the default)."""
+    name it answers for: the tuning key), else the engine dir itself."""
     from trt_lookahead.backends.open import open_engine
     from trt_lookahead.model.checkpoint import load_tokenizer
 
     engine = open_engine(path, backend=backend, dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch,
                          verify=verify, exact=exact)
     source = model_path or path
-    default = DEFAULT_LOOKAHEAD if model_path else engine.lookahead
     return LoadedModel(load_tokenizer(source), engine.executor(), engine.max_seq_len, _stop_token_ids(source),
-                       backend, engine.dtype, source, max_lookahead=engine.lookahead, default=default,
+                       backend, engine.dtype, source, max_lookahead=engine.lookahead,
                        weights=weights_label(engine.config.quantization, engine.config.activations))
 
 
@@ -232,7 +230,7 @@ BACKEND_CHOICES = ("torch", "onnxruntime", "tensorrt")
 
 
 def engine_cover(asked: LookaheadConfig | None = None) -> LookaheadConfig:
-    """The W, N, G a checkpoint's cached engine is built for: the default config, TOP/5/TOP (the widest `auto` takes
+    """The W, N, G a checkpoint's cached engine is built for: DEFAULT_LOOKAHEAD, TOP/5/TOP (the widest `auto` takes
     on it) and the config asked for explicitly (None: the standard engine)."""
     standard = [DEFAULT_LOOKAHEAD, LookaheadConfig(TOP, max(NGRAMS), TOP)]
     return LookaheadConfig.cover([*standard, *([asked] if asked else [])])
@@ -362,7 +360,7 @@ def loaded_tuning_key(model: LoadedModel) -> str:
 def auto_policy(model: LoadedModel, tuning_file: str | Path | None, announce: bool) -> AutoPolicy:
     """What `auto` requests run on: the tuning entry for this model, dtype, backend, tree and machine (never tuned
     here: `trt-lookahead tune` and `serve --tune` write entries), else the built-in priors up to the ladder's widest
-    config that fits the executor (said once on stderr, now if `announce`: the runtime's default is `auto`)."""
+    config that fits the executor (said once on stderr, now if `announce`: `auto` was asked for by name)."""
     entries = read_tuning_file(None if tuning_file is None else Path(tuning_file))["entries"]
     entry = entries.get(loaded_tuning_key(model))
     if entry is not None:

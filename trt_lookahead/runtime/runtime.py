@@ -261,7 +261,7 @@ class LookaheadRuntime:
         self.max_lookahead = model.max_lookahead  # an engine's built config: requests must fit inside it
         self.auto = auto
         self.pool_scope = check_pool_scope(pool_scope)  # the widest scope a request may use
-        self.lookahead = self.narrow(lookahead)  # the default must fit this executor
+        self.lookahead = self._fit(lookahead)  # the default must fit this executor (said by from_pretrained)
         self.shared_pool = SharedPool()  # touched only by the scheduler thread (decoders' setup/prepare/harvest)
         self.tree: TreeTemplate | None = getattr(model.executor, "tree", None)  # the executor's draft tree template
         # recycled top-k of the shared scope's tree requests (scheduler thread)
@@ -299,13 +299,14 @@ class LookaheadRuntime:
     ) -> LookaheadRuntime:
         """Load a HF Llama checkpoint dir, a known model name, or an engine dir from `trt-lookahead build`.
 
-        lookahead: what a request that names none runs: None or "default" (4,3,4; an engine's built config),
-        "greedy", W,N,G text, a LookaheadConfig, or "auto" (the policy chooses each step, from the tuning entry for
-        this model, dtype, backend and machine in `tuning_file`, default the cache's tuning.json; without one, on
-        built-in priors, said once on stderr: `trt-lookahead tune` measures them). max_batch: request slots
-        (default 8; an engine dir's built max_batch). max_queue: requests that may wait for a slot before
-        `QueueFull`. threads: torch's CPU threads, a setting of the whole process (torch.set_num_threads).
-        verify: check an engine dir's files against their checksums. exact: run the row-invariant step (a
+        lookahead: what a request that names none runs: None, "default" or "auto" (the default: the policy
+        chooses each step, up to an engine dir's built config, from the tuning entry for this model, dtype, backend
+        and machine in `tuning_file`, default the cache's tuning.json; without one, on built-in priors, said once on
+        stderr: `trt-lookahead tune` measures them), "greedy", W,N,G text or a LookaheadConfig (that config every
+        step). max_batch: request slots (default 8; an engine dir's built max_batch). max_queue: requests that may
+        wait for a slot before `QueueFull`. threads: torch's CPU threads, a setting of the whole process
+        (torch.set_num_threads). verify: check an engine dir's files against their checksums. exact: run the
+        row-invariant step (a
         token's logits are bit-identical alone, batched and in greedy decoding; docs/design.md section 4.2);
         default: on where it is cheap (bfloat16 on the torch executor, CPU and CUDA; backends/torch.py
         EXACT_BY_DEFAULT). pool_scope: "shared" (requests read and feed one bounded n-gram pool; README "Shared
@@ -336,9 +337,10 @@ class LookaheadRuntime:
                            max_batch=max_batch, verify=verify, exact=exact, tree=tree, compile=compile,
                            attention=attention, device=device, weights=weights, activations=activations,
                            tensor_parallel=tensor_parallel)
+        # the priors are said on stderr where `auto` was asked for by name, not for the default
         auto = auto_policy(model, tuning_file, announce=choice is not None and choice.auto)
         # nothing to undo if this raises: the scheduler thread starts last, once every argument is checked
-        runtime = cls(model, lookahead=choice or Lookahead(model.default), auto=auto, max_queue=max_queue,
+        runtime = cls(model, lookahead=choice or Lookahead(None, auto=True), auto=auto, max_queue=max_queue,
                       pool_scope=pool_scope, prefill=prefill)
         if model.why is not None:  # a checkpoint: which backend runs it and why, once (stderr, beside a build's)
             print(f"trt-lookahead: {model.model_path.name} runs on {model.backend} ({model.why})", file=sys.stderr,
@@ -383,6 +385,10 @@ class LookaheadRuntime:
         within the engine's built config and the executor's step."""
         if lookahead.auto:
             self.auto.announce()  # built-in priors: said once per runtime (lookahead/policy.py AutoPolicy)
+        return self._fit(lookahead)
+
+    def _fit(self, lookahead: Lookahead) -> Lookahead:
+        """`narrow` without a word on stderr."""
         try:
             return lookahead.narrow(self.auto.ceiling, self.max_lookahead, self.executor.step_tokens)
         except ValueError as exc:
@@ -509,7 +515,8 @@ def _parse_lookahead(value: object) -> Lookahead:
 
 
 def _default_choice(value: object) -> Lookahead | None:
-    """from_pretrained's `lookahead`: None for "what was loaded serves" (None or DEFAULT), else the choice."""
+    """from_pretrained's `lookahead`: None for the default (None or DEFAULT: `auto`, the fastest measured, up to
+    what was loaded, without a word on stderr; docs/design.md section 9), else the choice."""
     if value is None or (isinstance(value, str) and value.strip().lower() == DEFAULT):
         return None
     return _parse_lookahead(value)

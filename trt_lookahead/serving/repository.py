@@ -27,7 +27,7 @@ import trt_lookahead
 from trt_lookahead.engine.quantize import check_scheme
 from trt_lookahead.errors import UserError, as_int
 from trt_lookahead.files import check_output_dir, write_text_atomic
-from trt_lookahead.lookahead.config import AUTO, DEFAULT, DEFAULT_LOOKAHEAD, LookaheadConfig
+from trt_lookahead.lookahead.config import AUTO, DEFAULT, LookaheadConfig
 from trt_lookahead.model.fetch import resolve_model
 from trt_lookahead.runtime import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -44,6 +44,16 @@ from trt_lookahead.serving.schema import INPUTS, OUTPUTS, pbtxt_list
 TEMPLATES = Path(__file__).parent / "templates"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 INT32_MAX = 2**31 - 1  # config.pbtxt's max_batch_size and instance count are int32 fields
+
+
+def served_lookahead(lookahead_config: str | None) -> tuple[str, LookaheadConfig | None]:
+    """The instances' lookahead parameter and the fixed config asked for: AUTO by default (each instance reads this
+    machine's tuning entry when it loads, `trt-lookahead tune`, else runs on the built-in priors, up to an engine's
+    built config), or W,N,G every step (ValueError naming the forms otherwise)."""
+    if lookahead_config is None or lookahead_config.strip().lower() == AUTO:
+        return AUTO, None
+    asked = LookaheadConfig.parse(lookahead_config)
+    return f"{asked.W},{asked.N},{asked.G}", asked
 
 
 def _pbtxt_parameters(params: dict[str, str]) -> str:
@@ -88,6 +98,7 @@ def write_repository(
         raise UserError(f"--max-batch must be >= 1 (concurrent requests per instance), got {max_batch}")
     check_output_dir(output, "--output")
     params: dict[str, str] = {}
+    lookahead, asked = served_lookahead(lookahead_config)
     if engine is not None:
         from trt_lookahead.engine.format import load_engine_config
 
@@ -95,12 +106,11 @@ def write_repository(
         if tensor_parallel != 1:
             check_tensor_parallel(built.path, tensor_parallel)  # refuses an engine dir
         refuse_weights_on_engine(weights, activations)
-        served = LookaheadConfig.parse(lookahead_config) if lookahead_config else built.lookahead
-        served.check_fits(built.lookahead)
+        if asked is not None:
+            asked.check_fits(built.lookahead)
         built.check_request(max_seq_len=max_seq_len, max_batch=max_batch)
         params["engine"] = str(built.path.resolve())
         dtype = built.dtype  # an engine runs in the dtype it was built for
-        lookahead = f"{served.W},{served.N},{served.G}"
     else:
         from trt_lookahead.model.checkpoint import check_max_seq_len, read_config
 
@@ -108,13 +118,6 @@ def write_repository(
         model_dir = resolve_model(model).resolve()
         check_max_seq_len(max_seq_len, read_config(model_dir).max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
         params["model"] = str(model_dir)
-        asked = None
-        if (lookahead_config or "").strip().lower() == AUTO:  # the policy: each instance reads this machine's
-            lookahead = AUTO  # tuning entry when it loads (`trt-lookahead tune`), else runs on the built-in priors
-        else:
-            asked = LookaheadConfig.parse(lookahead_config) if lookahead_config else None
-            served = asked or DEFAULT_LOOKAHEAD
-            lookahead = f"{served.W},{served.N},{served.G}"
         if tensor_parallel != 1:
             check_tensor_parallel(model_dir, tensor_parallel, backend, None, weights, activations)
         weights, activations = check_scheme(weights, activations)

@@ -76,7 +76,7 @@ class TritonPythonModel:
             source,
             backend=params.get("backend") or None,
             dtype=params.get("dtype") or "float32",
-            lookahead=params.get("lookahead_config") or None,  # None: what the model or engine serves
+            lookahead=params.get("lookahead_config") or None,  # None: `auto`, the runtime's default
             max_seq_len=int(max_seq_len) if max_seq_len else None,
             verify=params.get("verify") != "false",
             max_batch=int(max_batch) if max_batch else None,
