@@ -177,7 +177,7 @@ def test_the_endtoend_section_on_the_cpu_records_every_row_and_equal_tokens(gpu_
     prompts, new_tokens = gpu_check.ENDTOEND_SIZES["cpu"]
     assert (record["device"], record["dtype"], record["prompts"], record["new_tokens"]) == ("cpu", "float32",
                                                                                          prompts, new_tokens)
-    configs = {"greedy", "auto", "hf-greedy", "hf-prompt-lookup"}
+    configs = {"greedy", "auto", "4/3/4", "hf-greedy", "hf-prompt-lookup"}
     assert [r["dataset"] for r in record["rows"]] == ["humaneval", "mt_bench"]
     for row in record["rows"]:
         assert row["prompts"] == prompts
@@ -188,9 +188,10 @@ def test_the_endtoend_section_on_the_cpu_records_every_row_and_equal_tokens(gpu_
         assert row["identical_to_greedy"] == dict.fromkeys(configs, prompts), row  # ours and transformers'
         assert row["auto_vs_hf_prompt_lookup"] == round(
             row["tokens_per_second"]["auto"] / row["tokens_per_second"]["hf-prompt-lookup"], 3)
-    assert record["auto_identical_to_greedy"] and record["hf_greedy_identical_to_greedy"]
+        assert row["auto_vs_4_3_4"] == round(row["tokens_per_second"]["auto"] / row["tokens_per_second"]["4/3/4"], 3)
+    assert record["lookahead_identical_to_greedy"] and record["hf_greedy_identical_to_greedy"]
     bench = json.loads((tmp_path / "out" / gpu_check.ENDTOEND_BENCH).read_text())
-    assert bench["peers"] == ["hf-greedy", "hf-prompt-lookup"] and len(bench["runs"]) == 2 * 4 * prompts
+    assert bench["peers"] == ["hf-greedy", "hf-prompt-lookup"] and len(bench["runs"]) == 2 * 5 * prompts
     report = gpu_check.new_report(args)
     report["endtoend"] = {"status": "ok", "seconds": 1.0, **record}
     humaneval = record["rows"][0]
