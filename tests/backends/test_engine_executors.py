@@ -456,7 +456,7 @@ def test_a_tree_engine_verifies_its_draft_tree_and_emits_the_checkpoints_tokens(
         assert engine.tree == tree_template(28, TREE_DEPTH) and engine.executor.tree == engine.tree
         long = " ".join(["Lily and Tom went to the park."] * 10)  # > T = 56 tokens: a 64-token prefill chunk
         for prompt in ("Once upon a time", "Lily and Tom went to the park. They", "Sam had a red ball", long):
-            out = engine.generate(prompt, max_new_tokens=64, pool_scope="request")
+            out = engine.generate(prompt, max_new_tokens=64, pool_scope="request", lookahead="7,5,7")  # as built
             assert out.token_ids == reference.generate(prompt, max_new_tokens=64, lookahead="greedy").token_ids
             sources.update(out.stats.sources)
         with pytest.raises(UserError, match="verifies the tree it was built with"):

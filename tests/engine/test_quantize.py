@@ -213,7 +213,7 @@ def test_an_engine_of_a_gguf_dequantized_checkpoint_keeps_its_blocks_and_stays_e
     assert config["weight_blocks"] == {"Q4_1": 15, "Q8_0": 1, "int4": 5}
     with LookaheadRuntime.from_pretrained(str(out), max_batch=4) as rt:
         greedy = [rt.generate(p, max_new_tokens=48, lookahead="greedy").token_ids for p in PROMPTS]
-        assert [rt.generate(p, max_new_tokens=48).token_ids for p in PROMPTS] == greedy
+        assert [rt.generate(p, max_new_tokens=48, lookahead="4,3,4").token_ids for p in PROMPTS] == greedy
     exact = tmp_path / "engine-a8"  # int8 activations, the default: Q4_1 kept too, on the exact graph
     assert main(["build", "--model", str(model), "--output", str(exact), "--weights", "int4", "--lookahead_config",
                  "4,3,4", "--max_seq_len", "256"]) == 0
@@ -221,7 +221,7 @@ def test_an_engine_of_a_gguf_dequantized_checkpoint_keeps_its_blocks_and_stays_e
     with LookaheadRuntime.from_pretrained(str(exact), max_batch=4) as rt:
         greedy = [rt.generate(p, max_new_tokens=48, lookahead="greedy").token_ids for p in PROMPTS]
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            together = list(pool.map(lambda p: rt.generate(p, max_new_tokens=48).token_ids, PROMPTS))
+            together = list(pool.map(lambda p: rt.generate(p, max_new_tokens=48, lookahead="4,3,4").token_ids, PROMPTS))
         assert together == greedy
 
 
