@@ -1,7 +1,8 @@
 """The C quantized product alone: microseconds per product of M rows, one thread, the weight in the caches.
 
     python scripts/bench_quantized_kernel.py [--source trt_lookahead/kernels/onnxruntime_quantized.c]
-        [--shapes "576x3072x4,1536x576x4,576x8192x8"] [--rows 1,2,3,4,6,8,16] [--json]
+        [--shapes "576x3072x4,1536x576x4,576x8192x8"] [--rows 1,2,3,4,6,8,16] [--cflags "-mno-avx512f -mno-avxvnni"]
+        [--json]
 
 Compiles a timing loop that #includes the kernel's source (the package's, or a variant given by --source) with
 the flags the package builds it with (scripts/c_harness.py), and runs every channel group's task of one product
@@ -10,6 +11,8 @@ count M, best of 200 calls on random records and rows. The records of SmolLM2's 
 caches, so this times the kernel's arithmetic (what a step of several rows pays), not the memory a one-row product
 streams (a product larger than the caches, e.g. 576x131072x4, shows that). Comparing a variant of the kernel
 against the package's is what this is for: run both in one invocation of each, alternating, and quote the load.
+--cflags adds compiler flags after the package's: "-mno-avx512f -mno-avxvnni" times the AVX2 code path on a CPU
+that has AVX-512 or VNNI.
 """
 
 from __future__ import annotations
@@ -77,12 +80,13 @@ def main() -> int:
     parser.add_argument("--source", type=Path, default=SOURCE, help="the kernel's C source (a variant to compare)")
     parser.add_argument("--shapes", default="576x3072x4,1536x576x4,576x8192x8", help="KxNxBITS, comma-separated")
     parser.add_argument("--rows", default="1,2,3,4,6,8,16", help="row counts M, comma-separated")
+    parser.add_argument("--cflags", default="", help="compiler flags after the package's (e.g. -mno-avx512f)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rows = [str(int(m)) for m in args.rows.split(",") if m]
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        binary = build_harness(HARNESS, args.source, Path(tmp))
+        binary = build_harness(HARNESS, args.source, Path(tmp), tuple(args.cflags.split()))
         for shape in filter(None, args.shapes.split(",")):
             K, N, bits = shape.split("x")
             if bits not in ("4", "8"):
@@ -91,11 +95,12 @@ def main() -> int:
             if run.returncode:
                 raise SystemExit(f"{args.source.name} at {shape}: {run.stderr.strip() or 'the timing loop failed'}")
             results[shape] = {m: float(us) for m, us in (line.split() for line in run.stdout.splitlines())}
-    print(f"{args.source.name}, load {os.getloadavg()[0]:.2f}: microseconds per product of M rows, one thread")
+    flags = f" {args.cflags}" if args.cflags else ""
+    print(f"{args.source.name}{flags}, load {os.getloadavg()[0]:.2f}: microseconds per product of M rows, one thread")
     for shape, times in results.items():
         print(f"  {shape}: " + ", ".join(f"M={m} {us:.1f} ({us / times[rows[0]]:.2f}x)" for m, us in times.items()))
     if args.json:
-        print(json.dumps({"source": str(args.source), "us": results}))
+        print(json.dumps({"source": str(args.source), "cflags": args.cflags, "us": results}))
     return 0
 
 

@@ -20,13 +20,14 @@ if str(ROOT) not in sys.path:  # the package from this checkout, installed or no
 from trt_lookahead.kernels.onnxruntime_library import FLAGS, HEADER  # noqa: E402
 
 
-def build_harness(harness: str, source: Path, folder: Path) -> Path:
-    """The timing loop `harness` (its `SOURCE_FILE` the kernel's source) compiled in `folder`; SystemExit with the
-    compiler's message where there is no compiler or the source does not compile."""
+def build_harness(harness: str, source: Path, folder: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The timing loop `harness` (its `SOURCE_FILE` the kernel's source) compiled in `folder`, the package's flags
+    then `extra_flags`; SystemExit with the compiler's message where there is no compiler or the source does not
+    compile."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise SystemExit("no C compiler: set CC or install cc")
-    flags = [f for f in FLAGS if f not in ("-fPIC", "-shared", "-fvisibility=hidden")]
+    flags = [f for f in FLAGS if f not in ("-fPIC", "-shared", "-fvisibility=hidden")] + list(extra_flags)
     code, binary = folder / "harness.c", folder / "harness"
     code.write_text(harness.replace("SOURCE_FILE", f'"{source.resolve()}"'), encoding="utf-8")
     built = subprocess.run([compiler, *flags, "-I", str(HEADER.parent), "-o", str(binary), str(code), "-lm"],

@@ -21,7 +21,7 @@ from trt_lookahead.engine.quantize import (
     quantize_activations,
     quantize_graph,
 )
-from trt_lookahead.kernels.onnxruntime_library import native_library
+from trt_lookahead.kernels.onnxruntime_library import build_library, native_library
 
 pytestmark = pytest.mark.skipif(not native_library().quantized,
                                 reason=f"no QuantizedMatMul here: {native_library().why or 'no AVX2, FMA and F16C'}")
@@ -49,12 +49,12 @@ def quantized_graph(w: np.ndarray, kind: str, activations: str = "int8") -> tupl
     return proto, used["W"]
 
 
-def native_session(proto: object, threads: int = 2) -> ort.InferenceSession:
+def native_session(proto: object, threads: int = 2, library: object = None) -> ort.InferenceSession:
     proto, left = native_products(copy.deepcopy(proto))
     assert left == 0 and [node.op_type for node in proto.graph.node] == [NATIVE_PRODUCT]
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    options.register_custom_ops_library(str(native_library().path))
+    options.register_custom_ops_library(str(library or native_library().path))
     return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
@@ -78,16 +78,41 @@ def test_the_product_is_the_quantized_rows_times_the_dequantized_weight(kind, n,
 @pytest.mark.parametrize("kind", ["Q4_1", "int8"])
 def test_a_row_has_the_same_bits_at_every_row_count_and_thread_count(kind):
     """The exact step's premise: row r of a product of M rows is the bits of row r alone, for every M (the kernel
-    tiles rows 4 at a time, the 1 to 3 left through other code) and on 1 or 2 threads (channels split across them)."""
+    tiles rows 4 or 8 at a time, those left through other code) and on 1 or 2 threads (channels split across them)."""
     proto, _ = quantized_graph(weight(kind, 70, 160, seed=3), kind)
     x = np.random.default_rng(4).standard_normal((40, 160)).astype(np.float32)
     sessions = [native_session(proto, threads) for threads in (1, 2)]
     full = sessions[1].run(None, {"x": x})[0]
     for session in sessions:
-        for m in (1, 2, 3, 4, 5, 6, 7, 17, 40):
+        for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 17, 40):
             np.testing.assert_array_equal(session.run(None, {"x": x[:m]})[0], full[:m])
         for r in range(0, 40, 9):
             np.testing.assert_array_equal(session.run(None, {"x": x[r:r + 1]})[0][0], full[r])
+
+
+def cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+
+
+WIDER = {"avx512vl", "avx512_vnni", "avx_vnni"} & cpu_flags()  # what the plain build below leaves out
+
+
+@pytest.mark.skipif(not WIDER, reason="this CPU has neither AVX-512 nor VNNI: the kernel has one code path here")
+@pytest.mark.parametrize(("kind", "n", "k"), [("Q4_1", 70, 160), ("int4", 37, 72), ("int8", 45, 100),
+                                              ("Q8_0", 33, 64)])
+def test_vnni_and_avx512_give_the_bits_of_the_avx2_path(kind, n, k):
+    """This CPU's build (VNNI byte products, 8-bit records laid out for them, 8-row tiles) against the same sources
+    built without AVX-512 or AVX-VNNI (AVX2's byte products and widening, 4-row tiles): the same bits for every row
+    count, so an engine's tokens do not depend on which of these CPUs runs it."""
+    plain = build_library(("-mno-avx512f", "-mno-avxvnni"))
+    assert plain.quantized and plain.path != native_library().path
+    proto, _ = quantized_graph(weight(kind, n, k, seed=n), kind)
+    rng = np.random.default_rng(k)
+    x = (rng.standard_normal((19, k)) * np.exp(rng.standard_normal((19, k)))).astype(np.float32)
+    wide, narrow = native_session(proto), native_session(proto, library=plain.path)
+    for m in (1, 3, 4, 8, 12, 19):
+        np.testing.assert_array_equal(wide.run(None, {"x": x[:m]})[0], narrow.run(None, {"x": x[:m]})[0])
 
 
 def test_native_products_fold_the_mins_term_and_leave_float_activations():

@@ -1,10 +1,12 @@
 """The C kernels built for this machine: the shared library that gives onnxruntime its MaskedAttention kernel
 (onnxruntime_attention.c: the nodes of onnx_op.decompose(native=True); docs/design.md section 6.4), its RotaryQKV
 (onnxruntime_rotary.c: onnx_rotary.native_rotary) and, on a CPU with AVX2, FMA and F16C, its QuantizedMatMul
-(onnxruntime_quantized.c: engine/quantize.py native_products; 6.9), registered by onnxruntime_ops.c.
+(onnxruntime_quantized.c: engine/quantize.py native_products; 6.9; with VNNI byte products where the CPU has
+them, the same bits), registered by onnxruntime_ops.c.
 
     built = native_library()                      # Built(path, None, quantized), or Built(None, why not)
     options.register_custom_ops_library(str(built.path))
+    plain = build_library(("-mno-avx512f", "-mno-avxvnni"))  # the same sources for less of this CPU (tests)
 
 Compiled once per machine by the system C compiler ($CC, else cc) into the cache dir's kernels/ folder, under a name
 keyed by the sources, the compiler, the flags and this CPU's instruction-set flags (the library is built for this
@@ -68,15 +70,17 @@ def _compiler() -> list[str] | None:
 @functools.cache
 def native_library() -> Built:
     """The built library (once per process; see the module docstring). Without one, says why on stderr, once."""
-    built = _build()
+    built = build_library()
     if built.path is None:
         print("trt-lookahead: float32 attention runs as standard onnxruntime ops and quantized products as "
               f"MatMulNBits, slower: {built.why}", file=sys.stderr)
     return built
 
 
-def _build() -> Built:
-    built = _compile()
+def build_library(extra_flags: tuple[str, ...] = ()) -> Built:
+    """The library compiled with FLAGS and then `extra_flags` (e.g. -mno-... to build the code paths of a CPU with
+    fewer instruction sets), cached under its own name; nothing is printed."""
+    built = _compile((*FLAGS, *extra_flags))
     if built.path is None:
         return built
     try:  # the library says whether it was built with QuantizedMatMul (onnxruntime_ops.c)
@@ -86,7 +90,7 @@ def _build() -> Built:
     return Built(built.path, quantized=quantized)
 
 
-def _compile() -> Built:
+def _compile(flags: tuple[str, ...]) -> Built:
     compiler = _compiler()
     if compiler is None:
         return Built(None, f"no C compiler ({os.environ.get('CC', 'cc')!r} not found)")
@@ -96,7 +100,7 @@ def _compile() -> Built:
         sources = [path.read_bytes() for path in (*SOURCES, HEADER)]
     except (OSError, subprocess.SubprocessError, IndexError) as exc:
         return Built(None, f"cannot run the C compiler or read the kernels' sources ({exc})")
-    key = hashlib.sha256(b"\0".join([*sources, version.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()]))
+    key = hashlib.sha256(b"\0".join([*sources, version.encode(), " ".join(flags).encode(), _cpu_flags().encode()]))
     folder = cache_dir() / KERNELS
     path = folder / f"onnxruntime_kernels-{key.hexdigest()[:16]}.so"
     if path.is_file():
@@ -108,7 +112,7 @@ def _compile() -> Built:
     except OSError as exc:
         return Built(None, f"the cache dir {folder} is not writable ({exc})")
     try:
-        done = subprocess.run([*compiler, *FLAGS, "-I", str(HEADER.parent), "-o", tmp, *map(str, SOURCES), "-lm"],
+        done = subprocess.run([*compiler, *flags, "-I", str(HEADER.parent), "-o", tmp, *map(str, SOURCES), "-lm"],
                               capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             names = ", ".join(path.name for path in SOURCES)

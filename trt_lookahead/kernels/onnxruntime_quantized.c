@@ -33,6 +33,13 @@
  * byte products, 1 widening and 3 float operations, and 4 rows share a record's loads and nibble splits. Needs
  * AVX2, FMA and F16C (QUANTIZED_KERNEL); onnxruntime's C API: onnxruntime_api.h; registered by
  * onnxruntime_ops.c.
+ *
+ * Where the compiler targets VNNI (AVX-512 VNNI with VL, or AVX-VNNI), one instruction adds 4 byte products to
+ * each 32-bit lane: a 4-bit (row, group, block) takes 4 of them and nothing to widen, and an 8-bit one takes 4
+ * too, its records and row codes laid out as the 4-bit ones (byte quads of the same two halves side by side)
+ * instead of widened to 16 bits and added across lanes. With AVX-512's 32 vector registers 8 rows share a
+ * record. The lanes' integer sums are the same 16-element sums, so the float operations and the bits are the
+ * same with and without VNNI (tests/kernels/test_quantized_kernel.py builds both and compares them).
  */
 #include "onnxruntime_api.h"
 
@@ -40,15 +47,31 @@
 #include <immintrin.h>
 #include <sys/mman.h>
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define VNNI 1 /* unsigned x signed byte products, 4 added to each 32-bit lane, in one instruction */
+#define DPBUSD _mm256_dpbusd_epi32
+#elif defined(__AVXVNNI__)
+#define VNNI 1
+#define DPBUSD _mm256_dpbusd_avx_epi32
+#else
+#define VNNI 0
+#endif
 #define BLOCK 32        /* weights per (channel, block): engine/quantize.py's BLOCK_SIZE */
-#define A_BYTES(bits) ((bits) == 4 ? 128 : 64) /* a row's block of codes as block_dot reads them */
+#define A_BYTES(bits) ((bits) == 4 || VNNI ? 128 : 64) /* a row's block of codes as block_dot reads them */
 #define GROUP 4         /* channels whose blocks lie together in the kernel's copy of the weight */
-#define ROWS 4          /* rows multiplied together where there are more than one */
+#ifdef __AVX512VL__
+#define ROWS 8 /* rows multiplied together where there are more than one: their accumulators stay in registers */
+#else
+#define ROWS 4
+#endif
 #define TASK_GROUPS 4   /* groups per parallel task */
+#define AHEAD 8         /* records prefetched ahead of the one multiplied: without, a product of several rows
+                         * waited on memory at each group (docs/results/2026-12-01-cpu-vnni.md) */
 #define CODE_MAX 127.0f /* an activation code's largest magnitude (engine/quantize.py's ACTIVATION_CODE) */
 
 /* A (group, block)'s record in the kernel's copy of the weight, so that a group's blocks stream in order: the
- * four channels' code bytes (4-bit: chunk by chunk, see make_weight; 8-bit: channel by channel), then their d and
+ * four channels' code bytes (4-bit, and 8-bit with VNNI: chunk by chunk, see make_weight; 8-bit without:
+ * channel by channel), then their d and
  * then their e, each `half` ? float16 : float32. Channels past N repeat the last. */
 #define CODE_BYTES(bits) (BLOCK * (bits) / 8)
 #define SCALE_BYTES(half) ((half) ? 2 : 4)
@@ -65,7 +88,9 @@ typedef struct {
 /* Row r's codes, scales and sums. A block's codes go as block_dot reads them: 4-bit weights, four vectors of 32
  * bytes, each half of a vector the 4 even (or odd) elements of one 8-element chunk q of the block repeated for the
  * group's 4 channels, in the order (chunk 0 | chunk 1) even, odd, then (chunk 2 | chunk 3) even, odd (a record's
- * layout, make_weight); 8-bit weights, the 32 codes as int16. */
+ * layout, make_weight); 8-bit weights with VNNI, four vectors, vector k's low half quad k of elements 0-7, 16-23
+ * (elements 0-3, 4-7, 16-19, 20-23) and its high half quad k of elements 8-15, 24-31, each repeated for the 4
+ * channels; 8-bit weights without, the 32 codes as int16. */
 static void quantize_row(const float *x, int64_t K, int64_t blocks, int64_t bits, uint8_t *a, float *s, float *sums) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes packs' lane interleave */
@@ -97,6 +122,13 @@ static void quantize_row(const float *x, int64_t K, int64_t blocks, int64_t bits
                 _mm256_storeu_si256((__m256i *)(out + 64 * h), _mm256_shuffle_epi8(chunks, even));
                 _mm256_storeu_si256((__m256i *)(out + 64 * h + 32), _mm256_shuffle_epi8(chunks, odd));
             }
+        } else if (VNNI) { /* the dwords (4-byte quads) i and i + 2 of the element-order bytes, 4 times each */
+            const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(low, high), in_order);
+            for (int k = 0; k < 4; k++) {
+                const int i = (k & 1) + 4 * (k >> 1);
+                const __m256i quads = _mm256_setr_epi32(i, i, i, i, i + 2, i + 2, i + 2, i + 2);
+                _mm256_storeu_si256((__m256i *)(out + 32 * k), _mm256_permutevar8x32_epi32(bytes, quads));
+            }
         } else { /* int16 in element order */
             _mm256_storeu_si256((__m256i *)out, _mm256_permute4x64_epi64(low, 0xd8));
             _mm256_storeu_si256((__m256i *)(out + 32), _mm256_permute4x64_epi64(high, 0xd8));
@@ -107,8 +139,25 @@ static void quantize_row(const float *x, int64_t K, int64_t blocks, int64_t bits
 }
 
 /* A group's block products with one row: lanes c and 4 + c channel c's, each the exact integer sum of q * a over
- * a fixed 16 of the block's 32 elements. */
+ * a fixed 16 of the block's 32 elements (0-7 and 16-23 in lane c, 8-15 and 24-31 in lane 4 + c). */
 static inline __m256i block_dot(const uint8_t *record, const uint8_t *a, int bits) {
+#if VNNI
+    __m256i sums = _mm256_setzero_si256();
+    if (bits == 4) { /* low nibbles x even elements + high x odd, per chunk pair */
+        const __m256i mask = _mm256_set1_epi8(0x0f);
+        for (int h = 0; h < 2; h++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(record + 32 * h));
+            const __m256i low = _mm256_and_si256(raw, mask), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+            sums = DPBUSD(sums, low, _mm256_loadu_si256((const __m256i *)(a + 64 * h)));
+            sums = DPBUSD(sums, high, _mm256_loadu_si256((const __m256i *)(a + 64 * h + 32)));
+        }
+    } else {
+        for (int k = 0; k < 4; k++)
+            sums = DPBUSD(sums, _mm256_loadu_si256((const __m256i *)(record + 32 * k)),
+                          _mm256_loadu_si256((const __m256i *)(a + 32 * k)));
+    }
+    return sums;
+#else
     if (bits == 4) { /* per chunk, low nibbles x even elements + high x odd: |sum| <= 8 * 15 * 127 fits 16 bits */
         const __m256i mask = _mm256_set1_epi8(0x0f);
         __m256i sums = _mm256_setzero_si256();
@@ -131,6 +180,7 @@ static inline __m256i block_dot(const uint8_t *record, const uint8_t *a, int bit
     }
     /* per 128-bit half: (c0 l0+l1, l2+l3, c1 ..), then (c0 l0..l3, c1, c2, c3 | c0 l4..l7, c1, c2, c3) */
     return _mm256_hadd_epi32(_mm256_hadd_epi32(dots[0], dots[1]), _mm256_hadd_epi32(dots[2], dots[3]));
+#endif
 }
 
 /* a record's four d (or e) as float32 */
@@ -146,6 +196,8 @@ static inline __attribute__((always_inline)) void tile(const Product *p, int64_t
     for (int r = 0; r < rows; r++) lanes[r] = _mm256_setzero_ps();
     const uint8_t *record = p->records + g * p->blocks * RECORD(bits, half);
     for (int64_t b = 0; b < p->blocks; b++, record += RECORD(bits, half)) {
+        for (int line = 0; line < RECORD(bits, half); line += 64) /* past the last record: a no-op, never a fault */
+            _mm_prefetch((const char *)(record + AHEAD * RECORD(bits, half) + line), _MM_HINT_T0);
         const uint8_t *scales = record + GROUP * CODE_BYTES(bits);
         const __m128 d4 = four(scales, half);
         const __m256 d = _mm256_set_m128(d4, d4);
@@ -170,9 +222,17 @@ static inline __attribute__((always_inline)) void groups(const Product *p, int64
     const int64_t left = p->M % ROWS, tiled = p->M - left;
     for (int64_t g = first; g < end; g++) {
         for (int64_t r0 = 0; r0 < tiled; r0 += ROWS) tile(p, g, r0, ROWS, bits, half);
-        if (left == 1) tile(p, g, tiled, 1, bits, half); /* constant row counts: each its own registers */
-        else if (left == 2) tile(p, g, tiled, 2, bits, half);
-        else if (left == 3) tile(p, g, tiled, 3, bits, half);
+        switch (left) { /* constant row counts: each its own registers */
+        case 1: tile(p, g, tiled, 1, bits, half); break;
+        case 2: tile(p, g, tiled, 2, bits, half); break;
+        case 3: tile(p, g, tiled, 3, bits, half); break;
+#if ROWS > 4
+        case 4: tile(p, g, tiled, 4, bits, half); break;
+        case 5: tile(p, g, tiled, 5, bits, half); break;
+        case 6: tile(p, g, tiled, 6, bits, half); break;
+        case 7: tile(p, g, tiled, 7, bits, half); break;
+#endif
+        }
     }
 }
 
@@ -311,6 +371,12 @@ static OrtStatus *make_weight(const OrtApi *api, const OrtKernelInfo *info, Kern
             const uint8_t *code = (const uint8_t *)codes + (from + b) * code_bytes;
             if (kn->bits == 4) /* 4-byte chunk q (elements 8q .. 8q + 7) of the 4 channels together */
                 for (int q = 0; q < 4; q++) memcpy(record + 16 * q + 4 * c, code + 4 * q, 4);
+            else if (VNNI) /* quad k of elements 0-7, 16-23, then of 8-15, 24-31 (quantize_row) */
+                for (int k = 0; k < 4; k++) {
+                    const int at = 4 * (k & 1) + 16 * (k >> 1);
+                    memcpy(record + 32 * k + 4 * c, code + at, 4);
+                    memcpy(record + 32 * k + 16 + 4 * c, code + at + 8, 4);
+                }
             else
                 memcpy(record + c * code_bytes, code, (size_t)code_bytes);
             store_scale(floats + c * scale, d[from + b], kn->half);
