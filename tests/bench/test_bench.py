@@ -291,7 +291,7 @@ def test_bench_cli_on_stories260k(stories_set, tmp_path, tuning, capsys):
     captured = capsys.readouterr()
     assert code == 0
     result = json.loads(captured.out.strip().splitlines()[-1])
-    assert set(result) >= {"model", "backend", "dtype", "machine", "results"}
+    assert set(result) >= {"model", "backend", "dtype", "machine", "results"} and result["weights"] == "float"
     assert set(result["machine"]) >= {"cpu", "threads", "load"}
     rows = {r["config"]: r for r in result["results"]}
     assert list(rows) == ["greedy", "4/3/4", "auto", "hf-greedy", "hf-prompt-lookup"]

@@ -44,6 +44,7 @@ def test_generate_json_has_every_field(capsys):
                 "decode_seconds", "tokens_per_second", "config", "backend", "dtype"):
         assert key in record, key
     assert record["config"] == "7/5/7" and record["backend"] == "onnxruntime" and record["dtype"] == "float32"
+    assert record["weights"] == "float"
     assert record["generated_tokens"] == len(record["token_ids"]) == 40
     assert record["compression"] == pytest.approx(40 / record["steps"], abs=1e-3)
     assert record["prompt_tokens"] == 5

@@ -33,6 +33,7 @@ from trt_lookahead.errors import UserError
 from trt_lookahead.model.checkpoint import load_llama
 from trt_lookahead.model.llama import Linear
 from trt_lookahead.runtime import LookaheadRuntime
+from trt_lookahead.serving.openai_api import OpenAIServer
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 BLOCK = np.zeros(BLOCK_SIZE, np.float32)
@@ -319,6 +320,29 @@ def test_a_quantized_engine_records_its_scheme_and_its_smoke_check(quantized):
     config = json.loads((engine / "config.json").read_text())
     assert config["quantization"] == scheme and config["build_key"]["weights"] == scheme
     assert config["targets"]["onnx"]["smoke_check"]  # against the torch model holding the same dequantized weights
+
+
+@pytest.mark.export
+def test_generate_and_bench_name_a_quantized_engines_weights(quantized, capsys, tmp_path):
+    """generate's status line and JSON, and bench's JSON and table, say which weights ran: the int8 engine's on
+    float activations, the int4 engine's on int8 activations (the fixture's builds); a float engine's say float
+    (tests/cli/test_generate.py, tests/bench/test_bench.py)."""
+    scheme, engine = quantized
+    want = {"int8": "int8", "int4": "int4+int8"}[scheme]
+    argv = ["generate", "--engine", str(engine), "--prompt", "Once upon a time", "--max-new-tokens", "8", "--greedy"]
+    assert main(argv) == 0
+    assert f"[greedy onnxruntime float32 {want} weights] 8 tokens in" in capsys.readouterr().err
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["weights"] == want
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n")
+    assert main(["bench", "--engine", str(engine), "--dataset", str(prompts), "--limit", "1", "--max-new-tokens", "8",
+                 "--configs", "greedy", "--out", str(tmp_path / "out"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["weights"] == want
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert f"backend onnxruntime, float32, {want} weights, 8 new tokens max" in table
+    with LookaheadRuntime.from_pretrained(str(engine), max_batch=1) as rt:  # serve's /metrics, as rendered
+        assert f'weights="{want}"' in OpenAIServer(rt, model_name="q").metrics.exposition().decode()
 
 
 @pytest.mark.export

@@ -396,6 +396,8 @@ def test_metrics_count_what_a_request_did(server):
     assert delta("trt_lookahead_time_to_first_token_seconds_count") == 1
     assert delta("trt_lookahead_inter_token_latency_seconds_count") == tokens - 1
     assert after["trt_lookahead_running_requests"] == 0 and after["trt_lookahead_queue_length"] == 0
+    (info,) = [name for name in after if name.startswith("trt_lookahead_model_info{")]
+    assert 'dtype="float32"' in info and 'weights="float"' in info
 
 
 # -- errors ---------------------------------------------------------------------------------------

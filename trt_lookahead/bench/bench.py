@@ -289,8 +289,10 @@ def format_markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
     load = "/".join(f"{x:.2f}" for x in m.get("load") or [])
     load_end = "/".join(f"{x:.2f}" for x in result.get("load_end") or [])
+    weights = result.get("weights", "float")  # results written before it was recorded: float
     lines = [
         f"**{Path(str(result['model'])).name}**, backend {result['backend']}, {result['dtype']}, "
+        f"{'' if weights == 'float' else f'{weights} weights, '}"
         f"{result['max_new_tokens']} new tokens max, {result.get('limit')} prompts per set",
         "",
         f"Machine: {m.get('cpu')} ({m.get('cpus')} cpus), {m.get('threads')} threads, load average {load} at start, "
@@ -507,6 +509,7 @@ def run_bench(
         records: list[RunRecord] = []
         started = time.perf_counter()
         stop_ids, dtype, backend, exact_step = list(rt.stop_token_ids), rt.dtype, rt.backend, rt.exact
+        weights = rt.weights or "float"  # quantized weights: runtime/load.py weights_label
         device = str(getattr(rt.executor, "device", "cpu"))  # the peers run where our executor ran
         tree = None if rt.tree is None else str(rt.tree)  # the draft tree's parents (None: linear)
         try:
@@ -562,6 +565,7 @@ def run_bench(
         "model_name": plan.model_name,
         "backend": backend,
         "dtype": dtype,
+        "weights": weights,
         "exact_step": exact_step,
         "tree": tree,
         "machine": machine,

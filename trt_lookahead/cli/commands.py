@@ -113,8 +113,10 @@ def generate(args: argparse.Namespace) -> int:
         output = chunk.output or output
     assert output is not None
     sys.stdout.write("\n")
+    weights = f" {output.weights} weights" if output.weights else ""
     print(
-        f"[{output.config} {output.backend} {output.dtype}] {output.generated_tokens} tokens in {output.steps} steps "
+        f"[{output.config} {output.backend} {output.dtype}{weights}] {output.generated_tokens} tokens in "
+        f"{output.steps} steps "
         f"(compression {output.compression:.2f}), prefill {output.prefill_seconds:.3f} s, "
         f"decode {output.decode_seconds:.3f} s, {output.tokens_per_second:.1f} tok/s, finish: {output.finish_reason}",
         file=sys.stderr,

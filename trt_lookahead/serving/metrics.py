@@ -12,7 +12,7 @@
     trt_lookahead_running_requests                    the running batch: requests holding a slot
     trt_lookahead_time_to_first_token_seconds         arrival -> the prefill's token made (queueing included)
     trt_lookahead_inter_token_latency_seconds         gap between blocks / tokens in the block, once per token
-    trt_lookahead_model_info{model, backend, dtype, lookahead, max_seq_len, max_batch, max_queue, prefill}
+    trt_lookahead_model_info{model, backend, dtype, weights, lookahead, max_seq_len, max_batch, max_queue, prefill}
 
 Measures as docs/design.md section 8 defines them: the ITL histogram's sum over its count is the decode time
 per token as the server sees it.
