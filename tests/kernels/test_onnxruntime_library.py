@@ -71,6 +71,17 @@ def test_the_key_follows_the_source(fresh, monkeypatch, tmp_path):
     assert first is not None and second is not None and second != first and first.is_file()
 
 
+def test_the_key_follows_the_compilers_arguments(fresh, monkeypatch):
+    """CC with arguments (as `CC="cc -mno-avx512f"` builds the AVX2 code paths) is a library of its own, not the
+    plain compiler's file."""
+    plain = native_library().path
+    monkeypatch.setenv("CC", "cc -DTRT_LOOKAHEAD_TEST_ARGUMENT")
+    native_library.cache_clear()
+    other = native_library().path
+    assert plain is not None and other is not None and other != plain and sorted(os.listdir(fresh)) == sorted(
+        [plain.name, other.name])
+
+
 def test_an_engine_without_the_kernel_runs_standard_ops(fresh, monkeypatch, tmp_path):
     """No compiler: the engine's graph has no native node and its logits are the native engine's to rounding."""
     out = tmp_path / "engine"

@@ -9,8 +9,9 @@ them, the same bits), registered by onnxruntime_ops.c.
     plain = build_library(("-mno-avx512f", "-mno-avxvnni"))  # the same sources for less of this CPU (tests)
 
 Compiled once per machine by the system C compiler ($CC, else cc) into the cache dir's kernels/ folder, under a name
-keyed by the sources, the compiler, the flags and this CPU's instruction-set flags (the library is built for this
-CPU, -march=native: a cache dir shared with another kind of CPU builds its own). Written under a temporary name and
+keyed by the sources, the compiler (its command, arguments included, and version), the flags and this CPU's
+instruction-set flags (the library is built for this CPU, -march=native: a cache dir shared with another kind of
+CPU builds its own). Written under a temporary name and
 renamed, so processes that build at once race harmlessly. Without a compiler, or where the build fails or the cache
 dir cannot be written, there is no library and the engines run the standard-op decomposition (the reason in `why`).
 Imports files (the cache dir) and the standard library.
@@ -100,7 +101,8 @@ def _compile(flags: tuple[str, ...]) -> Built:
         sources = [path.read_bytes() for path in (*SOURCES, HEADER)]
     except (OSError, subprocess.SubprocessError, IndexError) as exc:
         return Built(None, f"cannot run the C compiler or read the kernels' sources ({exc})")
-    key = hashlib.sha256(b"\0".join([*sources, version.encode(), " ".join(flags).encode(), _cpu_flags().encode()]))
+    named = [shlex.join(compiler), version, " ".join(flags), _cpu_flags()]
+    key = hashlib.sha256(b"\0".join([*sources, *(text.encode() for text in named)]))
     folder = cache_dir() / KERNELS
     path = folder / f"onnxruntime_kernels-{key.hexdigest()[:16]}.so"
     if path.is_file():
