@@ -11,9 +11,9 @@ them, the same bits), registered by onnxruntime_ops.c.
 Compiled once per machine by the system C compiler ($CC, else cc) into the cache dir's kernels/ folder, under a name
 keyed by the sources, the compiler (its command, arguments included, and version), the flags and this CPU's
 instruction-set flags (the library is built for this CPU, -march=native: a cache dir shared with another kind of
-CPU builds its own). Written under a temporary name and
-renamed, so processes that build at once race harmlessly. Without a compiler, or where the build fails or the cache
-dir cannot be written, there is no library and the engines run the standard-op decomposition (the reason in `why`).
+CPU builds its own). Written under a temporary name and renamed, so processes that build at once race harmlessly.
+Without a compiler, or where the build fails or the cache dir cannot be written, there is no library and the
+engines run the standard-op decomposition (the reason in `why`).
 Imports files (the cache dir) and the standard library.
 """
 
