@@ -5,6 +5,7 @@ thread count, and the graph rewrite (engine/quantize.native_products) that puts 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -21,7 +22,7 @@ from trt_lookahead.engine.quantize import (
     quantize_activations,
     quantize_graph,
 )
-from trt_lookahead.kernels.onnxruntime_library import build_library, native_library
+from trt_lookahead.kernels.onnxruntime_library import _cpu_flags, build_library, native_library
 
 pytestmark = pytest.mark.skipif(not native_library().quantized,
                                 reason=f"no QuantizedMatMul here: {native_library().why or 'no AVX2, FMA and F16C'}")
@@ -49,7 +50,7 @@ def quantized_graph(w: np.ndarray, kind: str, activations: str = "int8") -> tupl
     return proto, used["W"]
 
 
-def native_session(proto: object, threads: int = 2, library: object = None) -> ort.InferenceSession:
+def native_session(proto: object, threads: int = 2, library: Path | None = None) -> ort.InferenceSession:
     proto, left = native_products(copy.deepcopy(proto))
     assert left == 0 and [node.op_type for node in proto.graph.node] == [NATIVE_PRODUCT]
     options = ort.SessionOptions()
@@ -90,12 +91,7 @@ def test_a_row_has_the_same_bits_at_every_row_count_and_thread_count(kind):
             np.testing.assert_array_equal(session.run(None, {"x": x[r:r + 1]})[0][0], full[r])
 
 
-def cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-
-
-WIDER = {"avx512vl", "avx512_vnni", "avx_vnni"} & cpu_flags()  # what the plain build below leaves out
+WIDER = {"avx512vl", "avx512_vnni", "avx_vnni"} & set(_cpu_flags().split())  # what the plain build leaves out
 
 
 @pytest.mark.skipif(not WIDER, reason="this CPU has neither AVX-512 nor VNNI: the kernel has one code path here")

@@ -509,7 +509,7 @@ def run_bench(
         records: list[RunRecord] = []
         started = time.perf_counter()
         stop_ids, dtype, backend, exact_step = list(rt.stop_token_ids), rt.dtype, rt.backend, rt.exact
-        weights = rt.weights or "float"  # quantized weights: runtime/load.py weights_label
+        weights = rt.weights  # "float" or the quantized weights, as GenerationOutput.weights
         device = str(getattr(rt.executor, "device", "cpu"))  # the peers run where our executor ran
         tree = None if rt.tree is None else str(rt.tree)  # the draft tree's parents (None: linear)
         try:

@@ -113,7 +113,7 @@ def generate(args: argparse.Namespace) -> int:
         output = chunk.output or output
     assert output is not None
     sys.stdout.write("\n")
-    weights = f" {output.weights} weights" if output.weights else ""
+    weights = "" if output.weights == "float" else f" {output.weights} weights"
     print(
         f"[{output.config} {output.backend} {output.dtype}{weights}] {output.generated_tokens} tokens in "
         f"{output.steps} steps "

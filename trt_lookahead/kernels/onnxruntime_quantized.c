@@ -58,6 +58,9 @@
 #endif
 #define BLOCK 32        /* weights per (channel, block): engine/quantize.py's BLOCK_SIZE */
 #define A_BYTES(bits) ((bits) == 4 || VNNI ? 128 : 64) /* a row's block of codes as block_dot reads them */
+/* 8-bit with VNNI: the first element of vector k's quad in its low half (0-3, 4-7, 16-19, 20-23; the high half's
+ * are 8 further), the same in a record (make_weight) and in a row's codes (quantize_row) */
+#define QUAD(k) (4 * ((k) & 1) + 16 * ((k) >> 1))
 #define GROUP 4         /* channels whose blocks lie together in the kernel's copy of the weight */
 #ifdef __AVX512VL__
 #define ROWS 8 /* rows multiplied together where there are more than one: their accumulators stay in registers */
@@ -115,19 +118,20 @@ static void quantize_row(const float *x, int64_t K, int64_t blocks, int64_t bits
         for (int i = 0; i < 8; i++) sum += parts[i];
         const __m256i low = _mm256_packs_epi32(c[0], c[1]), high = _mm256_packs_epi32(c[2], c[3]); /* |c| <= 127 */
         uint8_t *out = a + b * A_BYTES(bits);
-        if (bits == 4) { /* bytes in element order; each half of chunks (0 | 1), then (2 | 3), picked per lane */
+        if (bits == 4 || VNNI) { /* byte codes in element order */
             const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(low, high), in_order);
-            for (int h = 0; h < 2; h++) { /* chunks: elements 16h .. 16h + 15 in each half */
-                const __m256i chunks = _mm256_permute4x64_epi64(bytes, h ? 0xee : 0x44);
-                _mm256_storeu_si256((__m256i *)(out + 64 * h), _mm256_shuffle_epi8(chunks, even));
-                _mm256_storeu_si256((__m256i *)(out + 64 * h + 32), _mm256_shuffle_epi8(chunks, odd));
-            }
-        } else if (VNNI) { /* the dwords (4-byte quads) i and i + 2 of the element-order bytes, 4 times each */
-            const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(low, high), in_order);
-            for (int k = 0; k < 4; k++) {
-                const int i = (k & 1) + 4 * (k >> 1);
-                const __m256i quads = _mm256_setr_epi32(i, i, i, i, i + 2, i + 2, i + 2, i + 2);
-                _mm256_storeu_si256((__m256i *)(out + 32 * k), _mm256_permutevar8x32_epi32(bytes, quads));
+            if (bits == 4) { /* each half of chunks (0 | 1), then (2 | 3), picked per lane */
+                for (int h = 0; h < 2; h++) { /* chunks: elements 16h .. 16h + 15 in each half */
+                    const __m256i chunks = _mm256_permute4x64_epi64(bytes, h ? 0xee : 0x44);
+                    _mm256_storeu_si256((__m256i *)(out + 64 * h), _mm256_shuffle_epi8(chunks, even));
+                    _mm256_storeu_si256((__m256i *)(out + 64 * h + 32), _mm256_shuffle_epi8(chunks, odd));
+                }
+            } else { /* vector k: the dwords (4-byte quads) at QUAD(k) and 8 further, 4 times each */
+                for (int k = 0; k < 4; k++) {
+                    const int i = QUAD(k) / 4, j = (QUAD(k) + 8) / 4;
+                    const __m256i quads = _mm256_setr_epi32(i, i, i, i, j, j, j, j);
+                    _mm256_storeu_si256((__m256i *)(out + 32 * k), _mm256_permutevar8x32_epi32(bytes, quads));
+                }
             }
         } else { /* int16 in element order */
             _mm256_storeu_si256((__m256i *)out, _mm256_permute4x64_epi64(low, 0xd8));
@@ -141,36 +145,29 @@ static void quantize_row(const float *x, int64_t K, int64_t blocks, int64_t bits
 /* A group's block products with one row: lanes c and 4 + c channel c's, each the exact integer sum of q * a over
  * a fixed 16 of the block's 32 elements (0-7 and 16-23 in lane c, 8-15 and 24-31 in lane 4 + c). */
 static inline __m256i block_dot(const uint8_t *record, const uint8_t *a, int bits) {
-#if VNNI
     __m256i sums = _mm256_setzero_si256();
-    if (bits == 4) { /* low nibbles x even elements + high x odd, per chunk pair */
+    if (bits == 4) { /* per chunk pair, low nibbles x even elements + high x odd */
         const __m256i mask = _mm256_set1_epi8(0x0f);
-        for (int h = 0; h < 2; h++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(record + 32 * h));
-            const __m256i low = _mm256_and_si256(raw, mask), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-            sums = DPBUSD(sums, low, _mm256_loadu_si256((const __m256i *)(a + 64 * h)));
-            sums = DPBUSD(sums, high, _mm256_loadu_si256((const __m256i *)(a + 64 * h + 32)));
-        }
-    } else {
-        for (int k = 0; k < 4; k++)
-            sums = DPBUSD(sums, _mm256_loadu_si256((const __m256i *)(record + 32 * k)),
-                          _mm256_loadu_si256((const __m256i *)(a + 32 * k)));
-    }
-    return sums;
-#else
-    if (bits == 4) { /* per chunk, low nibbles x even elements + high x odd: |sum| <= 8 * 15 * 127 fits 16 bits */
-        const __m256i mask = _mm256_set1_epi8(0x0f);
-        __m256i sums = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(record + 32 * h));
             const __m256i low = _mm256_and_si256(raw, mask), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
             const __m256i even = _mm256_loadu_si256((const __m256i *)(a + 64 * h));
             const __m256i odd = _mm256_loadu_si256((const __m256i *)(a + 64 * h + 32));
-            const __m256i chunk = _mm256_add_epi16(_mm256_maddubs_epi16(low, even), _mm256_maddubs_epi16(high, odd));
-            sums = _mm256_add_epi16(sums, chunk);
+#if VNNI
+            sums = DPBUSD(DPBUSD(sums, low, even), high, odd);
+#else /* 16-bit sums: |sum| <= 8 * 15 * 127 */
+            sums = _mm256_add_epi16(sums, _mm256_add_epi16(_mm256_maddubs_epi16(low, even),
+                                                           _mm256_maddubs_epi16(high, odd)));
+#endif
         }
-        return _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
+        return VNNI ? sums : _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
     }
+#if VNNI
+    for (int k = 0; k < 4; k++)
+        sums = DPBUSD(sums, _mm256_loadu_si256((const __m256i *)(record + 32 * k)),
+                      _mm256_loadu_si256((const __m256i *)(a + 32 * k)));
+    return sums;
+#else
     const __m256i a0 = _mm256_loadu_si256((const __m256i *)a), a1 = _mm256_loadu_si256((const __m256i *)(a + 32));
     __m256i dots[GROUP]; /* lane l: elements 2l, 2l + 1, 16 + 2l, 17 + 2l */
     for (int c = 0; c < GROUP; c++) {
@@ -371,11 +368,10 @@ static OrtStatus *make_weight(const OrtApi *api, const OrtKernelInfo *info, Kern
             const uint8_t *code = (const uint8_t *)codes + (from + b) * code_bytes;
             if (kn->bits == 4) /* 4-byte chunk q (elements 8q .. 8q + 7) of the 4 channels together */
                 for (int q = 0; q < 4; q++) memcpy(record + 16 * q + 4 * c, code + 4 * q, 4);
-            else if (VNNI) /* quad k of elements 0-7, 16-23, then of 8-15, 24-31 (quantize_row) */
+            else if (VNNI) /* vector k: the quads at QUAD(k), then 8 further, of the 4 channels side by side */
                 for (int k = 0; k < 4; k++) {
-                    const int at = 4 * (k & 1) + 16 * (k >> 1);
-                    memcpy(record + 32 * k + 4 * c, code + at, 4);
-                    memcpy(record + 32 * k + 16 + 4 * c, code + at + 8, 4);
+                    memcpy(record + 32 * k + 4 * c, code + QUAD(k), 4);
+                    memcpy(record + 32 * k + 16 + 4 * c, code + QUAD(k) + 8, 4);
                 }
             else
                 memcpy(record + c * code_bytes, code, (size_t)code_bytes);

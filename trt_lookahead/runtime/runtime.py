@@ -69,7 +69,7 @@ class GenerationOutput:
     config: str  # "greedy", "W/N/G", or "auto" (stats.configs: the steps per config the policy chose)
     backend: str
     dtype: str
-    weights: str | None  # quantized weights ("int4", "int4+int8": runtime/load.py weights_label); None: float
+    weights: str  # "float", or the quantized weights ("int4", "int4+int8": runtime/load.py weights_label)
     stats: DecodeStats
 
     @property
@@ -112,7 +112,7 @@ class GenerationOutput:
             "config": self.config,
             "backend": self.backend,
             "dtype": self.dtype,
-            "weights": self.weights or "float",
+            "weights": self.weights,
             "finish_reason": self.finish_reason,
             "host_ms_per_step": stats["host_ms_per_step"],
             "accepted_histogram": stats["accepted_histogram"],
@@ -260,7 +260,7 @@ class LookaheadRuntime:
         self.stop_token_ids = list(dict.fromkeys(int(t) for t in model.stop_token_ids))
         self.backend = model.backend
         self.dtype = model.dtype
-        self.weights = model.weights
+        self.weights = model.weights or "float"  # as GenerationOutput.weights
         self.model_path = model.model_path
         self.max_lookahead = model.max_lookahead  # an engine's built config: requests must fit inside it
         self.auto = auto

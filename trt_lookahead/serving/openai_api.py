@@ -101,7 +101,7 @@ class OpenAIServer:
         self.metrics = ServerMetrics(
             lambda: scheduler.waiting, lambda: runtime.max_batch - scheduler.free_slots,
             {"model": model_name, "backend": runtime.backend, "dtype": runtime.dtype,
-             "weights": runtime.weights or "float", "lookahead": self.label,
+             "weights": runtime.weights, "lookahead": self.label,
              "max_seq_len": str(runtime.max_seq_len), "max_batch": str(runtime.max_batch),
              "max_queue": str(scheduler.max_queue), "prefill": str(scheduler.prefill)},
         )
@@ -462,7 +462,7 @@ def serve(runtime: LookaheadRuntime, sock: socket.socket, *, model_name: str, lo
     api = OpenAIServer(runtime, model_name=model_name, max_body_bytes=max_body_bytes, shutdown_grace=shutdown_grace)
     server = _Server(uvicorn.Config(api.app(), log_level=log_level, timeout_graceful_shutdown=shutdown_grace), api)
     host, port = sock.getsockname()[:2]
-    weights = f"{runtime.weights} weights, " if runtime.weights else ""
+    weights = "" if runtime.weights == "float" else f"{runtime.weights} weights, "
     print(
         f"trt-lookahead serve: {model_name} ({runtime.backend}, {runtime.dtype}, {weights}lookahead {api.label}, "
         f"max_seq_len {runtime.max_seq_len}, max_batch {runtime.max_batch}, max_queue {runtime.scheduler.max_queue}, "
