@@ -62,9 +62,9 @@ def native_session(proto: object, threads: int = 2, library: Path | None = None)
 @pytest.mark.parametrize(("kind", "n", "k"), [("int4", 200, 96), ("int4", 7, 40), ("int8", 130, 70), ("int8", 5, 33),
                                               ("Q4_1", 67, 128), ("Q4_0", 64, 96), ("Q8_0", 33, 64)])
 def test_the_product_is_the_quantized_rows_times_the_dequantized_weight(kind, n, k):
-    """Odd channel counts (a last group of 4 repeating its channel), K off the blocks (a zero-padded last block),
-    zero points, GGUF mins: y == quantize_activations(x) @ w_hat^T to float32 rounding, and not the product of the
-    float rows (the codes are what it multiplies)."""
+    """Odd channel counts (a last group of 4 or 8 channels repeating its last), K off the blocks (a zero-padded last
+    block), zero points, GGUF mins: y == quantize_activations(x) @ w_hat^T to float32 rounding, and not the product
+    of the float rows (the codes are what it multiplies)."""
     proto, blocks = quantized_graph(weight(kind, n, k, seed=n), kind)
     rng = np.random.default_rng(k)
     x = (rng.standard_normal((9, k)) * np.exp(rng.standard_normal((9, k)))).astype(np.float32)
@@ -98,9 +98,10 @@ WIDER = {"avx512vl", "avx512_vnni", "avx_vnni"} & set(_cpu_flags().split())  # w
 @pytest.mark.parametrize(("kind", "n", "k"), [("Q4_1", 70, 160), ("int4", 37, 72), ("int8", 45, 100),
                                               ("Q8_0", 33, 64)])
 def test_vnni_and_avx512_give_the_bits_of_the_avx2_path(kind, n, k):
-    """This CPU's build (VNNI byte products, 8-bit records laid out for them, 8-row tiles) against the same sources
-    built without AVX-512 or AVX-VNNI (AVX2's byte products and widening, 4-row tiles): the same bits for every row
-    count, so an engine's tokens do not depend on which of these CPUs runs it."""
+    """This CPU's build (VNNI byte products, 8 channels a group, a row's code dwords broadcast, 8-row tiles) against
+    the same sources built without AVX-512 or AVX-VNNI (AVX2's byte products and widening, 4 channels, 4-row
+    tiles): the same bits for every row count, so an engine's tokens do not depend on which of these CPUs runs
+    it."""
     plain = build_library(("-mno-avx512f", "-mno-avxvnni"))
     assert plain.quantized and plain.path != native_library().path
     proto, _ = quantized_graph(weight(kind, n, k, seed=n), kind)

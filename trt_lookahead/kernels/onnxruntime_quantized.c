@@ -35,11 +35,15 @@
  * onnxruntime_ops.c.
  *
  * Where the compiler targets VNNI (AVX-512 VNNI with VL, or AVX-VNNI), one instruction adds 4 byte products to
- * each 32-bit lane: a 4-bit (row, group, block) takes 4 of them and nothing to widen, and an 8-bit one takes 4
- * too, its records and row codes laid out as the 4-bit ones (byte quads of the same two halves side by side)
- * instead of widened to 16 bits and added across lanes. With AVX-512's 32 vector registers 8 rows share a
- * record. The lanes' integer sums are the same 16-element sums, so the float operations and the bits are the
- * same with and without VNNI (tests/kernels/test_quantized_kernel.py builds both and compares them).
+ * each 32-bit lane: a group is 8 channels, one a lane, and a record holds each 4 code bytes (4-bit: 8 elements)
+ * of the block for the 8 channels side by side. A tile loads a record's 8 vectors of codes once (4-bit: the low
+ * nibbles of each 4 bytes, then their high ones) for all its rows, and each of a row's 8 code dwords (4-bit: a chunk's
+ * even elements, then its odd ones), broadcast to every lane, multiplies one of them into one of two sums, the
+ * channels' halves (0-7 and 16-23, then 8-15 and 24-31). Per 8 channels a (row, block) takes 8 byte products, 2
+ * conversions and 4 float operations, 4-bit or 8-bit alike (as 4-channel groups, 6 float operations), and a row's
+ * block of codes is 32 bytes. With AVX-512's 32 vector registers 8 rows share a record. The sums are the same
+ * 16-element sums, so the float operations and the bits are the same with and without VNNI
+ * (tests/kernels/test_quantized_kernel.py builds both and compares them).
  */
 #include "onnxruntime_api.h"
 
@@ -57,25 +61,29 @@
 #define VNNI 0
 #endif
 #define BLOCK 32        /* weights per (channel, block): engine/quantize.py's BLOCK_SIZE */
-#define A_BYTES(bits) ((bits) == 4 || VNNI ? 128 : 64) /* a row's block of codes as block_dot reads them */
-/* 8-bit with VNNI: the first element of vector k's quad in its low half (0-3, 4-7, 16-19, 20-23; the high half's
- * are 8 further), the same in a record (make_weight) and in a row's codes (quantize_row) */
-#define QUAD(k) (4 * ((k) & 1) + 16 * ((k) >> 1))
-#define GROUP 4         /* channels whose blocks lie together in the kernel's copy of the weight */
+#if VNNI
+#define GROUP 8   /* channels whose blocks lie together in the kernel's copy of the weight, one a 32-bit lane */
+#define VECTORS 2 /* a row's sums per group: the channels' halves 0 (elements 0-7, 16-23), then 1 (8-15, 24-31) */
+#else
+#define GROUP 4   /* lanes c and 4 + c channel c's halves */
+#define VECTORS 1
+#endif
+/* a row's block of codes as the products read it: with VNNI, 32 bytes; without, 4-bit, 128, 8-bit, 32 int16 */
+#define A_BYTES(bits) (VNNI ? 32 : (bits) == 4 ? 128 : 64)
 #ifdef __AVX512VL__
 #define ROWS 8 /* rows multiplied together where there are more than one: their accumulators stay in registers */
 #else
 #define ROWS 4
 #endif
-#define TASK_GROUPS 4   /* groups per parallel task */
+#define TASK_GROUPS (16 / GROUP) /* groups per parallel task: 16 channels */
 #define AHEAD 8         /* records prefetched ahead of the one multiplied: without, a product of several rows
                          * waited on memory at each group (docs/results/2026-12-01-cpu-vnni.md) */
 #define CODE_MAX 127.0f /* an activation code's largest magnitude (engine/quantize.py's ACTIVATION_CODE) */
 
 /* A (group, block)'s record in the kernel's copy of the weight, so that a group's blocks stream in order: the
- * four channels' code bytes (4-bit, and 8-bit with VNNI: chunk by chunk, see make_weight; 8-bit without:
- * channel by channel), then their d and
- * then their e, each `half` ? float16 : float32. Channels past N repeat the last. */
+ * GROUP channels' code bytes (4-bit, and 8-bit with VNNI: dword by dword, see make_weight; 8-bit without:
+ * channel by channel), then their d and then their e, each `half` ? float16 : float32. Channels past N repeat the
+ * last. */
 #define CODE_BYTES(bits) (BLOCK * (bits) / 8)
 #define SCALE_BYTES(half) ((half) ? 2 : 4)
 #define RECORD(bits, half) (GROUP * CODE_BYTES(bits) + 2 * GROUP * SCALE_BYTES(half))
@@ -88,15 +96,18 @@ typedef struct {
     int64_t M, N, blocks, bits, half;
 } Product;
 
-/* Row r's codes, scales and sums. A block's codes go as block_dot reads them: 4-bit weights, four vectors of 32
- * bytes, each half of a vector the 4 even (or odd) elements of one 8-element chunk q of the block repeated for the
- * group's 4 channels, in the order (chunk 0 | chunk 1) even, odd, then (chunk 2 | chunk 3) even, odd (a record's
- * layout, make_weight); 8-bit weights with VNNI, four vectors, vector k's low half quad k of elements 0-7, 16-23
- * (elements 0-3, 4-7, 16-19, 20-23) and its high half quad k of elements 8-15, 24-31, each repeated for the 4
- * channels; 8-bit weights without, the 32 codes as int16. */
+/* Row r's codes, scales and sums. A block's codes go as the products read them (a record's layout, make_weight):
+ * with VNNI, 32 bytes, each dword k the 4 codes dword k of a channel's record multiplies (4-bit, chunk q's even
+ * elements at 2q, its odd ones at 2q + 1; 8-bit, elements 4k .. 4k + 3); without, 4-bit weights, four vectors of
+ * 32 bytes, each half of a vector the 4 even (or odd) elements of one 8-element chunk q of the block repeated for
+ * the group's 4 channels, in the order (chunk 0 | chunk 1) even, odd, then (chunk 2 | chunk 3) even, odd; 8-bit,
+ * the 32 codes as int16. */
 static void quantize_row(const float *x, int64_t K, int64_t blocks, int64_t bits, uint8_t *a, float *s, float *sums) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes packs' lane interleave */
+    /* per 16-byte lane (chunks 2h, 2h + 1): each chunk's even elements, then its odd ones */
+    const __m256i even_odd = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,
+                                              0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
     const __m256i even = _mm256_setr_epi8(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6,
                                           8, 10, 12, 14, 8, 10, 12, 14, 8, 10, 12, 14, 8, 10, 12, 14);
     const __m256i odd = _mm256_add_epi8(even, _mm256_set1_epi8(1));
@@ -118,20 +129,14 @@ static void quantize_row(const float *x, int64_t K, int64_t blocks, int64_t bits
         for (int i = 0; i < 8; i++) sum += parts[i];
         const __m256i low = _mm256_packs_epi32(c[0], c[1]), high = _mm256_packs_epi32(c[2], c[3]); /* |c| <= 127 */
         uint8_t *out = a + b * A_BYTES(bits);
-        if (bits == 4 || VNNI) { /* byte codes in element order */
-            const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(low, high), in_order);
-            if (bits == 4) { /* each half of chunks (0 | 1), then (2 | 3), picked per lane */
-                for (int h = 0; h < 2; h++) { /* chunks: elements 16h .. 16h + 15 in each half */
-                    const __m256i chunks = _mm256_permute4x64_epi64(bytes, h ? 0xee : 0x44);
-                    _mm256_storeu_si256((__m256i *)(out + 64 * h), _mm256_shuffle_epi8(chunks, even));
-                    _mm256_storeu_si256((__m256i *)(out + 64 * h + 32), _mm256_shuffle_epi8(chunks, odd));
-                }
-            } else { /* vector k: the dwords (4-byte quads) at QUAD(k) and 8 further, 4 times each */
-                for (int k = 0; k < 4; k++) {
-                    const int i = QUAD(k) / 4, j = (QUAD(k) + 8) / 4;
-                    const __m256i quads = _mm256_setr_epi32(i, i, i, i, j, j, j, j);
-                    _mm256_storeu_si256((__m256i *)(out + 32 * k), _mm256_permutevar8x32_epi32(bytes, quads));
-                }
+        const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(low, high), in_order); /* in order */
+        if (VNNI) {
+            _mm256_storeu_si256((__m256i *)out, bits == 4 ? _mm256_shuffle_epi8(bytes, even_odd) : bytes);
+        } else if (bits == 4) { /* each half of chunks (0 | 1), then (2 | 3), picked per lane */
+            for (int h = 0; h < 2; h++) { /* chunks: elements 16h .. 16h + 15 in each half */
+                const __m256i chunks = _mm256_permute4x64_epi64(bytes, h ? 0xee : 0x44);
+                _mm256_storeu_si256((__m256i *)(out + 64 * h), _mm256_shuffle_epi8(chunks, even));
+                _mm256_storeu_si256((__m256i *)(out + 64 * h + 32), _mm256_shuffle_epi8(chunks, odd));
             }
         } else { /* int16 in element order */
             _mm256_storeu_si256((__m256i *)out, _mm256_permute4x64_epi64(low, 0xd8));
@@ -142,73 +147,118 @@ static void quantize_row(const float *x, int64_t K, int64_t blocks, int64_t bits
     }
 }
 
-/* A group's block products with one row: lanes c and 4 + c channel c's, each the exact integer sum of q * a over
- * a fixed 16 of the block's 32 elements (0-7 and 16-23 in lane c, 8-15 and 24-31 in lane 4 + c). */
-static inline __m256i block_dot(const uint8_t *record, const uint8_t *a, int bits) {
-    __m256i sums = _mm256_setzero_si256();
-    if (bits == 4) { /* per chunk pair, low nibbles x even elements + high x odd */
+#if VNNI
+/* A (group, block)'s weight as the byte products take it, loaded once for all the rows of a tile: operand k
+ * multiplies a row's dword k (quantize_row), lane c channel c's 4 codes: 4-bit, chunk k / 2's low nibbles (its
+ * even elements) for even k, its high ones (odd elements) for odd k; 8-bit, elements 4k .. 4k + 3. */
+typedef __m256i Operands[8];
+static inline void weight_operands(const uint8_t *record, int bits, __m256i *w) {
+    if (bits == 4) {
         const __m256i mask = _mm256_set1_epi8(0x0f);
+        for (int q = 0; q < 4; q++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(record + 32 * q));
+            w[2 * q] = _mm256_and_si256(raw, mask);
+            w[2 * q + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        }
+    } else {
+        for (int k = 0; k < 8; k++) w[k] = _mm256_loadu_si256((const __m256i *)(record + 32 * k));
+    }
+}
+
+/* A group's block products with one row: dots[h] lane c channel c's exact integer sum of q * a over half h of the
+ * block's elements (0-7 and 16-23, then 8-15 and 24-31: dword k lies in chunk k / 2). */
+static inline void block_dots(const __m256i *w, const uint8_t *a, int bits, __m256i dots[VECTORS]) {
+    (void)bits;
+    dots[0] = dots[1] = _mm256_setzero_si256();
+    for (int k = 0; k < 8; k++) {
+        int32_t quad;
+        memcpy(&quad, a + 4 * k, sizeof quad);
+        dots[(k >> 1) & 1] = DPBUSD(dots[(k >> 1) & 1], w[k], _mm256_set1_epi32(quad));
+    }
+}
+#else
+typedef const uint8_t *Operands[1]; /* the record itself */
+static inline void weight_operands(const uint8_t *record, int bits, const uint8_t **w) { (void)bits, w[0] = record; }
+
+/* A group's block products with one row: dots[0] lanes c and 4 + c channel c's, each the exact integer sum of
+ * q * a over a fixed 16 of the block's 32 elements (0-7 and 16-23 in lane c, 8-15 and 24-31 in lane 4 + c). */
+static inline void block_dots(const uint8_t *const *w, const uint8_t *a, int bits, __m256i dots[VECTORS]) {
+    const uint8_t *record = w[0];
+    if (bits == 4) { /* per chunk pair, low nibbles x even elements + high x odd; 16-bit sums: |sum| <= 8 * 15 * 127 */
+        const __m256i mask = _mm256_set1_epi8(0x0f);
+        __m256i sums = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(record + 32 * h));
             const __m256i low = _mm256_and_si256(raw, mask), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
             const __m256i even = _mm256_loadu_si256((const __m256i *)(a + 64 * h));
             const __m256i odd = _mm256_loadu_si256((const __m256i *)(a + 64 * h + 32));
-#if VNNI
-            sums = DPBUSD(DPBUSD(sums, low, even), high, odd);
-#else /* 16-bit sums: |sum| <= 8 * 15 * 127 */
             sums = _mm256_add_epi16(sums, _mm256_add_epi16(_mm256_maddubs_epi16(low, even),
                                                            _mm256_maddubs_epi16(high, odd)));
-#endif
         }
-        return VNNI ? sums : _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
+        dots[0] = _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
+        return;
     }
-#if VNNI
-    for (int k = 0; k < 4; k++)
-        sums = DPBUSD(sums, _mm256_loadu_si256((const __m256i *)(record + 32 * k)),
-                      _mm256_loadu_si256((const __m256i *)(a + 32 * k)));
-    return sums;
-#else
     const __m256i a0 = _mm256_loadu_si256((const __m256i *)a), a1 = _mm256_loadu_si256((const __m256i *)(a + 32));
-    __m256i dots[GROUP]; /* lane l: elements 2l, 2l + 1, 16 + 2l, 17 + 2l */
+    __m256i channel[GROUP]; /* lane l: elements 2l, 2l + 1, 16 + 2l, 17 + 2l */
     for (int c = 0; c < GROUP; c++) {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(record + c * CODE_BYTES(8)));
-        dots[c] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(q)), a0),
-                                   _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1)), a1));
+        channel[c] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(q)), a0),
+                                      _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1)), a1));
     }
     /* per 128-bit half: (c0 l0+l1, l2+l3, c1 ..), then (c0 l0..l3, c1, c2, c3 | c0 l4..l7, c1, c2, c3) */
-    return _mm256_hadd_epi32(_mm256_hadd_epi32(dots[0], dots[1]), _mm256_hadd_epi32(dots[2], dots[3]));
-#endif
+    dots[0] = _mm256_hadd_epi32(_mm256_hadd_epi32(channel[0], channel[1]), _mm256_hadd_epi32(channel[2], channel[3]));
 }
+#endif
 
-/* a record's four d (or e) as float32 */
+/* 4 (or 8) of a record's d or e as float32 */
 static inline __m128 four(const uint8_t *at, int half) {
     return half ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)at)) : _mm_loadu_ps((const float *)at);
+}
+static inline __m256 eight(const uint8_t *at, int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at)) : _mm256_loadu_ps((const float *)at);
+}
+
+/* a record's d and e, lane by lane as block_dots' sums lie: e only in a channel's half 0, so that each channel
+ * adds e * S once */
+static inline void group_scales(const uint8_t *scales, int half, __m256 *d, __m256 *e) {
+    const uint8_t *mins = scales + GROUP * SCALE_BYTES(half);
+#if VNNI
+    *d = eight(scales, half), *e = eight(mins, half);
+#else /* the 4 d twice; the 4 e, then zeros */
+    const __m128 d4 = four(scales, half);
+    *d = _mm256_set_m128(d4, d4), *e = _mm256_zextps128_ps256(four(mins, half));
+#endif
 }
 
 /* rows r0 .. r0 + rows of group g's channels. The row count only chooses how many accumulators stay in
  * registers: each (row, channel) runs the same chains. */
 static inline __attribute__((always_inline)) void tile(const Product *p, int64_t g, int64_t r0, int rows, int bits,
                                                        int half) {
-    __m256 lanes[ROWS]; /* lanes c and 4 + c: channel c's */
-    for (int r = 0; r < rows; r++) lanes[r] = _mm256_setzero_ps();
+    __m256 lanes[ROWS][VECTORS]; /* lanes c and GROUP + c of a row's: channel c's halves */
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < VECTORS; h++) lanes[r][h] = _mm256_setzero_ps();
     const uint8_t *record = p->records + g * p->blocks * RECORD(bits, half);
     for (int64_t b = 0; b < p->blocks; b++, record += RECORD(bits, half)) {
         for (int line = 0; line < RECORD(bits, half); line += 64) /* past the last record: a no-op, never a fault */
             _mm_prefetch((const char *)(record + AHEAD * RECORD(bits, half) + line), _MM_HINT_T0);
-        const uint8_t *scales = record + GROUP * CODE_BYTES(bits);
-        const __m128 d4 = four(scales, half);
-        const __m256 d = _mm256_set_m128(d4, d4);
-        const __m256 e = _mm256_zextps128_ps256(four(scales + GROUP * SCALE_BYTES(half), half)); /* lanes 4-7: 0 */
+        __m256 d, e;
+        group_scales(record + GROUP * CODE_BYTES(bits), half, &d, &e);
+        Operands w;
+        weight_operands(record, bits, w);
         for (int r = 0; r < rows; r++) {
             const int64_t row = (r0 + r) * p->blocks + b;
-            const __m256 dot = _mm256_cvtepi32_ps(block_dot(record, p->a + row * A_BYTES(bits), bits));
-            const __m256 offsets = _mm256_fmadd_ps(e, _mm256_set1_ps(p->sums[row]), lanes[r]);
-            lanes[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(p->s[row])), offsets);
+            __m256i dots[VECTORS];
+            block_dots(w, p->a + row * A_BYTES(bits), bits, dots);
+            const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(p->s[row]));
+            lanes[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[0]), ds,
+                                          _mm256_fmadd_ps(e, _mm256_set1_ps(p->sums[row]), lanes[r][0]));
+            for (int h = 1; h < VECTORS; h++)
+                lanes[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[h]), ds, lanes[r][h]);
         }
     }
     for (int r = 0; r < rows; r++) {
-        float l[2 * GROUP];
-        _mm256_storeu_ps(l, lanes[r]);
+        float l[8 * VECTORS];
+        for (int h = 0; h < VECTORS; h++) _mm256_storeu_ps(l + 8 * h, lanes[r][h]);
         for (int c = 0; c < GROUP && g * GROUP + c < p->N; c++)
             p->y[(r0 + r) * p->N + g * GROUP + c] = l[c] + l[GROUP + c];
     }
@@ -366,13 +416,8 @@ static OrtStatus *make_weight(const OrtApi *api, const OrtKernelInfo *info, Kern
             uint8_t *record = kn->records + (n / GROUP * blocks + b) * record_bytes;
             uint8_t *floats = record + GROUP * code_bytes;
             const uint8_t *code = (const uint8_t *)codes + (from + b) * code_bytes;
-            if (kn->bits == 4) /* 4-byte chunk q (elements 8q .. 8q + 7) of the 4 channels together */
-                for (int q = 0; q < 4; q++) memcpy(record + 16 * q + 4 * c, code + 4 * q, 4);
-            else if (VNNI) /* vector k: the quads at QUAD(k), then 8 further, of the 4 channels side by side */
-                for (int k = 0; k < 4; k++) {
-                    memcpy(record + 32 * k + 4 * c, code + QUAD(k), 4);
-                    memcpy(record + 32 * k + 16 + 4 * c, code + QUAD(k) + 8, 4);
-                }
+            if (kn->bits == 4 || VNNI) /* dword k of the group's channels side by side */
+                for (int k = 0; k < code_bytes / 4; k++) memcpy(record + 4 * (GROUP * k + c), code + 4 * k, 4);
             else
                 memcpy(record + c * code_bytes, code, (size_t)code_bytes);
             store_scale(floats + c * scale, d[from + b], kn->half);
