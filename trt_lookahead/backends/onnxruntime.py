@@ -18,7 +18,8 @@ compact physical order and the host-side token choice are backends/graphs.py's S
 LookaheadAttention nodes (--attention plugin) have no onnxruntime kernel: in a float32 graph they run as
 kernels/onnxruntime_attention.c, row-invariant, built for this machine on first use (SessionSettings
 native_kernels; docs/design.md section 6.4), else as their standard-op decomposition (kernels/onnx_op.decompose);
-with that library each layer's QKV split and rotary embedding run as its RotaryQKV (kernels/onnx_rotary.py).
+with that library each layer's QKV split and rotary embedding run as its RotaryQKV (kernels/onnx_rotary.py), and
+its MLP activation as its SwiGLU (kernels/onnx_swiglu.py).
 An engine built with --exact runs the row-invariant decomposition there (section 4.2) and prefills in chunks of
 at most EXACT_MAX_TOKENS tokens. A quantized engine's products of int8 activations run as the same library's
 QuantizedMatMul where it holds one (engine/quantize.native_products; section 6.9), else as MatMulNBits.
@@ -236,6 +237,7 @@ class OnnxRuntimeEngine(OpenedEngine):
 
         from trt_lookahead.kernels import onnx_op
         from trt_lookahead.kernels.onnx_rotary import native_rotary
+        from trt_lookahead.kernels.onnx_swiglu import native_swiglu
 
         path = self.config.graph
         try:
@@ -247,8 +249,9 @@ class OnnxRuntimeEngine(OpenedEngine):
                               for dim in value.type.tensor_type.shape.dim)
             for value in (*proto.graph.input, *proto.graph.output)
         })
-        if self.native_library is not None:  # each layer's QKV split and rotary embedding as one node
+        if self.native_library is not None:  # each layer's QKV split and rotary embedding, and its SwiGLU, as nodes
             proto, _ = native_rotary(proto)
+            proto, _ = native_swiglu(proto)
         try:
             # a tree engine's nodes carry its subtree ends (an initializer over the graph's most tokens)
             proto = onnx_op.decompose(proto, exact=self.config.exact, native=self.native_library is not None)

@@ -6,8 +6,9 @@ own keys, row-invariant for the exact step or with the step mask in registers fo
 (padded_attention.py), the padded step's attention and those kernels as torch.library custom ops, opaque
 to torch.compile (step_ops.py), and onnxruntime's CPU kernels in C, built for this machine by
 onnxruntime_library.py: the float32 attention (onnxruntime_attention.c), each layer's QKV split and rotary
-embedding as one node (onnxruntime_rotary.c, put in place by onnx_rotary.py) and the row-invariant product of
-block-quantized weights and int8 rows (onnxruntime_quantized.c).
+embedding as one node (onnxruntime_rotary.c, put in place by onnx_rotary.py), each layer's silu(gate) * up as
+one node (onnxruntime_swiglu.c, by onnx_swiglu.py) and the row-invariant product of block-quantized weights and
+int8 rows (onnxruntime_quantized.c).
 
 Owns what runs inside a compiled step (docs/design.md sections 2.6 and 6.4). May import
 trt_lookahead.lookahead, trt_lookahead.files and trt_lookahead.errors; torch, onnx and triton are imported by

@@ -41,6 +41,7 @@ tokens per row, and no product of one row or one column (those take another path
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -383,6 +384,43 @@ def _native_node(g: _Graph, node: onnx.NodeProto, masks: _Masks) -> None:
                                     domain=NATIVE_DOMAIN, **attrs))
 
 
+class NodeLookup:
+    """Lookups over a graph for the rewrites that put this library's C kernels in place of standard nodes
+    (onnx_rotary, onnx_swiglu): who makes and who reads each value, and its small int64 constants."""
+
+    def __init__(self, model: onnx.ModelProto, nodes: list[onnx.NodeProto]) -> None:
+        self.maker = {name: node for node in nodes for name in node.output}
+        self.readers: dict[str, int] = {}
+        for node in nodes:
+            for name in node.input:
+                self.readers[name] = self.readers.get(name, 0) + 1
+        self.outputs = {value.name for value in model.graph.output}
+        self.ints = {t.name: numpy_helper.to_array(t).reshape(-1).tolist() for t in model.graph.initializer
+                     if t.data_type == TensorProto.INT64 and t.data_location != TensorProto.EXTERNAL}
+
+    def made(self, name: str, op_type: str, reads: int | None = 1) -> onnx.NodeProto | None:
+        """The node of `op_type` that makes `name`, where `name` is no graph output and (unless `reads` is None)
+        exactly `reads` node inputs read it, so that the node may go; else None."""
+        node = self.maker.get(name)
+        if node is None or node.op_type != op_type or node.domain or name in self.outputs:
+            return None
+        return node if reads is None or self.readers.get(name, 0) == reads else None
+
+    def sliced(self, node: onnx.NodeProto | None, axes: tuple[int, ...], start: int, end: int,
+               open_end: bool = False) -> str | None:
+        """The input `node` slices along one of `axes` from `start` to `end` (open_end: to `end` or past it, where
+        the data ends), step 1; else None."""
+        if node is None or node.op_type != "Slice" or len(node.input) < 4:
+            return None
+        starts, ends, axis = (self.ints.get(name) for name in node.input[1:4])
+        steps = self.ints.get(node.input[4]) if len(node.input) > 4 and node.input[4] else [1]
+        if starts != [start] or axis is None or len(axis) != 1 or axis[0] not in axes or steps != [1]:
+            return None
+        if ends is None or len(ends) != 1 or not (ends[0] >= end if open_end else ends[0] == end):
+            return None
+        return node.input[0]
+
+
 def elem_type(model: onnx.ModelProto, name: str) -> int:
     """The element type of graph input `name` (a key cache: the attention's dtype); float32 if not declared."""
     for value in model.graph.input:
@@ -396,12 +434,46 @@ def replace_nodes(model: onnx.ModelProto, nodes: list[onnx.NodeProto], replaced:
     """`model`'s nodes, listed once as `nodes` (positions name them: protobuf wrappers have no stable identity),
     with node i as replaced[i] where given and without the nodes at `dropped`; the NATIVE_DOMAIN opset imported
     once a node of it went in. The graph rewrites for this library's C kernels (onnx_rotary.native_rotary,
+    onnx_swiglu.native_swiglu,
     engine/quantize.native_products) end here."""
     kept = [replaced.get(i, node) for i, node in enumerate(nodes) if i not in dropped]
     del model.graph.node[:]
     model.graph.node.extend(kept)
     if replaced and not any(op.domain == NATIVE_DOMAIN for op in model.opset_import):
         model.opset_import.append(helper.make_opsetid(NATIVE_DOMAIN, 1))
+
+
+# what a pattern of fuse_nodes finds at a node: (the nodes a fused node replaces, the fused node), or None
+Match = Callable[[NodeLookup, onnx.NodeProto], tuple[list[onnx.NodeProto], onnx.NodeProto] | None]
+
+
+def fuse_nodes(model: onnx.ModelProto, match: Match) -> tuple[onnx.ModelProto, int]:
+    """(`model` with each pattern `match` finds as one node of this library's C kernels, how many), in place:
+    match(lookup, node) gives, for a node that anchors its pattern, (the nodes a fused node replaces, the fused
+    node), else None. A fused node takes its last replaced node's place, unless a node ahead of it reads one of
+    its outputs (the graph's order would break) or another match took one of its nodes: then the nodes stay. A
+    float32 graph only (its attention's dtype): the kernels' dtype."""
+    nodes = attention_nodes(model)
+    if not nodes or elem_type(model, nodes[0].input[3]) != TensorProto.FLOAT:
+        return model, 0
+    listed = list(model.graph.node)  # one list of the nodes throughout: positions name them
+    lookup = NodeLookup(model, listed)
+    position = {id(node): i for i, node in enumerate(listed)}
+    gone: set[int] = set()
+    at: dict[int, onnx.NodeProto] = {}  # fused nodes by position: their last replaced node's
+    for node in listed:
+        found = match(lookup, node)
+        if found is None:
+            continue
+        replaced, fused = found
+        spots = {position[id(old)] for old in replaced}
+        last = max(spots)
+        if spots & gone or any(set(old.input) & set(fused.output) for old in listed[:last]):
+            continue
+        gone |= spots
+        at[last] = fused
+    replace_nodes(model, listed, at, gone - set(at))
+    return model, len(at)
 
 
 def decompose(model: onnx.ModelProto, exact: bool = False, native: bool = False) -> onnx.ModelProto:

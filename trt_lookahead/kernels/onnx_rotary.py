@@ -20,52 +20,19 @@ intermediate read by another node or a graph output, another dtype) stays as it 
 from __future__ import annotations
 
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper
 
-from trt_lookahead.kernels.onnx_op import NATIVE_DOMAIN, attention_nodes, elem_type, replace_nodes
+from trt_lookahead.kernels.onnx_op import NATIVE_DOMAIN, NodeLookup, fuse_nodes
+from trt_lookahead.kernels.reference import OP_DOMAIN, OP_NAME
 
 NATIVE_ROTARY = "RotaryQKV"  # the node onnxruntime_rotary.c registers (its name there, written once more in C)
 
 
-class _Graph:
-    """Lookups over a graph: who makes and who reads each value, and its small int64 constants."""
-
-    def __init__(self, model: onnx.ModelProto, nodes: list[onnx.NodeProto]) -> None:
-        self.maker = {name: node for node in nodes for name in node.output}
-        self.readers: dict[str, int] = {}
-        for node in nodes:
-            for name in node.input:
-                self.readers[name] = self.readers.get(name, 0) + 1
-        self.outputs = {value.name for value in model.graph.output}
-        self.ints = {t.name: numpy_helper.to_array(t).reshape(-1).tolist() for t in model.graph.initializer
-                     if t.data_type == TensorProto.INT64 and t.data_location != TensorProto.EXTERNAL}
-
-    def made(self, name: str, op_type: str, reads: int | None = 1) -> onnx.NodeProto | None:
-        """The node of `op_type` that makes `name`, where `name` is no graph output and (unless `reads` is None)
-        exactly `reads` node inputs read it, so that the node may go; else None."""
-        node = self.maker.get(name)
-        if node is None or node.op_type != op_type or node.domain or name in self.outputs:
-            return None
-        return node if reads is None or self.readers.get(name, 0) == reads else None
-
-    def sliced(self, node: onnx.NodeProto | None, axes: tuple[int, ...], start: int, end: int,
-               open_end: bool = False) -> str | None:
-        """The input `node` slices along one of `axes` from `start` to `end` (open_end: to `end` or past it, where
-        the data ends), step 1; else None."""
-        if node is None or node.op_type != "Slice" or len(node.input) < 4:
-            return None
-        starts, ends, axis = (self.ints.get(name) for name in node.input[1:4])
-        steps = self.ints.get(node.input[4]) if len(node.input) > 4 and node.input[4] else [1]
-        if starts != [start] or axis is None or len(axis) != 1 or axis[0] not in axes or steps != [1]:
-            return None
-        if ends is None or len(ends) != 1 or not (ends[0] >= end if open_end else ends[0] == end):
-            return None
-        return node.input[0]
-
-
-def _match(g: _Graph, attention: onnx.NodeProto) -> tuple[list[onnx.NodeProto], onnx.NodeProto] | None:
+def _match(g: NodeLookup, attention: onnx.NodeProto) -> tuple[list[onnx.NodeProto], onnx.NodeProto] | None:
     """(the 14 nodes that make `attention`'s query, key and value, the RotaryQKV node that replaces them), or None
-    where they are not the module docstring's pattern."""
+    where `attention` is no LookaheadAttention node or they are not the module docstring's pattern."""
+    if attention.op_type != OP_NAME or attention.domain != OP_DOMAIN:
+        return None
     attrs = {a.name: helper.get_attribute_value(a) for a in attention.attribute}
     hq, hkv, d = attrs["num_q_heads"], attrs["num_kv_heads"], attrs["head_dim"]
     q, k, v = attention.input[:3]
@@ -106,24 +73,4 @@ def _match(g: _Graph, attention: onnx.NodeProto) -> tuple[list[onnx.NodeProto], 
 def native_rotary(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     """(`model` with each layer's pattern (module docstring) one RotaryQKV node, how many layers it fused), in
     place. A float32 graph only: the kernel's dtype."""
-    nodes = attention_nodes(model)
-    if not nodes or elem_type(model, nodes[0].input[3]) != TensorProto.FLOAT:
-        return model, 0
-    listed = list(model.graph.node)  # one list of the nodes throughout: positions name them
-    g = _Graph(model, listed)
-    position = {id(node): i for i, node in enumerate(listed)}
-    gone: set[int] = set()
-    at: dict[int, onnx.NodeProto] = {}  # fused nodes by position: their last replaced node's
-    for attention in nodes:
-        found = _match(g, attention)
-        if found is None:
-            continue
-        replaced, fused = found
-        spots = {position[id(node)] for node in replaced}
-        last = max(spots)
-        if any(set(node.input) & set(fused.output) for node in listed[:last]):
-            continue  # a reader of q, k or v ahead of the fused node's place: the graph's order would break
-        gone |= spots
-        at[last] = fused
-    replace_nodes(model, listed, at, gone - set(at))
-    return model, len(at)
+    return fuse_nodes(model, _match)

@@ -152,6 +152,6 @@ static inline int required(const void *op, size_t i) { (void)op; (void)i; return
 #define QUANTIZED_KERNEL 0
 #endif
 
-extern const OrtCustomOp ATTENTION_OP, QUANTIZED_OP, ROTARY_OP;
+extern const OrtCustomOp ATTENTION_OP, QUANTIZED_OP, ROTARY_OP, SWIGLU_OP;
 
 #endif

@@ -17,46 +17,20 @@
  * onnxruntime's C API: onnxruntime_api.h; registered by onnxruntime_ops.c.
  */
 #include "onnxruntime_api.h"
+#include "onnxruntime_vector.h"
 
 /* ---- the attention ----------------------------------------------------------------------------------------- */
 
 #define VALUE_CHUNK 64 /* output dims one query's weighted-value sums keep in registers */
 #define KEY_TILE 64    /* cached keys every query of a head goes over before the next ones (a multiple of 8) */
 
-/* 8 floats, loaded from any address; a compiler without 256-bit registers splits them */
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef float v4 __attribute__((vector_size(16)));
 
-static inline v8 load8(const float *p) { return *(const v8 *)p; }
-static inline void store8(float *p, v8 x) { *(v8 *)p = x; }
 static inline v4 halves(v8 a) {
     return __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
 }
 static inline v4 pair_sums(v4 a, v4 b) { /* (a0 + a1, a2 + a3, b0 + b1, b2 + b3) */
     return __builtin_shufflevector(a, b, 0, 2, 4, 6) + __builtin_shufflevector(a, b, 1, 3, 5, 7);
-}
-
-typedef int32_t i8 __attribute__((vector_size(32)));
-#define SPLAT(x) {x, x, x, x, x, x, x, x}
-
-/* e^x for 8 lanes of x <= 0 (scores minus their maximum): x = n ln2 + r with n = round(x / ln2) and |r| <= ln2 / 2,
- * e^r by a degree-7 polynomial (Cephes' expf coefficients; within 1 ulp of e^x over [-87, 0]), times 2^n; 0 below
- * the normal floats' range, and NaN stays NaN. */
-static inline v8 exp8(v8 x) {
-    const v8 lowest = SPLAT(-87.3f), round = SPLAT(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-    const i8 normal = (x >= lowest) | (x != x);
-    x = (v8)((i8)x & normal) + (v8)((i8)lowest & ~normal);
-    v8 t = x * 1.44269504088896341f + round;
-    v8 n = t - round;
-    v8 r = x - n * 0.693359375f - n * -2.12194440e-4f;
-    v8 y = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * (r * r) + r + 1.0f;
-    const i8 scale = (((i8)t - (i8)round) + 127) << 23; /* 2^n from the rounded sum's low bits */
-    return (v8)((i8)(y * (v8)scale) & normal);
 }
 
 /* s[i] = e^(s[i] - top) for i < n, 8 at a time (the last lanes padded), so every score takes the same path */

@@ -1,6 +1,7 @@
 """The C kernels built for this machine: the shared library that gives onnxruntime its MaskedAttention kernel
 (onnxruntime_attention.c: the nodes of onnx_op.decompose(native=True); docs/design.md section 6.4), its RotaryQKV
-(onnxruntime_rotary.c: onnx_rotary.native_rotary) and, on a CPU with AVX2, FMA and F16C, its QuantizedMatMul
+(onnxruntime_rotary.c: onnx_rotary.native_rotary), its SwiGLU (onnxruntime_swiglu.c: onnx_swiglu.native_swiglu)
+and, on a CPU with AVX2, FMA and F16C, its QuantizedMatMul
 (onnxruntime_quantized.c: engine/quantize.py native_products; 6.9; with VNNI byte products where the CPU has
 them, the same bits), registered by onnxruntime_ops.c.
 
@@ -36,8 +37,9 @@ from trt_lookahead.files import cache_dir
 SOURCE = Path(__file__).with_name("onnxruntime_attention.c")
 # compiled together into one library: the registration, the kernels, and the header they share
 SOURCES = (Path(__file__).with_name("onnxruntime_ops.c"), SOURCE, Path(__file__).with_name("onnxruntime_rotary.c"),
-           Path(__file__).with_name("onnxruntime_quantized.c"))
+           Path(__file__).with_name("onnxruntime_swiglu.c"), Path(__file__).with_name("onnxruntime_quantized.c"))
 HEADER = Path(__file__).with_name("onnxruntime_api.h")
+HEADERS = (HEADER, Path(__file__).with_name("onnxruntime_vector.h"))  # what the sources include, in the cache key
 # -ffp-contract=off: no multiply-add is fused on one code path and not on another (the kernel's row invariance)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-fvisibility=hidden")
 BUILD_TIMEOUT_S = 120
@@ -98,7 +100,7 @@ def _compile(flags: tuple[str, ...]) -> Built:
     try:
         version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
                                  check=True).stdout.splitlines()[0]
-        sources = [path.read_bytes() for path in (*SOURCES, HEADER)]
+        sources = [path.read_bytes() for path in (*SOURCES, *HEADERS)]
     except (OSError, subprocess.SubprocessError, IndexError) as exc:
         return Built(None, f"cannot run the C compiler or read the kernels' sources ({exc})")
     named = [shlex.join(compiler), version, " ".join(flags), _cpu_flags()]

@@ -1,5 +1,6 @@
 /* The library onnxruntime loads (SessionOptions.register_custom_ops_library): the CPU kernels of
- * onnxruntime_attention.c, onnxruntime_rotary.c and onnxruntime_quantized.c in one domain, "trt_lookahead.cpu".
+ * onnxruntime_attention.c, onnxruntime_rotary.c, onnxruntime_swiglu.c and onnxruntime_quantized.c in one domain,
+ * "trt_lookahead.cpu".
  */
 #include "onnxruntime_api.h"
 
@@ -12,6 +13,7 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
     TRY(API(api, CREATE_CUSTOM_OP_DOMAIN, CreateCustomOpDomainFn)(NATIVE_DOMAIN, &domain));
     TRY(API(api, CUSTOM_OP_DOMAIN_ADD, CustomOpDomainAddFn)(domain, &ATTENTION_OP));
     TRY(API(api, CUSTOM_OP_DOMAIN_ADD, CustomOpDomainAddFn)(domain, &ROTARY_OP));
+    TRY(API(api, CUSTOM_OP_DOMAIN_ADD, CustomOpDomainAddFn)(domain, &SWIGLU_OP));
 #if QUANTIZED_KERNEL
     TRY(API(api, CUSTOM_OP_DOMAIN_ADD, CustomOpDomainAddFn)(domain, &QUANTIZED_OP));
 #endif
