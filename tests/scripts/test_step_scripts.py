@@ -1,7 +1,8 @@
-"""scripts/cpu_step_parts.py, scripts/bench_attention_kernel.py and scripts/bench_quantized_kernel.py run end to end
-on what they measure: the step parts on stories260K's default CPU executor (its weights-only graph holds every
-weight product of the model: four a layer and the tied lm_head), the kernels' timing loops on the package's C
-sources and on a variant given by path."""
+"""scripts/cpu_step_parts.py, scripts/bench_attention_kernel.py, scripts/bench_quantized_kernel.py and
+scripts/step_ab.py run end to end on what they measure: the step parts on stories260K's default CPU executor (its
+weights-only graph holds every weight product of the model: four a layer and the tied lm_head), the kernels' timing
+loops on the package's C sources and on a variant given by path, and a stories260K engine's steps under two
+checkouts in alternating processes."""
 
 from __future__ import annotations
 
@@ -77,3 +78,22 @@ def test_quantized_kernel_bench_times_each_row_count_and_names_a_source_that_doe
         failed = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_quantized_kernel.py"), *argv],
                                 capture_output=True, text=True, timeout=600)
         assert failed.returncode != 0 and "Traceback" not in failed.stderr and message in failed.stderr
+
+
+def test_step_ab_times_each_config_under_both_checkouts_round_by_round(tmp_path):
+    """This checkout as both BEFORE and AFTER (what two worktrees are to the script): every round times every
+    config in both processes, and a directory without the package is refused by name."""
+    from trt_lookahead.cli import main
+
+    engine = tmp_path / "engine"
+    assert main(["build", "--model", str(STORIES), "--output", str(engine), "--lookahead_config", "2,3,2",
+                 "--max_seq_len", "64"]) == 0
+    result = run_script("step_ab.py", "--engine", str(engine), "--code", f"{ROOT},{ROOT}", "--configs",
+                        "greedy,2/3/2", "--rounds", "2", "--steps", "3", "--context", "20")
+    assert len(result["rounds"]) == 2 and set(result["median_ratio"]) == {"greedy", "2/3/2"}
+    for row in result["rounds"]:
+        assert set(row["before"]) == set(row["after"]) == {"greedy", "2/3/2"}
+        assert all(ms > 0 for ms in (*row["before"].values(), *row["after"].values()))
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "step_ab.py"), "--engine", str(engine), "--code",
+                           str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0 and "each a directory holding the trt_lookahead package" in done.stderr
