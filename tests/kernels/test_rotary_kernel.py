@@ -5,8 +5,6 @@ a layer off the pattern left as it is, and shapes that disagree refused with the
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -15,7 +13,6 @@ from onnx import TensorProto, helper
 
 from trt_lookahead.backends.onnxruntime import SessionSettings
 from trt_lookahead.backends.open import open_engine
-from trt_lookahead.cli import main
 from trt_lookahead.kernels import onnx_rotary
 from trt_lookahead.kernels.onnx_op import NATIVE_DOMAIN, attention_nodes
 from trt_lookahead.kernels.onnx_rotary import NATIVE_ROTARY, native_rotary
@@ -25,7 +22,6 @@ from trt_lookahead.lookahead.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(native_library().path is None, reason=f"no C kernels here: {native_library().why}")
 HQ, HKV, D = 3, 2, 8
-STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 
 
 def rotary_session() -> ort.InferenceSession:
@@ -86,14 +82,6 @@ def test_shapes_that_disagree_are_refused_by_name():
     with pytest.raises(Exception, match="RotaryQKV: input shapes disagree"):  # a row short of cos
         rotary_session().run(None, {"x": x, "cos": table[:5], "sin": table, "q_shape": np.array([2, 3, HQ, D]),
                                     "kv_shape": np.array([2, 3, HKV, D])})
-
-
-@pytest.fixture(scope="module")
-def engine_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("rotary") / "engine"
-    assert main(["build", "--model", str(STORIES), "--output", str(out), "--lookahead_config", "2,3,2",
-                 "--max_seq_len", "128", "--max-batch", "2"]) == 0
-    return out
 
 
 def run_steps(engine_dir, monkeypatch, fused: bool) -> list[np.ndarray]:

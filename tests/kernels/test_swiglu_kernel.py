@@ -16,7 +16,6 @@ from onnx import TensorProto, helper
 
 from trt_lookahead.backends.onnxruntime import SessionSettings
 from trt_lookahead.backends.open import open_engine
-from trt_lookahead.cli import main
 from trt_lookahead.kernels import onnx_swiglu
 from trt_lookahead.kernels.onnx_op import NATIVE_DOMAIN, attention_nodes
 from trt_lookahead.kernels.onnx_swiglu import NATIVE_SWIGLU, native_swiglu
@@ -25,7 +24,6 @@ from trt_lookahead.lookahead.executor import StepBatch
 from trt_lookahead.lookahead.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(native_library().path is None, reason=f"no C kernels here: {native_library().why}")
-STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 EPS = float(np.finfo(np.float32).eps)
 
 
@@ -85,14 +83,6 @@ def test_any_axis_splits_into_gate_then_up():
 def test_an_odd_split_dim_is_refused_by_name():
     with pytest.raises(Exception, match="SwiGLU: the input's split dim is odd"):
         swiglu_session(1, 2).run(None, {"x": np.zeros((2, 7), np.float32)})
-
-
-@pytest.fixture(scope="module")
-def engine_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("swiglu") / "engine"
-    assert main(["build", "--model", str(STORIES), "--output", str(out), "--lookahead_config", "2,3,2",
-                 "--max_seq_len", "128", "--max-batch", "2"]) == 0
-    return out
 
 
 def greedy_run(engine_dir: Path, monkeypatch: pytest.MonkeyPatch, fused: bool) -> tuple[list[int], np.ndarray]:
