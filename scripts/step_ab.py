@@ -8,7 +8,8 @@ defaults to this one. Each round runs one process per checkout, the package impo
 from its own sources), in an order that swaps every round: the process opens the engine dir on onnxruntime with
 `--threads` threads, prefills one slot with `--context` random tokens and times `--steps` steps of one row of
 each lookahead config (greedy = one token, (1, 2, 0); W/N/G its (W + G)(N - 1) tokens at the layout's relative
-positions), never committed, so every step does the same work; it reports the median ms per config. Prints each
+positions, its logits at the layout's output slots, as the decoder asks for them), never committed, so every step
+does the same work; it reports the median ms per config. Prints each
 round's medians and AFTER / BEFORE, and the median of the rounds' ratios: machines whose speed drifts between
 processes (this project's VMs) make a single pair of runs unreliable, a ratio within a round less so. Quote the
 load it prints. --json prints one JSON object on the last line.
@@ -46,9 +47,9 @@ def worker(engine: Path, configs: list[str], steps: int, context: int, threads: 
     medians = {}
     for label in configs:
         config = LookaheadConfig.from_label(label)
-        tokens = config.step_tokens
-        batch = StepBatch(np.array([0]), np.full((1, tokens), 5), (context + StepLayout(config).rel_positions)[None],
-                          np.array([[config.W, config.N, config.G]], np.int32), np.array([[0]]))
+        tokens, layout = config.step_tokens, StepLayout(config)
+        batch = StepBatch(np.array([0]), np.full((1, tokens), 5), (context + layout.rel_positions)[None],
+                          np.array([[config.W, config.N, config.G]], np.int32), layout.output_slots[None])
         for _ in range(3):  # first steps: the binding, the caches
             ex.step(batch)
         times = []
