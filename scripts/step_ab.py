@@ -9,10 +9,10 @@ from its own sources), in an order that swaps every round: the process opens the
 `--threads` threads, prefills one slot with `--context` random tokens and times `--steps` steps of one row of
 each lookahead config (greedy = one token, (1, 2, 0); W/N/G its (W + G)(N - 1) tokens at the layout's relative
 positions, its logits at the layout's output slots, as the decoder asks for them), never committed, so every step
-does the same work; it reports the median ms per config. Prints each
-round's medians and AFTER / BEFORE, and the median of the rounds' ratios: machines whose speed drifts between
-processes (this project's VMs) make a single pair of runs unreliable, a ratio within a round less so. Quote the
-load it prints. --json prints one JSON object on the last line.
+does the same work; it reports the median ms per config. Prints each round's medians and AFTER / BEFORE, and the
+median of the rounds' ratios: machines whose speed drifts between processes (this project's VMs) make a single
+pair of runs unreliable, a ratio within a round less so. Quote the load it prints. --json prints one JSON object
+on the last line.
 """
 
 from __future__ import annotations
