@@ -124,6 +124,18 @@ static inline OrtStatus *head_attributes(const OrtApi *api, const OrtKernelInfo 
     return API(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, GetAttributeInt64Fn)(info, "head_dim", d);
 }
 
+/* The end of a kernel's create callback for a kernel state that owns nothing but itself (one calloc): kept as *out
+ * where `status` is no failure, else freed and the failure returned. free_kernel is its destroy callback. */
+static inline OrtStatus *keep_kernel(void *kernel, OrtStatus *status, void **out) {
+    if (status) {
+        free(kernel);
+        return status;
+    }
+    *out = kernel;
+    return NULL;
+}
+static inline void free_kernel(void *kernel) { free(kernel); }
+
 /* the OrtCustomOp slots every op here fills alike: float32 outputs, on the CPU, nothing variadic */
 static inline const char *op_provider(const void *op) { (void)op; return "CPUExecutionProvider"; }
 static inline int default_memory(const void *op, size_t i) { (void)op; (void)i; return 0; }  /* OrtMemTypeDefault */

@@ -215,18 +215,12 @@ static OrtStatus *create_kernel(const void *op, const OrtApi *api, const OrtKern
     if (!status) status = API(api, KERNEL_INFO_GET_ATTRIBUTE_FLOAT, GetAttributeFloatFn)(info, "scale", &kn->scale);
     if (!status && (kn->hq <= 0 || kn->hkv <= 0 || kn->d <= 0 || kn->hq % kn->hkv))
         status = fail(api, "MaskedAttention: num_q_heads must be a positive multiple of num_kv_heads");
-    if (status) {
-        free(kn);
-        return status;
-    }
-    *out = kn;
-    return NULL;
+    return keep_kernel(kn, status, out);
 }
 
-static void destroy_kernel(void *kernel) { free(kernel); }
 static const char *op_name(const void *op) { (void)op; return "MaskedAttention"; }
 static int input_type(const void *op, size_t i) { (void)op; return i < INPUTS ? INPUT_TYPES[i] : 0; }
 static size_t input_count(const void *op) { (void)op; return INPUTS; }
 
 const OrtCustomOp ATTENTION_OP = CUSTOM_OP(op_name, input_type, input_count, required, one_output,
-                                          create_kernel, compute, destroy_kernel);
+                                          create_kernel, compute, free_kernel);

@@ -98,19 +98,13 @@ static OrtStatus *create_kernel(const void *op, const OrtApi *api, const OrtKern
     OrtStatus *status = head_attributes(api, info, &kn->hq, &kn->hkv, &kn->d);
     if (!status && (kn->hq <= 0 || kn->hkv <= 0 || kn->d <= 0 || kn->d % 2))
         status = fail(api, "RotaryQKV: heads must be positive and head_dim even");
-    if (status) {
-        free(kn);
-        return status;
-    }
-    *out = kn;
-    return NULL;
+    return keep_kernel(kn, status, out);
 }
 
-static void destroy_kernel(void *kernel) { free(kernel); }
 static const char *op_name(const void *op) { (void)op; return "RotaryQKV"; }
 static int input_type(const void *op, size_t i) { (void)op; return i < INPUTS ? INPUT_TYPES[i] : 0; }
 static size_t input_count(const void *op) { (void)op; return INPUTS; }
 static size_t output_count(const void *op) { (void)op; return OUTPUTS; }
 
 const OrtCustomOp ROTARY_OP = CUSTOM_OP(op_name, input_type, input_count, required, output_count, create_kernel,
-                                       compute, destroy_kernel);
+                                       compute, free_kernel);

@@ -96,18 +96,12 @@ static OrtStatus *create_kernel(const void *op, const OrtApi *api, const OrtKern
     if (!kn) return API(api, CREATE_STATUS, CreateStatusFn)(ORT_FAIL, "SwiGLU: out of memory");
     kn->api = api;
     OrtStatus *status = API(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, GetAttributeInt64Fn)(info, "axis", &kn->axis);
-    if (status) {
-        free(kn);
-        return status;
-    }
-    *out = kn;
-    return NULL;
+    return keep_kernel(kn, status, out);
 }
 
-static void destroy_kernel(void *kernel) { free(kernel); }
 static const char *op_name(const void *op) { (void)op; return "SwiGLU"; }
 static int input_type(const void *op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
 static size_t input_count(const void *op) { (void)op; return 1; }
 
 const OrtCustomOp SWIGLU_OP = CUSTOM_OP(op_name, input_type, input_count, required, one_output, create_kernel, compute,
-                                       destroy_kernel);
+                                       free_kernel);
