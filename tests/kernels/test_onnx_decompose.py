@@ -3,7 +3,7 @@ layers: scripts/profile_cpu_step.py) and that its shortcuts keep the reference's
 
 A graph of L attention nodes, each read by one Reshape as the export's layers are: the masks, their casts and
 the step + cache column count are built once per graph, and the Reshape after each node is merged into the
-decomposition's own last one.
+decomposition's own last one, or (the C kernel's MaskedAttention) into the node as its merged heads.
 """
 
 from __future__ import annotations
@@ -16,9 +16,12 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from trt_lookahead.backends.open import open_engine
 from trt_lookahead.kernels import onnx_op, reference
+from trt_lookahead.kernels.onnxruntime_library import native_library
 
 Hq, Hkv, D, S = 8, 4, 8, 64
+_reshape_after = onnx_op._reshape_after  # the rewrite's own, for a test that turns it off for the C kernel
 PER_LAYER = 22  # nodes the fast decomposition writes per layer, in place of the node and the Reshape after it
 
 
@@ -57,19 +60,26 @@ def test_the_fast_decomposition_adds_a_bounded_node_count_per_layer_and_casts_on
     assert not any(f"a{layer}" in n.input for n in three.graph.node for layer in range(3))  # Reshapes merged
 
 
-@pytest.mark.parametrize("shape", [[-1, Hq * D], [0, 0, Hq * D]], ids=["merged", "shape-with-zero-kept"])
-def test_a_reshape_after_the_node_keeps_the_references_values(shape):
-    """The merged Reshape (a constant shape without zeros) and one that is kept (a zero copies a dimension of its
-    input, so it depends on the node's own output shape) both give the reference's values."""
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.skipif(
+    native_library().path is None, reason=f"no C kernels here: {native_library().why}"))], ids=["ops", "native"])
+@pytest.mark.parametrize("shape", [[-1, Hq * D], [0, 0, Hq * D], [-1, 2, Hq * D // 2]],
+                         ids=["merged-heads", "shape-with-zero", "other-shape"])
+def test_a_reshape_after_the_node_keeps_the_references_values(shape, native):
+    """The merged Reshape and one that is kept both give the reference's values. The standard-op decomposition
+    writes any constant shape without zeros (a zero copies a dimension of its input, so it depends on the node's
+    own output shape); the C kernel (native) writes [-1, Hq * D] alone, as merged heads."""
     import onnxruntime as ort
 
     layers, rows = 2, [((4, 3, 4), 0), ((1, 2, 0), 30), ((0, 0, 0), 5)]
     T = 16
-    model = onnx_op.decompose(layered_model(layers, shape))
+    model = onnx_op.decompose(layered_model(layers, shape), native=native)
     onnx.checker.check_model(model)
     merged = not any(f"a{layer}" in n.input for n in model.graph.node for layer in range(layers))
-    assert merged == (0 not in shape)
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert merged == (shape == [-1, Hq * D] if native else 0 not in shape)
+    options = ort.SessionOptions()
+    if native:
+        options.register_custom_ops_library(str(native_library().path))
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     configs = np.array([c for c, _ in rows], np.int32)
     lengths = np.array([p for _, p in rows], np.int32)
@@ -84,7 +94,25 @@ def test_a_reshape_after_the_node_keeps_the_references_values(shape):
         tensors = [torch.from_numpy(feeds[f"{n}{layer}"]) for n in ("q", "k", "v", "kc", "vc")]
         q, k, v, kc, vc = tensors
         expected = reference.lookahead_attention(q, k, v, kc, vc, torch.from_numpy(lengths), configs)
-        assert out.shape == ((B * T, Hq * D) if shape[0] == -1 else (B, T, Hq * D))
+        dims = [(B, T, Hq, D)[i] if d == 0 else d for i, d in enumerate(shape)]  # ONNX's 0: the input's dim
+        assert out.shape == np.empty((B, T, Hq, D)).reshape(dims).shape
         got = torch.from_numpy(out.reshape(B, T, Hq, D))
         for b in range(B):
             assert reference.relative_error(got[b], expected[b]) < 1e-5, (layer, rows[b])
+
+
+@pytest.mark.skipif(native_library().path is None, reason=f"no C kernels here: {native_library().why}")
+def test_an_engine_with_merged_heads_has_the_bits_of_its_reshapes(engine_dir, greedy_run):
+    """A real stories260K engine's MaskedAttention nodes write the merged heads the output projection reads, one
+    Reshape a layer fewer, with the bits of the kept Reshapes."""
+    kept = greedy_run(lambda patch: patch.setattr(
+        onnx_op, "_reshape_after", lambda model, native: {} if native else _reshape_after(model, native)))
+    merged = greedy_run()
+    layers = open_engine(engine_dir, verify=False).config.num_layers
+    assert kept.ops.count("Reshape") - merged.ops.count("Reshape") == layers
+    assert merged.tokens == kept.tokens and merged.logits.tobytes() == kept.logits.tobytes()
+    assert merged.keys.tobytes() == kept.keys.tobytes()
+    graph = open_engine(engine_dir, verify=False).graph().graph
+    readers = {name: node.op_type for node in graph.node for name in node.input}
+    attention = [node for node in graph.node if node.op_type == onnx_op.NATIVE_OP]
+    assert len(attention) == layers and all(readers[node.output[0]] == "Gemm" for node in attention)

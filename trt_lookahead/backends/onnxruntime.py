@@ -237,6 +237,7 @@ class OnnxRuntimeEngine(OpenedEngine):
 
         from trt_lookahead.kernels import onnx_op
         from trt_lookahead.kernels.onnx_rotary import native_rotary
+        from trt_lookahead.kernels.onnx_stack import concat_stacks
         from trt_lookahead.kernels.onnx_swiglu import native_swiglu
 
         path = self.config.graph
@@ -249,6 +250,7 @@ class OnnxRuntimeEngine(OpenedEngine):
                               for dim in value.type.tensor_type.shape.dim)
             for value in (*proto.graph.input, *proto.graph.output)
         })
+        proto, _ = concat_stacks(proto)  # the layers' new keys and values stacked by one Concat
         if self.native_library is not None:  # each layer's QKV split and rotary embedding, and its SwiGLU, as nodes
             proto, _ = native_rotary(proto)
             proto, _ = native_swiglu(proto)

@@ -349,7 +349,7 @@ def native_products(proto: Any) -> tuple[Any, int]:
             readers.setdefault(name, []).append(i)
     dropped: set[int] = set()  # the mins terms' nodes (indices), replaced with their product
     unused: set[str] = set()  # the initializers only those nodes read
-    replaced: dict[int, Any] = {}
+    replaced: dict[int, list[Any]] = {}
     left = 0
     for i, node in enumerate(nodes):
         if node.op_type != "MatMulNBits":
@@ -365,9 +365,9 @@ def native_products(proto: Any) -> tuple[Any, int]:
             output, mins = list(nodes[add].output), term.mins
             dropped.update([producers[term.x_blocks], producers[term.x_sums], producers[term.offsets], add])
             unused.update((term.block_shape, term.sum_axis))
-        replaced[i] = helper.make_node(
+        replaced[i] = [helper.make_node(
             NATIVE_PRODUCT, [*node.input[:4], mins], output, name=node.name, domain=NATIVE_DOMAIN,
-            K=attrs["K"], N=attrs["N"], bits=attrs["bits"], mins=int(bool(mins)))
+            K=attrs["K"], N=attrs["N"], bits=attrs["bits"], mins=int(bool(mins)))]
     replace_nodes(proto, nodes, replaced, dropped)
     kept = [tensor for tensor in graph.initializer if tensor.name not in unused]
     del graph.initializer[:]

@@ -8,7 +8,8 @@ to torch.compile (step_ops.py), and onnxruntime's CPU kernels in C, built for th
 onnxruntime_library.py: the float32 attention (onnxruntime_attention.c), each layer's QKV split and rotary
 embedding as one node (onnxruntime_rotary.c, put in place by onnx_rotary.py), each layer's silu(gate) * up as
 one node (onnxruntime_swiglu.c, by onnx_swiglu.py) and the row-invariant product of block-quantized weights and
-int8 rows (onnxruntime_quantized.c).
+int8 rows (onnxruntime_quantized.c); and the export's stacks of the layers' keys and values as one Concat of
+standard ops (onnx_stack.py).
 
 Owns what runs inside a compiled step (docs/design.md sections 2.6 and 6.4). May import
 trt_lookahead.lookahead, trt_lookahead.files and trt_lookahead.errors; torch, onnx and triton are imported by

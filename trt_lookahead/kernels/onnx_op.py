@@ -271,23 +271,28 @@ def _write_output(g: _Graph, node: onnx.NodeProto, heads: _Heads, o: str, into: 
     g.nodes.append(helper.make_node("Reshape", [o, shape], [output], name=g.fresh()))
 
 
-def _reshape_after(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
+def _reshape_after(model: onnx.ModelProto, native: bool) -> dict[str, onnx.NodeProto]:
     """{attention output: the Reshape that alone reads it} where that Reshape's shape is a constant without zeros
     (so its result depends on the element count alone): the decomposition writes that shape directly, one node
-    per layer fewer (onnxruntime does not merge consecutive Reshapes)."""
+    per layer fewer (onnxruntime does not merge consecutive Reshapes). native: only a Reshape to [-1, Hq * D],
+    the shape MaskedAttention writes with merged_heads = 1."""
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in model.graph.node:
         for name in node.input:
             readers.setdefault(name, []).append(node)
-    shapes = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer  # shapes are inline int64 tensors
+    shapes = {t.name: numpy_helper.to_array(t).tolist() for t in model.graph.initializer  # inline int64 tensors
               if t.data_type == TensorProto.INT64 and t.data_location != TensorProto.EXTERNAL}
     outputs = {o.name for o in model.graph.output}
     found = {}
     for node in attention_nodes(model):
         after = readers.get(node.output[0], [])
-        if (len(after) == 1 and after[0].op_type == "Reshape" and after[0].input[0] == node.output[0]
-                and after[0].input[1] in shapes and 0 not in shapes[after[0].input[1]].tolist()
-                and node.output[0] not in outputs):
+        if (len(after) != 1 or after[0].op_type != "Reshape" or after[0].input[0] != node.output[0]
+                or node.output[0] in outputs):
+            continue
+        shape = shapes.get(after[0].input[1])
+        attrs = _attributes(node)
+        merged = [-1, attrs["num_q_heads"] * attrs["head_dim"]]
+        if (shape == merged) if native else (shape is not None and 0 not in shape):
             found[node.output[0]] = after[0]
     return found
 
@@ -377,11 +382,13 @@ def _decompose_exact_node(g: _Graph, node: onnx.NodeProto, masks: _Masks, plan: 
     _write_output(g, node, h, out, into)
 
 
-def _native_node(g: _Graph, node: onnx.NodeProto, masks: _Masks) -> None:
-    """The node as onnxruntime_attention.c's MaskedAttention: the graph's step mask in place of its (W, N, G)."""
+def _native_node(g: _Graph, node: onnx.NodeProto, masks: _Masks, into: tuple[str, str] | None) -> None:
+    """The node as onnxruntime_attention.c's MaskedAttention: the graph's step mask in place of its (W, N, G); with
+    `into` (the Reshape to [-1, Hq * D] after it, `_reshape_after`), writing that Reshape's output itself."""
     attrs = {key: _attributes(node)[key] for key in ("num_q_heads", "num_kv_heads", "head_dim", "scale")}
-    g.nodes.append(helper.make_node(NATIVE_OP, [*node.input[:6], masks.visible], [node.output[0]], name=g.fresh(),
-                                    domain=NATIVE_DOMAIN, **attrs))
+    output = node.output[0] if into is None else into[1]
+    g.nodes.append(helper.make_node(NATIVE_OP, [*node.input[:6], masks.visible], [output], name=g.fresh(),
+                                    domain=NATIVE_DOMAIN, merged_heads=int(into is not None), **attrs))
 
 
 class NodeLookup:
@@ -429,17 +436,17 @@ def elem_type(model: onnx.ModelProto, name: str) -> int:
     return TensorProto.FLOAT
 
 
-def replace_nodes(model: onnx.ModelProto, nodes: list[onnx.NodeProto], replaced: dict[int, onnx.NodeProto],
+def replace_nodes(model: onnx.ModelProto, nodes: list[onnx.NodeProto], replaced: dict[int, list[onnx.NodeProto]],
                   dropped: set[int]) -> None:
     """`model`'s nodes, listed once as `nodes` (positions name them: protobuf wrappers have no stable identity),
-    with node i as replaced[i] where given and without the nodes at `dropped`; the NATIVE_DOMAIN opset imported
-    once a node of it went in. The graph rewrites for this library's C kernels (onnx_rotary.native_rotary,
-    onnx_swiglu.native_swiglu,
-    engine/quantize.native_products) end here."""
-    kept = [replaced.get(i, node) for i, node in enumerate(nodes) if i not in dropped]
+    with node i as the nodes replaced[i] where given and without the nodes at `dropped`; the NATIVE_DOMAIN opset
+    imported once a node of it went in. The graph rewrites at session creation (onnx_rotary.native_rotary,
+    onnx_swiglu.native_swiglu, onnx_stack.concat_stacks, engine/quantize.native_products) end here."""
+    kept = [new for i, node in enumerate(nodes) if i not in dropped for new in replaced.get(i, [node])]
     del model.graph.node[:]
     model.graph.node.extend(kept)
-    if replaced and not any(op.domain == NATIVE_DOMAIN for op in model.opset_import):
+    native = any(node.domain == NATIVE_DOMAIN for new in replaced.values() for node in new)
+    if native and not any(op.domain == NATIVE_DOMAIN for op in model.opset_import):
         model.opset_import.append(helper.make_opsetid(NATIVE_DOMAIN, 1))
 
 
@@ -460,7 +467,7 @@ def fuse_nodes(model: onnx.ModelProto, match: Match) -> tuple[onnx.ModelProto, i
     lookup = NodeLookup(model, listed)
     position = {id(node): i for i, node in enumerate(listed)}
     gone: set[int] = set()
-    at: dict[int, onnx.NodeProto] = {}  # fused nodes by position: their last replaced node's
+    at: dict[int, list[onnx.NodeProto]] = {}  # fused nodes by position: their last replaced node's
     for node in listed:
         found = match(lookup, node)
         if found is None:
@@ -471,7 +478,7 @@ def fuse_nodes(model: onnx.ModelProto, match: Match) -> tuple[onnx.ModelProto, i
         if spots & gone or any(set(old.input) & set(fused.output) for old in listed[:last]):
             continue
         gone |= spots
-        at[last] = fused
+        at[last] = [fused]
     replace_nodes(model, listed, at, gone - set(at))
     return model, len(at)
 
@@ -504,7 +511,7 @@ def decompose(model: onnx.ModelProto, exact: bool = False, native: bool = False)
             raise ValueError("the exact decomposition needs grouped-query attention (query heads > KV heads)")
         plan = _ExactPlan(g, masks, first.input[3], group)
     rewritten: list[onnx.NodeProto] = []
-    reshapes = {} if native else _reshape_after(out)  # the native node writes the node's output as it is
+    reshapes = _reshape_after(out, native)
     merged = [id(reshape) for reshape in reshapes.values()]
     for node in out.graph.node:
         if id(node) in merged:  # written by its attention node's decomposition
@@ -517,7 +524,7 @@ def decompose(model: onnx.ModelProto, exact: bool = False, native: bool = False)
                 raise ValueError("LookaheadAttention nodes of one graph must share cache_len, step_config, "
                                  "tree_ends and tree (and, exact, their heads)")
             if native:
-                _native_node(g, node, masks)
+                _native_node(g, node, masks, into)
             elif plan is None:
                 _decompose_node(g, node, masks, into)
             else:

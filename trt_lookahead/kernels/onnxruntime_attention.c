@@ -5,8 +5,9 @@
  *           key_cache [B, Hkv, S, D], value_cache [B, Hkv, S, D]   (float32)
  *           cache_len [B] int32, visible [B, T, T] bool (step slot t sees step slot j; built once per graph
  *           by ONNX ops from kernels/mask.py's closed form, so the mask is written in one place)
- *   output  [B, T, Hq, D] float32
- *   attrs   num_q_heads, num_kv_heads, head_dim (INT), scale (FLOAT)
+ *   output  [B, T, Hq, D] float32, or with merged_heads = 1 the same memory as [B * T, Hq * D] (the shape of the
+ *           Reshape that read it in the exported graph, in its place: one node a layer fewer)
+ *   attrs   num_q_heads, num_kv_heads, head_dim, merged_heads (INT), scale (FLOAT)
  *
  * Row-invariant by construction (docs/design.md section 4.2): a query's keys are its row's cache_len cached
  * keys, then the step keys it sees, in slot order (a chain's slots are in position order), and everything
@@ -164,7 +165,7 @@ static void attend_item(void *data, size_t item) {
 
 typedef struct {
     const OrtApi *api;
-    int64_t hq, hkv, d;
+    int64_t hq, hkv, d, merged; /* merged: the output's heads as one dim (merged_heads) */
     float scale;
 } Kernel;
 
@@ -194,8 +195,10 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *context) {
              && memcmp(dims[4], cache_shape, sizeof cache_shape) == 0 && dims[5][0] == B
              && memcmp(dims[6], visible_shape, sizeof visible_shape) == 0;
     if (!ok) return fail(api, "MaskedAttention: input shapes disagree with each other or with the node's heads");
+    const int64_t merged_shape[2] = {B * T, kn->hq * kn->d};
     OrtValue *output;
-    TRY(API(api, KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(context, 0, q_shape, 4, &output));
+    TRY(API(api, KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(context, 0, kn->merged ? merged_shape : q_shape,
+                                                         kn->merged ? 2 : 4, &output));
     Problem p = {data[0], data[1], data[2], data[3], data[4], data[5], data[6], NULL,
                  T, kn->hq, kn->hkv, kn->d, S, kn->scale, 0};
     TRY(API(api, GET_TENSOR_MUTABLE_DATA, GetTensorMutableDataFn)(output, (void **)&p.out));
@@ -213,8 +216,11 @@ static OrtStatus *create_kernel(const void *op, const OrtApi *api, const OrtKern
     kn->api = api;
     OrtStatus *status = head_attributes(api, info, &kn->hq, &kn->hkv, &kn->d);
     if (!status) status = API(api, KERNEL_INFO_GET_ATTRIBUTE_FLOAT, GetAttributeFloatFn)(info, "scale", &kn->scale);
+    if (!status)
+        status = API(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, GetAttributeInt64Fn)(info, "merged_heads", &kn->merged);
     if (!status && (kn->hq <= 0 || kn->hkv <= 0 || kn->d <= 0 || kn->hq % kn->hkv))
         status = fail(api, "MaskedAttention: num_q_heads must be a positive multiple of num_kv_heads");
+    if (!status && kn->merged != 0 && kn->merged != 1) status = fail(api, "MaskedAttention: merged_heads is 0 or 1");
     return keep_kernel(kn, status, out);
 }
 
