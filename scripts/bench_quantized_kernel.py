@@ -40,14 +40,14 @@ int main(void) { fprintf(stderr, "no AVX2, FMA and F16C: the kernel is not built
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
 int main(int argc, char **argv) {
     const int64_t K = atoll(argv[1]), N = atoll(argv[2]), bits = atoll(argv[3]), half = 1;
-    const int64_t blocks = (K + BLOCK - 1) / BLOCK, groups = (N + GROUP - 1) / GROUP;
-    const size_t record = RECORD(bits, half);
+    const int64_t blocks = (K + BLOCK - 1) / BLOCK, group = group_of(bits), groups = (N + group - 1) / group;
+    const size_t record = (size_t)record_bytes(bits, half);
     uint8_t *records = aligned_alloc(64, (size_t)(groups * blocks) * record);
     srand(1);
     for (size_t i = 0; i < (size_t)(groups * blocks) * record; i++) records[i] = (uint8_t)rand();
     for (int64_t i = 0; i < groups * blocks; i++) { /* d and e: small normal float16s */
-        uint16_t *scales = (uint16_t *)(records + i * record + GROUP * CODE_BYTES(bits));
-        for (int c = 0; c < 2 * GROUP; c++) scales[c] = (uint16_t)(0x2c00 + (rand() & 0xff));
+        uint16_t *scales = (uint16_t *)(records + i * record + group * CODE_BYTES(bits));
+        for (int c = 0; c < 2 * group; c++) scales[c] = (uint16_t)(0x2c00 + (rand() & 0xff));
     }
     for (int arg = 4; arg < argc; arg++) {
         const int64_t M = atoll(argv[arg]);
@@ -58,7 +58,7 @@ int main(int argc, char **argv) {
         for (int64_t r = 0; r < M; r++)
             quantize_row(x + r * K, K, blocks, bits, a + r * blocks * A_BYTES(bits), s + r * blocks, sums + r * blocks);
         Product p = {records, a, s, sums, y, M, N, blocks, bits, half};
-        const size_t tasks = (size_t)((groups + TASK_GROUPS - 1) / TASK_GROUPS);
+        const size_t tasks = (size_t)((N + TASK_CHANNELS - 1) / TASK_CHANNELS);
         double best = 1e30;
         for (int rep = 0; rep < 200; rep++) {
             const double start = now();

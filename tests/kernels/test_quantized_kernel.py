@@ -91,25 +91,34 @@ def test_a_row_has_the_same_bits_at_every_row_count_and_thread_count(kind):
             np.testing.assert_array_equal(session.run(None, {"x": x[r:r + 1]})[0][0], full[r])
 
 
-WIDER = {"avx512vl", "avx512_vnni", "avx_vnni"} & set(_cpu_flags().split())  # what the plain build leaves out
+CPU = set(_cpu_flags().split())
+# the same sources built for less of this CPU: flags, and the CPU flags without which they leave this build's path
+NARROWER = {
+    "vnni256": (("-mno-avx512bw",), {"avx512_vnni", "avx512bw"}),  # VNNI on 256-bit vectors only: 8-channel records
+    "avx2": (("-mno-avx512f", "-mno-avxvnni"), None),  # AVX2's byte products and widening, 4 channels, 4-row tiles
+}
 
 
-@pytest.mark.skipif(not WIDER, reason="this CPU has neither AVX-512 nor VNNI: the kernel has one code path here")
+@pytest.mark.parametrize("path", sorted(NARROWER))
 @pytest.mark.parametrize(("kind", "n", "k"), [("Q4_1", 70, 160), ("int4", 37, 72), ("int8", 45, 100),
                                               ("Q8_0", 33, 64)])
-def test_vnni_and_avx512_give_the_bits_of_the_avx2_path(kind, n, k):
-    """This CPU's build (VNNI byte products, 8 channels a group, a row's code dwords broadcast, 8-row tiles) against
-    the same sources built without AVX-512 or AVX-VNNI (AVX2's byte products and widening, 4 channels, 4-row
-    tiles): the same bits for every row count, so an engine's tokens do not depend on which of these CPUs runs
-    it."""
-    plain = build_library(("-mno-avx512f", "-mno-avxvnni"))
-    assert plain.quantized and plain.path != native_library().path
+def test_every_vector_width_gives_the_bits_of_the_avx2_path(path, kind, n, k):
+    """This CPU's build (with AVX-512 BW and VNNI: 4-bit weights in 16-channel records on 512-bit vectors, 8-bit
+    ones in 8-channel records on 256-bit; VNNI byte products, a row's code dwords broadcast, 8-row tiles) against
+    the same sources built for a narrower path: the same bits for every row count, so an engine's tokens do not
+    depend on which of these CPUs runs it. Odd channel counts leave a last group partly filled at every width."""
+    flags, needs = NARROWER[path]
+    wider = needs <= CPU if needs else {"avx512vl", "avx512_vnni", "avx_vnni"} & CPU
+    if not wider:
+        pytest.skip(f"this CPU has no wider code path than {path}'s")
+    narrow = build_library(flags)
+    assert narrow.quantized and narrow.path != native_library().path
     proto, _ = quantized_graph(weight(kind, n, k, seed=n), kind)
     rng = np.random.default_rng(k)
     x = (rng.standard_normal((19, k)) * np.exp(rng.standard_normal((19, k)))).astype(np.float32)
-    wide, narrow = native_session(proto), native_session(proto, library=plain.path)
+    wide, other = native_session(proto), native_session(proto, library=narrow.path)
     for m in (1, 3, 4, 8, 12, 19):
-        np.testing.assert_array_equal(wide.run(None, {"x": x[:m]})[0], narrow.run(None, {"x": x[:m]})[0])
+        np.testing.assert_array_equal(wide.run(None, {"x": x[:m]})[0], other.run(None, {"x": x[:m]})[0])
 
 
 def test_native_products_fold_the_mins_term_and_leave_float_activations():

@@ -39,7 +39,9 @@ SOURCE = Path(__file__).with_name("onnxruntime_attention.c")
 SOURCES = (Path(__file__).with_name("onnxruntime_ops.c"), SOURCE, Path(__file__).with_name("onnxruntime_rotary.c"),
            Path(__file__).with_name("onnxruntime_swiglu.c"), Path(__file__).with_name("onnxruntime_quantized.c"))
 HEADER = Path(__file__).with_name("onnxruntime_api.h")
-HEADERS = (HEADER, Path(__file__).with_name("onnxruntime_vector.h"))  # what the sources include, in the cache key
+# what the sources include, in the cache key
+HEADERS = (HEADER, Path(__file__).with_name("onnxruntime_vector.h"),
+           Path(__file__).with_name("onnxruntime_quantized_tile.h"))
 # -ffp-contract=off: no multiply-add is fused on one code path and not on another (the kernel's row invariance)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-fvisibility=hidden")
 BUILD_TIMEOUT_S = 120

@@ -41,9 +41,12 @@
  * even elements, then its odd ones), broadcast to every lane, multiplies one of them into one of two sums, the
  * channels' halves (0-7 and 16-23, then 8-15 and 24-31). Per 8 channels a (row, block) takes 8 byte products, 2
  * conversions and 4 float operations, 4-bit or 8-bit alike (as 4-channel groups, 6 float operations), and a row's
- * block of codes is 32 bytes. With AVX-512's 32 vector registers 8 rows share a record. The sums are the same
- * 16-element sums, so the float operations and the bits are the same with and without VNNI
- * (tests/kernels/test_quantized_kernel.py builds both and compares them).
+ * block of codes is 32 bytes. With AVX-512's 32 vector registers 8 rows share a record. Where the compiler targets
+ * AVX-512 BW and VNNI (WIDE), 4-bit weights run on 512-bit vectors: a group is 16 channels, and each instruction
+ * does the work of two (a CPU that splits a 512-bit operation in two still issues half the instructions); 8-bit
+ * weights stay in 8-channel groups (see WIDE). The sums are the same 16-element sums, so the float operations and
+ * the bits are the same at every width, with and without VNNI (tests/kernels/test_quantized_kernel.py builds the
+ * narrower paths and compares them). The tile code is written once for both widths: onnxruntime_quantized_tile.h.
  */
 #include "onnxruntime_api.h"
 
@@ -53,14 +56,22 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define VNNI 1 /* unsigned x signed byte products, 4 added to each 32-bit lane, in one instruction */
-#define DPBUSD _mm256_dpbusd_epi32
+#define DPBUSD_256 _mm256_dpbusd_epi32
 #elif defined(__AVXVNNI__)
 #define VNNI 1
-#define DPBUSD _mm256_dpbusd_avx_epi32
+#define DPBUSD_256 _mm256_dpbusd_avx_epi32
 #else
 #define VNNI 0
 #endif
-#define BLOCK 32        /* weights per (channel, block): engine/quantize.py's BLOCK_SIZE */
+/* 4-bit weights' products on 512-bit vectors too (AVX-512 BW: their byte and 16-bit operations): 16 channels a
+ * record. Not 8-bit ones: a one-row product streams 16-channel 8-bit records slower from memory than 8-channel
+ * ones (docs/results/2026-12-01-int4-wide-vnni.md), and a greedy step's lm_head is one. */
+#if VNNI && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define WIDE 1
+#else
+#define WIDE 0
+#endif
+#define BLOCK 32 /* weights per (channel, block): engine/quantize.py's BLOCK_SIZE */
 #if VNNI
 #define GROUP 8   /* channels whose blocks lie together in the kernel's copy of the weight, one a 32-bit lane */
 #define VECTORS 2 /* a row's sums per group: the channels' halves 0 (elements 0-7, 16-23), then 1 (8-15, 24-31) */
@@ -68,6 +79,7 @@
 #define GROUP 4   /* lanes c and 4 + c channel c's halves */
 #define VECTORS 1
 #endif
+#define WIDE_GROUP 16 /* channels a 4-bit record holds where WIDE: one a lane of a 512-bit vector */
 /* a row's block of codes as the products read it: with VNNI, 32 bytes; without, 4-bit, 128, 8-bit, 32 int16 */
 #define A_BYTES(bits) (VNNI ? 32 : (bits) == 4 ? 128 : 64)
 #ifdef __AVX512VL__
@@ -75,21 +87,25 @@
 #else
 #define ROWS 4
 #endif
-#define TASK_GROUPS (16 / GROUP) /* groups per parallel task: 16 channels */
+#define TASK_CHANNELS 16 /* channels per parallel task: whole groups at every width */
 #define AHEAD 8         /* records prefetched ahead of the one multiplied: without, a product of several rows
                          * waited on memory at each group (docs/results/2026-12-01-cpu-vnni.md) */
 #define CODE_MAX 127.0f /* an activation code's largest magnitude (engine/quantize.py's ACTIVATION_CODE) */
 
 /* A (group, block)'s record in the kernel's copy of the weight, so that a group's blocks stream in order: the
- * GROUP channels' code bytes (4-bit, and 8-bit with VNNI: dword by dword, see make_weight; 8-bit without:
+ * group's channels' code bytes (4-bit, and 8-bit with VNNI: dword by dword, see make_weight; 8-bit without:
  * channel by channel), then their d and then their e, each `half` ? float16 : float32. Channels past N repeat the
- * last. */
+ * last. A group is group_of(bits) channels. */
 #define CODE_BYTES(bits) (BLOCK * (bits) / 8)
 #define SCALE_BYTES(half) ((half) ? 2 : 4)
-#define RECORD(bits, half) (GROUP * CODE_BYTES(bits) + 2 * GROUP * SCALE_BYTES(half))
+
+static inline int64_t group_of(int64_t bits) { return WIDE && bits == 4 ? WIDE_GROUP : GROUP; }
+static inline int64_t record_bytes(int64_t bits, int64_t half) {
+    return group_of(bits) * (CODE_BYTES(bits) + 2 * SCALE_BYTES(half));
+}
 
 typedef struct {
-    const uint8_t *records; /* [ceil(N / GROUP), blocks] RECORD(bits, half) each (the Kernel's) */
+    const uint8_t *records; /* [ceil(N / group), blocks] record_bytes(bits, half) each (the Kernel's) */
     const uint8_t *a;       /* [M, blocks, A_BYTES(bits)] the rows' codes */
     const float *s, *sums;  /* [M, blocks] each block's scale and scaled code sum */
     float *y;               /* [M, N] */
@@ -147,42 +163,27 @@ static void quantize_row(const float *x, int64_t K, int64_t blocks, int64_t bits
     }
 }
 
-#if VNNI
-/* A (group, block)'s weight as the byte products take it, loaded once for all the rows of a tile: operand k
- * multiplies a row's dword k (quantize_row), lane c channel c's 4 codes: 4-bit, chunk k / 2's low nibbles (its
- * even elements) for even k, its high ones (odd elements) for odd k; 8-bit, elements 4k .. 4k + 3. */
-typedef __m256i Operands[8];
-static inline void weight_operands(const uint8_t *record, int bits, __m256i *w) {
-    if (bits == 4) {
-        const __m256i mask = _mm256_set1_epi8(0x0f);
-        for (int q = 0; q < 4; q++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(record + 32 * q));
-            w[2 * q] = _mm256_and_si256(raw, mask);
-            w[2 * q + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-        }
-    } else {
-        for (int k = 0; k < 8; k++) w[k] = _mm256_loadu_si256((const __m256i *)(record + 32 * k));
-    }
+/* 8 (or 16) of a record's d or e as float32 */
+static inline __m256 eight(const uint8_t *at, int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at)) : _mm256_loadu_ps((const float *)at);
 }
+#if WIDE
+static inline __m512 sixteen(const uint8_t *at, int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at)) : _mm512_loadu_ps((const float *)at);
+}
+#endif
 
-/* A group's block products with one row: dots[h] lane c channel c's exact integer sum of q * a over half h of the
- * block's elements (0-7 and 16-23, then 8-15 and 24-31: dword k lies in chunk k / 2). */
-static inline void block_dots(const __m256i *w, const uint8_t *a, int bits, __m256i dots[VECTORS]) {
-    (void)bits;
-    dots[0] = dots[1] = _mm256_setzero_si256();
-    for (int k = 0; k < 8; k++) {
-        int32_t quad;
-        memcpy(&quad, a + 4 * k, sizeof quad);
-        dots[(k >> 1) & 1] = DPBUSD(dots[(k >> 1) & 1], w[k], _mm256_set1_epi32(quad));
-    }
+#if !VNNI
+/* AVX2's group of 4 channels, for onnxruntime_quantized_tile.h */
+typedef const uint8_t *Operands_256[1]; /* the record itself */
+typedef __m256i Dots_256;               /* a row's sums of a group: lanes c and 4 + c channel c's */
+static inline void weight_operands_256(const uint8_t *record, int bits, const uint8_t **w) {
+    (void)bits, w[0] = record;
 }
-#else
-typedef const uint8_t *Operands[1]; /* the record itself */
-static inline void weight_operands(const uint8_t *record, int bits, const uint8_t **w) { (void)bits, w[0] = record; }
 
 /* A group's block products with one row: dots[0] lanes c and 4 + c channel c's, each the exact integer sum of
  * q * a over a fixed 16 of the block's 32 elements (0-7 and 16-23 in lane c, 8-15 and 24-31 in lane 4 + c). */
-static inline void block_dots(const uint8_t *const *w, const uint8_t *a, int bits, __m256i dots[VECTORS]) {
+static inline void block_dots_256(const uint8_t *const *w, const uint8_t *a, int bits, __m256i dots[VECTORS]) {
     const uint8_t *record = w[0];
     if (bits == 4) { /* per chunk pair, low nibbles x even elements + high x odd; 16-bit sums: |sum| <= 8 * 15 * 127 */
         const __m256i mask = _mm256_set1_epi8(0x0f);
@@ -208,89 +209,77 @@ static inline void block_dots(const uint8_t *const *w, const uint8_t *a, int bit
     /* per 128-bit half: (c0 l0+l1, l2+l3, c1 ..), then (c0 l0..l3, c1, c2, c3 | c0 l4..l7, c1, c2, c3) */
     dots[0] = _mm256_hadd_epi32(_mm256_hadd_epi32(channel[0], channel[1]), _mm256_hadd_epi32(channel[2], channel[3]));
 }
-#endif
 
-/* 4 (or 8) of a record's d or e as float32 */
-static inline __m128 four(const uint8_t *at, int half) {
-    return half ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)at)) : _mm_loadu_ps((const float *)at);
-}
-static inline __m256 eight(const uint8_t *at, int half) {
-    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at)) : _mm256_loadu_ps((const float *)at);
-}
-
-/* a record's d and e, lane by lane as block_dots' sums lie: e only in a channel's half 0, so that each channel
- * adds e * S once */
-static inline void group_scales(const uint8_t *scales, int half, __m256 *d, __m256 *e) {
+/* a record's d and e, lane by lane as block_dots' sums lie: the 4 d twice; the 4 e, then zeros (e added once a
+ * channel) */
+static inline void group_scales_256(const uint8_t *scales, int half, __m256 *d, __m256 *e) {
+    const __m128 d4 = half ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)scales)) : _mm_loadu_ps((const float *)scales);
     const uint8_t *mins = scales + GROUP * SCALE_BYTES(half);
-#if VNNI
-    *d = eight(scales, half), *e = eight(mins, half);
-#else /* the 4 d twice; the 4 e, then zeros */
-    const __m128 d4 = four(scales, half);
-    *d = _mm256_set_m128(d4, d4), *e = _mm256_zextps128_ps256(four(mins, half));
+    const __m128 e4 = half ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)mins)) : _mm_loadu_ps((const float *)mins);
+    *d = _mm256_set_m128(d4, d4), *e = _mm256_zextps128_ps256(e4);
+}
 #endif
-}
 
-/* rows r0 .. r0 + rows of group g's channels. The row count only chooses how many accumulators stay in
- * registers: each (row, channel) runs the same chains. */
-static inline __attribute__((always_inline)) void tile(const Product *p, int64_t g, int64_t r0, int rows, int bits,
-                                                       int half) {
-    __m256 lanes[ROWS][VECTORS]; /* lanes c and GROUP + c of a row's: channel c's halves */
-    for (int r = 0; r < rows; r++)
-        for (int h = 0; h < VECTORS; h++) lanes[r][h] = _mm256_setzero_ps();
-    const uint8_t *record = p->records + g * p->blocks * RECORD(bits, half);
-    for (int64_t b = 0; b < p->blocks; b++, record += RECORD(bits, half)) {
-        for (int line = 0; line < RECORD(bits, half); line += 64) /* past the last record: a no-op, never a fault */
-            _mm_prefetch((const char *)(record + AHEAD * RECORD(bits, half) + line), _MM_HINT_T0);
-        __m256 d, e;
-        group_scales(record + GROUP * CODE_BYTES(bits), half, &d, &e);
-        Operands w;
-        weight_operands(record, bits, w);
-        for (int r = 0; r < rows; r++) {
-            const int64_t row = (r0 + r) * p->blocks + b;
-            __m256i dots[VECTORS];
-            block_dots(w, p->a + row * A_BYTES(bits), bits, dots);
-            const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(p->s[row]));
-            lanes[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[0]), ds,
-                                          _mm256_fmadd_ps(e, _mm256_set1_ps(p->sums[row]), lanes[r][0]));
-            for (int h = 1; h < VECTORS; h++)
-                lanes[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[h]), ds, lanes[r][h]);
-        }
-    }
-    for (int r = 0; r < rows; r++) {
-        float l[8 * VECTORS];
-        for (int h = 0; h < VECTORS; h++) _mm256_storeu_ps(l + 8 * h, lanes[r][h]);
-        for (int c = 0; c < GROUP && g * GROUP + c < p->N; c++)
-            p->y[(r0 + r) * p->N + g * GROUP + c] = l[c] + l[GROUP + c];
-    }
-}
+/* tile_256 and groups_256: 256-bit vectors, GROUP channels a record */
+#define W 256
+#define W_GROUP GROUP
+#define Floats __m256
+#define F_LANES 8
+#define F_ZERO _mm256_setzero_ps
+#define F_SET1 _mm256_set1_ps
+#define F_MUL _mm256_mul_ps
+#define F_FMADD _mm256_fmadd_ps
+#define F_STORE _mm256_storeu_ps
+#define F_FROM_INTS _mm256_cvtepi32_ps
+#define F_SCALES eight
+#define Ints __m256i
+#define I_LOAD(at) _mm256_loadu_si256((const __m256i *)(at))
+#define I_ZERO _mm256_setzero_si256
+#define I_AND _mm256_and_si256
+#define I_SHIFT16 _mm256_srli_epi16 /* each 16-bit lane right */
+#define I_SET1_8 _mm256_set1_epi8
+#define I_SET1_32 _mm256_set1_epi32
+#define I_DPBUSD DPBUSD_256
+#include "onnxruntime_quantized_tile.h"
 
-static inline __attribute__((always_inline)) void groups(const Product *p, int64_t first, int64_t end, int bits,
-                                                         int half) {
-    const int64_t left = p->M % ROWS, tiled = p->M - left;
-    for (int64_t g = first; g < end; g++) {
-        for (int64_t r0 = 0; r0 < tiled; r0 += ROWS) tile(p, g, r0, ROWS, bits, half);
-        switch (left) { /* constant row counts: each its own registers */
-        case 1: tile(p, g, tiled, 1, bits, half); break;
-        case 2: tile(p, g, tiled, 2, bits, half); break;
-        case 3: tile(p, g, tiled, 3, bits, half); break;
-#if ROWS > 4
-        case 4: tile(p, g, tiled, 4, bits, half); break;
-        case 5: tile(p, g, tiled, 5, bits, half); break;
-        case 6: tile(p, g, tiled, 6, bits, half); break;
-        case 7: tile(p, g, tiled, 7, bits, half); break;
+#if WIDE /* tile_512 and groups_512: 512-bit vectors, WIDE_GROUP channels a (4-bit) record */
+#define W 512
+#define W_GROUP WIDE_GROUP
+#define Floats __m512
+#define F_LANES 16
+#define F_ZERO _mm512_setzero_ps
+#define F_SET1 _mm512_set1_ps
+#define F_MUL _mm512_mul_ps
+#define F_FMADD _mm512_fmadd_ps
+#define F_STORE _mm512_storeu_ps
+#define F_FROM_INTS _mm512_cvtepi32_ps
+#define F_SCALES sixteen
+#define Ints __m512i
+#define I_LOAD(at) _mm512_loadu_si512((const void *)(at))
+#define I_ZERO _mm512_setzero_si512
+#define I_AND _mm512_and_si512
+#define I_SHIFT16 _mm512_srli_epi16
+#define I_SET1_8 _mm512_set1_epi8
+#define I_SET1_32 _mm512_set1_epi32
+#define I_DPBUSD _mm512_dpbusd_epi32
+#include "onnxruntime_quantized_tile.h"
 #endif
-        }
-    }
-}
 
 static void multiply_task(void *data, size_t task) {
     const Product *p = data;
-    const int64_t all = (p->N + GROUP - 1) / GROUP, first = (int64_t)task * TASK_GROUPS;
-    const int64_t end = first + TASK_GROUPS < all ? first + TASK_GROUPS : all;
-    if (p->bits == 4 && p->half) groups(p, first, end, 4, 1); /* constants: each compiles to its own loops */
-    else if (p->bits == 4) groups(p, first, end, 4, 0);
-    else if (p->half) groups(p, first, end, 8, 1);
-    else groups(p, first, end, 8, 0);
+    const int64_t group = group_of(p->bits), all = (p->N + group - 1) / group;
+    const int64_t first = (int64_t)task * (TASK_CHANNELS / group);
+    const int64_t end = first + TASK_CHANNELS / group < all ? first + TASK_CHANNELS / group : all;
+    /* constants: each compiles to its own loops */
+#if WIDE
+    if (p->bits == 4 && p->half) groups_512(p, first, end, 4, 1);
+    else if (p->bits == 4) groups_512(p, first, end, 4, 0);
+#else
+    if (p->bits == 4 && p->half) groups_256(p, first, end, 4, 1);
+    else if (p->bits == 4) groups_256(p, first, end, 4, 0);
+#endif
+    else if (p->half) groups_256(p, first, end, 8, 1);
+    else groups_256(p, first, end, 8, 0);
 }
 
 /* ---- the kernel ------------------------------------------------------------------------------------------- */
@@ -299,12 +288,12 @@ enum { INPUTS = 5, X = 0, CODES = 1, SCALES = 2, ZEROS = 3, MINS = 4 };
 static const int INPUT_TYPES[INPUTS] = {TYPE_FLOAT, TYPE_UINT8, TYPE_FLOAT, TYPE_UINT8, TYPE_FLOAT};
 
 /* The weight as the kernel reads it, made once from the node's constant inputs into memory of its own (not the
- * engine file's pages): RECORD(bits, half) per (group, block) */
+ * engine file's pages): record_bytes(bits, half) per (group, block) */
 typedef struct {
     const OrtApi *api;
     int64_t K, N, bits, blocks;
     int64_t half;     /* every d and e is a float16 exactly (a GGUF's blocks): the records hold them so */
-    uint8_t *records; /* [ceil(N / GROUP), blocks] RECORD(bits, half) each */
+    uint8_t *records; /* [ceil(N / group_of(bits)), blocks] record_bytes(bits, half) each */
 } Kernel;
 
 static int64_t elements(const int64_t *dims, size_t rank) {
@@ -341,7 +330,7 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *context) {
         quantize_row((const float *)x + r * K, K, blocks, kn->bits, a + r * blocks * A_BYTES(kn->bits),
                      s + r * blocks, sums + r * blocks);
     p.a = a, p.s = s, p.sums = sums;
-    const size_t tasks = (size_t)(((N + GROUP - 1) / GROUP + TASK_GROUPS - 1) / TASK_GROUPS);
+    const size_t tasks = (size_t)((N + TASK_CHANNELS - 1) / TASK_CHANNELS);
     OrtStatus *status = API(api, KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(context, multiply_task, tasks, 0, &p);
     free(a);
     return status;
@@ -404,24 +393,25 @@ static OrtStatus *make_weight(const OrtApi *api, const OrtKernelInfo *info, Kern
             e[n * blocks + b] = m - d[n * blocks + b] * (float)z;
             kn->half = kn->half && exact_half(d[n * blocks + b]) && exact_half(e[n * blocks + b]);
         }
-    const int64_t all = (N + GROUP - 1) / GROUP, record_bytes = RECORD(kn->bits, kn->half), scale = SCALE_BYTES(kn->half);
-    kn->records = weight_memory((size_t)(all * blocks * record_bytes));
+    const int64_t group = group_of(kn->bits), all = (N + group - 1) / group, scale = SCALE_BYTES(kn->half);
+    const int64_t record_size = record_bytes(kn->bits, kn->half);
+    kn->records = weight_memory((size_t)(all * blocks * record_size));
     if (!kn->records) {
         free(e);
         return API(api, CREATE_STATUS, CreateStatusFn)(ORT_FAIL, "QuantizedMatMul: no memory for the weight");
     }
-    for (int64_t n = 0; n < all * GROUP; n++) { /* channels past N repeat the last */
-        const int64_t from = (n < N ? n : N - 1) * blocks, c = n % GROUP;
+    for (int64_t n = 0; n < all * group; n++) { /* channels past N repeat the last */
+        const int64_t from = (n < N ? n : N - 1) * blocks, c = n % group;
         for (int64_t b = 0; b < blocks; b++) {
-            uint8_t *record = kn->records + (n / GROUP * blocks + b) * record_bytes;
-            uint8_t *floats = record + GROUP * code_bytes;
+            uint8_t *record = kn->records + (n / group * blocks + b) * record_size;
+            uint8_t *floats = record + group * code_bytes;
             const uint8_t *code = (const uint8_t *)codes + (from + b) * code_bytes;
             if (kn->bits == 4 || VNNI) /* dword k of the group's channels side by side */
-                for (int k = 0; k < code_bytes / 4; k++) memcpy(record + 4 * (GROUP * k + c), code + 4 * k, 4);
+                for (int k = 0; k < code_bytes / 4; k++) memcpy(record + 4 * (group * k + c), code + 4 * k, 4);
             else
                 memcpy(record + c * code_bytes, code, (size_t)code_bytes);
             store_scale(floats + c * scale, d[from + b], kn->half);
-            store_scale(floats + (GROUP + c) * scale, e[from + b], kn->half);
+            store_scale(floats + (group + c) * scale, e[from + b], kn->half);
         }
     }
     free(e);
