@@ -61,7 +61,8 @@ from trt_lookahead.lookahead.executor import StepBatch  # noqa: E402
 from trt_lookahead.lookahead.sampling import SamplingParams  # noqa: E402
 
 ROUND = 3  # steps per variant per turn
-PROJECTIONS = ("Gemm", "MatMul", "FusedMatMul")  # op types that multiply by a weight when one input is one
+# op types that multiply by a weight when one input is one: float, onnxruntime's quantized and our C kernel's
+PROJECTIONS = ("Gemm", "MatMul", "FusedMatMul", "MatMulNBits", "QuantizedMatMul")
 
 
 def model_dir(name: str) -> Path:
@@ -98,9 +99,14 @@ def optimized_counts(engine: Any, proto: Any) -> dict[str, int]:
 def projections(proto: Any) -> tuple[set[str], int]:
     """(the names of the nodes that multiply by a weight initializer, the bytes of those weights): what a greedy
     token must stream from memory (the lm_head included)."""
-    sizes = {t.name: int(np.prod(t.dims)) * 4 for t in proto.graph.initializer}
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    sizes = {t.name: int(np.prod(t.dims)) * tensor_dtype_to_np_dtype(t.data_type).itemsize
+             for t in proto.graph.initializer}
     nodes = [n for n in proto.graph.node if n.op_type in PROJECTIONS and len(n.input) > 1 and n.input[1] in sizes]
-    return {n.name for n in nodes}, sum(sizes[name] for name in {n.input[1] for n in nodes})
+    # a quantized product's scales, zero points and mins are initializers it streams too
+    weights = {name for n in nodes for name in n.input[1:] if name in sizes}
+    return {n.name for n in nodes}, sum(sizes[name] for name in weights)
 
 
 def profile_by_op(path: str, runs: int, weighted: set[str]) -> dict[str, Any]:
@@ -262,7 +268,7 @@ def main() -> int:
                         "other_kernels_ms": round(profile["kernels_ms"] - projection_ms, 3),
                         "run_overhead_ms": round(profile["model_run_ms"] - profile["kernels_ms"], 3)}
 
-    print(f"{path.name} float32, greedy step at context {args.context}, {args.threads} thread(s), "
+    print(f"{path.name}: greedy step at context {args.context}, {args.threads} thread(s), "
           f"{report['machine']['cpu']}, load {report['load_start']} -> {report['load_end']}")
     print(f"default CPU executor: {backend} ({why}); engine {engine_dir}")
     print(f"nodes: stored {report['nodes']['stored']}, decomposed {report['nodes']['decomposed']}, "
