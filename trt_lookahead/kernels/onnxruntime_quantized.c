@@ -98,11 +98,10 @@
  * last. A group is group_of(bits) channels. */
 #define CODE_BYTES(bits) (BLOCK * (bits) / 8)
 #define SCALE_BYTES(half) ((half) ? 2 : 4)
+#define RECORD_BYTES(group, bits, half) ((group) * (CODE_BYTES(bits) + 2 * SCALE_BYTES(half)))
 
 static inline int64_t group_of(int64_t bits) { return WIDE && bits == 4 ? WIDE_GROUP : GROUP; }
-static inline int64_t record_bytes(int64_t bits, int64_t half) {
-    return group_of(bits) * (CODE_BYTES(bits) + 2 * SCALE_BYTES(half));
-}
+static inline int64_t record_bytes(int64_t bits, int64_t half) { return RECORD_BYTES(group_of(bits), bits, half); }
 
 typedef struct {
     const uint8_t *records; /* [ceil(N / group), blocks] record_bytes(bits, half) each (the Kernel's) */

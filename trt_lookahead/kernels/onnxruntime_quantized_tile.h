@@ -12,7 +12,7 @@
 #define W_CAT_(name, width) name##_##width
 #define W_CAT(name, width) W_CAT_(name, width)
 #define W_NAME(name) W_CAT(name, W) /* name_W */
-#define W_RECORD(bits, half) (W_GROUP * CODE_BYTES(bits) + 2 * W_GROUP * SCALE_BYTES(half))
+#define W_RECORD(bits, half) RECORD_BYTES(W_GROUP, bits, half)
 
 #if VNNI
 /* A (group, block)'s weight as the byte products take it, loaded once for all the rows of a tile: operand k
