@@ -21,7 +21,6 @@ from trt_lookahead.kernels import onnx_op, reference
 from trt_lookahead.kernels.onnxruntime_library import native_library
 
 Hq, Hkv, D, S = 8, 4, 8, 64
-_reshape_after = onnx_op._reshape_after  # the rewrite's own, for a test that turns it off for the C kernel
 PER_LAYER = 22  # nodes the fast decomposition writes per layer, in place of the node and the Reshape after it
 
 
@@ -65,9 +64,9 @@ def test_the_fast_decomposition_adds_a_bounded_node_count_per_layer_and_casts_on
 @pytest.mark.parametrize("shape", [[-1, Hq * D], [0, 0, Hq * D], [-1, 2, Hq * D // 2]],
                          ids=["merged-heads", "shape-with-zero", "other-shape"])
 def test_a_reshape_after_the_node_keeps_the_references_values(shape, native):
-    """The merged Reshape and one that is kept both give the reference's values. The standard-op decomposition
-    writes any constant shape without zeros (a zero copies a dimension of its input, so it depends on the node's
-    own output shape); the C kernel (native) writes [-1, Hq * D] alone, as merged heads."""
+    """The merged Reshape (a constant shape without zeros, which the decomposition or the C kernel (native) writes)
+    and one that is kept (a zero copies a dimension of its input, so it depends on the node's own output shape)
+    both give the reference's values."""
     import onnxruntime as ort
 
     layers, rows = 2, [((4, 3, 4), 0), ((1, 2, 0), 30), ((0, 0, 0), 5)]
@@ -75,7 +74,7 @@ def test_a_reshape_after_the_node_keeps_the_references_values(shape, native):
     model = onnx_op.decompose(layered_model(layers, shape), native=native)
     onnx.checker.check_model(model)
     merged = not any(f"a{layer}" in n.input for n in model.graph.node for layer in range(layers))
-    assert merged == (shape == [-1, Hq * D] if native else 0 not in shape)
+    assert merged == (0 not in shape)
     options = ort.SessionOptions()
     if native:
         options.register_custom_ops_library(str(native_library().path))
@@ -105,8 +104,7 @@ def test_a_reshape_after_the_node_keeps_the_references_values(shape, native):
 def test_an_engine_with_merged_heads_has_the_bits_of_its_reshapes(engine_dir, greedy_run):
     """A real stories260K engine's MaskedAttention nodes write the merged heads the output projection reads, one
     Reshape a layer fewer, with the bits of the kept Reshapes."""
-    kept = greedy_run(lambda patch: patch.setattr(
-        onnx_op, "_reshape_after", lambda model, native: {} if native else _reshape_after(model, native)))
+    kept = greedy_run(lambda patch: patch.setattr(onnx_op, "_reshape_after", lambda model: {}))
     merged = greedy_run()
     layers = open_engine(engine_dir, verify=False).config.num_layers
     assert kept.ops.count("Reshape") - merged.ops.count("Reshape") == layers

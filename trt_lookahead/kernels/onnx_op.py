@@ -92,8 +92,9 @@ def _attributes(node: onnx.NodeProto) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-class _Graph:
-    """Appends standard ONNX nodes with fresh names; `Sym` values let `visible` run on them."""
+class Graph:
+    """Appends standard ONNX nodes and int64 constants with fresh names under `prefix` (the decompositions here and
+    onnx_stack's rewrite); `Sym` values let `visible` run on them."""
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
@@ -122,7 +123,7 @@ class Sym:
     Arithmetic casts bool operands to int64, as numpy does; comparisons and &, |, ~ give bool values.
     """
 
-    def __init__(self, graph: _Graph, name: str, is_bool: bool = False) -> None:
+    def __init__(self, graph: Graph, name: str, is_bool: bool = False) -> None:
         self.g, self.name, self.is_bool = graph, name, is_bool
 
     def _operand(self, value, numeric: bool) -> str:
@@ -162,7 +163,7 @@ class Sym:
     __hash__ = None  # type: ignore[assignment]  # __eq__ builds a node
 
 
-def _bias(g: _Graph, visible: str, axes: list[int]) -> str:
+def _bias(g: Graph, visible: str, axes: list[int]) -> str:
     """0 where visible, -inf elsewhere (float32), with `axes` inserted."""
     bias = g.op("Where", visible, g.const(0.0, np.float32), g.const(-np.inf, np.float32))
     return g.op("Unsqueeze", bias, g.const(axes)) if axes else bias
@@ -173,7 +174,7 @@ class _Masks:
     biases in the attention's dtype, T and the longest prefix. Built once, on the first layer's first use (and cast
     once, not per layer); tiled per query-head group."""
 
-    def __init__(self, g: _Graph, node: onnx.NodeProto, dtype: int) -> None:
+    def __init__(self, g: Graph, node: onnx.NodeProto, dtype: int) -> None:
         query, cache_len, step_config, ends = (node.input[k] for k in (0, 5, 6, 7))
         self.g, self.dtype = g, dtype
         self.tokens = g.op("Shape", query, start=1, end=2)  # [1] int64
@@ -248,7 +249,7 @@ class _Heads:
     v_new: str  # [B, Hkv, T, D]
 
 
-def _heads(g: _Graph, node: onnx.NodeProto, masks: _Masks) -> _Heads:
+def _heads(g: Graph, node: onnx.NodeProto, masks: _Masks) -> _Heads:
     attrs = _attributes(node)
     hq, hkv, d, scale = attrs["num_q_heads"], attrs["num_kv_heads"], attrs["head_dim"], attrs["scale"]
     group = hq // hkv
@@ -262,7 +263,7 @@ def _heads(g: _Graph, node: onnx.NodeProto, masks: _Masks) -> _Heads:
     return _Heads(hq, hkv, group, d, qg, k_new, v_new)
 
 
-def _write_output(g: _Graph, node: onnx.NodeProto, heads: _Heads, o: str, into: tuple[str, str] | None) -> None:
+def _write_output(g: Graph, node: onnx.NodeProto, heads: _Heads, o: str, into: tuple[str, str] | None) -> None:
     """o [B, Hkv, g*T, D] -> the node's output [B, T, Hq, D], or straight into `into` = (shape, output): the one
     Reshape that reads the node's output (`_reshape_after`), in place of it."""
     h = heads
@@ -271,33 +272,28 @@ def _write_output(g: _Graph, node: onnx.NodeProto, heads: _Heads, o: str, into: 
     g.nodes.append(helper.make_node("Reshape", [o, shape], [output], name=g.fresh()))
 
 
-def _reshape_after(model: onnx.ModelProto, native: bool) -> dict[str, onnx.NodeProto]:
+def _reshape_after(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
     """{attention output: the Reshape that alone reads it} where that Reshape's shape is a constant without zeros
-    (so its result depends on the element count alone): the decomposition writes that shape directly, one node
-    per layer fewer (onnxruntime does not merge consecutive Reshapes). native: only a Reshape to [-1, Hq * D],
-    the shape MaskedAttention writes with merged_heads = 1."""
+    (so its result depends on the element count alone): the decomposition, or the C kernel, writes that shape
+    directly, one node per layer fewer (onnxruntime does not merge consecutive Reshapes)."""
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in model.graph.node:
         for name in node.input:
             readers.setdefault(name, []).append(node)
-    shapes = {t.name: numpy_helper.to_array(t).tolist() for t in model.graph.initializer  # inline int64 tensors
+    shapes = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer  # shapes are inline int64 tensors
               if t.data_type == TensorProto.INT64 and t.data_location != TensorProto.EXTERNAL}
     outputs = {o.name for o in model.graph.output}
     found = {}
     for node in attention_nodes(model):
         after = readers.get(node.output[0], [])
-        if (len(after) != 1 or after[0].op_type != "Reshape" or after[0].input[0] != node.output[0]
-                or node.output[0] in outputs):
-            continue
-        shape = shapes.get(after[0].input[1])
-        attrs = _attributes(node)
-        merged = [-1, attrs["num_q_heads"] * attrs["head_dim"]]
-        if (shape == merged) if native else (shape is not None and 0 not in shape):
+        if (len(after) == 1 and after[0].op_type == "Reshape" and after[0].input[0] == node.output[0]
+                and after[0].input[1] in shapes and 0 not in shapes[after[0].input[1]].tolist()
+                and node.output[0] not in outputs):
             found[node.output[0]] = after[0]
     return found
 
 
-def _decompose_node(g: _Graph, node: onnx.NodeProto, masks: _Masks, into: tuple[str, str] | None) -> None:
+def _decompose_node(g: Graph, node: onnx.NodeProto, masks: _Masks, into: tuple[str, str] | None) -> None:
     h = _heads(g, node, masks)
     kc, vc = node.input[3:5]
     tokens, longest = masks.tokens, masks.longest
@@ -325,7 +321,7 @@ class _ExactPlan:
     cache_len // KEY_BLOCK on; so a row holds at most EXACT_MAX_TOKENS tokens.
     """
 
-    def __init__(self, g: _Graph, masks: _Masks, key_cache: str, group: int) -> None:
+    def __init__(self, g: Graph, masks: _Masks, key_cache: str, group: int) -> None:
         BK = KEY_BLOCK
         blocks = g.op("Add", g.op("Div", masks.longest, g.const(BK)), g.const([2]))  # [1] nb
         last = g.op("Sub", g.op("Shape", key_cache, start=2, end=3), g.const([1]))  # [1] the last cache row
@@ -347,13 +343,13 @@ class _ExactPlan:
                          g.op("Concat", g.const([2]), blocks, axis=0))  # [2, nb]: the block sum's rows
 
 
-def _with_ones(g: _Graph, values: str, rank: int) -> str:
+def _with_ones(g: Graph, values: str, rank: int) -> str:
     """values [..., D] -> [..., D + 1]: a ones column, so a block's product also sums its probabilities."""
     pads = g.const([0] * (2 * rank - 1) + [1])
     return g.op("Pad", values, pads, g.const(1.0, np.float32))
 
 
-def _decompose_exact_node(g: _Graph, node: onnx.NodeProto, masks: _Masks, plan: _ExactPlan,
+def _decompose_exact_node(g: Graph, node: onnx.NodeProto, masks: _Masks, plan: _ExactPlan,
                           into: tuple[str, str] | None) -> None:
     """The row-invariant form: fixed-position key blocks, each block one product, the blocks added in order."""
     h = _heads(g, node, masks)
@@ -382,13 +378,13 @@ def _decompose_exact_node(g: _Graph, node: onnx.NodeProto, masks: _Masks, plan: 
     _write_output(g, node, h, out, into)
 
 
-def _native_node(g: _Graph, node: onnx.NodeProto, masks: _Masks, into: tuple[str, str] | None) -> None:
+def _native_node(g: Graph, node: onnx.NodeProto, masks: _Masks, into: tuple[str, str] | None) -> None:
     """The node as onnxruntime_attention.c's MaskedAttention: the graph's step mask in place of its (W, N, G); with
-    `into` (the Reshape to [-1, Hq * D] after it, `_reshape_after`), writing that Reshape's output itself."""
+    `into` = (shape, output) of the Reshape after it (`_reshape_after`), the kernel writes that Reshape's output."""
     attrs = {key: _attributes(node)[key] for key in ("num_q_heads", "num_kv_heads", "head_dim", "scale")}
-    output = node.output[0] if into is None else into[1]
-    g.nodes.append(helper.make_node(NATIVE_OP, [*node.input[:6], masks.visible], [output], name=g.fresh(),
-                                    domain=NATIVE_DOMAIN, merged_heads=int(into is not None), **attrs))
+    shape, output = ([into[0]], into[1]) if into else ([], node.output[0])
+    g.nodes.append(helper.make_node(NATIVE_OP, [*node.input[:6], masks.visible, *shape], [output], name=g.fresh(),
+                                    domain=NATIVE_DOMAIN, **attrs))
 
 
 class NodeLookup:
@@ -497,7 +493,7 @@ def decompose(model: onnx.ModelProto, exact: bool = False, native: bool = False)
         return model
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    g = _Graph("lookahead_attention")
+    g = Graph("lookahead_attention")
     first = nodes[0]
     dtype = elem_type(model, first.input[3])
     masks = _Masks(g, first, dtype)
@@ -511,7 +507,7 @@ def decompose(model: onnx.ModelProto, exact: bool = False, native: bool = False)
             raise ValueError("the exact decomposition needs grouped-query attention (query heads > KV heads)")
         plan = _ExactPlan(g, masks, first.input[3], group)
     rewritten: list[onnx.NodeProto] = []
-    reshapes = _reshape_after(out, native)
+    reshapes = _reshape_after(out)
     merged = [id(reshape) for reshape in reshapes.values()]
     for node in out.graph.node:
         if id(node) in merged:  # written by its attention node's decomposition

@@ -21,11 +21,10 @@ takes it, with or without the C kernels. Imports kernels.onnx_op.
 
 from __future__ import annotations
 
-import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
-from trt_lookahead.kernels.onnx_op import NodeLookup, replace_nodes
+from trt_lookahead.kernels.onnx_op import Graph, NodeLookup, replace_nodes
 
 SHAPE_START_END = 15  # the first default-domain opset whose Shape takes start and end
 
@@ -63,26 +62,20 @@ def concat_stacks(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     position = {id(node): i for i, node in enumerate(nodes)}
     replaced: dict[int, list[onnx.NodeProto]] = {}
     dropped: set[int] = set()
-    taken = {t.name for t in model.graph.initializer} | set(lookup.maker)
     for i, concat in enumerate(nodes):
         found = _stacked(lookup, ranks, concat)
         if found is None:
             continue
         unsqueezes, axis = found
         xs = [node.input[0] for node in unsqueezes]
-        name = concat.name or concat.output[0]
-        cat, before, after, count, shape = (_fresh(taken, f"{name}/{part}")
-                                           for part in ("cat", "before", "after", "count", "shape"))
-        model.graph.initializer.append(numpy_helper.from_array(np.array([len(xs)], np.int64), count))
-        dims = [helper.make_node("Shape", [xs[0]], [after], name=after, start=axis)]
-        if axis:  # the dims ahead of the stacked axis
-            dims.insert(0, helper.make_node("Shape", [xs[0]], [before], name=before, end=axis))
-        replaced[i] = [
-            helper.make_node("Concat", xs, [cat], name=cat, axis=axis), *dims,
-            helper.make_node("Concat", [*([before] if axis else []), count, after], [shape], name=shape, axis=0),
-            # allowzero: a dim of 0 (an empty batch) is that size, not "the input's dim here"
-            helper.make_node("Reshape", [cat, shape], list(concat.output), name=name, allowzero=1),
-        ]
+        g = Graph(f"{concat.name or concat.output[0]}/stack")
+        cat = g.op("Concat", *xs, axis=axis)
+        before = [g.op("Shape", xs[0], end=axis)] if axis else []  # the dims ahead of the stacked axis
+        shape = g.op("Concat", *before, g.const([len(xs)]), g.op("Shape", xs[0], start=axis), axis=0)
+        # allowzero: a dim of 0 (an empty batch) is that size, not "the input's dim here"
+        g.nodes.append(helper.make_node("Reshape", [cat, shape], list(concat.output), name=g.fresh(), allowzero=1))
+        model.graph.initializer.extend(g.initializers)
+        replaced[i] = g.nodes
         dropped |= {position[id(node)] for node in unsqueezes}
     replace_nodes(model, nodes, replaced, dropped)
     read = {name for node in model.graph.node for name in node.input}
@@ -91,13 +84,3 @@ def concat_stacks(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)
     return model, len(replaced)
-
-
-def _fresh(taken: set[str], name: str) -> str:
-    """`name`, or it with the first suffix /k that no value, initializer or earlier fresh name has; taken."""
-    fresh, k = name, 0
-    while fresh in taken:
-        k += 1
-        fresh = f"{name}/{k}"
-    taken.add(fresh)
-    return fresh

@@ -5,9 +5,10 @@
  *           key_cache [B, Hkv, S, D], value_cache [B, Hkv, S, D]   (float32)
  *           cache_len [B] int32, visible [B, T, T] bool (step slot t sees step slot j; built once per graph
  *           by ONNX ops from kernels/mask.py's closed form, so the mask is written in one place)
- *   output  [B, T, Hq, D] float32, or with merged_heads = 1 the same memory as [B * T, Hq * D] (the shape of the
- *           Reshape that read it in the exported graph, in its place: one node a layer fewer)
- *   attrs   num_q_heads, num_kv_heads, head_dim, merged_heads (INT), scale (FLOAT)
+ *           shape [R] int64 (optional: the constant shape of the Reshape that read the output in the exported
+ *           graph, without zeros, at most one -1; onnx_op._reshape_after)
+ *   output  [B, T, Hq, D] float32, or that memory as `shape` (the Reshape in its place: one node a layer fewer)
+ *   attrs   num_q_heads, num_kv_heads, head_dim (INT), scale (FLOAT)
  *
  * Row-invariant by construction (docs/design.md section 4.2): a query's keys are its row's cache_len cached
  * keys, then the step keys it sees, in slot order (a chain's slots are in position order), and everything
@@ -165,14 +166,14 @@ static void attend_item(void *data, size_t item) {
 
 typedef struct {
     const OrtApi *api;
-    int64_t hq, hkv, d, merged; /* merged: the output's heads as one dim (merged_heads) */
+    int64_t hq, hkv, d;
     float scale;
 } Kernel;
 
-enum { INPUTS = 7 };
+enum { INPUTS = 8, SHAPE = 7 }; /* the shape last, optional */
 static const int INPUT_TYPES[INPUTS] = {TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT, TYPE_INT32,
-                                        TYPE_BOOL};
-static const int INPUT_RANKS[INPUTS] = {4, 4, 4, 4, 4, 1, 3};
+                                        TYPE_BOOL, TYPE_INT64};
+static const int INPUT_RANKS[INPUTS] = {4, 4, 4, 4, 4, 1, 3, 1};
 
 /* input i's data and dims (rank checked) */
 static OrtStatus *input(const OrtApi *api, OrtKernelContext *context, size_t i, void **data, int64_t *dims) {
@@ -181,12 +182,43 @@ static OrtStatus *input(const OrtApi *api, OrtKernelContext *context, size_t i, 
     return rank == (size_t)INPUT_RANKS[i] ? NULL : fail(api, "MaskedAttention: an input of the wrong rank");
 }
 
+/* the output's dims: [B, T, Hq, D], or the optional shape input's (its -1 resolved) for as many elements */
+static OrtStatus *output_dims(const OrtApi *api, OrtKernelContext *context, const int64_t q_shape[4], int64_t *dims,
+                              size_t *rank) {
+    const OrtValue *value;
+    TRY(API(api, KERNEL_CONTEXT_GET_INPUT, GetInputFn)(context, SHAPE, &value));
+    if (!value) { /* no shape input */
+        memcpy(dims, q_shape, 4 * sizeof(int64_t));
+        *rank = 4;
+        return NULL;
+    }
+    void *data;
+    int64_t shape_dims[MAX_RANK];
+    size_t shape_rank;
+    TRY(tensor(api, value, &data, &shape_rank, shape_dims));
+    const int64_t count = shape_dims[0];
+    if (shape_rank != 1 || count < 1 || count > MAX_RANK) return fail(api, "MaskedAttention: a shape of 1-8 dims");
+    const int64_t *shape = data, elements = q_shape[0] * q_shape[1] * q_shape[2] * q_shape[3];
+    int64_t known = 1, unknown = -1;
+    for (int64_t i = 0; i < count; i++) {
+        if (shape[i] == -1 && unknown < 0) unknown = i;
+        else if (shape[i] > 0) known *= shape[i];
+        else return fail(api, "MaskedAttention: a shape's dims are positive, with at most one -1");
+    }
+    memcpy(dims, shape, (size_t)count * sizeof(int64_t));
+    if (unknown >= 0) dims[unknown] = elements / known;
+    if (elements % known || (unknown < 0 && known != elements))
+        return fail(api, "MaskedAttention: the shape input does not hold the output's elements");
+    *rank = (size_t)count;
+    return NULL;
+}
+
 static OrtStatus *compute(void *kernel, OrtKernelContext *context) {
     const Kernel *kn = kernel;
     const OrtApi *api = kn->api;
     void *data[INPUTS];
     int64_t dims[INPUTS][MAX_RANK];
-    for (size_t i = 0; i < INPUTS; i++) TRY(input(api, context, i, &data[i], dims[i]));
+    for (size_t i = 0; i < SHAPE; i++) TRY(input(api, context, i, &data[i], dims[i]));
     const int64_t B = dims[0][0], T = dims[0][1], S = dims[3][2];
     const int64_t q_shape[4] = {B, T, kn->hq, kn->d}, kv_shape[4] = {B, T, kn->hkv, kn->d};
     const int64_t cache_shape[4] = {B, kn->hkv, S, kn->d}, visible_shape[3] = {B, T, T};
@@ -195,10 +227,11 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *context) {
              && memcmp(dims[4], cache_shape, sizeof cache_shape) == 0 && dims[5][0] == B
              && memcmp(dims[6], visible_shape, sizeof visible_shape) == 0;
     if (!ok) return fail(api, "MaskedAttention: input shapes disagree with each other or with the node's heads");
-    const int64_t merged_shape[2] = {B * T, kn->hq * kn->d};
+    int64_t out_dims[MAX_RANK];
+    size_t out_rank = 0;
+    TRY(output_dims(api, context, q_shape, out_dims, &out_rank));
     OrtValue *output;
-    TRY(API(api, KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(context, 0, kn->merged ? merged_shape : q_shape,
-                                                         kn->merged ? 2 : 4, &output));
+    TRY(API(api, KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(context, 0, out_dims, out_rank, &output));
     Problem p = {data[0], data[1], data[2], data[3], data[4], data[5], data[6], NULL,
                  T, kn->hq, kn->hkv, kn->d, S, kn->scale, 0};
     TRY(API(api, GET_TENSOR_MUTABLE_DATA, GetTensorMutableDataFn)(output, (void **)&p.out));
@@ -216,11 +249,8 @@ static OrtStatus *create_kernel(const void *op, const OrtApi *api, const OrtKern
     kn->api = api;
     OrtStatus *status = head_attributes(api, info, &kn->hq, &kn->hkv, &kn->d);
     if (!status) status = API(api, KERNEL_INFO_GET_ATTRIBUTE_FLOAT, GetAttributeFloatFn)(info, "scale", &kn->scale);
-    if (!status)
-        status = API(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, GetAttributeInt64Fn)(info, "merged_heads", &kn->merged);
     if (!status && (kn->hq <= 0 || kn->hkv <= 0 || kn->d <= 0 || kn->hq % kn->hkv))
         status = fail(api, "MaskedAttention: num_q_heads must be a positive multiple of num_kv_heads");
-    if (!status && kn->merged != 0 && kn->merged != 1) status = fail(api, "MaskedAttention: merged_heads is 0 or 1");
     return keep_kernel(kn, status, out);
 }
 
@@ -228,5 +258,10 @@ static const char *op_name(const void *op) { (void)op; return "MaskedAttention";
 static int input_type(const void *op, size_t i) { (void)op; return i < INPUTS ? INPUT_TYPES[i] : 0; }
 static size_t input_count(const void *op) { (void)op; return INPUTS; }
 
-const OrtCustomOp ATTENTION_OP = CUSTOM_OP(op_name, input_type, input_count, required, one_output,
+static int input_characteristic(const void *op, size_t i) {
+    (void)op;
+    return i == SHAPE ? INPUT_OPTIONAL : INPUT_REQUIRED;
+}
+
+const OrtCustomOp ATTENTION_OP = CUSTOM_OP(op_name, input_type, input_count, input_characteristic, one_output,
                                           create_kernel, compute, free_kernel);
