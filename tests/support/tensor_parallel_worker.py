@@ -17,17 +17,18 @@ import os
 import pickle
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from trt_lookahead.backends.tensor_parallel import (
     GATHER,
     MESSAGE_BYTES,
     TWO_PHASE,
     LeaderExecutor,
+    end_rank,
     exact_all_reduce,
     follow,
     init_group,
@@ -156,19 +157,20 @@ def main() -> None:
     mode = sys.argv[5] if len(sys.argv) > 5 else "run"
     torch.set_num_threads(1)
     group = init_group(rank, world, port)
+    code = 0
     try:
         run(rank, world, out, mode, group)
-    finally:  # as open_leader's ranks end: the followers leave the group and exit first, then rank 0 (a rank left
-        # in a group whose peer has gone can abort at exit: "terminate called without an active exception")
-        if rank:
-            dist.destroy_process_group()
-            Path(f"{out}.done{rank}").touch()
-        else:
-            deadline = time.monotonic() + 60
-            while (mode != "die" and not all(Path(f"{out}.done{r}").exists() for r in range(1, world))
-                   and time.monotonic() < deadline):
-                time.sleep(0.05)
-            dist.destroy_process_group()
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    # as open_leader's ranks end: the followers leave the group and exit first, then rank 0
+    if rank:
+        end_rank(code, Path(f"{out}.done{rank}").touch)
+    deadline = time.monotonic() + 60
+    while (mode != "die" and not all(Path(f"{out}.done{r}").exists() for r in range(1, world))
+           and time.monotonic() < deadline):
+        time.sleep(0.05)
+    end_rank(code)
 
 
 def run(rank: int, world: int, out: Path, mode: str, group) -> None:

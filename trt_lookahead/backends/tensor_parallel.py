@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -503,7 +503,21 @@ def _follower(argv: list[str]) -> None:
     sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - nobody reads the pipe after READY: never let it fill
     group = init_group(rank, world, port)
     follow(executor, group)
-    dist.destroy_process_group()
+    end_rank()
+
+
+def end_rank(code: int = 0, left: Callable[[], object] | None = None) -> NoReturn:
+    """Leave the group, call `left` (a rank's last word, if any), and end this rank's process at once with `code`.
+    Not through the interpreter's teardown: with a gloo group gone, a transport thread can still be joinable when
+    the C++ runtime's destructors run, and the process aborts ("terminate called without an active exception")
+    after its work is done."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if left is not None:
+        left()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
