@@ -118,23 +118,59 @@ def gguf_roundtrip(x: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(gguf_quants.dequantize(raw, qtype), np.float32), raw
 
 
-@pytest.mark.parametrize(("kind", "bits"), [("Q4_0", 4), ("Q4_1", 4), ("Q8_0", 8)])
+def gguf_codes(raw: np.ndarray, kind: str) -> np.ndarray:
+    """The unsigned codes of the GGUF blocks `raw` [N, bytes] of 32 weights each, read by hand from llama.cpp's
+    layouts: Q8_0 [d, 32 int8] (+ 128); Q4_x [d (, m), 16 bytes: weights j and j + 16 in the low and high nibble of
+    byte j]; Q5_x [d (, m), 4 bytes of fifth bits (weight i's in bit i, little-endian), then Q4_x's 16 bytes]."""
+    blocks = raw.reshape(len(raw), -1, {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}[kind])
+    if kind == "Q8_0":
+        return blocks[..., 2:].view(np.int8).astype(np.int32) + 128
+    packed = blocks[..., -16:]
+    codes = np.concatenate([packed & 0xF, packed >> 4], -1).astype(np.int32)
+    if kind.startswith("Q5"):
+        fifth = np.unpackbits(blocks[..., -20:-16], axis=-1, bitorder="little").astype(np.int32)  # [.., 32]
+        codes += fifth << 4
+    return codes
+
+
+@pytest.mark.parametrize(("kind", "bits"), [("Q4_0", 4), ("Q4_1", 4), ("Q5_0", 8), ("Q5_1", 8), ("Q8_0", 8)])
 def test_a_gguf_dequantized_weight_keeps_its_own_blocks(kind, bits):
+    """Q5 codes (0 .. 31) ride in 8-bit blocks: the products take 4 or 8 bits."""
     rng = np.random.default_rng(bits)
     x = rng.standard_normal((24, 96)).astype(np.float32) * np.exp(rng.standard_normal((24, 1))).astype(np.float32)
     w, raw = gguf_roundtrip(x, kind)
     blocks = gguf_blocks(w)
     assert blocks is not None and (blocks.grid, blocks.bits) == (kind, bits)
     np.testing.assert_array_equal(blocks.dequantize(), w)  # (q - z) * s (+ m): the gguf package's numbers
-    codes, _ = blocks.unpacked()
-    if kind == "Q8_0":  # the GGUF's own codes: [d (2 bytes), 32 int8] per block
-        theirs = raw.reshape(24, 3, 34)[..., 2:].view(np.int8).astype(np.int32) + 128
-    else:  # [d (, m), 16 bytes of two 4-bit codes: weights j and j + 16 in the low and high nibble of byte j]
-        packed = raw.reshape(24, 3, -1)[..., -16:]
-        theirs = np.concatenate([packed & 0xF, packed >> 4], -1).astype(np.int32)
-    np.testing.assert_array_equal(codes.astype(np.int32), theirs)
+    codes, zeros = blocks.unpacked()
+    np.testing.assert_array_equal(codes.astype(np.int32), gguf_codes(raw, kind))  # the GGUF's own codes
+    assert (zeros == {"Q4_0": 8, "Q5_0": 16, "Q8_0": 128}.get(kind, 0)).all()
+    assert (blocks.mins is not None) == kind.endswith("_1")
     # requantizing the same numbers instead moves them by up to half a step
     assert np.abs(quantize_blocks(w, bits).dequantize() - w).max() > 1e3 * np.abs(blocks.dequantize() - w).max()
+
+
+def test_a_fused_weight_keeps_each_rows_own_gguf_blocks():
+    """A fused projection of tensors of several types (a Q4_K_M file of a model whose rows are not whole K-quant
+    super-blocks: attn_q, attn_k Q5_0, attn_v Q8_0) keeps every row's blocks, in 8-bit codes where one type needs
+    them; rows of 4-bit types alone stay 4-bit; one weight off every grid sends the whole weight to quantize_blocks."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((40, 64)).astype(np.float32)
+    parts = {"Q5_0": x[:16], "Q8_0": x[16:24], "Q4_1": x[24:40]}
+    w = np.concatenate([gguf_roundtrip(rows, kind)[0] for kind, rows in parts.items()])
+    blocks = gguf_blocks(w)
+    assert (blocks.grid, blocks.bits) == ("Q4_1+Q5_0+Q8_0", 8)
+    np.testing.assert_array_equal(blocks.dequantize(), w)
+    codes, zeros = blocks.unpacked()
+    theirs = gguf_codes(gguf_roundtrip(x[16:24], "Q8_0")[1], "Q8_0")
+    np.testing.assert_array_equal(codes[16:24].astype(np.int32), theirs)
+    assert (zeros[:16] == 16).all() and (zeros[16:24] == 128).all() and (zeros[24:] == 0).all()
+    assert not blocks.mins[:24].any() and blocks.mins[24:].all()  # the Q4_1 rows' m, the others none
+    four = np.concatenate([gguf_roundtrip(x[:8], "Q4_0")[0], gguf_roundtrip(x[8:], "Q4_1")[0]])
+    assert (gguf_blocks(four).grid, gguf_blocks(four).bits) == ("Q4_0+Q4_1", 4)
+    np.testing.assert_array_equal(gguf_blocks(four).dequantize(), four)
+    w[30, 7] = np.nextafter(w[30, 7], np.float32(np.inf))
+    assert gguf_blocks(w) is None
 
 
 def test_weights_on_no_gguf_grid_are_quantized_here():
@@ -221,6 +257,37 @@ def test_an_engine_of_a_gguf_dequantized_checkpoint_keeps_its_blocks_and_stays_e
     assert json.loads((exact / "config.json").read_text())["weight_blocks"] == {"Q4_1": 15, "Q8_0": 1, "int4": 5}
     with LookaheadRuntime.from_pretrained(str(exact), max_batch=4) as rt:
         greedy = [rt.generate(p, max_new_tokens=48, lookahead="greedy").token_ids for p in PROMPTS]
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            together = list(pool.map(lambda p: rt.generate(p, max_new_tokens=48, lookahead="4,3,4").token_ids, PROMPTS))
+        assert together == greedy
+
+
+@pytest.mark.export
+def test_an_engine_of_mixed_gguf_types_keeps_every_rows_blocks_and_stays_exact(tmp_path):
+    """stories260K as a Q4_K_M file of a model whose rows are not whole K-quant super-blocks holds it (llama.cpp
+    falls back to 32-weight types): q and k Q5_0, v Q8_0 (one fused Gemm of both), o Q4_1, gate and up Q5_1, the
+    tied lm_head Q8_0. The default int4 build keeps every one (8-bit codes for the Q5 and mixed rows), quantizes
+    down (K 172) here, and lookahead equals the engine's greedy, alone and batched."""
+    from safetensors.numpy import load_file, save_file
+
+    kinds = {"q_proj": "Q5_0", "k_proj": "Q5_0", "v_proj": "Q8_0", "o_proj": "Q4_1", "gate_proj": "Q5_1",
+             "up_proj": "Q5_1", "embed": "Q8_0"}
+    model = tmp_path / "stories-mixed"
+    shutil.copytree(STORIES, model)
+    tensors = load_file(str(model / "model.safetensors"))
+    for name, value in tensors.items():
+        kind = next((kind for part, kind in kinds.items() if part in name), None)
+        if kind is not None:
+            tensors[name] = gguf_roundtrip(value, kind)[0]
+    save_file(tensors, str(model / "model.safetensors"))
+    out = tmp_path / "engine"
+    assert main(["build", "--model", str(model), "--output", str(out), "--weights", "int4", "--lookahead_config",
+                 "4,3,4", "--max_seq_len", "256"]) == 0
+    blocks = json.loads((out / "config.json").read_text())["weight_blocks"]
+    assert blocks == {"Q5_0+Q8_0": 5, "Q4_1": 5, "Q5_1": 5, "int4": 5, "Q8_0": 1}
+    with LookaheadRuntime.from_pretrained(str(out), max_batch=4) as rt:
+        greedy = [rt.generate(p, max_new_tokens=48, lookahead="greedy").token_ids for p in PROMPTS]
+        assert [rt.generate(p, max_new_tokens=48, lookahead="4,3,4").token_ids for p in PROMPTS] == greedy
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             together = list(pool.map(lambda p: rt.generate(p, max_new_tokens=48, lookahead="4,3,4").token_ids, PROMPTS))
         assert together == greedy

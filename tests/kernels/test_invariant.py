@@ -112,7 +112,7 @@ def test_quantized_linear_dequantizes_a_block_by_hand():
 def quantized_case(bits: int, with_mins: bool, outputs: int = 72) -> tuple[tuple[torch.Tensor | None, ...],
                                                                           torch.Tensor]:
     """K = 520: sixteen whole blocks and a padded seventeenth (an odd count: the int4 zero points' last byte is
-    half used); mins: a GGUF Q4_1 block's m added to (q - z) * s. ((codes, scales, zeros, mins) on DEVICE, the
+    half used); mins: a GGUF Q4_1 or Q5_1 block's m added to (q - z) * s. ((codes, scales, zeros, mins) on DEVICE, the
     dequantized float32 weight [outputs, 520] on DEVICE)."""
     rng = np.random.default_rng(bits)
     blocks = quantize_blocks(rng.standard_normal((outputs, 520)).astype(np.float32), bits)
@@ -121,8 +121,8 @@ def quantized_case(bits: int, with_mins: bool, outputs: int = 72) -> tuple[tuple
     return blocks_as_tensors(blocks), torch.from_numpy(blocks.dequantize()).to(DEVICE)
 
 
-QUANTIZED_CASES = pytest.mark.parametrize("bits,with_mins", [(4, False), (8, False), (4, True)],
-                                          ids=["int4", "int8", "int4-mins"])
+QUANTIZED_CASES = pytest.mark.parametrize("bits,with_mins", [(4, False), (8, False), (4, True), (8, True)],
+                                          ids=["int4", "int8", "int4-mins", "int8-mins"])
 
 
 @DTYPES

@@ -60,7 +60,8 @@ def native_session(proto: object, threads: int = 2, library: Path | None = None)
 
 
 @pytest.mark.parametrize(("kind", "n", "k"), [("int4", 200, 96), ("int4", 7, 40), ("int8", 130, 70), ("int8", 5, 33),
-                                              ("Q4_1", 67, 128), ("Q4_0", 64, 96), ("Q8_0", 33, 64)])
+                                              ("Q4_1", 67, 128), ("Q4_0", 64, 96), ("Q8_0", 33, 64), ("Q5_0", 40, 96),
+                                              ("Q5_1", 21, 64)])
 def test_the_product_is_the_quantized_rows_times_the_dequantized_weight(kind, n, k):
     """Odd channel counts (a last group of 4 or 8 channels repeating its last), K off the blocks (a zero-padded last
     block), zero points, GGUF mins: y == quantize_activations(x) @ w_hat^T to float32 rounding, and not the product
@@ -101,7 +102,7 @@ NARROWER = {
 
 @pytest.mark.parametrize("path", sorted(NARROWER))
 @pytest.mark.parametrize(("kind", "n", "k"), [("Q4_1", 70, 160), ("int4", 37, 72), ("int8", 45, 100),
-                                              ("Q8_0", 33, 64)])
+                                              ("Q8_0", 33, 64), ("Q5_1", 45, 96)])
 def test_every_vector_width_gives_the_bits_of_the_avx2_path(path, kind, n, k):
     """This CPU's build (with AVX-512 BW and VNNI: 4-bit weights in 16-channel records on 512-bit vectors, 8-bit
     ones in 8-channel records on 256-bit; VNNI byte products, a row's code dwords broadcast, 8-row tiles) against

@@ -15,8 +15,9 @@ is exact and every weight is within s / 2 of w_hat. Worked example, bits 4, one 
 0, ...] whose min is -1.0 and max 2.0: s = 3 / 15 = 0.2, z = 5, -1.0 -> q 0, 0.6 -> q 8, 2.0 -> q 15, 0.3 -> q 7
 (1.5 rounds to even: w_hat 0.4), 0 -> q 5.
 
-A weight that is exactly a GGUF Q4_0, Q4_1 or Q8_0 tensor dequantized (a checkpoint converted from such a file)
-keeps those blocks instead (`gguf_blocks`; docs/design.md 6.9): same numbers, no second rounding.
+A weight that is exactly a GGUF Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 tensor dequantized (a checkpoint converted from
+such a file; Q5 codes in 8-bit blocks) keeps those blocks instead (`gguf_blocks`; docs/design.md 6.9): same
+numbers, no second rounding.
 
 With int8 activations (MatMulNBits accuracy_level 4) each row of the input is cut into the same blocks along K,
 and a block holds int8 codes round(x * 127 / amax) with the float scale amax / 127 (amax its largest |x|): the
@@ -32,7 +33,9 @@ Imports numpy, onnx (and torch and model.llama for `quantize_activations` and `q
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -57,7 +60,7 @@ class QuantizedWeight:
     bits: int
     k: int  # the unpadded input size
     grid: str  # where the blocks come from: "int8" / "int4" (quantize_blocks), or a GGUF type kept (gguf_blocks)
-    mins: np.ndarray | None = None  # float32 [N, blocks]: each block's m, added to (q - z) * s (a GGUF Q4_1 block)
+    mins: np.ndarray | None = None  # float32 [N, blocks]: each block's m, added to (q - z) * s (GGUF Q4_1, Q5_1)
 
     def unpacked(self) -> tuple[np.ndarray, np.ndarray]:
         """(codes [N, blocks, BLOCK_SIZE], zero points [N, blocks]) one value per entry."""
@@ -111,74 +114,115 @@ def _half(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16).astype(np.float32)
 
 
-def _on_grid(x: np.ndarray, scales: np.ndarray, offsets: np.ndarray, low: int, high: int) -> np.ndarray | None:
-    """Codes q [N, blocks, BLOCK_SIZE] in low .. high with float32(q * scale + offset) == x for every weight of
-    x [N, blocks, BLOCK_SIZE] (the gguf package's dequantization; a block's scale 0: every q 0); None if some
-    weight is off that grid."""
+class _Fit(NamedTuple):
+    """A GGUF block type's reading of a weight x [N, blocks, BLOCK_SIZE]: its codes with their zero points, scales,
+    mins (None: the type has none), and which rows it reads exactly (`rows`; the others' entries are meaningless)."""
+
+    codes: np.ndarray  # uint8 [N, blocks, BLOCK_SIZE], 0 .. 2 ** code_bits - 1
+    scales: np.ndarray  # float32 [N, blocks], never 0
+    zeros: np.ndarray  # uint8 [N, blocks]
+    mins: np.ndarray | None  # float32 [N, blocks]
+    rows: np.ndarray  # bool [N]: every weight of the row is float32((q - z) * s (+ m)) exactly
+    bits: int  # the codes' width in the products: 4 or 8
+
+
+def _on_grid(x: np.ndarray, scales: np.ndarray, offsets: np.ndarray, low: int, high: int) -> tuple[np.ndarray,
+                                                                                                   np.ndarray]:
+    """(codes q [N, blocks, BLOCK_SIZE] clipped to low .. high, bool [N, blocks]: float32(q * scale + offset) == x
+    for every weight of the block of x [N, blocks, BLOCK_SIZE]), as the gguf package dequantizes (a block's scale
+    0: every q 0)."""
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(scales[..., None] == 0, 0, np.round((x - offsets[..., None]) / scales[..., None]))
     q = np.nan_to_num(q, nan=low - 1, posinf=low - 1, neginf=low - 1)
-    if q.min() < low or q.max() > high:
-        return None
+    inside = ((q >= low) & (q <= high)).all(-1)
+    q = np.clip(q, low, high)
     back = (q.astype(np.float32) * scales[..., None]).astype(np.float32)
     back = back if not offsets.any() else (back + offsets[..., None]).astype(np.float32)
-    return q.astype(np.int32) if np.array_equal(back, x) else None
+    return q.astype(np.int32), inside & (back == x).all(-1)
 
 
-def _q8_0(x: np.ndarray, k: int) -> QuantizedWeight | None:
+def _q8_0(x: np.ndarray) -> _Fit:
     """Q8_0: w = d * q, q -128 .. 127, d float16: int8 codes q + 128 with zero point 128, exactly."""
     d = _half(np.abs(x).max(-1) / 127)  # the block's largest |w| has |q| = 127
-    q = _on_grid(x, d, np.zeros_like(d), -128, 127)
-    if q is None:
-        return None
-    return _packed((q + 128).astype(np.uint8), np.where(d == 0, 1, d), np.full(d.shape, 128, np.uint8), 8, k, "Q8_0")
+    q, ok = _on_grid(x, d, np.zeros_like(d), -128, 127)
+    return _Fit((q + 128).astype(np.uint8), np.where(d == 0, 1, d), np.full(d.shape, 128, np.uint8), None,
+                ok.all(-1), 8)
 
 
-def _q4_0(x: np.ndarray, k: int) -> QuantizedWeight | None:
-    """Q4_0: w = d * (q - 8), q 0 .. 15, d float16 (negative where the block's largest |w| is positive: it has
-    q = 0): 4-bit codes q with zero point 8, exactly."""
+def _centred(x: np.ndarray, code_bits: int) -> _Fit:
+    """Q4_0 / Q5_0 (`code_bits` 4 / 5): w = d * (q - h), q 0 .. 2h - 1, h = 2 ** (code_bits - 1), d float16
+    (negative where the block's largest |w| is positive: it has q = 0): codes q with zero point h, exactly, 4-bit
+    for Q4_0 and 8-bit for Q5_0 (the products take 4 or 8 bits)."""
+    h = 1 << (code_bits - 1)
     at = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]  # [N, blocks] the largest |w|, signed
-    d = _half(at / -8)
-    q = _on_grid(x, d, np.zeros_like(d), -8, 7)
-    if q is None:
-        return None
-    return _packed((q + 8).astype(np.uint8), np.where(d == 0, 1, d), np.full(d.shape, 8, np.uint8), 4, k, "Q4_0")
+    d = _half(at / -h)
+    q, ok = _on_grid(x, d, np.zeros_like(d), -h, h - 1)
+    return _Fit((q + h).astype(np.uint8), np.where(d == 0, 1, d), np.full(d.shape, h, np.uint8), None, ok.all(-1),
+                4 if code_bits == 4 else 8)
 
 
-def _q4_1(x: np.ndarray, k: int) -> QuantizedWeight | None:
-    """Q4_1: w = d * q + m, q 0 .. 15, d and m float16: 4-bit codes q with scale d and zero point 0, and each
-    block's m in `mins`: the graph adds the input's block sums times m, as llama.cpp's Q4_1 product adds its
-    activation blocks' sums. (A float zero point -m / d would hold m too, but MatMulNBits runs those on a slow path
-    without int8 activations: docs/design.md 6.9.)"""
-    low, high = x.min(-1), x.max(-1)  # q = 0 at the block's min (m itself) and 15 at its max
-    first = _half((high - low) / 15)
-    for d in (first, np.nextafter(first.astype(np.float16), np.float16(np.inf)).astype(np.float32),
-              np.nextafter(first.astype(np.float16), np.float16(0)).astype(np.float32)):
-        q = _on_grid(x, d, low, 0, 15)
-        if q is not None:
-            return _packed(q.astype(np.uint8), np.where(d == 0, 1, d), np.zeros(d.shape, np.uint8), 4, k, "Q4_1",
-                           mins=low)
-    return None
+def _with_mins(x: np.ndarray, code_bits: int) -> _Fit:
+    """Q4_1 / Q5_1 (`code_bits` 4 / 5): w = d * q + m, q 0 .. top = 2 ** code_bits - 1, d and m float16: codes q
+    (4-bit for Q4_1, 8-bit for Q5_1) with scale d and zero point 0, and each block's m in `mins`: the graph adds
+    the input's block sums times m, as llama.cpp's Q4_1 and Q5_1 products add their activation blocks' sums. (A
+    float zero point -m / d would hold m too, but MatMulNBits runs those on a slow path without int8 activations:
+    docs/design.md 6.9.) A block's d is float16((max - min) / top) or, where that rounds off the block's own, one
+    of its float16 neighbours: the first that reads the block exactly."""
+    top = (1 << code_bits) - 1
+    low, high = x.min(-1), x.max(-1)  # q = 0 at the block's min (m itself) and top at its max
+    d = _half((high - low) / top)
+    codes, ok = _on_grid(x, d, low, 0, top)
+    half = d.astype(np.float16)
+    for candidate in (np.nextafter(half, np.float16(np.inf)), np.nextafter(half, np.float16(0))):
+        if ok.all():
+            break
+        q, fits = _on_grid(x, candidate.astype(np.float32), low, 0, top)
+        take = fits & ~ok  # blocks this candidate reads and the ones before did not
+        d, codes, ok = np.where(take, candidate, d), np.where(take[..., None], q, codes), ok | fits
+    return _Fit(codes.astype(np.uint8), np.where(d == 0, 1, d), np.zeros(d.shape, np.uint8), low, ok.all(-1),
+                4 if code_bits == 4 else 8)
 
 
-GGUF_GRIDS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0}  # llama.cpp's 32-weight block types, fewest bits first
+# llama.cpp's 32-weight block types, fewest bytes first (a Q4_0 block is on Q5_0's grid too)
+GGUF_GRIDS: dict[str, Callable[[np.ndarray], _Fit]] = {
+    "Q4_0": partial(_centred, code_bits=4),
+    "Q4_1": partial(_with_mins, code_bits=4),
+    "Q5_0": partial(_centred, code_bits=5),
+    "Q5_1": partial(_with_mins, code_bits=5),
+    "Q8_0": _q8_0,
+}
 
 
 def gguf_blocks(weight: np.ndarray) -> QuantizedWeight | None:
-    """The blocks of a float [N, K] weight that is exactly a GGUF Q8_0, Q4_0 or Q4_1 tensor dequantized (a checkpoint
-    converted from such a file, model/gguf_convert.py), as MatMulNBits holds them; None if the
-    weight is on none of those grids. GGUF blocks, like BLOCK_SIZE, hold 32 weights along K."""
+    """The blocks of a float [N, K] weight whose rows are each exactly a GGUF tensor of a GGUF_GRIDS type
+    dequantized (a checkpoint converted from such a file, model/gguf_convert.py), as MatMulNBits holds them; None
+    if a row is on none of those grids. A fused projection's rows come from tensors of their own types (a Q4_K_M
+    file's attn_q and attn_k may be Q5_0 and its attn_v Q8_0): each row keeps its own, in 8-bit codes where any
+    row needs them, and the grid names them all ("Q5_0+Q8_0"). GGUF blocks, like BLOCK_SIZE, hold 32 weights
+    along K. The first row still unread picks the next type to try on the rest, so a float weight costs one row's
+    checks."""
     n, k = weight.shape
     if k % BLOCK_SIZE:
         return None
     x = np.ascontiguousarray(weight, np.float32).reshape(n, k // BLOCK_SIZE, BLOCK_SIZE)
-    for find in GGUF_GRIDS.values():
-        if find(x[:1], k) is None:  # a grid the first row is off fails the whole weight: skip the full check
-            continue
-        found = find(x, k)
-        if found is not None:
-            return found
-    return None
+    fits: dict[str, tuple[np.ndarray, _Fit]] = {}  # type -> (the rows it reads, its reading of them)
+    left = np.arange(n)
+    while len(left):
+        name = next((name for name, find in GGUF_GRIDS.items() if name not in fits and find(x[left[:1]]).rows[0]),
+                    None)
+        if name is None:
+            return None
+        fit = GGUF_GRIDS[name](x[left])
+        fits[name], left = (left[fit.rows], fit), left[~fit.rows]
+    bits = max(fit.bits for _, fit in fits.values())
+    codes = np.empty(x.shape, np.uint8)
+    scales, zeros = np.empty(x.shape[:2], np.float32), np.empty(x.shape[:2], np.uint8)
+    mins = None if all(fit.mins is None for _, fit in fits.values()) else np.zeros(x.shape[:2], np.float32)
+    for rows, fit in fits.values():
+        codes[rows], scales[rows], zeros[rows] = fit.codes[fit.rows], fit.scales[fit.rows], fit.zeros[fit.rows]
+        if fit.mins is not None:
+            mins[rows] = fit.mins[fit.rows]  # type: ignore[index]
+    return _packed(codes, scales, zeros, bits, k, "+".join(name for name in GGUF_GRIDS if name in fits), mins=mins)
 
 
 def weight_blocks(weight: np.ndarray, bits: int) -> QuantizedWeight:
