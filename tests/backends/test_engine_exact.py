@@ -244,16 +244,19 @@ def test_exact_is_refused_where_the_engine_cannot_run_it(engines, capsys):
 
 
 @pytest.mark.parametrize(("extra", "words"), [
-    (["--dtype", "bfloat16"], "it runs float32 (not bfloat16)"),
-    (["--attention", "native"], "its attention is the LookaheadAttention node"),
-    (["--target", "tensorrt"], "TensorRT has no exact step"),
-    (["--lookahead_config", "8,6,8"], "its steps hold at most 64 tokens, and 8/6/8 has T = 80"),
+    (["--dtype", "bfloat16"], "it runs float32, not bfloat16 (--dtype float32)"),
+    (["--attention", "native"], "its attention is the LookaheadAttention node, not native (--attention plugin)"),
+    (["--target", "tensorrt"], "TensorRT has no exact step (--target onnx)"),
+    (["--lookahead_config", "8,6,8"], "its steps hold at most 64 tokens, and 8/6/8 has T = 80 (a --lookahead_config "
+                                      "with T <= 64)"),
 ])
 def test_build_exact_refuses_what_it_cannot_build(tmp_path, capsys, extra, words):
+    """Each reason with its fix, and the way to a graph that is not exact."""
     argv = ["build", "--model", str(STORIES), "--output", str(tmp_path / "e"), "--exact", *extra]
     assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "--exact cannot build this engine" in err and words in err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--exact cannot build this engine" in err[0] and words in err[0]
+    assert err[0].endswith("; or drop --exact")
     assert not (tmp_path / "e").exists()
 
 

@@ -232,7 +232,8 @@ def test_a_killed_rank_process_is_named_with_its_status():
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"tensor_parallel": 3}, "tensor_parallel 3 cannot split 8 attention heads"),
     ({"tensor_parallel": 0}, "tensor_parallel must be a positive integer"),
-    ({"tensor_parallel": 2, "backend": "onnxruntime"}, "drop --backend other than torch, or tensor_parallel"),
+    ({"tensor_parallel": 2, "backend": "onnxruntime"},
+     r"drop --backend other than torch, or --tensor-parallel \(tensor_parallel\)$"),
     ({"tensor_parallel": 2, "weights": "int4"}, "on float weights for now; drop --weights/--activations"),
     ({"tensor_parallel": 2, "device": "cuda"}, "drop --device cuda \\(NCCL\\)"),
 ])

@@ -185,6 +185,15 @@ def test_quantized_served_rows_refuse_what_cannot_run(setup, argv, message):
     assert not (setup["tmp"] / "starts.jsonl").exists()  # refused before any server started
 
 
+def test_an_engines_weights_are_its_builds_in_bench_too(setup, tmp_path):
+    """--weights beside --engine: the engine's build chose them, so the fix is to drop the flag (not to build one)."""
+    cmd = [sys.executable, "-m", "trt_lookahead.cli", "bench", "--engine", str(tmp_path / "engine"), "--dataset",
+           str(setup["data"]), "--weights", "int4"]
+    run = subprocess.run(cmd, env=setup["env"], capture_output=True, text=True, timeout=TIMEOUT, cwd=setup["tmp"])
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert "an engine dir's weights were set by its build: drop --weights and --activations" in run.stderr
+
+
 def test_missing_binary_is_one_error_line(setup, tmp_path):
     run = bench(setup, "--llama-server", str(tmp_path / "nowhere" / "llama-server"))
     assert run.returncode == 2

@@ -461,8 +461,10 @@ def test_quantized_builds_refuse_what_cannot_run_them(quantized, tmp_path):
 @pytest.mark.parametrize(("extra", "message"), [
     (["--activations", "int8"], "--activations int8 multiplies quantized weights: add --weights int8 or int4"),
     (["--weights", "int4", "--activations", "int8", "--lookahead_config", "16,5,16"],
-     "--weights int4 --activations int8 (the default for quantized weights: an exact graph; --activations float"),
+     "--weights int4 --activations int8 (the default for quantized weights: an exact graph) cannot build"),
     (["--weights", "int8", "--lookahead_config", "16,5,16"], "cannot build this engine: its steps hold at most 64"),
+    (["--weights", "int4", "--attention", "native"], "LookaheadAttention node, not native (--attention plugin); or "
+                                                     "add --activations float (the fast graph"),
 ])
 def test_int8_activations_are_refused_where_they_cannot_build(tmp_path, capsys, extra, message):
     assert main(["build", "--model", str(STORIES), "--output", str(tmp_path / "engine"), *extra]) == 2

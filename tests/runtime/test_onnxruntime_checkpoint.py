@@ -147,8 +147,10 @@ def test_a_checkpoint_runs_quantized_on_its_own_cached_engine(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"backend": "torch", "weights": "int4"}, "--weights int4 on the CPU runs a checkpoint as a float32 onnxruntime"),
-    ({"dtype": "bfloat16", "weights": "int8"}, "--weights int8 on the CPU runs a checkpoint as a float32 onnxruntime"),
+    ({"backend": "torch", "weights": "int4"}, "--weights int4 on the CPU runs a checkpoint as a float32 onnxruntime.*"
+                                              "drop --backend torch, or run it on a GPU"),
+    ({"dtype": "bfloat16", "weights": "int8"}, "--weights int8 on the CPU runs a checkpoint as a float32 onnxruntime.*"
+                                               "drop --dtype bfloat16, or run it on a GPU"),
     ({"exact": True, "weights": "int4", "activations": "float"}, "exact steps on quantized weights come with int8"),
     ({"activations": "int8"}, "--activations int8 multiplies quantized weights: add --weights int8 or int4"),
 ])

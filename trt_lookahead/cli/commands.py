@@ -132,6 +132,8 @@ def bench(args: argparse.Namespace) -> int:
 
     served = LLAMA_SERVER in parse_peers(args.peers)
     if (args.weights != "float" or args.activations is not None) and not (served and args.concurrency is not None):
+        if args.engine:
+            raise UserError("an engine dir's weights were set by its build: drop --weights and --activations")
         raise UserError("bench --weights/--activations quantize the served rows (--peers llama-server --concurrency "
                         "N); for in-process rows build a quantized engine (`trt-lookahead build --weights`) and "
                         "pass it as --engine")

@@ -159,9 +159,9 @@ def build_request(
         exact = True
         _check_exact(model_dir, lookahead, dtype, attention, target,
                      f"--weights {weights} --activations {activations} (the default for quantized weights: an exact "
-                     "graph; --activations float builds the fast graph on MatMulNBits' slower float path)")
+                     "graph)", "add --activations float (the fast graph, on MatMulNBits' slower float path)")
     elif exact:
-        _check_exact(model_dir, lookahead, dtype, attention, target)
+        _check_exact(model_dir, lookahead, dtype, attention, target, "--exact", "drop --exact")
     # the default: the `auto` tree wherever the engine can verify one (docs/design.md 2.7)
     carries = lookahead.G and attention == "plugin"
     template = resolve_tree((DEFAULT_TREE if carries else None) if tree == DEFAULT else tree, lookahead)
@@ -175,23 +175,26 @@ def build_request(
 
 
 def _check_exact(model_dir: Path, lookahead: LookaheadConfig, dtype: str, attention: str, target: str,
-                 asked: str = "--exact") -> None:
-    """UserError naming why an exact engine, which `asked` builds, cannot be built (docs/design.md section 4.2)."""
+                 asked: str, otherwise: str) -> None:
+    """UserError naming why an exact engine, which `asked` builds, cannot be built, each reason with its fix, and
+    `otherwise`, the way to a graph that is not exact (docs/design.md section 4.2)."""
     from trt_lookahead.kernels.onnx_op import EXACT_MAX_TOKENS
     from trt_lookahead.model.checkpoint import read_config
 
     cfg = read_config(model_dir)
     problems = [
-        (dtype != "float32", f"it runs float32 (not {dtype})"),
-        (attention != "plugin", "its attention is the LookaheadAttention node (--attention plugin)"),
+        (dtype != "float32", f"it runs float32, not {dtype} (--dtype float32)"),
+        (attention != "plugin", f"its attention is the LookaheadAttention node, not {attention} (--attention plugin)"),
         (target != "onnx", "it runs on onnxruntime; TensorRT has no exact step (--target onnx)"),
         (lookahead.step_tokens > EXACT_MAX_TOKENS,
-         f"its steps hold at most {EXACT_MAX_TOKENS} tokens, and {lookahead} has T = {lookahead.step_tokens}"),
-        (cfg.num_heads == cfg.num_kv_heads, "it needs grouped-query attention (query heads > KV heads)"),
+         f"its steps hold at most {EXACT_MAX_TOKENS} tokens, and {lookahead} has T = {lookahead.step_tokens} (a "
+         f"--lookahead_config with T <= {EXACT_MAX_TOKENS})"),
+        (cfg.num_heads == cfg.num_kv_heads, "it needs grouped-query attention (query heads > KV heads), which this "
+                                            "model has not"),
     ]
     broken = [why for bad, why in problems if bad]
     if broken:
-        raise UserError(f"{asked} cannot build this engine: {'; '.join(broken)}")
+        raise UserError(f"{asked} cannot build this engine: {'; '.join(broken)}; or {otherwise}")
 
 
 def _existing_build(output: Path) -> dict | None:

@@ -158,7 +158,7 @@ def check_tensor_parallel(path: Path, world: int, backend: str | None = None, de
         ("--attention triton", attention != "sdpa")) if asked_for]
     if unsupported:
         raise UserError(f"tensor_parallel {world} runs the CPU torch executor on float weights for now; drop "
-                        f"{', '.join(unsupported)}, or tensor_parallel")
+                        f"{', '.join(unsupported)}, or --tensor-parallel (tensor_parallel)")
     config = read_config(path)
     check_degree(config, world)
     return config
@@ -296,10 +296,12 @@ def checkpoint_backend(
                             "or use --device cpu")
         return "torch", f"{weights} weights on CUDA: the torch executor, each weight dequantized inside its product"
     if weights != "float":
-        if backend not in (None, "onnxruntime") or dtype != "float32":
+        given = [flag for flag, bad in ((f"--backend {backend}", backend not in (None, "onnxruntime")),
+                                        (f"--dtype {dtype}", dtype != "float32")) if bad]
+        if given:
             raise UserError(f"--weights {weights} on the CPU runs a checkpoint as a float32 onnxruntime engine "
-                            "(MatMulNBits; the torch executor's quantized product is a GPU kernel): drop --backend "
-                            "and --dtype, or use --device cuda")
+                            f"(MatMulNBits; the torch executor's quantized product is a GPU kernel): drop "
+                            f"{' and '.join(given)}, or run it on a GPU (--device cuda)")
         return "onnxruntime", f"{weights} weights: an onnxruntime engine (MatMulNBits), built once and cached"
     if exact and backend not in (None, "torch"):
         raise UserError(EXACT_ON_ENGINE)
