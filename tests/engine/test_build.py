@@ -193,7 +193,7 @@ def test_same_build_again_is_a_no_op_and_a_different_one_needs_force(engine, tmp
     [
         ({"--dtype": "float64"}, "unknown dtype 'float64'"),
         ({"--max_seq_len": "32"}, "below the prompt limit max_input_len 64"),
-        ({"--model": "/nonexistent/checkpoint"}, "neither an existing directory nor a known model"),
+        ({"--model": "/nonexistent/checkpoint"}, "neither an existing directory or .gguf file nor a known model"),
         ({"--max_seq_len": "4096", "--max_input_len": "64"}, "exceeds the model's context of 512"),
         ({"--lookahead_config": "4,1,4"}, "N=1 is impossible"),
         ({"--max-batch": "0"}, "max_batch 0 is impossible"),

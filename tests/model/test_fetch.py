@@ -197,7 +197,7 @@ def test_resolve_model_directory_and_errors(tmp_path, monkeypatch):
     f.write_text("x")
     with pytest.raises(UserError, match="is a file"):
         fetch.resolve_model(str(f))
-    with pytest.raises(UserError, match=r"neither an existing directory nor a known model name.*smollm2"):
+    with pytest.raises(UserError, match=r"neither an existing directory or .gguf file nor a known model name.*smollm2"):
         fetch.resolve_model(str(tmp_path / "missing"))
 
 
@@ -223,7 +223,7 @@ def _fake_checkpoint(d: Path) -> None:
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text('{"model_type": "llama"}')
     (d / "model.safetensors").write_bytes(os.urandom(4096))
-    fetch._write_manifest(d, SPEC, {})
+    fetch._write_manifest(d, SPEC.name, fetch._source(SPEC), {})
 
 
 def test_manifest_marks_complete_and_catches_damage(tmp_path):

@@ -75,9 +75,9 @@ def test_tensor_names_are_inverse():
         gguf_tensor_name("model.layers.0.mlp.experts.weight")
 
 
-def test_byte_level_tokenizer_keys_rebuild_the_same_tokenizer(tmp_path):
-    """A byte-level BPE tokenizer (digits split, as SmolLM2's) written as GGUF keys and rebuilt by the GGUF reader
-    encodes and decodes as the original does."""
+def bpe_model(tmp_path: Path) -> tuple[Path, object]:
+    """(stories260K with a byte-level BPE tokenizer trained here (digits split, as SmolLM2's), the tokenizer): a
+    checkpoint whose GGUF our converter reads back."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -92,6 +92,13 @@ def test_byte_level_tokenizer_keys_rebuild_the_same_tokenizer(tmp_path):
     tok.save(str(model / "tokenizer.json"))
     (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "add_bos_token": False,
                                                              "chat_template": "{{ messages }}"}))
+    return model, tok
+
+
+def test_byte_level_tokenizer_keys_rebuild_the_same_tokenizer(tmp_path):
+    """A byte-level BPE tokenizer written as GGUF keys and rebuilt by the GGUF reader encodes and decodes as the
+    original does."""
+    model, tok = bpe_model(tmp_path)
     meta = tokenizer_metadata(model)
     assert meta["tokenizer.ggml.model"] == "gpt2" and meta["tokenizer.ggml.pre"] == "smollm"
     assert meta["tokenizer.ggml.eos_token_id"] == 1 and meta["tokenizer.chat_template"] == "{{ messages }}"
@@ -101,6 +108,37 @@ def test_byte_level_tokenizer_keys_rebuild_the_same_tokenizer(tmp_path):
         ids = tok.encode(text).ids
         assert rebuilt.encode(text).ids == ids
         assert rebuilt.decode(ids, skip_special_tokens=False) == tok.decode(ids, skip_special_tokens=False)
+
+
+def test_a_gguf_file_as_model_is_converted_once_into_the_cache(tmp_path, monkeypatch):
+    """--model FILE.gguf: converted once into <cache>/models/<stem>-<sha16>/, found there by the file's content
+    afterwards (another file, another dir); the checkpoint holds the file's numbers, so it answers as the checkpoint
+    the file was written from. A file that is no GGUF is one UserError and leaves nothing in the cache."""
+    from trt_lookahead.model.fetch import resolve_model
+    from trt_lookahead.runtime import LookaheadRuntime
+
+    monkeypatch.setenv("TRT_LOOKAHEAD_CACHE", str(tmp_path / "cache"))
+    model, _ = bpe_model(tmp_path)
+    path = write_gguf(model, tmp_path / "my model.gguf")
+    converted = resolve_model(str(path))
+    assert converted.parent == tmp_path / "cache" / "models" and converted.name.startswith("my-model-")
+    ours, source = load_file(str(converted / "model.safetensors")), load_file(str(model / "model.safetensors"))
+    assert ours.keys() == source.keys() and all(np.array_equal(ours[k], source[k]) for k in source)
+    stamp = (converted / "model.safetensors").stat().st_mtime_ns
+    assert resolve_model(path) == converted and (converted / "model.safetensors").stat().st_mtime_ns == stamp
+    prompts = ["def add(a, b):", "The quick brown fox"]
+    with LookaheadRuntime.from_pretrained(str(path), backend="torch") as rt:
+        from_file = [rt.generate(p, max_new_tokens=12, lookahead="greedy").token_ids for p in prompts]
+    with LookaheadRuntime.from_pretrained(str(model), backend="torch") as rt:
+        assert [rt.generate(p, max_new_tokens=12, lookahead="greedy").token_ids for p in prompts] == from_file
+    other = write_gguf(model, tmp_path / "other.gguf", "bfloat16")
+    assert resolve_model(other).name.startswith("other-") and resolve_model(other) != converted
+    bad = tmp_path / "bad.gguf"
+    bad.write_text("not a GGUF")
+    with pytest.raises(UserError, match="cannot read GGUF"):
+        resolve_model(bad)
+    assert sorted(p.name for p in (tmp_path / "cache" / "models").iterdir() if not p.name.endswith(".lock")) == sorted(
+        [converted.name, resolve_model(other).name])
 
 
 def test_unknown_pre_tokenizer_is_a_clear_error(tmp_path):

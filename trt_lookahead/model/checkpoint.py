@@ -124,8 +124,8 @@ def weight_files(root: Path) -> list[Path]:
     ggufs = sorted(p.name for p in root.glob("*.gguf"))
     if ggufs:
         raise UserError(
-            f"{root} holds GGUF weights ({', '.join(ggufs)}) but no safetensors; convert them once to a "
-            "safetensors checkpoint (trt-lookahead fetch-model does this for known models)"
+            f"{root} holds GGUF weights ({', '.join(ggufs)}) but no safetensors; pass the .gguf file itself to "
+            "--model (converted once into the cache)"
         )
     raise UserError(f"{root} has no model.safetensors (nor {INDEX_FILE}); re-download or re-convert the checkpoint")
 

