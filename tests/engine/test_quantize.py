@@ -150,6 +150,53 @@ def test_a_gguf_dequantized_weight_keeps_its_own_blocks(kind, bits):
     assert np.abs(quantize_blocks(w, bits).dequantize() - w).max() > 1e3 * np.abs(blocks.dequantize() - w).max()
 
 
+def k_quant_blocks(rng: np.random.Generator, rows: int, k: int, code_bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """(raw Q4_K / Q5_K super-blocks [rows, k / 256 * bytes] packed by hand as llama.cpp lays them out, their codes
+    [rows, k / 32, 32]): d, dmin float16; 12 bytes of 6-bit sc and m (blocks 0-3 in the low 6 bits of bytes 0-3 and
+    4-7, blocks 4-7 in the nibbles of bytes 8-11 and the top 2 bits of bytes 0-7); Q5_K: 32 bytes of fifth bits
+    (block j's element i in bit j of byte i); 128 bytes of nibbles (blocks 2p and 2p + 1 in the low and high nibble
+    of bytes 32p .. 32p + 31). As llama.cpp's quantizer, each super-block has a block of sc 63 and one of m 63; one
+    block in 8 has no q = 0 (its min is then not -dm) and one in 3 no q = top."""
+    top, supers = (1 << code_bits) - 1, rows * k // 256
+    d = (rng.uniform(1e-4, 1e-3, supers)).astype(np.float16)
+    dmin = (rng.uniform(1e-4, 1e-3, supers)).astype(np.float16)
+    sc, m = rng.integers(1, 64, (supers, 8)), rng.integers(0, 64, (supers, 8))
+    sc[:, 3], m[:, 5] = 63, 63
+    q = rng.integers(0, top + 1, (supers, 8, 32))
+    q[:, ::8] = np.maximum(q[:, ::8], 1)  # no q = 0
+    q[:, 1::3] = np.minimum(q[:, 1::3], top - 1)  # no q = top
+    scales = np.zeros((supers, 12), np.uint8)
+    scales[:, :4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    scales[:, 4:8] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
+    scales[:, 8:] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
+    low = (q & 15).reshape(supers, 4, 2, 32)
+    nibbles = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(supers, 128).astype(np.uint8)
+    parts = [d.view(np.uint8).reshape(supers, 2), dmin.view(np.uint8).reshape(supers, 2), scales]
+    if code_bits == 5:
+        parts.append(((q >> 4) << np.arange(8)[None, :, None]).sum(1).astype(np.uint8))  # [supers, 32]
+    raw = np.concatenate([*parts, nibbles], -1).reshape(rows, -1)
+    return raw, q.reshape(rows, k // 32, 32)
+
+
+@pytest.mark.parametrize(("kind", "bits"), [("Q4_K", 4), ("Q5_K", 8)])
+def test_a_k_quant_weight_keeps_its_blocks_with_float32_scales_and_mins(kind, bits):
+    """Q4_K / Q5_K blocks of 32 have scale d * sc and min -dmin * m, float32 exactly: kept as our blocks with float32
+    scales and mins, the gguf package's numbers bit for bit, even for the blocks without q = 0 or q = top."""
+    rng = np.random.default_rng(bits)
+    raw, q = k_quant_blocks(rng, 12, 512, 4 if kind == "Q4_K" else 5)
+    w = np.asarray(gguf_quants.dequantize(raw, GGMLQuantizationType[kind]), np.float32).reshape(12, 512)
+    blocks = gguf_blocks(w)
+    assert blocks is not None and (blocks.grid, blocks.bits) == (kind, bits)
+    np.testing.assert_array_equal(blocks.dequantize(), w)
+    assert not blocks.unpacked()[1].any() and blocks.mins is not None
+    # the file's codes where the block spans 0 .. top; elsewhere other codes (shifted, or a multiple of s) may read
+    # the same numbers
+    spans = (q.min(-1) == 0) & (q.max(-1) == (1 << (4 if kind == "Q4_K" else 5)) - 1)
+    np.testing.assert_array_equal(blocks.unpacked()[0][spans], q[spans])
+    w[5, 100] = np.nextafter(w[5, 100], np.float32(np.inf))
+    assert gguf_blocks(w) is None
+
+
 def test_a_fused_weight_keeps_each_rows_own_gguf_blocks():
     """A fused projection of tensors of several types (a Q4_K_M file of a model whose rows are not whole K-quant
     super-blocks: attn_q, attn_k Q5_0, attn_v Q8_0) keeps every row's blocks, in 8-bit codes where one type needs

@@ -183,12 +183,43 @@ def _with_mins(x: np.ndarray, code_bits: int) -> _Fit:
                 4 if code_bits == 4 else 8)
 
 
+def _significant(x: np.ndarray, bits: int) -> np.ndarray:
+    """float64 values rounded to `bits` significant bits, as float32 (a K-quant block scale d * sc has 11 + 6)."""
+    mantissa, exponent = np.frexp(x)
+    return np.ldexp(np.round(mantissa * (1 << bits)) / (1 << bits), exponent).astype(np.float32)
+
+
+def _k_quant(x: np.ndarray, code_bits: int) -> _Fit:
+    """Q4_K / Q5_K (`code_bits` 4 / 5): super-blocks of 8 blocks of 32 weights along K, w = s * q - dm with
+    q 0 .. top = 2 ** code_bits - 1, s = d * sc and dm = dmin * m (d, dmin float16 a super-block, sc, m 0 .. 63 a
+    block): s and dm are float32 exactly, so a block is ours with scale s, zero point 0 and a min (4-bit codes for
+    Q4_K, 8-bit for Q5_K). Read from the values: the min is the block's least weight (-dm at q = 0; where the
+    block has no q = 0 its codes shift down by its least one, and s * q_min - dm, of two numbers of at most 17
+    significant bits, is exact in float32, so the same numbers come back), s its span over the largest code, tried
+    from top down and rounded to s's 17 significant bits: the first that reads the block exactly."""
+    top = (1 << code_bits) - 1
+    low = x.min(-1)  # [N, blocks]
+    span = (x.astype(np.float64) - low[..., None]).max(-1)  # s * (the largest code - the least)
+    codes, scales, ok = np.zeros(x.shape, np.int32), np.ones(low.shape, np.float32), np.zeros(low.shape, bool)
+    for largest in range(top, 0, -1):
+        scale = _significant(span / largest, 17)
+        q, fits = _on_grid(x, scale, low, 0, top)
+        new = fits & ~ok
+        codes[new], scales[new], ok = q[new], scale[new], ok | fits
+        if ok.all():
+            break
+    return _Fit(codes.astype(np.uint8), np.where(scales == 0, 1, scales), np.zeros(low.shape, np.uint8), low,
+                ok.all(-1), 4 if code_bits == 4 else 8)
+
+
 # llama.cpp's 32-weight block types, fewest bytes first (a Q4_0 block is on Q5_0's grid too)
 GGUF_GRIDS: dict[str, Callable[[np.ndarray], _Fit]] = {
     "Q4_0": partial(_centred, code_bits=4),
     "Q4_1": partial(_with_mins, code_bits=4),
+    "Q4_K": partial(_k_quant, code_bits=4),
     "Q5_0": partial(_centred, code_bits=5),
     "Q5_1": partial(_with_mins, code_bits=5),
+    "Q5_K": partial(_k_quant, code_bits=5),
     "Q8_0": _q8_0,
 }
 
