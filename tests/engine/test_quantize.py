@@ -23,6 +23,7 @@ from trt_lookahead.engine.format import write_engine_config
 from trt_lookahead.engine.quantize import (
     BITS,
     BLOCK_SIZE,
+    BLOCKS_REVISION,
     gguf_blocks,
     quantize_activations,
     quantize_blocks,
@@ -433,6 +434,7 @@ def test_a_quantized_engine_records_its_scheme_and_its_smoke_check(quantized):
     scheme, engine = quantized
     config = json.loads((engine / "config.json").read_text())
     assert config["quantization"] == scheme and config["build_key"]["weights"] == scheme
+    assert config["build_key"]["blocks"] == BLOCKS_REVISION  # which GGUF blocks a build keeps: a new rule rebuilds
     assert config["targets"]["onnx"]["smoke_check"]  # against the torch model holding the same dequantized weights
 
 

@@ -50,7 +50,7 @@ from trt_lookahead.engine.format import (
     plan_command,
     write_engine_config,
 )
-from trt_lookahead.engine.quantize import check_scheme, quantize_activations, quantize_graph
+from trt_lookahead.engine.quantize import BLOCKS_REVISION, check_scheme, quantize_activations, quantize_graph
 from trt_lookahead.errors import UserError, as_int
 from trt_lookahead.files import check_output_dir, remove_stale_work_dirs, replace_dir, work_dir
 from trt_lookahead.lookahead.config import DEFAULT, DEFAULT_LOOKAHEAD, LookaheadConfig
@@ -88,7 +88,7 @@ class BuildRequest:
             "max_batch": self.max_batch,
             "dtype": self.dtype, "attention": self.attention, "target": self.target, "exact": self.exact,
             "tree": None if self.tree is None else list(self.tree.parents), "weights": self.weights,
-            "activations": self.activations,
+            "activations": self.activations, **({} if self.weights == "float" else {"blocks": BLOCKS_REVISION}),
         }
 
 

@@ -47,6 +47,8 @@ BITS = {"int8": 8, "int4": 4}
 ACCURACY_LEVEL = {"int8": 4}  # MatMulNBits' attribute for activations other than float: 4 = int8 blocks
 ACTIVATION_CODE = 127  # an int8 activation block's codes are -127 .. 127
 BLOCK_SIZE = 32  # weights per (channel, block); a power of two >= 16, as MatMulNBits takes
+# in a quantized build's key, so cached engines are rebuilt: 2 = GGUF Q5_x, K-quant and mixed-row blocks kept
+BLOCKS_REVISION = 2
 CONTRIB_DOMAIN = "com.microsoft"
 
 

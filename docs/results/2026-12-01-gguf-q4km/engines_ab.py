@@ -1,6 +1,9 @@
-"""Scratch: two engines' greedy and lookahead steps, interleaved in one process (spinning off).
+"""The record's one-off: engines' greedy and lookahead steps, interleaved in one process (spinning off).
 
-    python engines_ab.py BASE_ENGINE NEW_ENGINE CONFIGS BLOCKS
+    python engines_ab.py CONFIGS BLOCKS BASE_ENGINE OTHER_ENGINE [MORE_ENGINES ...]
+
+Each engine's median step per block, and its ratio to BASE_ENGINE's in the same block; the order of the engines
+reversed every block.
 """
 import os
 import pathlib
@@ -17,7 +20,7 @@ from trt_lookahead.lookahead.executor import StepBatch
 from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.sampling import SamplingParams
 
-base_dir, new_dir, configs, blocks = sys.argv[1], sys.argv[2], sys.argv[3].split(","), int(sys.argv[4])
+configs, blocks, dirs = sys.argv[1].split(","), int(sys.argv[2]), sys.argv[3:]
 steps = 5
 
 def executor(d):
@@ -26,7 +29,8 @@ def executor(d):
     ex.prefill(0, np.random.default_rng(0).integers(0, ex.vocab_size, 128), SamplingParams())
     return ex
 
-exs = {"base": executor(base_dir), "new": executor(new_dir)}
+exs = {pathlib.Path(d).name: executor(d) for d in dirs}
+base = pathlib.Path(dirs[0]).name
 batches = {}
 for label in configs:
     config = LookaheadConfig.from_label(label)
@@ -39,7 +43,7 @@ for ex in exs.values():
             ex.step(batch)
 load = os.getloadavg()
 times = {(k, label): [] for k in exs for label in batches}
-ratios = {label: [] for label in batches}
+ratios = {(k, label): [] for k in exs for label in batches if k != base}
 for block in range(blocks):
     for label, batch in batches.items():
         med = {}
@@ -51,9 +55,12 @@ for block in range(blocks):
                 taken.append(time.perf_counter() - start)
             med[k] = statistics.median(taken)
             times[(k, label)].append(med[k])
-        ratios[label].append(med["new"] / med["base"])
+        for k in exs:
+            if k != base:
+                ratios[(k, label)].append(med[k] / med[base])
 for label in batches:
     print(label, "ms", {k: round(statistics.median(times[(k, label)]) * 1e3, 3) for k in exs},
-          "new/base median of", blocks, "blocks:", round(statistics.median(ratios[label]), 3),
-          "quartiles", [round(q, 3) for q in statistics.quantiles(ratios[label], n=4)])
+          f"/ {base}, median of {blocks} blocks (quartiles):",
+          {k: (round(statistics.median(ratios[(k, label)]), 3),
+               [round(q, 3) for q in statistics.quantiles(ratios[(k, label)], n=4)]) for k in exs if k != base})
 print("load", load, "->", os.getloadavg())
