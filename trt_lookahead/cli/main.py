@@ -78,8 +78,8 @@ def _add_weights_arguments(p: argparse.ArgumentParser, model: bool = False) -> N
              "dequantized inside its product, on float activations; an engine dir's are its build's)") if model else ""
     p.add_argument("--weights", choices=WEIGHT_SCHEMES, default=WEIGHT_SCHEMES[0],
                    help="the projections' weights: float (the --dtype's), or int8 / int4 blocks of 32 with a scale "
-                        "and zero point each, a GGUF-converted checkpoint's own Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 "
-                        "blocks kept "
+                        "and zero point each, a GGUF-converted checkpoint's own Q4_0/1/K, Q5_0/1/K and Q8_0 blocks "
+                        "kept "
                         f"(onnxruntime's MatMulNBits; float32 engines for the onnxruntime backend){where}")
     p.add_argument("--activations", choices=ACTIVATION_SCHEMES, default=None,
                    help="what quantized weights multiply: int8 blocks of 32 per row (the default with --weights "

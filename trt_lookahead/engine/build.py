@@ -315,7 +315,7 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
             grids[blocks.grid] = grids.get(blocks.grid, 0) + 1
             if request.activations == "int8":
                 module.register_forward_pre_hook(lambda _, args: (quantize_activations(args[0]), *args[1:]))
-        _log(f"      quantized projections by block source: {grids} (int8 / int4: quantized here; Q4_0, Q5_1, "
+        _log(f"      quantized projections by block source: {grids} (int8 / int4: quantized here; Q4_K, Q5_1, "
              "Q5_0+Q8_0, ...: the checkpoint's own GGUF blocks, kept)")
     save_graph(graph, out / GRAPH_FILE)
     del graph

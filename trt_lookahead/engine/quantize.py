@@ -15,9 +15,9 @@ is exact and every weight is within s / 2 of w_hat. Worked example, bits 4, one 
 0, ...] whose min is -1.0 and max 2.0: s = 3 / 15 = 0.2, z = 5, -1.0 -> q 0, 0.6 -> q 8, 2.0 -> q 15, 0.3 -> q 7
 (1.5 rounds to even: w_hat 0.4), 0 -> q 5.
 
-A weight that is exactly a GGUF Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 tensor dequantized (a checkpoint converted from
-such a file; Q5 codes in 8-bit blocks) keeps those blocks instead (`gguf_blocks`; docs/design.md 6.9): same
-numbers, no second rounding.
+A weight that is exactly a GGUF Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K or Q8_0 tensor dequantized (a checkpoint
+converted from such a file; Q5 codes in 8-bit blocks) keeps those blocks instead (`gguf_blocks`; docs/design.md
+6.9): same numbers, no second rounding.
 
 With int8 activations (MatMulNBits accuracy_level 4) each row of the input is cut into the same blocks along K,
 and a block holds int8 codes round(x * 127 / amax) with the float scale amax / 127 (amax its largest |x|): the
