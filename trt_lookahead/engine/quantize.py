@@ -33,7 +33,7 @@ Imports numpy, onnx (and torch and model.llama for `quantize_activations` and `q
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
@@ -143,6 +143,22 @@ def _on_grid(x: np.ndarray, scales: np.ndarray, offsets: np.ndarray, low: int, h
     return q.astype(np.int32), inside & (back == x).all(-1)
 
 
+def _first_reading(x: np.ndarray, candidates: Iterable[np.ndarray], offsets: np.ndarray, low: int,
+                   high: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes, scales, bool [N, blocks]): per block of x, the first of the candidate scale arrays [N, blocks] under
+    which `_on_grid` reads the block exactly (its codes and that scale; where none does, the first one's)."""
+    tried = iter(candidates)
+    scales = next(tried)
+    codes, ok = _on_grid(x, scales, offsets, low, high)
+    for candidate in tried:
+        if ok.all():
+            break
+        q, fits = _on_grid(x, candidate, offsets, low, high)
+        take = fits & ~ok  # blocks this candidate reads and the ones before did not
+        codes, scales, ok = np.where(take[..., None], q, codes), np.where(take, candidate, scales), ok | fits
+    return codes, scales, ok
+
+
 def _q8_0(x: np.ndarray) -> _Fit:
     """Q8_0: w = d * q, q -128 .. 127, d float16: int8 codes q + 128 with zero point 128, exactly."""
     d = _half(np.abs(x).max(-1) / 127)  # the block's largest |w| has |q| = 127
@@ -173,14 +189,10 @@ def _with_mins(x: np.ndarray, code_bits: int) -> _Fit:
     top = (1 << code_bits) - 1
     low, high = x.min(-1), x.max(-1)  # q = 0 at the block's min (m itself) and top at its max
     d = _half((high - low) / top)
-    codes, ok = _on_grid(x, d, low, 0, top)
     half = d.astype(np.float16)
-    for candidate in (np.nextafter(half, np.float16(np.inf)), np.nextafter(half, np.float16(0))):
-        if ok.all():
-            break
-        q, fits = _on_grid(x, candidate.astype(np.float32), low, 0, top)
-        take = fits & ~ok  # blocks this candidate reads and the ones before did not
-        d, codes, ok = np.where(take, candidate, d), np.where(take[..., None], q, codes), ok | fits
+    neighbours = (np.nextafter(half, np.float16(np.inf)).astype(np.float32),
+                  np.nextafter(half, np.float16(0)).astype(np.float32))
+    codes, d, ok = _first_reading(x, (d, *neighbours), low, 0, top)
     return _Fit(codes.astype(np.uint8), np.where(d == 0, 1, d), np.zeros(d.shape, np.uint8), low, ok.all(-1),
                 4 if code_bits == 4 else 8)
 
@@ -202,14 +214,8 @@ def _k_quant(x: np.ndarray, code_bits: int) -> _Fit:
     top = (1 << code_bits) - 1
     low = x.min(-1)  # [N, blocks]
     span = (x.astype(np.float64) - low[..., None]).max(-1)  # s * (the largest code - the least)
-    codes, scales, ok = np.zeros(x.shape, np.int32), np.ones(low.shape, np.float32), np.zeros(low.shape, bool)
-    for largest in range(top, 0, -1):
-        scale = _significant(span / largest, 17)
-        q, fits = _on_grid(x, scale, low, 0, top)
-        new = fits & ~ok
-        codes[new], scales[new], ok = q[new], scale[new], ok | fits
-        if ok.all():
-            break
+    candidates = (_significant(span / largest, 17) for largest in range(top, 0, -1))
+    codes, scales, ok = _first_reading(x, candidates, low, 0, top)
     return _Fit(codes.astype(np.uint8), np.where(scales == 0, 1, scales), np.zeros(low.shape, np.uint8), low,
                 ok.all(-1), 4 if code_bits == 4 else 8)
 
