@@ -152,6 +152,8 @@ def test_a_checkpoint_runs_quantized_on_its_own_cached_engine(tmp_path, monkeypa
     ({"dtype": "bfloat16", "weights": "int8"}, "--weights int8 on the CPU runs a checkpoint as a float32 onnxruntime.*"
                                                "drop --dtype bfloat16, or run it on a GPU"),
     ({"exact": True, "weights": "int4", "activations": "float"}, "exact steps on quantized weights come with int8"),
+    ({"exact": False, "weights": "int4"}, r"--activations int8 \(the default with --weights\) runs only on the exact "
+                                          r"graph: add --activations float for the fast one, or drop --no-exact"),
     ({"activations": "int8"}, "--activations int8 multiplies quantized weights: add --weights int8 or int4"),
 ])
 def test_quantized_checkpoint_runs_refuse_what_cannot_run_them(kwargs, message):

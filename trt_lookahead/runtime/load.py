@@ -105,6 +105,9 @@ def load_model(
     if quantized and exact and activations == "float" and device == "cpu":
         raise UserError("exact steps on quantized weights come with int8 activations, whose engine is exact: add "
                         "--activations int8, or drop --exact")
+    if quantized and exact is False and activations != "float":
+        raise UserError(f"--activations {activations} (the default with --weights) runs only on the exact graph: "
+                        "add --activations float for the fast one, or drop --no-exact")
     backend, why = checkpoint_backend("torch" if torch_step else backend, dtype, asked, None if quantized else exact,
                                       device, weights)
     template = checkpoint_tree(tree, asked, backend)
