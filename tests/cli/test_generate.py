@@ -130,7 +130,7 @@ def test_generate_bad_checkpoints_exit_2_with_one_line(capsys, tmp_path, case):
         (["--lookahead_config", "4,3"], "W,N,G"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be positive"),
         (["--prompt-file", "/nonexistent/prompt.txt"], "does not exist"),
-        (["--max-seq-len", "64", "--prompt", "Once upon a time " * 40], "exceeds max_seq_len 64"),
+        (["--max-seq-len", "64", "--prompt", "Once upon a time " * 40], "leave no room to generate in max_seq_len 64"),
     ],
 )
 def test_generate_bad_arguments_exit_2_with_one_line(capsys, extra, words):

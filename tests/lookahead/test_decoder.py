@@ -163,7 +163,10 @@ def test_stats_are_consistent():
         ([1, 2], -3, "max_new_tokens"),
         ([1, VOCAB], 5, f"token id {VOCAB} is outside the vocabulary"),
         ([-1, 2], 5, "outside the vocabulary"),
-        ([1] * 60, 50, "exceeds max_seq_len 100"),
+        ([1] * 60, 50, "the prompt's 60 tokens \\+ max_new_tokens 50 exceed max_seq_len 100; lower max_new_tokens "
+                       "to at most 40, shorten the prompt or raise max_seq_len"),
+        ([1] * 100, 1, "the prompt's 100 tokens leave no room to generate in max_seq_len 100; shorten the prompt or "
+                       "raise max_seq_len"),
     ],
 )
 def test_bad_requests_fail_before_any_work(prompt, max_new, match):

@@ -216,7 +216,7 @@ def test_a_full_queue_is_a_clear_error_and_the_queue_drains():
 
 def test_bad_requests_fail_before_any_work(stories):
     steps = stories.scheduler.stats.admitted
-    with pytest.raises(ValueError, match="exceeds max_seq_len"):
+    with pytest.raises(ValueError, match="tokens leave no room to generate in max_seq_len 256"):
         stories.stream("Once " * 300, max_new_tokens=10)
     with pytest.raises(ValueError, match="takes at most 128"):
         stories.stream("Once", max_new_tokens=10, lookahead="20,5,20")
@@ -290,7 +290,7 @@ def test_requests_with_faults_leave_every_slot_free_and_the_next_batch_exact(tun
                         stream.close()
                     del stream
                 elif case == "oversize":
-                    with pytest.raises(ValueError, match="exceeds max_seq_len"):
+                    with pytest.raises(ValueError, match="tokens leave no room to generate in max_seq_len 256"):
                         stories.generate(prompt * 100, max_new_tokens=100)
                 elif case == "too_wide":
                     with pytest.raises(ValueError, match="takes at most"):

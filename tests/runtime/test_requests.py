@@ -414,7 +414,7 @@ def test_a_text_prompt_that_cannot_fit_is_refused_by_its_characters(stories, cha
     from trt_lookahead.runtime import PROMPT_CHARS_MARGIN
 
     bound = stories.max_seq_len * stories.token_chars * PROMPT_CHARS_MARGIN
-    with pytest.raises(ValueError, match=r"prompt of \d+ tokens \+ max_new_tokens 8 exceeds max_seq_len 512"):
+    with pytest.raises(ValueError, match=r"the prompt's \d+ tokens leave no room to generate in max_seq_len 512"):
         stories.stream(("Once upon a time " * bound)[:bound], 8)
 
 

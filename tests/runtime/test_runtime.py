@@ -101,7 +101,7 @@ def test_the_lookahead_choice_and_token_id_prompts(stories):
 
 
 def test_runtime_errors_are_clear(stories):
-    with pytest.raises(ValueError, match="exceeds max_seq_len"):
+    with pytest.raises(ValueError, match="tokens leave no room to generate in max_seq_len"):
         stories.generate("Once " * 600, max_new_tokens=10)
     with pytest.raises(ValueError, match="max_new_tokens"):
         stories.generate("Once", max_new_tokens=0)

@@ -409,13 +409,13 @@ MALFORMED = [
     ("completions", b"[1, 2]", 400, None, "must be a JSON object"),
     ("completions", {**GOOD, "model": "gpt-4o"}, 404, "model", "does not exist on this server"),
     ("completions", {"prompt": "Hi"}, 400, "model", "model is required"),
-    # ranges are the runtime's checks (its messages; no `param`)
-    ("completions", {**GOOD, "max_tokens": -3}, 400, None, "max_new_tokens must be a positive integer, got -3"),
-    ("completions", {**GOOD, "max_tokens": 0}, 400, None, "max_new_tokens must be a positive integer, got 0"),
+    ("completions", {**GOOD, "max_tokens": -3}, 400, "max_tokens", "max_tokens must be a positive integer, got -3"),
+    ("completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens", "max_tokens must be a positive integer, got 0"),
     ("completions", {**GOOD, "max_tokens": "ten"}, 400, "max_tokens", "valid integer"),
     ("completions", {**GOOD, "n": 2}, 400, "n", "n=2 is not supported"),
-    ("completions", {**GOOD, "prompt": LONG_PROMPT}, 400, None, "exceeds max_seq_len 512"),
-    ("completions", {**GOOD, "max_tokens": 600}, 400, None, "+ max_new_tokens 600 exceeds max_seq_len 512"),
+    ("completions", {**GOOD, "prompt": LONG_PROMPT}, 400, "prompt", "leave no room to generate in max_model_len 512"),
+    ("completions", {**GOOD, "max_tokens": 600}, 400, "max_tokens", "+ max_tokens 600 exceed max_model_len 512"),
+    # other ranges are the runtime's checks (its messages; no `param`)
     ("completions", {**GOOD, "lookahead": {"window": 5}}, 400, "lookahead", "exceeds the served config (4, 3, 4)"),
     ("completions", {**GOOD, "lookahead": {"ngram": 4}}, 400, "lookahead", "exceeds the served config"),
     ("completions", {**GOOD, "lookahead": {"window": 0}}, 400, "lookahead", "W=0 is impossible"),
@@ -440,8 +440,10 @@ MALFORMED = [
     ("chat/completions", {**CHAT, "max_tokens": 4, "max_completion_tokens": 5}, 400, "max_completion_tokens",
      "disagree"),
     ("chat/completions", {**CHAT, "n": 3}, 400, "n", "n=3 is not supported"),
-    ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, None,
-     "842 token ids exceeds max_seq_len 512"),  # refused by its length before any max_tokens
+    ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "messages",
+     "the prompt's 842 tokens leave no room to generate in max_model_len 512; shorten the prompt"),
+    ("chat/completions", {**CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens",
+     "max_completion_tokens must be a positive integer, got 0"),
 ]
 
 
@@ -457,6 +459,26 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(serve
         assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, text
         assert words in error["message"], text
     assert_same(complete(server.client(), PROMPTS[0], 16), reference(chat_model, PROMPTS[0], 16))
+
+
+def test_a_request_past_the_context_gets_openais_code_naming_the_field_it_sent(server, chat_model):
+    """context_length_exceeded, the field the client sent as `param` and the most it may ask for: what OpenAI's
+    clients (and frameworks that trim a prompt on that code) act on; exactly that many is served."""
+    client = server.client(max_retries=0)
+    context = json.loads(get(f"{server.url}/v1/models")[1])["data"][0]["max_model_len"]
+    room = context - reference(chat_model, PROMPTS[0], 1)["prompt_tokens"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=room + 1)
+    assert (caught.value.code, caught.value.param) == ("context_length_exceeded", "max_tokens")
+    assert f"lower max_tokens to at most {room} or shorten the prompt" in caught.value.message
+    assert "max_new_tokens" not in caught.value.message and "max_seq_len" not in caught.value.message
+    served = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=room, temperature=0)
+    assert served.usage.total_tokens <= context
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    for field in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=NAME, messages=messages, **{field: context})
+        assert (caught.value.code, caught.value.param) == ("context_length_exceeded", field), caught.value.message
 
 
 LONG = {**GOOD, "prompt": PROMPTS[0], "max_tokens": 480, "temperature": 0}  # ~3 s of decoding

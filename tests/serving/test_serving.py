@@ -434,8 +434,9 @@ LONG_PROMPT = "Once upon a time " * 200  # ~800 tokens; stories260K holds 512
         ({"text_input": "Hi", "max_tokens": "ten"}, None, "signed-integer"),  # wrong JSON type: Triton rejects it
         ({"text_input": 42}, None, "string"),
         ({"text_input": "Hi", "stream": "yes"}, None, "boolean"),
-        ({"text_input": LONG_PROMPT, "max_tokens": 8}, 400, "exceeds max_seq_len 512"),
-        ({"text_input": "Hi", "max_tokens": 511}, 400, "exceeds max_seq_len 512"),
+        ({"text_input": LONG_PROMPT, "max_tokens": 8}, 400, "leave no room to generate in the model's max_seq_len 512"),
+        ({"text_input": "Hi", "max_tokens": 511}, 400, "+ max_tokens 511 exceed the model's max_seq_len 512; lower "
+                                                       "max_tokens to at most"),
         ({"text_input": "Hi", "lookahead_window_size": 5}, 400, "exceeds the served config"),
         ({"text_input": "Hi", "lookahead_ngram_size": 4}, 400, "exceeds the served config"),
         ({"text_input": "Hi", "lookahead_verification_set_size": 9}, 400, "exceeds the served config"),
@@ -457,8 +458,8 @@ def test_malformed_requests_get_errors_and_the_server_keeps_serving(server, runt
 
 
 OUT_OF_RANGE = [  # issue 10: tritonserver wrapped these into INT32/FP32 inputs, and they were served as 1, 0, 8, inf
-    ({"max_tokens": 2**32 + 8}, "exceeds max_seq_len 512"),
-    ({"max_tokens": 2**31}, "max_new_tokens 2147483648 exceeds"),  # was refused naming -2147483648
+    ({"max_tokens": 2**32 + 8}, "exceed the model's max_seq_len 512"),
+    ({"max_tokens": 2**31}, "max_tokens 2147483648 exceed"),  # was refused naming -2147483648
     ({"lookahead_verification_set_size": 2**40}, "above the limit of 1024"),
     ({"lookahead_window_size": 2**32 + 1}, "above the limit of 1024"),
     ({"temperature": float("nan")}, "temperature must be a finite number"),

@@ -209,18 +209,48 @@ def check_request(prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int, v
         raise UserError("the prompt is empty: give at least one token")
     # integer arrays compare as they are; anything else (bools, floats, ints beyond 64 bits) id by id
     values = ids.tolist() if ids.dtype.kind in "iu" else [as_int("token id", t) for t in ids.tolist()]
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) or max_new_tokens <= 0:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
         raise UserError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     bad = [t for t in values if not 0 <= t < vocab_size]
     if bad:
         raise UserError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size}); check the tokenizer")
-    prompt = np.array(values, np.int64)
-    if prompt.size + max_new_tokens > max_seq_len:
-        raise UserError(
-            f"prompt of {prompt.size} tokens + max_new_tokens {max_new_tokens} exceeds max_seq_len {max_seq_len}; "
-            "shorten the prompt, lower max_new_tokens or raise max_seq_len"
-        )
-    return prompt
+    problem = length_error(len(values), int(max_new_tokens), max_seq_len)
+    if problem is not None:
+        raise UserError(problem.message)
+    return np.array(values, np.int64)
+
+
+@dataclass(frozen=True)
+class LengthError:
+    """Why a request does not fit its context: `culprit` is "prompt" or the new-token limit's name."""
+
+    culprit: str
+    message: str
+
+
+def length_error(prompt_len: int, new_tokens: int, max_seq_len: int, *, tokens: str = "max_new_tokens",
+                 context: str = "max_seq_len", grow: str = "raise max_seq_len") -> LengthError | None:
+    """None if `prompt_len` tokens and `new_tokens` more (at least one) fit `max_seq_len`, else the reason.
+
+    The one length rule of every surface; each names the limits as its users know them: `tokens` is the
+    new-token limit's name (the runtime's max_new_tokens, the APIs' max_tokens), `context` the context's
+    (max_seq_len; the OpenAI API's max_model_len), `grow` how a user could raise it ("" where a client cannot).
+    """
+    if new_tokens < 1:
+        return LengthError(tokens, f"{tokens} must be a positive integer, got {new_tokens}")
+    room = max_seq_len - prompt_len
+    if room < 1:
+        culprit = "prompt"
+        problem = f"the prompt's {prompt_len} tokens leave no room to generate in {context} {max_seq_len}"
+        fixes = ["shorten the prompt", grow]
+    elif new_tokens > room:
+        culprit = tokens
+        problem = f"the prompt's {prompt_len} tokens + {tokens} {new_tokens} exceed {context} {max_seq_len}"
+        fixes = [f"lower {tokens} to at most {room}", "shorten the prompt", grow]
+    else:
+        return None
+    *others, last = [f for f in fixes if f]
+    return LengthError(culprit, f"{problem}; {', '.join(others)} or {last}" if others else f"{problem}; {last}")
 
 
 class RequestDecoder:

@@ -44,6 +44,7 @@ from starlette.types import Receive
 
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import AUTO, Lookahead
+from trt_lookahead.lookahead.decoder import length_error
 from trt_lookahead.runtime import ChatTemplateError, GenerationOutput, LookaheadRuntime, StreamChunk
 from trt_lookahead.runtime.scheduler import QueueFull
 from trt_lookahead.serving import DEFAULT_MAX_BODY_BYTES, GRACEFUL_SHUTDOWN_SECONDS
@@ -263,8 +264,15 @@ class OpenAIServer:
                            f"({exc.reason})", param="messages") from None
         except ValueError as exc:  # UserError: a prompt that cannot fit
             raise ApiError(400, str(exc), param=body.PROMPT_PARAM) from None
-        room = self.runtime.max_seq_len - len(prompt_ids)
-        arguments = dict(max_new_tokens=body.requested_tokens(room), lookahead=lookahead, seed=seed,
+        context = self.runtime.max_seq_len
+        asked = body.requested_tokens(context - len(prompt_ids))
+        problem = length_error(len(prompt_ids), asked, context, tokens=body.tokens_param, context="max_model_len",
+                               grow="")
+        if problem is not None:
+            param = body.PROMPT_PARAM if problem.culprit == "prompt" else problem.culprit
+            code = None if asked < 1 else "context_length_exceeded"  # OpenAI's code: clients match on it
+            raise ApiError(400, problem.message, param=param, code=code)
+        arguments = dict(max_new_tokens=asked, lookahead=lookahead, seed=seed,
                          stop=list(body.stop), pool_scope=body.pool_scope, **body.sampling())
         return ApiCall(body, prompt_ids, arguments, seed)
 

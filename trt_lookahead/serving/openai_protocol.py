@@ -175,7 +175,8 @@ class GenerationRequest(_Strict):
     PROMPT_PARAM: ClassVar[str]  # the field an over-long prompt is reported on
 
     model: str
-    # types only: the values' ranges are the runtime's checks (LookaheadRuntime.check_request), one rule for all
+    # types only: the values' ranges are the runtime's checks (LookaheadRuntime.check_request), one rule for all;
+    # max_tokens against the context: length_error, naming this API's fields
     max_tokens: int | None = None
     n: int | None = None
     temperature: float | None = None
@@ -228,6 +229,11 @@ class GenerationRequest(_Strict):
     def requested_tokens(self, room: int) -> int:
         """The new tokens asked for, or the endpoint's default; `room` is what the context has left."""
         raise NotImplementedError
+
+    @property
+    def tokens_param(self) -> str:
+        """The field that asked for the new tokens (the one an error about them names)."""
+        return "max_tokens"
 
     def choice(self, text: str, finish_reason: str) -> dict[str, Any]:
         raise NotImplementedError
@@ -312,6 +318,10 @@ class ChatRequest(GenerationRequest):
 
     def runtime_prompt(self) -> Prompt:
         return [m.template_message() for m in self.messages]
+
+    @property
+    def tokens_param(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
     def requested_tokens(self, room: int) -> int:
         asked = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens

@@ -60,11 +60,13 @@ class TritonPythonModel:
         _find_trt_lookahead(params.get("trt_lookahead_path"))
         import trt_lookahead
         from trt_lookahead.lookahead.config import Lookahead
+        from trt_lookahead.lookahead.decoder import length_error
         from trt_lookahead.runtime import DEFAULT_MAX_NEW_TOKENS, LookaheadRuntime
         from trt_lookahead.runtime.scheduler import QueueFull
         from trt_lookahead.serving import schema
 
         self._lookahead_type = Lookahead
+        self._length_error = length_error
         self._queue_full = QueueFull
         self.schema = schema
         self.batched = model_config.get("max_batch_size", 0) > 0
@@ -145,8 +147,6 @@ class TritonPythonModel:
         if prompt is None:
             raise BadRequest("text_input is required: send the prompt text as text_input")
         max_tokens = self._value(tensors, parameters, "max_tokens", self.default_max_tokens)
-        if max_tokens <= 0:
-            raise BadRequest(f"max_tokens must be a positive integer, got {max_tokens}")
         stop = tensors.get("stop_words")
         if stop is not None:
             stop_words = [w.decode("utf-8", "replace") if isinstance(w, bytes) else str(w) for w in stop.reshape(-1)]
@@ -213,7 +213,12 @@ class TritonPythonModel:
         the queue is full) and send its responses."""
         try:
             prompt, max_tokens, stream, kwargs = self._parse(parameters, tensors)
-            chunks = self.runtime.stream(prompt, max_tokens, **kwargs)  # checked (sizes first) and queued here
+            prompt_ids = self.runtime.encode(prompt, chat=kwargs.pop("chat"))  # its size bounded first
+            problem = self._length_error(len(prompt_ids), max_tokens, self.runtime.max_seq_len, tokens="max_tokens",
+                                         context="the model's max_seq_len", grow="")
+            if problem is not None:
+                raise BadRequest(problem.message)
+            chunks = self.runtime.stream(prompt_ids, max_tokens, **kwargs)  # checked and queued here
         except self._queue_full as exc:
             self._error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
             return
