@@ -241,6 +241,12 @@ def test_exact_is_refused_where_the_engine_cannot_run_it(engines, capsys):
     assert main(["generate", "--engine", str(engines["fast"]), "--prompt", "Once", "--exact"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "exact steps were asked for but the engine was built without them" in err[0]
+    # the other way round: an exact engine has no fast graph to run, so --no-exact is refused, not ignored
+    with pytest.raises(UserError, match=r"built with exact steps only \(build one without --exact, or drop"):
+        LookaheadRuntime.from_pretrained(engines["exact"], exact=False)
+    assert main(["generate", "--engine", str(engines["exact"]), "--prompt", "Once", "--no-exact"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the fast step was asked for (--no-exact)" in err[0]
 
 
 @pytest.mark.parametrize(("extra", "words"), [

@@ -42,8 +42,8 @@ def open_engine(path: str | os.PathLike, backend: str = "onnxruntime", dtype: st
     `model`: a checkpoint dir the engine must have been built from (checked by its weights' sha256).
     `verify`: check every file against the checksums config.json recorded (engine/format.py).
     `session`: onnxruntime's settings (default: SessionSettings() with `threads`).
-    `exact`: row-invariant steps are required (an engine built with --exact, on onnxruntime); an exact engine
-    runs them whatever this says.
+    `exact`: True requires row-invariant steps (an engine built with --exact, on onnxruntime), False the fast
+    ones (an engine built without it); None takes the engine's.
     """
     from trt_lookahead.model.checkpoint import weights_sha256
 

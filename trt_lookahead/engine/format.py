@@ -231,6 +231,9 @@ class EngineConfig:
         if exact and not self.exact:
             problems.append("exact steps were asked for but the engine was built without them (rebuild it with "
                             "`trt-lookahead build --exact`, or drop --exact)")
+        if exact is False and self.exact:  # it has no other graph: the fast step was asked for and is not here
+            problems.append("the fast step was asked for (--no-exact) but the engine was built with exact steps only "
+                            "(build one without --exact, or drop --no-exact)")
         if lookahead is not None:
             try:
                 lookahead.check_fits(self.lookahead)
