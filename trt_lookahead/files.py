@@ -1,15 +1,16 @@
-"""Leaf helpers that several layers share: file checksums, atomic writes, output checks, lock files, the cache
-directory and a free loopback port."""
+"""Leaf helpers that several layers share: file checksums (remembered in the cache dir), atomic writes, output
+checks, lock files, the cache directory and a free loopback port."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import re
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from trt_lookahead.errors import UserError
@@ -31,6 +32,40 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
 
 
 CACHE_ENV = "TRT_LOOKAHEAD_CACHE"  # the environment variable naming the cache dir
+DIGESTS_FILE = "sha256.json"  # in the cache dir: {resolved path: [size, mtime_ns, ctime_ns, sha256]}
+
+
+def file_digests(paths: Sequence[Path], hashing: Callable[[Path], None] | None = None,
+                 cache: Path | None = None) -> list[str]:
+    """Each file's sha256, read again only when its size, mtime or ctime differ from those remembered with its
+    digest in DIGESTS_FILE of `cache` (default: the cache dir): a write changes a file's ctime, which no call can
+    set back, so a start-up does not reread a model's gigabytes to recognise them. `hashing(path)` is told before
+    a file is read. An unreadable or unwritable index only costs the hashing."""
+    index = (cache_dir() if cache is None else cache) / DIGESTS_FILE
+    try:
+        seen = json.loads(index.read_text(encoding="utf-8"))
+        seen = seen if isinstance(seen, dict) else {}
+    except (OSError, ValueError):
+        seen = {}
+    digests, changed = [], False
+    for path in paths:
+        stat = path.stat()
+        key, mark = str(path.resolve()), [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
+        entry = seen.get(key)
+        if isinstance(entry, list) and entry[:3] == mark and len(entry) == 4 and isinstance(entry[3], str):
+            digests.append(entry[3])
+            continue
+        if hashing is not None:
+            hashing(path)
+        digests.append(sha256_file(path))
+        seen[key], changed = [*mark, digests[-1]], True
+    if changed:
+        try:
+            index.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(index, json.dumps({k: v for k, v in seen.items() if Path(k).exists()}))
+        except OSError:
+            pass  # nothing remembered: the next start hashes again
+    return digests
 
 
 def cache_dir() -> Path:

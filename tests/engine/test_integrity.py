@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trt_lookahead.engine.format import CONFIG_DIGEST, VERIFIED_FILE, config_digest, is_engine_dir
-from trt_lookahead.files import write_bytes_atomic
+from trt_lookahead.engine.format import CONFIG_DIGEST, config_digest, is_engine_dir
+from trt_lookahead.files import DIGESTS_FILE, write_bytes_atomic
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 PROMPT = "Once upon a time"
@@ -91,7 +91,7 @@ def test_a_verified_engine_is_remembered_and_any_change_is_checked_again(engine,
     engine_dir, reference = engine
     copy, cache = damaged(engine_dir, tmp_path), tmp_path / "cache"
     assert json.loads(generate(copy, cache).stdout)["token_ids"] == reference["token_ids"]
-    remembered = json.loads((cache / VERIFIED_FILE).read_text())
+    remembered = json.loads((cache / DIGESTS_FILE).read_text())
     files = json.loads((copy / "config.json").read_text())["files"]
     for name, entry in files.items():  # size, mtime, ctime and the matching sha256 of every file
         stat = (copy / name).stat()

@@ -110,7 +110,7 @@ def test_byte_level_tokenizer_keys_rebuild_the_same_tokenizer(tmp_path):
         assert rebuilt.decode(ids, skip_special_tokens=False) == tok.decode(ids, skip_special_tokens=False)
 
 
-def test_a_gguf_file_as_model_is_converted_once_into_the_cache(tmp_path, monkeypatch):
+def test_a_gguf_file_as_model_is_converted_once_into_the_cache(tmp_path, monkeypatch, capsys):
     """--model FILE.gguf: converted once into <cache>/models/<stem>-<sha16>/, found there by the file's content
     afterwards (another file, another dir); the checkpoint holds the file's numbers, so it answers as the checkpoint
     the file was written from. A file that is no GGUF is one UserError and leaves nothing in the cache."""
@@ -125,7 +125,9 @@ def test_a_gguf_file_as_model_is_converted_once_into_the_cache(tmp_path, monkeyp
     ours, source = load_file(str(converted / "model.safetensors")), load_file(str(model / "model.safetensors"))
     assert ours.keys() == source.keys() and all(np.array_equal(ours[k], source[k]) for k in source)
     stamp = (converted / "model.safetensors").stat().st_mtime_ns
+    assert "checking my model.gguf (sha256)" in capsys.readouterr().err
     assert resolve_model(path) == converted and (converted / "model.safetensors").stat().st_mtime_ns == stamp
+    assert "(sha256)" not in capsys.readouterr().err  # the unchanged file's digest is remembered, not reread
     prompts = ["def add(a, b):", "The quick brown fox"]
     with LookaheadRuntime.from_pretrained(str(path), backend="torch") as rt:
         from_file = [rt.generate(p, max_new_tokens=12, lookahead="greedy").token_ids for p in prompts]

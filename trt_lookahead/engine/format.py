@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from trt_lookahead.errors import UserError, as_int
-from trt_lookahead.files import cache_dir, sha256_file, write_text_atomic
+from trt_lookahead.files import file_digests, sha256_file, write_text_atomic
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.tree import TreeTemplate
 
@@ -55,7 +55,6 @@ FORMAT_VERSION = 6  # 2: tokens_per_step was renamed step_tokens; 3: config_sha2
 # 6: tree_ends holds each node's (preorder index, subtree end), so `tree` may list its nodes best-first
 CONFIG_FILE = "config.json"
 CONFIG_DIGEST = "config_sha256"  # config.json's key for the sha256 of its other fields
-VERIFIED_FILE = "verified.json"  # in the cache dir: files whose sha256 matched, by path, size, mtime, ctime
 NO_VERIFY = "pass --no-verify (verify=False) to run it anyway"
 GRAPH_FILE, WEIGHTS_FILE, PLAN_FILE = "model.onnx", "weights.bin", "engine.plan"
 # the projections' weights: float (the dtype's), or int8 / int4 blocks (engine/quantize.py); config.json
@@ -430,38 +429,21 @@ def file_checksums(root: Path) -> dict[str, dict[str, Any]]:
 def verify_files(root: Path, files: dict[str, Any]) -> None:
     """Every file `files` lists has its recorded size and sha256; UserError naming the first that differs.
 
-    A file whose (size, mtime, ctime) match a remembered match is not read again (the cache dir's
-    VERIFIED_FILE); an unwritable cache dir only costs the hashing.
+    Sizes first (a truncated file costs no hashing); the digests are files.file_digests', which rereads a file
+    only when it changed since it was last hashed.
     """
-    cache = cache_dir() / VERIFIED_FILE
-    try:
-        seen = _read_json(cache)
-        seen = seen if isinstance(seen, dict) else {}
-    except (OSError, ValueError):
-        seen = {}
-    changed = False
     for name in files:
         file = root / name
         want_bytes = as_int(f"files.{name}.bytes", _field(files, name, "bytes"))
-        want_sha = _field(files, name, "sha256")
-        stat = file.stat()
-        if stat.st_size != want_bytes:
+        size = file.stat().st_size
+        if size != want_bytes:
             raise UserError(
-                f"engine file {file} has {stat.st_size} bytes but config.json recorded {want_bytes} at build time "
+                f"engine file {file} has {size} bytes but config.json recorded {want_bytes} at build time "
                 f"(truncated or replaced); rebuild the engine, or {NO_VERIFY}"
             )
-        key, mark = str(file.resolve()), [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, want_sha]
-        if seen.get(key) == mark:
-            continue
-        if sha256_file(file) != want_sha:
+    for name, got in zip(files, file_digests([root / name for name in files]), strict=True):
+        if got != _field(files, name, "sha256"):
             raise UserError(
-                f"engine file {file} does not match the sha256 config.json recorded at build time (modified or "
-                f"corrupted); rebuild the engine, or {NO_VERIFY}"
+                f"engine file {root / name} does not match the sha256 config.json recorded at build time (modified "
+                f"or corrupted); rebuild the engine, or {NO_VERIFY}"
             )
-        seen[key], changed = mark, True
-    if changed:
-        try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(cache, json.dumps({k: v for k, v in seen.items() if Path(k).exists()}))
-        except OSError:
-            pass  # nothing remembered: the next load hashes again

@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from trt_lookahead.errors import UserError, as_int
-from trt_lookahead.files import sha256_file
+from trt_lookahead.files import file_digests
 from trt_lookahead.model.llama import WEIGHT_LAYOUTS, Llama, ModelConfig
 
 DTYPES = {
@@ -131,8 +131,9 @@ def weight_files(root: Path) -> list[Path]:
 
 
 def weights_sha256(root: str | os.PathLike) -> str:
-    """One checksum over a checkpoint's weight files: the model's identity an engine dir records."""
-    return hashlib.sha256("".join(sha256_file(f) for f in weight_files(Path(root))).encode()).hexdigest()
+    """One checksum over a checkpoint's weight files: the model's identity an engine dir records (each file's
+    digest remembered while it is unchanged: files.file_digests)."""
+    return hashlib.sha256("".join(file_digests(weight_files(Path(root)))).encode()).hexdigest()
 
 
 def check_max_seq_len(requested: int | None, context: int, default: int) -> int:

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from trt_lookahead import files
 from trt_lookahead.errors import UserError
-from trt_lookahead.files import locked, replace_dir, sha256_file, write_text_atomic
+from trt_lookahead.files import file_digests, locked, replace_dir, sha256_file, write_text_atomic
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -390,14 +390,16 @@ def _build(spec: KnownModel, work: Path, progress: bool, local: Path | None = No
 
 def convert_local_gguf(path: str | Path, cache_dir: str | Path | None = None, progress: bool = True) -> Path:
     """A llama.cpp GGUF file of a Llama -> its checkpoint, converted once (gguf_convert) into
-    <cache>/models/<file stem>-<its sha256's first 16 hex digits>/ and found there by the file's sha256 afterwards,
-    as a fetch is (same manifest, lock and rename into place). Its block-quantized tensors are dequantized to
+    <cache>/models/<file stem>-<its sha256's first 16 hex digits>/ and found there by the file's sha256 afterwards
+    (hashed again only when the file changed: files.file_digests), as a fetch is (same manifest, lock and rename
+    into place). Its block-quantized tensors are dequantized to
     float32 exactly, so `--weights int4|int8` keeps their blocks (engine/quantize.py `gguf_blocks`)."""
     from trt_lookahead.model.gguf_convert import convert_gguf_to_hf
 
     source = Path(path).expanduser().resolve()
-    _log(f"trt-lookahead: checking {source.name} (sha256)", progress)
-    digest = sha256_file(source)
+    root = _root(cache_dir)
+    [digest] = file_digests([source], lambda _: _log(f"trt-lookahead: checking {source.name} (sha256)", progress),
+                            root)
     name = "".join(c if c.isalnum() or c in "-_." else "-" for c in source.stem)[:64] + f"-{digest[:16]}"
 
     def make(work: Path) -> None:
@@ -407,7 +409,7 @@ def convert_local_gguf(path: str | Path, cache_dir: str | Path | None = None, pr
                         {"num_parameters": info.num_parameters, "tensor_types": info.tensor_types,
                          "conversion_seconds": round(info.seconds, 2), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
 
-    return _once(_root(cache_dir), name, lambda target: is_complete(target, gguf_sha256=digest), make,
+    return _once(root, name, lambda target: is_complete(target, gguf_sha256=digest), make,
                  4 * _weights(source) + (64 << 20), progress)  # room: the float32 checkpoint
 
 
