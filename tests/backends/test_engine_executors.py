@@ -7,6 +7,7 @@ SmolLM2-135M runs only in the @slow test.
 """
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -228,6 +229,24 @@ def test_an_executor_opened_for_a_shorter_max_seq_len_keeps_shorter_caches_and_t
     rows per slot and still gives every row the model's tokens."""
     engine = open_engine(engines["plugin"], threads=1, max_seq_len=200)
     assert engine.executor().k_cache.shape == (5, MAX_BATCH, 4, 200 + T, 8)  # [L, max_batch, Hkv, S, D]
+    run_mixed_steps(engine, stories, [0, 1, 2, 3], steps=2, seed=5)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux /proc/self/statm)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_an_executor_commits_its_kv_cache_as_slots_fill_not_when_opened(tmp_path, stories):
+    """64 slots of 512 + T rows: opening the executor maps none of its cache's pages (a start-up that wrote them
+    all took seconds on a real model); a step writes its rows, and its tokens are the model's."""
+    engine = open_engine(build(tmp_path / "wide", "--max-batch", "64", max_seq_len=512), threads=1)
+    before = resident_bytes()
+    executor = engine.executor()
+    cache_bytes = executor.k_cache.nbytes + executor.v_cache.nbytes
+    assert executor.k_cache.shape == (5, 64, 4, 512 + T, 8) and cache_bytes > 40 << 20
+    assert resident_bytes() - before < cache_bytes // 8, (resident_bytes() - before, cache_bytes)
+    del executor
     run_mixed_steps(engine, stories, [0, 1, 2, 3], steps=2, seed=5)
 
 

@@ -321,8 +321,10 @@ class OnnxRuntimeExecutor(SlotExecutor):
         S = self.max_seq_len + T  # the graph's cache length is dynamic: rows for this executor's max_seq_len
         check_kv_memory((L, B, Hkv, S, D), np.dtype(dtype).itemsize, self.max_seq_len, B)
         with kv_allocation(self.max_seq_len, B):
+            # np.zeros, never zeros_like (which writes every byte): the OS maps a page on its first write, so a
+            # cache costs memory and start-up time as its slots fill, not for max_seq_len x max_batch up front
             self.k_cache = np.zeros((L, B, Hkv, S, D), dtype)  # per layer [max_batch, Hkv, S, D]
-            self.v_cache = np.zeros_like(self.k_cache)
+            self.v_cache = np.zeros((L, B, Hkv, S, D), dtype)
         self._caches = [*self.k_cache, *self.v_cache]  # graph order: every key cache, then every value cache
         self._cache_shape = (Hkv, S, D)
         # flat buffers: the arrays of any (B, T, K) are views at their start, so bindings keep their addresses
