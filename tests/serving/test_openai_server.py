@@ -474,6 +474,10 @@ def test_a_request_past_the_context_gets_openais_code_naming_the_field_it_sent(s
     assert "max_new_tokens" not in caught.value.message and "max_seq_len" not in caught.value.message
     served = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=room, temperature=0)
     assert served.usage.total_tokens <= context
+    for prompt in ([5] * (context + 1), "Once upon a time " * 60 * context):  # refused by size before tokenizing
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model=NAME, prompt=prompt, max_tokens=4)
+        assert (caught.value.code, caught.value.param) == ("context_length_exceeded", "prompt"), caught.value.message
     messages = [{"role": "user", "content": PROMPTS[0]}]
     for field in ("max_tokens", "max_completion_tokens"):
         with pytest.raises(openai.BadRequestError) as caught:

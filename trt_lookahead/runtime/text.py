@@ -36,6 +36,11 @@ class ChatTemplateError(UserError):
         super().__init__(f"the chat template of {model_path} cannot render these messages ({self.reason})")
 
 
+class PromptTooLong(UserError):
+    """A prompt refused by its size before tokenizing (ids by their count, text by its characters): it cannot fit
+    max_seq_len whatever its tokens."""
+
+
 class PromptTokenizer:
     """A HF tokenizer behind a lock (fast tokenizers are not safe to call from several threads), with every prompt
     checked before any tokenizing: its kind, Unicode, and a length that can fit max_seq_len."""
@@ -65,8 +70,8 @@ class PromptTokenizer:
         if len(prompt) and all(isinstance(m, dict) for m in prompt):
             return self._apply_chat_template(_check_messages(list(prompt)))
         if len(prompt) > self.max_seq_len:  # by its length, before converting a single id
-            raise UserError(f"a prompt of {len(prompt)} token ids exceeds max_seq_len {self.max_seq_len}; shorten the "
-                            "prompt")
+            raise PromptTooLong(f"a prompt of {len(prompt)} token ids exceeds max_seq_len {self.max_seq_len}; "
+                                "shorten the prompt")
         items = list(prompt)
         try:
             ids = [as_int("token id", t) for t in items]
@@ -96,7 +101,7 @@ class PromptTokenizer:
             return
         chars = sum(len(t) for t in texts)
         if chars > self.max_seq_len * self.token_chars * PROMPT_CHARS_MARGIN:
-            raise UserError(
+            raise PromptTooLong(
                 f"the prompt has {chars} characters and no token of this tokenizer covers more than "
                 f"{self.token_chars}: it needs at least {-(-chars // self.token_chars)} tokens, which cannot fit "
                 f"max_seq_len {self.max_seq_len}; shorten the prompt"

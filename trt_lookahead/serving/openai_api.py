@@ -45,7 +45,7 @@ from starlette.types import Receive
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import AUTO, Lookahead
 from trt_lookahead.lookahead.decoder import length_error
-from trt_lookahead.runtime import ChatTemplateError, GenerationOutput, LookaheadRuntime, StreamChunk
+from trt_lookahead.runtime import ChatTemplateError, GenerationOutput, LookaheadRuntime, PromptTooLong, StreamChunk
 from trt_lookahead.runtime.scheduler import QueueFull
 from trt_lookahead.serving import DEFAULT_MAX_BODY_BYTES, GRACEFUL_SHUTDOWN_SECONDS
 from trt_lookahead.serving.metrics import RequestTrace, ServerMetrics
@@ -69,6 +69,7 @@ SHUTTING_DOWN = "the server is shutting down; retry the request"
 UNREAD_BODY = (408, 413)  # statuses answered before the body was read whole
 LOOKAHEAD_NAMES = ("lookahead.window", "lookahead.ngram", "lookahead.verification")
 CLIENT_CLOSED = 499  # the access log's status of a request whose client went away (nginx's convention)
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a prompt + max_tokens past the context
 log = logging.getLogger("uvicorn.error")
 T = TypeVar("T")
 
@@ -262,7 +263,9 @@ class OpenAIServer:
         except ChatTemplateError as exc:  # its message names the model's path: a client sees the model's name
             raise ApiError(400, f"the chat template of the model {self.name!r} cannot render these messages "
                            f"({exc.reason})", param="messages") from None
-        except ValueError as exc:  # UserError: a prompt that cannot fit
+        except PromptTooLong as exc:  # by its size, before tokenizing
+            raise ApiError(400, str(exc), param=body.PROMPT_PARAM, code=CONTEXT_LENGTH_EXCEEDED) from None
+        except ValueError as exc:  # UserError: a prompt the tokenizer cannot take
             raise ApiError(400, str(exc), param=body.PROMPT_PARAM) from None
         context = self.runtime.max_seq_len
         asked = body.requested_tokens(context - len(prompt_ids))
@@ -270,8 +273,7 @@ class OpenAIServer:
                                grow="")
         if problem is not None:
             param = body.PROMPT_PARAM if problem.culprit == "prompt" else problem.culprit
-            code = None if asked < 1 else "context_length_exceeded"  # OpenAI's code: clients match on it
-            raise ApiError(400, problem.message, param=param, code=code)
+            raise ApiError(400, problem.message, param=param, code=None if asked < 1 else CONTEXT_LENGTH_EXCEEDED)
         arguments = dict(max_new_tokens=asked, lookahead=lookahead, seed=seed,
                          stop=list(body.stop), pool_scope=body.pool_scope, **body.sampling())
         return ApiCall(body, prompt_ids, arguments, seed)
