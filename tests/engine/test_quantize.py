@@ -140,7 +140,7 @@ def test_a_gguf_dequantized_weight_keeps_its_own_blocks(kind, bits):
     rng = np.random.default_rng(bits)
     x = rng.standard_normal((24, 96)).astype(np.float32) * np.exp(rng.standard_normal((24, 1))).astype(np.float32)
     w, raw = gguf_roundtrip(x, kind)
-    blocks = gguf_blocks(w)
+    blocks = gguf_blocks(w, 4)
     assert blocks is not None and (blocks.grid, blocks.bits) == (kind, bits)
     np.testing.assert_array_equal(blocks.dequantize(), w)  # (q - z) * s (+ m): the gguf package's numbers
     codes, zeros = blocks.unpacked()
@@ -186,7 +186,7 @@ def test_a_k_quant_weight_keeps_its_blocks_with_float32_scales_and_mins(kind, bi
     rng = np.random.default_rng(bits)
     raw, q = k_quant_blocks(rng, 12, 512, 4 if kind == "Q4_K" else 5)
     w = np.asarray(gguf_quants.dequantize(raw, GGMLQuantizationType[kind]), np.float32).reshape(12, 512)
-    blocks = gguf_blocks(w)
+    blocks = gguf_blocks(w, 4)
     assert blocks is not None and (blocks.grid, blocks.bits) == (kind, bits)
     np.testing.assert_array_equal(blocks.dequantize(), w)
     assert not blocks.unpacked()[1].any() and blocks.mins is not None
@@ -194,19 +194,19 @@ def test_a_k_quant_weight_keeps_its_blocks_with_float32_scales_and_mins(kind, bi
     # the same numbers
     spans = (q.min(-1) == 0) & (q.max(-1) == (1 << (4 if kind == "Q4_K" else 5)) - 1)
     np.testing.assert_array_equal(blocks.unpacked()[0][spans], q[spans])
-    w[5, 100] = np.nextafter(w[5, 100], np.float32(np.inf))
-    assert gguf_blocks(w) is None
+    w[5, 100] = np.nextafter(w[5, 100], np.float32(np.inf))  # row 5 now on no grid: quantized here, alone
+    assert_kept_but(gguf_blocks(w, 4), w, [5], f"{kind}+int4", bits)
 
 
 def test_a_fused_weight_keeps_each_rows_own_gguf_blocks():
     """A fused projection of tensors of several types (a Q4_K_M file of a model whose rows are not whole K-quant
     super-blocks: attn_q, attn_k Q5_0, attn_v Q8_0) keeps every row's blocks, in 8-bit codes where one type needs
-    them; rows of 4-bit types alone stay 4-bit; one weight off every grid sends the whole weight to quantize_blocks."""
+    them; rows of 4-bit types alone stay 4-bit; a row off every grid is quantized here, the others kept."""
     rng = np.random.default_rng(6)
     x = rng.standard_normal((40, 64)).astype(np.float32)
     parts = {"Q5_0": x[:16], "Q8_0": x[16:24], "Q4_1": x[24:40]}
     w = np.concatenate([gguf_roundtrip(rows, kind)[0] for kind, rows in parts.items()])
-    blocks = gguf_blocks(w)
+    blocks = gguf_blocks(w, 4)
     assert (blocks.grid, blocks.bits) == ("Q4_1+Q5_0+Q8_0", 8)
     np.testing.assert_array_equal(blocks.dequantize(), w)
     codes, zeros = blocks.unpacked()
@@ -215,26 +215,56 @@ def test_a_fused_weight_keeps_each_rows_own_gguf_blocks():
     assert (zeros[:16] == 16).all() and (zeros[16:24] == 128).all() and (zeros[24:] == 0).all()
     assert not blocks.mins[:24].any() and blocks.mins[24:].all()  # the Q4_1 rows' m, the others none
     four = np.concatenate([gguf_roundtrip(x[:8], "Q4_0")[0], gguf_roundtrip(x[8:], "Q4_1")[0]])
-    assert (gguf_blocks(four).grid, gguf_blocks(four).bits) == ("Q4_0+Q4_1", 4)
-    np.testing.assert_array_equal(gguf_blocks(four).dequantize(), four)
+    assert (gguf_blocks(four, 4).grid, gguf_blocks(four, 4).bits) == ("Q4_0+Q4_1", 4)
+    np.testing.assert_array_equal(gguf_blocks(four, 4).dequantize(), four)
     w[30, 7] = np.nextafter(w[30, 7], np.float32(np.inf))
-    assert gguf_blocks(w) is None
+    assert_kept_but(gguf_blocks(w, 4), w, [30], "Q4_1+Q5_0+Q8_0+int4", 8)
 
 
 def test_weights_on_no_gguf_grid_are_quantized_here():
     rng = np.random.default_rng(3)
     x = rng.standard_normal((8, 64)).astype(np.float32)
-    assert gguf_blocks(x) is None and gguf_blocks(x[:, :40]) is None  # float weights; K not whole blocks
-    assert gguf_blocks(np.zeros((2, 32), np.float32)).dequantize().tolist() == np.zeros((2, 32)).tolist()
+    assert gguf_blocks(x, 4) is None and gguf_blocks(x[:, :40], 4) is None  # float weights; K not whole blocks
+    assert gguf_blocks(np.zeros((2, 32), np.float32), 4).dequantize().tolist() == np.zeros((2, 32)).tolist()
 
 
-def test_a_weight_with_one_row_off_its_gguf_grid_is_quantized_here():
-    """The first row decides which grids are checked in full; any row off the grid still rules that grid out."""
+def test_a_row_off_its_weights_gguf_grid_is_quantized_here_and_the_rest_kept():
+    """The first row decides which grids are checked in full; a later row one ulp off them all is quantized to the
+    scheme's bits (8 under int8: then every row rides in 8-bit codes), the others keep their blocks."""
     rng = np.random.default_rng(4)
     w, _ = gguf_roundtrip(rng.standard_normal((6, 64)).astype(np.float32), "Q4_1")
-    assert gguf_blocks(w).grid == "Q4_1"
+    assert gguf_blocks(w, 4).grid == "Q4_1"
     w[3, 5] = np.nextafter(w[3, 5], np.float32(np.inf))  # one weight one ulp off the grid, in a later row
-    assert gguf_blocks(w) is None
+    assert_kept_but(gguf_blocks(w, 4), w, [3], "Q4_1+int4", 4)
+    assert_kept_but(gguf_blocks(w, 8), w, [3], "Q4_1+int8", 8)
+
+
+def assert_kept_but(blocks, w: np.ndarray, here: list[int], grid: str, bits: int) -> None:
+    """`blocks` keeps every row of w but `here` bit for bit; those are quantize_blocks' reading at the scheme's
+    bits (the grid's last part), within half its step of w."""
+    assert blocks is not None and (blocks.grid, blocks.bits) == (grid, bits)
+    kept = np.setdiff1d(np.arange(len(w)), here)
+    np.testing.assert_array_equal(blocks.dequantize()[kept], w[kept])
+    ours = quantize_blocks(w[here], int(grid.rsplit("+int", 1)[1]))
+    np.testing.assert_array_equal(blocks.dequantize()[here], ours.dequantize())
+    step = np.repeat(ours.scales, BLOCK_SIZE, axis=1)[:, : w.shape[1]]
+    assert (np.abs(ours.dequantize() - w[here]) <= step / 2 + 1e-6).all()
+
+
+def test_a_q4_k_m_attention_keeps_its_q4_k_rows_beside_q6_k_values_quantized_here():
+    """A 7B-class Q4_K_M file holds attn_q and attn_k in Q4_K and, in about half the layers, attn_v in Q6_K
+    (16-weight blocks of scale d * sc, q - 32 in -32 .. 31: no block of 32 holds them). Their fused QKV keeps the
+    Q4_K rows' numbers and quantizes the Q6_K rows here; quantizing it all here moved the Q4_K rows too."""
+    rng = np.random.default_rng(12)
+    raw, _ = k_quant_blocks(rng, 16, 256, 4)
+    qk = np.asarray(gguf_quants.dequantize(raw, GGMLQuantizationType.Q4_K), np.float32).reshape(16, 256)
+    # Q6_K as llama.cpp dequantizes it: float32(d) * float32(sc) per 16 weights, times q - 32
+    d = rng.uniform(1e-4, 1e-3, (8, 1, 1)).astype(np.float16).astype(np.float32)
+    sc = rng.integers(-128, 128, (8, 16, 1)).astype(np.float32)
+    v = ((d * sc) * (rng.integers(0, 64, (8, 16, 16)) - 32).astype(np.float32)).reshape(8, 256)
+    w = np.concatenate([qk, v])
+    assert_kept_but(gguf_blocks(w, 4), w, list(range(16, 24)), "Q4_K+int4", 4)
+    assert np.abs(quantize_blocks(w, 4).dequantize()[:16] - qk).max() > 0  # all of it here: the Q4_K rows move
 
 
 def test_q4_1_keeps_its_mins_beside_the_product_under_int8_activations():
@@ -242,7 +272,7 @@ def test_q4_1_keeps_its_mins_beside_the_product_under_int8_activations():
     Q4_1 x Q8_1 product does), under int8 activations too."""
     rng = np.random.default_rng(8)
     w, _ = gguf_roundtrip(rng.standard_normal((40, 128)).astype(np.float32), "Q4_1")
-    blocks = gguf_blocks(w)
+    blocks = gguf_blocks(w, 4)
     assert blocks.grid == "Q4_1" and blocks.mins is not None and not blocks.unpacked()[1].any()
     np.testing.assert_array_equal(blocks.dequantize(), w)  # d * q + m, as the gguf package computes it
     graph = helper.make_graph(

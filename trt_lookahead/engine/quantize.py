@@ -15,9 +15,9 @@ is exact and every weight is within s / 2 of w_hat. Worked example, bits 4, one 
 0, ...] whose min is -1.0 and max 2.0: s = 3 / 15 = 0.2, z = 5, -1.0 -> q 0, 0.6 -> q 8, 2.0 -> q 15, 0.3 -> q 7
 (1.5 rounds to even: w_hat 0.4), 0 -> q 5.
 
-A weight that is exactly a GGUF Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K or Q8_0 tensor dequantized (a checkpoint
+A weight whose rows are exactly GGUF Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K or Q8_0 tensors dequantized (a checkpoint
 converted from such a file; Q5 codes in 8-bit blocks) keeps those blocks instead (`gguf_blocks`; docs/design.md
-6.9): same numbers, no second rounding.
+6.9): same numbers, no second rounding; its rows on none of them (Q6_K) are quantized here.
 
 With int8 activations (MatMulNBits accuracy_level 4) each row of the input is cut into the same blocks along K,
 and a block holds int8 codes round(x * 127 / amax) with the float scale amax / 127 (amax its largest |x|): the
@@ -47,8 +47,9 @@ BITS = {"int8": 8, "int4": 4}
 ACCURACY_LEVEL = {"int8": 4}  # MatMulNBits' attribute for activations other than float: 4 = int8 blocks
 ACTIVATION_CODE = 127  # an int8 activation block's codes are -127 .. 127
 BLOCK_SIZE = 32  # weights per (channel, block); a power of two >= 16, as MatMulNBits takes
-# in a quantized build's key, so cached engines are rebuilt: 2 = GGUF Q5_x, K-quant and mixed-row blocks kept
-BLOCKS_REVISION = 2
+# in a quantized build's key, so cached engines are rebuilt: 2 = GGUF Q5_x, K-quant and mixed-row blocks kept,
+# 3 = a GGUF weight's rows on no grid quantized here beside its kept rows
+BLOCKS_REVISION = 3
 CONTRIB_DOMAIN = "com.microsoft"
 
 
@@ -98,14 +99,19 @@ def quantize_blocks(weight: np.ndarray, bits: int) -> QuantizedWeight:
     blocks = -(-k // BLOCK_SIZE)
     w = np.zeros((n, blocks * BLOCK_SIZE), np.float32)
     w[:, :k] = weight
-    w = w.reshape(n, blocks, BLOCK_SIZE)  # [N, blocks, BLOCK_SIZE]
+    fit = _quantized_here(w.reshape(n, blocks, BLOCK_SIZE), bits)
+    return _packed(fit.codes, fit.scales, fit.zeros, bits, k, f"int{bits}")
+
+
+def _quantized_here(w: np.ndarray, bits: int) -> _Fit:
+    """Blocks w [N, blocks, BLOCK_SIZE] quantized to `bits` (the module docstring's rule), as a _Fit of every row."""
     top = (1 << bits) - 1
     low, high = np.minimum(w.min(-1), 0.0), np.maximum(w.max(-1), 0.0)  # [N, blocks], 0 inside the range
     scales = ((high - low) / top).astype(np.float32)
     scales[scales == 0] = 1.0  # an all-zero block: any scale represents it
     zeros = np.clip(np.round(-low / scales), 0, top).astype(np.uint8)
     codes = np.clip(np.round(w / scales[..., None]) + zeros[..., None], 0, top).astype(np.uint8)
-    return _packed(codes, scales, zeros, bits, k, f"int{bits}")
+    return _Fit(codes, scales, zeros, None, np.ones(len(w), bool), bits)
 
 
 # -- a checkpoint dequantized from GGUF blocks: its own blocks, kept ------------------------------------------------
@@ -232,28 +238,31 @@ GGUF_GRIDS: dict[str, Callable[[np.ndarray], _Fit]] = {
 }
 
 
-def gguf_blocks(weight: np.ndarray) -> QuantizedWeight | None:
-    """The blocks of a float [N, K] weight whose rows are each exactly a GGUF tensor of a GGUF_GRIDS type
-    dequantized (a checkpoint converted from such a file, model/gguf_convert.py), as MatMulNBits holds them; None
-    if a row is on none of those grids. A fused projection's rows come from tensors of their own types (a Q4_K_M
-    file's attn_q and attn_k may be Q5_0 and its attn_v Q8_0): each row keeps its own, in 8-bit codes where any
-    row needs them, and the grid names them all ("Q5_0+Q8_0"). GGUF blocks, like BLOCK_SIZE, hold 32 weights
-    along K. The first row still unread picks the next type to try on the rest, so a float weight costs one row's
-    checks."""
+def gguf_blocks(weight: np.ndarray, bits: int) -> QuantizedWeight | None:
+    """The blocks of a float [N, K] weight whose rows are exactly GGUF tensors of GGUF_GRIDS types dequantized (a
+    checkpoint converted from such a file, model/gguf_convert.py), as MatMulNBits holds them; None if its first
+    row is on none of those grids (a float weight: it costs one row's checks). A fused projection's rows come from
+    tensors of their own types (a Q4_K_M file's attn_q and attn_k may be Q5_0 or Q4_K, its attn_v Q8_0 or Q6_K):
+    each row keeps its own, a row on no grid we hold (Q6_K's 16-weight blocks) is quantized here to `bits`, the
+    codes are 8-bit where any row needs them, and the grid names every source ("Q4_K+int4"). GGUF blocks, like
+    BLOCK_SIZE, hold 32 weights along K. The first row still unread picks the next type to try on the rest."""
     n, k = weight.shape
     if k % BLOCK_SIZE:
         return None
     x = np.ascontiguousarray(weight, np.float32).reshape(n, k // BLOCK_SIZE, BLOCK_SIZE)
-    fits: dict[str, tuple[np.ndarray, _Fit]] = {}  # type -> (the rows it reads, its reading of them)
+    fits: dict[str, tuple[np.ndarray, _Fit]] = {}  # source -> (the rows it reads, its reading of them)
     left = np.arange(n)
     while len(left):
         name = next((name for name, find in GGUF_GRIDS.items() if name not in fits and find(x[left[:1]]).rows[0]),
                     None)
         if name is None:
-            return None
+            break
         fit = GGUF_GRIDS[name](x[left])
         fits[name], left = (left[fit.rows], fit), left[~fit.rows]
-    bits = max(fit.bits for _, fit in fits.values())
+    if not fits:
+        return None
+    if len(left):
+        fits[f"int{bits}"] = left, _quantized_here(x[left], bits)
     codes = np.empty(x.shape, np.uint8)
     scales, zeros = np.empty(x.shape[:2], np.float32), np.empty(x.shape[:2], np.uint8)
     mins = None if all(fit.mins is None for _, fit in fits.values()) else np.zeros(x.shape[:2], np.float32)
@@ -261,12 +270,14 @@ def gguf_blocks(weight: np.ndarray) -> QuantizedWeight | None:
         codes[rows], scales[rows], zeros[rows] = fit.codes[fit.rows], fit.scales[fit.rows], fit.zeros[fit.rows]
         if fit.mins is not None:
             mins[rows] = fit.mins[fit.rows]  # type: ignore[index]
-    return _packed(codes, scales, zeros, bits, k, "+".join(name for name in GGUF_GRIDS if name in fits), mins=mins)
+    sources = [name for name in GGUF_GRIDS if name in fits] + [name for name in fits if name not in GGUF_GRIDS]
+    return _packed(codes, scales, zeros, max(fit.bits for _, fit in fits.values()), k, "+".join(sources), mins=mins)
 
 
 def weight_blocks(weight: np.ndarray, bits: int) -> QuantizedWeight:
-    """A float [N, K] weight's blocks: its own GGUF blocks where it has them, else quantized to `bits`."""
-    return gguf_blocks(weight) or quantize_blocks(weight, bits)
+    """A float [N, K] weight's blocks: its own GGUF blocks where it has them (`gguf_blocks`), else quantized to
+    `bits`."""
+    return gguf_blocks(weight, bits) or quantize_blocks(weight, bits)
 
 
 def quantize_activations(x: Any) -> Any:
