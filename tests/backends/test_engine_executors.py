@@ -239,8 +239,8 @@ def resident_bytes() -> int:
 
 def test_an_executor_commits_its_kv_cache_as_slots_fill_not_when_opened(tmp_path, stories):
     """256 slots of 512 + T rows: opening the executor maps none of its cache's pages (a start-up that wrote them
-    all took seconds on a real model); a step writes its rows, and its tokens are the model's. Each cache is over
-    glibc's largest mmap threshold (32 MB), so its zeros are fresh pages whatever the heap holds from before."""
+    all took seconds on a real model), however much memory the tests before freed into this process's heap; a step
+    writes its rows, and its tokens are the model's."""
     engine = open_engine(build(tmp_path / "wide", "--max-batch", "256", max_seq_len=512), threads=1)
     before = resident_bytes()
     executor = engine.executor()

@@ -41,7 +41,7 @@ from trt_lookahead.backends.cpu_load import IdleWatch, available_memory, idle_cp
 from trt_lookahead.backends.graphs import Logits, OpenedEngine, SlotExecutor
 from trt_lookahead.engine.format import INPUTS, OUTPUTS, EngineConfig, cache_names
 from trt_lookahead.errors import UserError
-from trt_lookahead.lookahead.executor import check_kv_memory, kv_allocation
+from trt_lookahead.lookahead.executor import check_kv_memory, kv_allocation, zeroed_pages
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 _BINDINGS = 32  # IOBindings kept per executor, one per (B, T, K) recently stepped
@@ -321,10 +321,8 @@ class OnnxRuntimeExecutor(SlotExecutor):
         S = self.max_seq_len + T  # the graph's cache length is dynamic: rows for this executor's max_seq_len
         check_kv_memory((L, B, Hkv, S, D), np.dtype(dtype).itemsize, self.max_seq_len, B)
         with kv_allocation(self.max_seq_len, B):
-            # np.zeros, never zeros_like (which writes every byte): the OS maps a page on its first write, so a
-            # cache costs memory and start-up time as its slots fill, not for max_seq_len x max_batch up front
-            self.k_cache = np.zeros((L, B, Hkv, S, D), dtype)  # per layer [max_batch, Hkv, S, D]
-            self.v_cache = np.zeros((L, B, Hkv, S, D), dtype)
+            self.k_cache = zeroed_pages((L, B, Hkv, S, D), dtype)  # per layer [max_batch, Hkv, S, D]
+            self.v_cache = zeroed_pages((L, B, Hkv, S, D), dtype)
         self._caches = [*self.k_cache, *self.v_cache]  # graph order: every key cache, then every value cache
         self._cache_shape = (Hkv, S, D)
         # flat buffers: the arrays of any (B, T, K) are views at their start, so bindings keep their addresses

@@ -32,6 +32,7 @@ else as its real tokens (the packed torch step); `priced_tokens` turns a step's 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -185,6 +186,19 @@ def check_kv_memory(shape: tuple[int, ...], itemsize: int, max_seq_len: int, max
             f"{available / 2**30:.1f} GiB available of this machine's {_total_memory() / 2**30:.1f} GiB of memory; "
             f"{_lower(max_batch)}"
         )
+
+
+def zeroed_pages(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
+    """A zero-filled host array in fresh pages of an anonymous mapping: a page takes memory at its first write, so
+    a KV cache costs memory and start-up time as its slots fill, not for all its rows up front, whatever the
+    process's heap held before (np.zeros' calloc may take freed heap memory and clear it, writing every byte).
+    MemoryError if the mapping is refused."""
+    count = int(np.prod(shape, dtype=object))
+    try:
+        pages = mmap.mmap(-1, max(1, count * np.dtype(dtype).itemsize))
+    except OSError as exc:  # ENOMEM: more than the kernel lets this process map
+        raise MemoryError(str(exc)) from None
+    return np.frombuffer(pages, dtype, count).reshape(shape)  # the array keeps the mapping; unmapped with it
 
 
 @contextlib.contextmanager
