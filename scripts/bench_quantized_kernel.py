@@ -6,7 +6,7 @@
 
 Compiles a timing loop that #includes the kernel's source (the package's, or a variant given by --source) with
 the flags the package builds it with (scripts/c_harness.py), and runs every channel group's task of one product
-KxNxBITS (K inputs, N outputs, 4- or 8-bit blocks with float16 scales, as a GGUF's) on one thread for each row
+KxNxBITS (K inputs, N outputs, 4-, 5- or 8-bit records with float16 scales, as a GGUF's) on one thread for each row
 count M, best of 200 calls on random records and rows. The records of SmolLM2's products fit this machine's
 caches, so this times the kernel's arithmetic (what a step of several rows pays), not the memory a one-row product
 streams (a product larger than the caches, e.g. 576x131072x4, shows that). Comparing a variant of the kernel
@@ -89,8 +89,8 @@ def main() -> int:
         binary = build_harness(HARNESS, args.source, Path(tmp), tuple(args.cflags.split()))
         for shape in filter(None, args.shapes.split(",")):
             K, N, bits = shape.split("x")
-            if bits not in ("4", "8"):
-                raise SystemExit(f"{shape}: BITS must be 4 or 8")
+            if bits not in ("4", "5", "8"):
+                raise SystemExit(f"{shape}: BITS must be 4, 5 or 8")
             run = subprocess.run([str(binary), K, N, bits, *rows], capture_output=True, text=True)
             if run.returncode:
                 raise SystemExit(f"{args.source.name} at {shape}: {run.stderr.strip() or 'the timing loop failed'}")

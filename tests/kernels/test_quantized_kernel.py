@@ -102,7 +102,7 @@ NARROWER = {
 
 @pytest.mark.parametrize("path", sorted(NARROWER))
 @pytest.mark.parametrize(("kind", "n", "k"), [("Q4_1", 70, 160), ("int4", 37, 72), ("int8", 45, 100),
-                                              ("Q8_0", 33, 64), ("Q5_1", 45, 96)])
+                                              ("Q8_0", 33, 64), ("Q5_1", 45, 96), ("Q5_0", 21, 64)])
 def test_every_vector_width_gives_the_bits_of_the_avx2_path(path, kind, n, k):
     """This CPU's build (with AVX-512 BW and VNNI: 4-bit weights in 16-channel records on 512-bit vectors, 8-bit
     ones in 8-channel records on 256-bit; VNNI byte products, a row's code dwords broadcast, 8-row tiles) against
@@ -120,6 +120,23 @@ def test_every_vector_width_gives_the_bits_of_the_avx2_path(path, kind, n, k):
     wide, other = native_session(proto), native_session(proto, library=narrow.path)
     for m in (1, 3, 4, 8, 12, 19):
         np.testing.assert_array_equal(wide.run(None, {"x": x[:m]})[0], other.run(None, {"x": x[:m]})[0])
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1"])
+def test_five_bit_records_give_the_bits_of_eight_bit_ones(kind):
+    """A weight whose 8-bit codes are all below 32 (a GGUF's Q5 blocks) streams from 5-bit records (4-bit codes and
+    a plane of fifth bits); one Q8_0 row beside the same rows keeps the whole weight's records 8-bit. A channel's
+    output depends on its own codes alone, so the Q5 channels of both products have the same bits, at every row
+    count (1-row and 8-row tiles, the rows left) and on 1 and 2 threads."""
+    q5 = weight(kind, 45, 160, seed=5)
+    mixed = np.concatenate([q5, weight("Q8_0", 3, 160, seed=6)])
+    five, _ = quantized_graph(q5, kind)
+    eight, _ = quantized_graph(mixed, f"{kind}+Q8_0")
+    x = np.random.default_rng(7).standard_normal((21, 160)).astype(np.float32)
+    for threads in (1, 2):
+        fives, eights = native_session(five, threads), native_session(eight, threads)
+        for m in (1, 3, 8, 13, 21):
+            np.testing.assert_array_equal(fives.run(None, {"x": x[:m]})[0], eights.run(None, {"x": x[:m]})[0][:, :45])
 
 
 def test_native_products_fold_the_mins_term_and_leave_float_activations():

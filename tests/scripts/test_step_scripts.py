@@ -68,13 +68,13 @@ def test_attention_kernel_bench_times_the_package_source_and_a_variant(tmp_path)
 
 @pytest.mark.skipif(not native_library().quantized, reason="QuantizedMatMul is not built here (no AVX2, FMA, F16C)")
 def test_quantized_kernel_bench_times_each_row_count_and_names_a_source_that_does_not_build(tmp_path):
-    timed = run_script("bench_quantized_kernel.py", "--shapes", "64x8x4,40x5x8", "--rows", "1,5")
-    assert set(timed["us"]) == {"64x8x4", "40x5x8"}
+    timed = run_script("bench_quantized_kernel.py", "--shapes", "64x8x4,40x5x8,96x20x5", "--rows", "1,5")
+    assert set(timed["us"]) == {"64x8x4", "40x5x8", "96x20x5"}
     assert all(set(times) == {"1", "5"} and min(times.values()) > 0 for times in timed["us"].values())
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
     for argv, message in ((["--source", str(broken)], f"{broken} does not compile"),
-                          (["--shapes", "64x8x3"], "64x8x3: BITS must be 4 or 8")):
+                          (["--shapes", "64x8x3"], "64x8x3: BITS must be 4, 5 or 8")):
         failed = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_quantized_kernel.py"), *argv],
                                 capture_output=True, text=True, timeout=600)
         assert failed.returncode != 0 and "Traceback" not in failed.stderr and message in failed.stderr

@@ -47,6 +47,12 @@
  * weights stay in 8-channel groups (see WIDE). The sums are the same 16-element sums, so the float operations and
  * the bits are the same at every width, with and without VNNI (tests/kernels/test_quantized_kernel.py builds the
  * narrower paths and compares them). The tile code is written once for both widths: onnxruntime_quantized_tile.h.
+ *
+ * An 8-bit weight whose codes are all below 32 (a GGUF's Q5_0, Q5_1 and Q5_K blocks: engine/quantize.py keeps them
+ * as 8-bit codes) is copied into 5-bit records: a 4-bit record's bytes of the codes' low 4 bits, then a plane of
+ * their fifth bits, 20 code bytes a (channel, block) with VNNI (24 without) against 32, unpacked as a 4-bit record's
+ * with one OR of the fifth bits a vector (five_bit_codes, FIFTH). The products are the same integer sums, so the
+ * bits are the 8-bit records'; a one-row product streams two thirds of the bytes (docs/design.md 6.9).
  */
 #include "onnxruntime_api.h"
 
@@ -72,6 +78,8 @@
 #define WIDE 0
 #endif
 #define BLOCK 32 /* weights per (channel, block): engine/quantize.py's BLOCK_SIZE */
+#define NIBBLE_BYTES (BLOCK / 2) /* a block's 4-bit codes, or a 5-bit block's low 4 bits */
+#define FIFTH_BYTES (VNNI ? BLOCK / 8 : BLOCK / 4) /* a 5-bit block's plane of fifth bits (see five_bit_codes) */
 #if VNNI
 #define GROUP 8   /* channels whose blocks lie together in the kernel's copy of the weight, one a 32-bit lane */
 #define VECTORS 2 /* a row's sums per group: the channels' halves 0 (elements 0-7, 16-23), then 1 (8-15, 24-31) */
@@ -80,8 +88,8 @@
 #define VECTORS 1
 #endif
 #define WIDE_GROUP 16 /* channels a 4-bit record holds where WIDE: one a lane of a 512-bit vector */
-/* a row's block of codes as the products read it: with VNNI, 32 bytes; without, 4-bit, 128, 8-bit, 32 int16 */
-#define A_BYTES(bits) (VNNI ? 32 : (bits) == 4 ? 128 : 64)
+/* a row's block of codes as the products read it: with VNNI, 32 bytes; without, 4- and 5-bit, 128, 8-bit, 32 int16 */
+#define A_BYTES(bits) (VNNI ? 32 : (bits) != 8 ? 128 : 64)
 #ifdef __AVX512VL__
 #define ROWS 8 /* rows multiplied together where there are more than one: their accumulators stay in registers */
 #else
@@ -94,13 +102,16 @@
 
 /* A (group, block)'s record in the kernel's copy of the weight, so that a group's blocks stream in order: the
  * group's channels' code bytes (4-bit, and 8-bit with VNNI: dword by dword, see make_weight; 8-bit without:
- * channel by channel), then their d and then their e, each `half` ? float16 : float32. Channels past N repeat the
- * last. A group is group_of(bits) channels. */
-#define CODE_BYTES(bits) (BLOCK * (bits) / 8)
+ * channel by channel; 5-bit: a 4-bit record's bytes of their low 4 bits, then the plane of their fifth bits), then
+ * their d and then their e, each `half` ? float16 : float32. Channels past N repeat the last. A group is
+ * group_of(bits) channels. */
+#define CODE_BYTES(bits) ((bits) == 5 ? NIBBLE_BYTES + FIFTH_BYTES : BLOCK * (bits) / 8)
+/* a 4- or 5-bit record's code bytes that one vector of the products loads: with VNNI, one dword per channel */
+#define RAW_BYTES(group) (VNNI ? 4 * (group) : 32)
 #define SCALE_BYTES(half) ((half) ? 2 : 4)
 #define RECORD_BYTES(group, bits, half) ((group) * (CODE_BYTES(bits) + 2 * SCALE_BYTES(half)))
 
-static inline int64_t group_of(int64_t bits) { return WIDE && bits == 4 ? WIDE_GROUP : GROUP; }
+static inline int64_t group_of(int64_t bits) { return WIDE && bits != 8 ? WIDE_GROUP : GROUP; }
 static inline int64_t record_bytes(int64_t bits, int64_t half) { return RECORD_BYTES(group_of(bits), bits, half); }
 
 typedef struct {
@@ -108,12 +119,12 @@ typedef struct {
     const uint8_t *a;       /* [M, blocks, A_BYTES(bits)] the rows' codes */
     const float *s, *sums;  /* [M, blocks] each block's scale and scaled code sum */
     float *y;               /* [M, N] */
-    int64_t M, N, blocks, bits, half;
+    int64_t M, N, blocks, bits, half; /* bits: the records' codes, 4, 5 or 8 */
 } Product;
 
 /* Row r's codes, scales and sums. A block's codes go as the products read them (a record's layout, make_weight):
- * with VNNI, 32 bytes, each dword k the 4 codes dword k of a channel's record multiplies (4-bit, chunk q's even
- * elements at 2q, its odd ones at 2q + 1; 8-bit, elements 4k .. 4k + 3); without, 4-bit weights, four vectors of
+ * with VNNI, 32 bytes, each dword k the 4 codes dword k of a channel's record multiplies (4- and 5-bit, chunk q's even
+ * elements at 2q, its odd ones at 2q + 1; 8-bit, elements 4k .. 4k + 3); without, 4- and 5-bit weights, four vectors of
  * 32 bytes, each half of a vector the 4 even (or odd) elements of one 8-element chunk q of the block repeated for
  * the group's 4 channels, in the order (chunk 0 | chunk 1) even, odd, then (chunk 2 | chunk 3) even, odd; 8-bit,
  * the 32 codes as int16. */
@@ -146,8 +157,8 @@ static void quantize_row(const float *x, int64_t K, int64_t blocks, int64_t bits
         uint8_t *out = a + b * A_BYTES(bits);
         const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(low, high), in_order); /* in order */
         if (VNNI) {
-            _mm256_storeu_si256((__m256i *)out, bits == 4 ? _mm256_shuffle_epi8(bytes, even_odd) : bytes);
-        } else if (bits == 4) { /* each half of chunks (0 | 1), then (2 | 3), picked per lane */
+            _mm256_storeu_si256((__m256i *)out, bits != 8 ? _mm256_shuffle_epi8(bytes, even_odd) : bytes);
+        } else if (bits != 8) { /* each half of chunks (0 | 1), then (2 | 3), picked per lane */
             for (int h = 0; h < 2; h++) { /* chunks: elements 16h .. 16h + 15 in each half */
                 const __m256i chunks = _mm256_permute4x64_epi64(bytes, h ? 0xee : 0x44);
                 _mm256_storeu_si256((__m256i *)(out + 64 * h), _mm256_shuffle_epi8(chunks, even));
@@ -161,6 +172,12 @@ static void quantize_row(const float *x, int64_t K, int64_t blocks, int64_t bits
         sums[b] = s[b] * (float)sum;
     }
 }
+
+/* The fifth bits of a 5-bit record's codes whose low 4 bits are the low (parity 0) or high (1) nibbles of the
+ * record's raw vector v, t = 2v + parity, as 16 or 0 in each byte: each plane byte's bit t moved to bit 4. The
+ * shifts are 16-bit, but one of at most 4 places moves no bit the mask keeps across a byte. */
+#define FIFTH(plane, t, SHIFT_LEFT16, SHIFT_RIGHT16, AND, SET1_8) \
+    AND((t) <= 4 ? SHIFT_LEFT16(plane, 4 - (t)) : SHIFT_RIGHT16(plane, (t) - 4), SET1_8(0x10))
 
 /* 8 (or 16) of a record's d or e as float32 */
 static inline __m256 eight(const uint8_t *at, int half) {
@@ -184,12 +201,20 @@ static inline void weight_operands_256(const uint8_t *record, int bits, const ui
  * q * a over a fixed 16 of the block's 32 elements (0-7 and 16-23 in lane c, 8-15 and 24-31 in lane 4 + c). */
 static inline void block_dots_256(const uint8_t *const *w, const uint8_t *a, int bits, __m256i dots[VECTORS]) {
     const uint8_t *record = w[0];
-    if (bits == 4) { /* per chunk pair, low nibbles x even elements + high x odd; 16-bit sums: |sum| <= 8 * 15 * 127 */
+    if (bits != 8) { /* per chunk pair, low nibbles x even elements + high x odd (5-bit: with their fifth bits);
+                      * 16-bit sums: |sum| <= 8 * 31 * 127 */
         const __m256i mask = _mm256_set1_epi8(0x0f);
-        __m256i sums = _mm256_setzero_si256();
+        __m256i sums = _mm256_setzero_si256(), plane = _mm256_setzero_si256();
+        if (bits == 5) plane = _mm256_loadu_si256((const __m256i *)(record + GROUP * NIBBLE_BYTES));
         for (int h = 0; h < 2; h++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(record + 32 * h));
-            const __m256i low = _mm256_and_si256(raw, mask), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(record + RAW_BYTES(GROUP) * h));
+            __m256i low = _mm256_and_si256(raw, mask), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+            if (bits == 5) {
+                low = _mm256_or_si256(low, FIFTH(plane, 2 * h, _mm256_slli_epi16, _mm256_srli_epi16, _mm256_and_si256,
+                                                 _mm256_set1_epi8));
+                high = _mm256_or_si256(high, FIFTH(plane, 2 * h + 1, _mm256_slli_epi16, _mm256_srli_epi16,
+                                                   _mm256_and_si256, _mm256_set1_epi8));
+            }
             const __m256i even = _mm256_loadu_si256((const __m256i *)(a + 64 * h));
             const __m256i odd = _mm256_loadu_si256((const __m256i *)(a + 64 * h + 32));
             sums = _mm256_add_epi16(sums, _mm256_add_epi16(_mm256_maddubs_epi16(low, even),
@@ -236,6 +261,8 @@ static inline void group_scales_256(const uint8_t *scales, int half, __m256 *d, 
 #define I_ZERO _mm256_setzero_si256
 #define I_AND _mm256_and_si256
 #define I_SHIFT16 _mm256_srli_epi16 /* each 16-bit lane right */
+#define I_SHIFTL16 _mm256_slli_epi16
+#define I_OR _mm256_or_si256
 #define I_SET1_8 _mm256_set1_epi8
 #define I_SET1_32 _mm256_set1_epi32
 #define I_DPBUSD DPBUSD_256
@@ -258,6 +285,8 @@ static inline void group_scales_256(const uint8_t *scales, int half, __m256 *d, 
 #define I_ZERO _mm512_setzero_si512
 #define I_AND _mm512_and_si512
 #define I_SHIFT16 _mm512_srli_epi16
+#define I_SHIFTL16 _mm512_slli_epi16
+#define I_OR _mm512_or_si512
 #define I_SET1_8 _mm512_set1_epi8
 #define I_SET1_32 _mm512_set1_epi32
 #define I_DPBUSD _mm512_dpbusd_epi32
@@ -269,16 +298,16 @@ static void multiply_task(void *data, size_t task) {
     const int64_t group = group_of(p->bits), all = (p->N + group - 1) / group;
     const int64_t first = (int64_t)task * (TASK_CHANNELS / group);
     const int64_t end = first + TASK_CHANNELS / group < all ? first + TASK_CHANNELS / group : all;
-    /* constants: each compiles to its own loops */
 #if WIDE
-    if (p->bits == 4 && p->half) groups_512(p, first, end, 4, 1);
-    else if (p->bits == 4) groups_512(p, first, end, 4, 0);
+#define NIBBLE_GROUPS groups_512 /* 4- and 5-bit records' */
 #else
-    if (p->bits == 4 && p->half) groups_256(p, first, end, 4, 1);
-    else if (p->bits == 4) groups_256(p, first, end, 4, 0);
+#define NIBBLE_GROUPS groups_256
 #endif
-    else if (p->half) groups_256(p, first, end, 8, 1);
-    else groups_256(p, first, end, 8, 0);
+    /* constants: each compiles to its own loops */
+    if (p->bits == 4) p->half ? NIBBLE_GROUPS(p, first, end, 4, 1) : NIBBLE_GROUPS(p, first, end, 4, 0);
+    else if (p->bits == 5) p->half ? NIBBLE_GROUPS(p, first, end, 5, 1) : NIBBLE_GROUPS(p, first, end, 5, 0);
+    else p->half ? groups_256(p, first, end, 8, 1) : groups_256(p, first, end, 8, 0);
+#undef NIBBLE_GROUPS
 }
 
 /* ---- the kernel ------------------------------------------------------------------------------------------- */
@@ -287,12 +316,14 @@ enum { INPUTS = 5, X = 0, CODES = 1, SCALES = 2, ZEROS = 3, MINS = 4 };
 static const int INPUT_TYPES[INPUTS] = {TYPE_FLOAT, TYPE_UINT8, TYPE_FLOAT, TYPE_UINT8, TYPE_FLOAT};
 
 /* The weight as the kernel reads it, made once from the node's constant inputs into memory of its own (not the
- * engine file's pages): record_bytes(bits, half) per (group, block) */
+ * engine file's pages): record_bytes(record_bits, half) per (group, block) */
 typedef struct {
     const OrtApi *api;
-    int64_t K, N, bits, blocks;
-    int64_t half;     /* every d and e is a float16 exactly (a GGUF's blocks): the records hold them so */
-    uint8_t *records; /* [ceil(N / group_of(bits)), blocks] record_bytes(bits, half) each */
+    int64_t K, N, bits, blocks; /* bits: the node's codes, 4 or 8 */
+    int64_t record_bits; /* the records': the node's, or 5 where every 8-bit code is below 32 (a GGUF's Q5 blocks:
+                          * the same sums from two thirds of the bytes) */
+    int64_t half;        /* every d and e is a float16 exactly (a GGUF's blocks): the records hold them so */
+    uint8_t *records;    /* [ceil(N / group_of(record_bits)), blocks] record_bytes(record_bits, half) each */
 } Kernel;
 
 static int64_t elements(const int64_t *dims, size_t rank) {
@@ -318,16 +349,17 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *context) {
     OrtValue *output;
     TRY(API(api, KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(context, 0, out_dims, rank, &output));
     const int64_t M = elements(dims, rank - 1);
-    Product p = {kn->records, NULL, NULL, NULL, NULL, M, N, blocks, kn->bits, kn->half};
+    const int64_t bits = kn->record_bits;
+    Product p = {kn->records, NULL, NULL, NULL, NULL, M, N, blocks, bits, kn->half};
     TRY(API(api, GET_TENSOR_MUTABLE_DATA, GetTensorMutableDataFn)(output, (void **)&p.y));
     if (M == 0) return NULL;
-    const size_t bytes = (size_t)(M * blocks * A_BYTES(kn->bits)) + (size_t)(2 * M * blocks) * sizeof(float);
+    const size_t bytes = (size_t)(M * blocks * A_BYTES(bits)) + (size_t)(2 * M * blocks) * sizeof(float);
     uint8_t *a = aligned_alloc(32, (bytes + 31) / 32 * 32); /* the codes, then the scales and sums */
     if (!a) return API(api, CREATE_STATUS, CreateStatusFn)(ORT_FAIL, "QuantizedMatMul: no memory for the rows' codes");
-    float *s = (float *)(a + M * blocks * A_BYTES(kn->bits)), *sums = s + M * blocks;
+    float *s = (float *)(a + M * blocks * A_BYTES(bits)), *sums = s + M * blocks;
     for (int64_t r = 0; r < M; r++)
-        quantize_row((const float *)x + r * K, K, blocks, kn->bits, a + r * blocks * A_BYTES(kn->bits),
-                     s + r * blocks, sums + r * blocks);
+        quantize_row((const float *)x + r * K, K, blocks, bits, a + r * blocks * A_BYTES(bits), s + r * blocks,
+                     sums + r * blocks);
     p.a = a, p.s = s, p.sums = sums;
     const size_t tasks = (size_t)((N + TASK_CHANNELS - 1) / TASK_CHANNELS);
     OrtStatus *status = API(api, KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(context, multiply_task, tasks, 0, &p);
@@ -371,6 +403,21 @@ static void store_scale(uint8_t *at, float x, int64_t half) {
     }
 }
 
+/* Channel c's block of 8-bit codes, each below 32, into its place in a 5-bit record of `group` channels (zeroed
+ * before): their low 4 bits where a 4-bit record holds them (make_weight), their fifth bits in the plane after the
+ * group's NIBBLE_BYTES each. The code whose low 4 bits are the low (parity 0) or high (1) nibble of byte p of the
+ * record's raw vector v (RAW_BYTES each) has its fifth bit at bit 2v + parity of the plane's byte p, so one vector
+ * of the plane holds the fifth bits of every raw vector's nibbles (FIFTH). */
+static void five_bit_codes(uint8_t *record, int64_t group, int64_t c, const uint8_t *code) {
+    uint8_t *plane = record + group * NIBBLE_BYTES;
+    for (int i = 0; i < BLOCK; i++) {
+        const int j = i / 2, parity = i % 2;                  /* element i's byte in a 4-bit block, and nibble */
+        const int64_t at = 4 * (group * (j / 4) + c) + j % 4; /* dword j / 4 of the group's channels side by side */
+        record[at] |= (uint8_t)((code[i] & 0x0f) << (4 * parity));
+        plane[at % RAW_BYTES(group)] |= (uint8_t)((code[i] >> 4) << (2 * (at / RAW_BYTES(group)) + parity));
+    }
+}
+
 /* the records from the node's constant codes, scales, zero points and (has_mins) mins */
 static OrtStatus *make_weight(const OrtApi *api, const OrtKernelInfo *info, Kernel *kn, int64_t has_mins) {
     const int64_t N = kn->N, blocks = kn->blocks, code_bytes = CODE_BYTES(kn->bits);
@@ -392,20 +439,30 @@ static OrtStatus *make_weight(const OrtApi *api, const OrtKernelInfo *info, Kern
             e[n * blocks + b] = m - d[n * blocks + b] * (float)z;
             kn->half = kn->half && exact_half(d[n * blocks + b]) && exact_half(e[n * blocks + b]);
         }
-    const int64_t group = group_of(kn->bits), all = (N + group - 1) / group, scale = SCALE_BYTES(kn->half);
-    const int64_t record_size = record_bytes(kn->bits, kn->half);
-    kn->records = weight_memory((size_t)(all * blocks * record_size));
+    kn->record_bits = kn->bits;
+    if (kn->bits == 8) {
+        int below = 1; /* every code below 32 */
+        for (int64_t i = 0; i < N * blocks * code_bytes && below; i++) below = ((const uint8_t *)codes)[i] < 32;
+        kn->record_bits = below ? 5 : 8;
+    }
+    const int64_t bits = kn->record_bits, group = group_of(bits), all = (N + group - 1) / group;
+    const int64_t scale = SCALE_BYTES(kn->half), record_size = record_bytes(bits, kn->half);
+    const size_t size = (size_t)(all * blocks * record_size);
+    kn->records = weight_memory(size);
     if (!kn->records) {
         free(e);
         return API(api, CREATE_STATUS, CreateStatusFn)(ORT_FAIL, "QuantizedMatMul: no memory for the weight");
     }
+    memset(kn->records, 0, size); /* five_bit_codes sets bits */
     for (int64_t n = 0; n < all * group; n++) { /* channels past N repeat the last */
         const int64_t from = (n < N ? n : N - 1) * blocks, c = n % group;
         for (int64_t b = 0; b < blocks; b++) {
             uint8_t *record = kn->records + (n / group * blocks + b) * record_size;
-            uint8_t *floats = record + group * code_bytes;
+            uint8_t *floats = record + group * CODE_BYTES(bits);
             const uint8_t *code = (const uint8_t *)codes + (from + b) * code_bytes;
-            if (kn->bits == 4 || VNNI) /* dword k of the group's channels side by side */
+            if (bits == 5)
+                five_bit_codes(record, group, c, code);
+            else if (bits == 4 || VNNI) /* dword k of the group's channels side by side */
                 for (int k = 0; k < code_bytes / 4; k++) memcpy(record + 4 * (group * k + c), code + 4 * k, 4);
             else
                 memcpy(record + c * code_bytes, code, (size_t)code_bytes);

@@ -3,7 +3,7 @@
  *   W                  the width in bits: the suffix of every function here (tile_256, groups_512, ..)
  *   W_GROUP            channels a record holds (with VNNI, one a 32-bit lane)
  *   Floats, F_*        the width's float32 vector and its operations (F_LANES lanes)
- *   Ints, I_*          with VNNI, the width's integer vector and its operations
+ *   Ints, I_*          with VNNI, the width's integer vector and its operations (I_SHIFT16 right, I_SHIFTL16 left)
  * and, without VNNI, the AVX2 path's own Operands_256, Dots_256, weight_operands_256, block_dots_256 and
  * group_scales_256.
  * The parameters are undefined at the end. The arithmetic is the includer's (its header comment): every width
@@ -16,17 +16,22 @@
 
 #if VNNI
 /* A (group, block)'s weight as the byte products take it, loaded once for all the rows of a tile: operand k
- * multiplies a row's dword k (quantize_row), lane c channel c's 4 codes: 4-bit, chunk k / 2's low nibbles (its
- * even elements) for even k, its high ones (odd elements) for odd k; 8-bit, elements 4k .. 4k + 3. */
+ * multiplies a row's dword k (quantize_row), lane c channel c's 4 codes: 4- and 5-bit, chunk k / 2's low nibbles
+ * (its even elements) for even k, its high ones (odd elements) for odd k, 5-bit with their fifth bits; 8-bit,
+ * elements 4k .. 4k + 3. */
 typedef Ints W_NAME(Operands)[8];
 typedef Ints W_NAME(Dots); /* a row's sums of a group: lane c channel c's */
 static inline void W_NAME(weight_operands)(const uint8_t *record, int bits, Ints *w) {
-    if (bits == 4) {
-        const Ints mask = I_SET1_8(0x0f);
-        for (int q = 0; q < 4; q++) {
-            const Ints raw = I_LOAD(record + 4 * W_GROUP * q);
+    if (bits != 8) {
+        const Ints mask = I_SET1_8(0x0f), plane = bits == 5 ? I_LOAD(record + W_GROUP * NIBBLE_BYTES) : I_ZERO();
+        for (int q = 0; q < 4; q++) { /* raw vector q: chunk q */
+            const Ints raw = I_LOAD(record + RAW_BYTES(W_GROUP) * q);
             w[2 * q] = I_AND(raw, mask);
             w[2 * q + 1] = I_AND(I_SHIFT16(raw, 4), mask);
+            if (bits == 5) {
+                w[2 * q] = I_OR(w[2 * q], FIFTH(plane, 2 * q, I_SHIFTL16, I_SHIFT16, I_AND, I_SET1_8));
+                w[2 * q + 1] = I_OR(w[2 * q + 1], FIFTH(plane, 2 * q + 1, I_SHIFTL16, I_SHIFT16, I_AND, I_SET1_8));
+            }
         }
     } else {
         for (int k = 0; k < 8; k++) w[k] = I_LOAD(record + 4 * W_GROUP * k);
@@ -123,6 +128,8 @@ static inline __attribute__((always_inline)) void W_NAME(groups)(const Product *
 #undef I_ZERO
 #undef I_AND
 #undef I_SHIFT16
+#undef I_SHIFTL16
+#undef I_OR
 #undef I_SET1_8
 #undef I_SET1_32
 #undef I_DPBUSD
