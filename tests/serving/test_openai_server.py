@@ -415,22 +415,23 @@ MALFORMED = [
     ("completions", {**GOOD, "n": 2}, 400, "n", "n=2 is not supported"),
     ("completions", {**GOOD, "prompt": LONG_PROMPT}, 400, "prompt", "leave no room to generate in max_model_len 512"),
     ("completions", {**GOOD, "max_tokens": 600}, 400, "max_tokens", "+ max_tokens 600 exceed max_model_len 512"),
-    # other ranges are the runtime's checks (its messages; no `param`)
+    # other ranges are the runtime's checks (its messages; `param` the field it names)
     ("completions", {**GOOD, "lookahead": {"window": 5}}, 400, "lookahead", "exceeds the served config (4, 3, 4)"),
     ("completions", {**GOOD, "lookahead": {"ngram": 4}}, 400, "lookahead", "exceeds the served config"),
     ("completions", {**GOOD, "lookahead": {"window": 0}}, 400, "lookahead", "W=0 is impossible"),
     ("completions", {**GOOD, "lookahead": {"width": 2}}, 400, "lookahead", "unrecognized request argument"),
     ("completions", {**GOOD, "lookahead": "fast"}, 400, "lookahead", "must be false"),
     ("completions", {**GOOD, "temperature": -1}, 400, "temperature", "temperature must be in [0, 2]"),  # OpenAI
-    ("completions", {**GOOD, "top_p": 0}, 400, None, "top_p must be in (0, 1]"),
-    ("completions", {**GOOD, "top_k": -1}, 400, None, "top_k must be >= 0"),
-    ("completions", {**GOOD, "seed": -1}, 400, None, "seed must be in [0, 2**64)"),
+    ("completions", {**GOOD, "top_p": 0}, 400, "top_p", "top_p must be in (0, 1]"),
+    ("completions", {**GOOD, "top_k": -1}, 400, "top_k", "top_k must be >= 0"),
+    ("completions", {**GOOD, "seed": -1}, 400, "seed", "seed must be in [0, 2**64)"),
+    ("chat/completions", {**CHAT, "top_p": 1.5}, 400, "top_p", "top_p must be in (0, 1]"),
     ("completions", {**GOOD, "seed": "7"}, 400, "seed", "valid integer"),
     ("completions", {**GOOD, "echo": True}, 400, "echo", "not supported"),
     ("completions", {**GOOD, "logprobs": 2}, 400, "logprobs", "not supported"),
     ("completions", {**GOOD, "stop": 7}, 400, "stop", "a string or a list of strings"),
     ("completions", {**GOOD, "prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
-    ("completions", {**GOOD, "prompt": [1, 99999]}, 400, None, "outside the vocabulary"),  # the runtime's check
+    ("completions", {**GOOD, "prompt": [1, 99999]}, 400, "prompt", "outside the vocabulary"),  # the runtime's check
     ("completions", {**GOOD, "frobnicate": 1}, 400, "frobnicate", "unrecognized request argument"),
     ("chat/completions", {**CHAT, "messages": []}, 400, "messages", "at least 1 item"),
     ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,

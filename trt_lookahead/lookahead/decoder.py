@@ -206,18 +206,26 @@ def check_request(prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int, v
     """Validate a request before any work; returns the prompt as an int64 array."""
     ids = np.asarray(prompt_ids).reshape(-1)
     if ids.size == 0:
-        raise UserError("the prompt is empty: give at least one token")
+        raise UserError("the prompt is empty: give at least one token", field="prompt")
     # integer arrays compare as they are; anything else (bools, floats, ints beyond 64 bits) id by id
-    values = ids.tolist() if ids.dtype.kind in "iu" else [as_int("token id", t) for t in ids.tolist()]
+    values = ids.tolist() if ids.dtype.kind in "iu" else [_token_id(t) for t in ids.tolist()]
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
-        raise UserError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        raise UserError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}", field="max_new_tokens")
     bad = [t for t in values if not 0 <= t < vocab_size]
     if bad:
-        raise UserError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size}); check the tokenizer")
+        raise UserError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size}); check the tokenizer",
+                        field="prompt")
     problem = length_error(len(values), int(max_new_tokens), max_seq_len)
     if problem is not None:
-        raise UserError(problem.message)
+        raise UserError(problem.message, field=problem.culprit)
     return np.array(values, np.int64)
+
+
+def _token_id(value: object) -> int:
+    try:
+        return as_int("token id", value)
+    except UserError as exc:
+        raise UserError(str(exc), field="prompt") from None
 
 
 @dataclass(frozen=True)

@@ -55,13 +55,13 @@ class SamplingParams:
         temperature, top_p = as_float("temperature", self.temperature), as_float("top_p", self.top_p)
         top_k, seed = as_int("top_k", self.top_k), as_int("seed", self.seed)
         if temperature < 0:
-            raise UserError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+            raise UserError(f"temperature must be >= 0 (0 is greedy), got {temperature}", field="temperature")
         if top_k < 0:
-            raise UserError(f"top_k must be >= 0 (0 disables it), got {top_k}")
+            raise UserError(f"top_k must be >= 0 (0 disables it), got {top_k}", field="top_k")
         if not 0.0 < top_p <= 1.0:
-            raise UserError(f"top_p must be in (0, 1] (1 disables it), got {top_p}")
+            raise UserError(f"top_p must be in (0, 1] (1 disables it), got {top_p}", field="top_p")
         if not 0 <= seed < SEED_LIMIT:
-            raise UserError(f"seed must be in [0, 2**64), got {seed}")
+            raise UserError(f"seed must be in [0, 2**64), got {seed}", field="seed")
         for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed)):
             object.__setattr__(self, name, value)
 

@@ -272,8 +272,8 @@ class OpenAIServer:
         problem = length_error(len(prompt_ids), asked, context, tokens=body.tokens_param, context="max_model_len",
                                grow="")
         if problem is not None:
-            param = body.PROMPT_PARAM if problem.culprit == "prompt" else problem.culprit
-            raise ApiError(400, problem.message, param=param, code=None if asked < 1 else CONTEXT_LENGTH_EXCEEDED)
+            raise ApiError(400, problem.message, param=body.param(problem.culprit),
+                           code=None if asked < 1 else CONTEXT_LENGTH_EXCEEDED)
         arguments = dict(max_new_tokens=asked, lookahead=lookahead, seed=seed,
                          stop=list(body.stop), pool_scope=body.pool_scope, **body.sampling())
         return ApiCall(body, prompt_ids, arguments, seed)
@@ -315,7 +315,7 @@ class OpenAIServer:
                 outcome = "error"
                 raise
             if isinstance(exc, ValueError):  # UserError: the runtime's checks of the request
-                raise ApiError(400, str(exc)) from None
+                raise ApiError(400, str(exc), param=job.body.param(getattr(exc, "field", None))) from None
             log.exception("request failed before its first token")
             raise ApiError(500, f"generation failed: {type(exc).__name__}: {exc}") from None
         finally:

@@ -172,7 +172,7 @@ class GenerationRequest(_Strict):
     OBJECT: ClassVar[str]
     CHUNK_OBJECT: ClassVar[str]
     ID_PREFIX: ClassVar[str]
-    PROMPT_PARAM: ClassVar[str]  # the field an over-long prompt is reported on
+    PROMPT_PARAM: ClassVar[str]  # the field the prompt came in (an error about the prompt names it)
 
     model: str
     # types only: the values' ranges are the runtime's checks (LookaheadRuntime.check_request), one rule for all;
@@ -234,6 +234,11 @@ class GenerationRequest(_Strict):
     def tokens_param(self) -> str:
         """The field that asked for the new tokens (the one an error about them names)."""
         return "max_tokens"
+
+    def param(self, argument: str | None) -> str | None:
+        """The field that gave the runtime's `argument` (a UserError's `field`): the same name but for the prompt
+        and the new tokens."""
+        return {"prompt": self.PROMPT_PARAM, "max_new_tokens": self.tokens_param}.get(argument or "", argument)
 
     def choice(self, text: str, finish_reason: str) -> dict[str, Any]:
         raise NotImplementedError
