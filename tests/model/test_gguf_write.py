@@ -1,6 +1,6 @@
 """The GGUF writer (model/gguf_convert.write_gguf) and its cache (bench/servers.cached_gguf): stories260K written
 as a GGUF and read back with gguf.GGUFReader and our own GGUF reader gives its tensors bit for bit; a byte-level
-BPE tokenizer's keys read back into the same tokenizer."""
+BPE tokenizer's keys read back into the same tokenizer, and a SentencePiece one into llama.cpp's tokenization."""
 
 import json
 import shutil
@@ -110,6 +110,60 @@ def test_byte_level_tokenizer_keys_rebuild_the_same_tokenizer(tmp_path):
         assert rebuilt.decode(ids, skip_special_tokens=False) == tok.decode(ids, skip_special_tokens=False)
 
 
+# llama.cpp's ids for stories260K written as a GGUF (write_gguf): llama-server b11434's POST /tokenize
+# {"content": text, "add_special": true, "parse_special": true} on that file. Spaces are not collapsed (the checkpoint's
+# own tokenizer.json collapses runs of them, a normalization a GGUF does not carry), and a space goes before the text
+# and after each special token, whether or not one is there.
+LLAMA_CPP_IDS = {
+    "": [1],
+    "a  b": [1, 261, 410, 268],
+    " leading": [1, 410, 278, 411, 380, 299],
+    "trailing  ": [1, 259, 420, 412, 290, 299, 410, 410],
+    "x\n\n  y": [1, 410, 444, 13, 13, 410, 348],
+    "<s>Hi</s> there": [1, 1, 320, 417, 2, 410, 383],
+    "héllo ✓ 日本語 🙂": [1, 270, 485, 306, 414, 410, 229, 159, 150, 410, 233, 154, 168, 233, 159, 175, 235, 173,
+                       161, 410, 243, 162, 156, 133],
+    "def f(x):\n    return x  # two spaces": [1, 279, 411, 431, 272, 489, 444, 488, 467, 13, 410, 410, 410, 410,
+                                             276, 413, 425, 420, 416, 410, 444, 410, 410, 38, 259, 424, 414, 262,
+                                             427, 412, 331, 419],
+}
+
+
+def test_a_sentencepiece_gguf_tokenizes_as_llama_cpp_and_answers_as_its_checkpoint(tmp_path, monkeypatch):
+    """stories260K's SentencePiece BPE vocabulary as a GGUF (tokenizer.ggml.model `llama`, as Llama 2's and Mistral's
+    files): read back, it gives llama.cpp's ids for the file, with the merges the file lists and with merges derived
+    from the scores (llama.cpp's converter writes none for a tokenizer.model); on text without runs of spaces it gives
+    the checkpoint's own tokenizer's ids; decoding gives the text back; and `--model FILE.gguf` answers as the
+    checkpoint."""
+    from transformers import AutoTokenizer
+
+    from trt_lookahead.model.fetch import resolve_model
+    from trt_lookahead.runtime import LookaheadRuntime
+
+    monkeypatch.setenv("TRT_LOOKAHEAD_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(STORIES, tmp_path / "stories.gguf")
+    meta = read_metadata(gguf.GGUFReader(str(path)))
+    assert meta["tokenizer.ggml.model"] == "llama" and meta["tokenizer.ggml.merges"]
+    rebuilt = build_tokenizer(meta)
+    derived = build_tokenizer({key: value for key, value in meta.items() if key != "tokenizer.ggml.merges"})
+    for text, ids in LLAMA_CPP_IDS.items():
+        assert rebuilt.encode(text).ids == ids and derived.encode(text).ids == ids, text
+        if "<s>" not in text:  # (a special token in the text is followed by a space of llama.cpp's)
+            assert rebuilt.decode(ids) == text, text
+    original = AutoTokenizer.from_pretrained(STORIES)
+    converted = AutoTokenizer.from_pretrained(resolve_model(str(path)))
+    texts = ["Once upon a time, there was a little girl named Lily.\nShe liked to play.", "The cat sat on the mat!",
+             "Numbers 12, 345 and 6789; naïve café über straße", "Tom said: \"Let's go to the park\" and ran."]
+    for text in texts:
+        ids = original(text)["input_ids"]
+        assert ids[0] == 1 and converted(text)["input_ids"] == derived.encode(text).ids == ids, text
+    prompts = ["Once upon a time", "The little dog"]
+    with LookaheadRuntime.from_pretrained(str(path), backend="torch") as rt:
+        from_file = [rt.generate(p, max_new_tokens=16, lookahead="greedy").text for p in prompts]
+    with LookaheadRuntime.from_pretrained(str(STORIES), backend="torch") as rt:
+        assert [rt.generate(p, max_new_tokens=16, lookahead="greedy").text for p in prompts] == from_file
+
+
 def test_a_gguf_file_as_model_is_converted_once_into_the_cache(tmp_path, monkeypatch, capsys):
     """--model FILE.gguf: converted once into <cache>/models/<stem>-<sha16>/, found there by the file's content
     afterwards (another file, another dir); the checkpoint holds the file's numbers, so it answers as the checkpoint
@@ -135,10 +189,12 @@ def test_a_gguf_file_as_model_is_converted_once_into_the_cache(tmp_path, monkeyp
         assert [rt.generate(p, max_new_tokens=12, lookahead="greedy").token_ids for p in prompts] == from_file
     other = write_gguf(model, tmp_path / "other.gguf", "bfloat16")
     assert resolve_model(other).name.startswith("other-") and resolve_model(other) != converted
-    bad = tmp_path / "bad.gguf"
+    bad, cut = tmp_path / "bad.gguf", tmp_path / "cut.gguf"
     bad.write_text("not a GGUF")
-    with pytest.raises(UserError, match="cannot read GGUF"):
-        resolve_model(bad)
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size * 9 // 10])  # a download that stopped in the tensors
+    for broken in (bad, cut):
+        with pytest.raises(UserError, match=f"cannot read GGUF {broken} .*: the file is not a GGUF or is cut short"):
+            resolve_model(broken)
     assert sorted(p.name for p in (tmp_path / "cache" / "models").iterdir() if not p.name.endswith(".lock")) == sorted(
         [converted.name, resolve_model(other).name])
 

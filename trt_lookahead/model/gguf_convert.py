@@ -1,5 +1,5 @@
-"""Convert a llama.cpp GGUF file (Llama architecture, byte-level BPE vocabulary) into a Hugging Face
-Llama checkpoint directory: config.json, generation_config.json, model.safetensors (float32),
+"""Convert a llama.cpp GGUF file (Llama architecture; byte-level BPE or SentencePiece BPE vocabulary) into a
+Hugging Face Llama checkpoint directory: config.json, generation_config.json, model.safetensors (float32),
 tokenizer.json and tokenizer_config.json.
 
 Our own code, not transformers' model loading: the `gguf` package reads the tensors and dequantizes
@@ -10,7 +10,9 @@ Two things llama.cpp changes on the way from HF to GGUF, and which are undone he
   head; HF's `rotate_half` rotates (i, i + d/2). `unpermute_qk` is the inverse of llama.cpp's `permute`.
 - the tokenizer becomes a bare vocabulary + merges list + a named pre-tokenizer (`tokenizer.ggml.pre`);
   `build_tokenizer` rebuilds the pipeline that name stands for (for `smollm`: every digit split off
-  on its own, then GPT-2 byte-level splitting).
+  on its own, then GPT-2 byte-level splitting). A SentencePiece vocabulary (`llama`: Llama 2, Mistral) keeps its
+  pieces and scores, its merges often not; it is rebuilt to tokenize as llama.cpp does (merges from the scores,
+  a space before the text and after each special token, byte fallback).
 
     info = convert_gguf_to_hf("model.gguf", "out_dir", progress=True)
 
@@ -61,8 +63,11 @@ _LAYER_TENSORS = {
 _IGNORED_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
+_TOKEN_NORMAL = 1
 _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4
+_TOKEN_BYTE = 6  # SentencePiece byte-fallback pieces <0xNN>
+_SPACE = "\u2581"  # SentencePiece's spelling of a space
 
 # tokenizer.ggml.pre values whose split is plain GPT-2 byte-level, or GPT-2 after isolating every digit.
 _PRE_GPT2 = {"default", "gpt2", "gpt-2", "mpt", "olmo", "jais"}
@@ -293,46 +298,22 @@ def smollm_pre_tokenizer():
 
 
 def build_tokenizer(meta: dict[str, Any]):
-    """A `tokenizers.Tokenizer` for a GGUF byte-level BPE vocabulary (`tokenizer.ggml.model == gpt2`)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
-    from tokenizers.models import BPE
+    """A `tokenizers.Tokenizer` for a GGUF vocabulary: byte-level BPE (`tokenizer.ggml.model` gpt2: SmolLM2, GPT-2)
+    or SentencePiece BPE (`llama`: Llama 2, Mistral, TinyLlama), tokenizing as llama.cpp does."""
+    from tokenizers import AddedToken
 
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise UserError(f"GGUF tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') is")
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    add_prefix_space = bool(meta.get("tokenizer.ggml.add_space_prefix", False))
-    if pre in _PRE_DIGITS_THEN_GPT2:
-        pre_tok = smollm_pre_tokenizer()
-    elif pre in _PRE_GPT2:
-        pre_tok = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    else:
-        raise UserError(f"GGUF pre-tokenizer {pre!r} is not supported (known: smollm, gpt2 and their aliases)")
-    if add_prefix_space:
-        raise UserError("GGUF asks for a space prefix on a byte-level vocabulary; not supported")
-
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    spelling = _bytes_to_unicode()
-    alphabet = set(spelling.values())
-    spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")) for t in tokens]
-    vocab = {t: i for i, t in enumerate(spelled)}
-    if len(vocab) != len(spelled):
-        raise UserError("GGUF vocabulary has duplicate tokens")
-    merges = []
-    for m in meta.get("tokenizer.ggml.merges") or []:
-        a, sep, b = m.partition(" ")
-        if not sep or " " in b:
-            raise UserError(f"GGUF merge {m!r} is not two tokens")
-        merges.append((a, b))
-
-    tok = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None, fuse_unk=False, byte_fallback=False))
-    tok.normalizer = None
-    tok.pre_tokenizer = pre_tok
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)  # adds nothing: no BOS (add_bos_token False)
-    tok.decoder = decoders.ByteLevel()
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens))
     if len(types) != len(tokens):
         raise UserError("GGUF token_type list and token list differ in length")
+    if kind == "gpt2":
+        tok, spelled = _byte_level_tokenizer(meta, tokens)
+    elif kind == "llama":
+        tok, spelled = _sentencepiece_tokenizer(meta, tokens, types), tokens
+    else:
+        raise UserError(f"GGUF tokenizer model {kind!r} is not supported; byte-level BPE ('gpt2') and SentencePiece "
+                        "BPE ('llama') are")
     kinds = list(zip(spelled, types, strict=True))
     control = [AddedToken(t, special=True, normalized=False) for t, ty in kinds if ty == _TOKEN_CONTROL]
     user = [AddedToken(t, special=False, normalized=False) for t, ty in kinds if ty == _TOKEN_USER_DEFINED]
@@ -342,6 +323,114 @@ def build_tokenizer(meta: dict[str, Any]):
         tok.add_tokens(user)
     if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
         raise UserError("tokenizer vocabulary size differs from the GGUF's token list")
+    return tok
+
+
+def _vocab(tokens: Sequence[str]) -> dict[str, int]:
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise UserError("GGUF vocabulary has duplicate tokens")
+    return vocab
+
+
+def _merges(meta: dict[str, Any]) -> list[tuple[str, str]]:
+    merges = []
+    for m in meta.get("tokenizer.ggml.merges") or []:
+        a, sep, b = m.partition(" ")
+        if not sep or " " in b:
+            raise UserError(f"GGUF merge {m!r} is not two tokens")
+        merges.append((a, b))
+    return merges
+
+
+def _merges_by_score(tokens: list[str], types: list[int], scores: Sequence[float] | None) -> list[tuple[str, str]]:
+    """The merges a SentencePiece BPE vocabulary implies (a GGUF made from a tokenizer.model lists none): each split
+    of a normal piece into two pieces of the vocabulary, the best-scored piece's first, as llama.cpp merges the
+    adjacent pair whose join scores best. E.g. pieces a, b, c, ab (score -1) and abc (-2): (a, b), then (ab, c)."""
+    if scores is None or len(scores) != len(tokens):
+        raise UserError("GGUF SentencePiece vocabulary has neither merges nor a score per token; the file is "
+                        "incomplete")
+    vocab = set(tokens)
+    ranked = sorted((-float(scores[i]), i, cut) for i, (piece, kind) in enumerate(zip(tokens, types, strict=True))
+                    if kind == _TOKEN_NORMAL for cut in range(1, len(piece))
+                    if piece[:cut] in vocab and piece[cut:] in vocab)
+    return [(tokens[i][:cut], tokens[i][cut:]) for _, i, cut in ranked]
+
+
+def _byte_level_tokenizer(meta: dict[str, Any], tokens: list[str]) -> tuple[Any, list[str]]:
+    """Byte-level BPE, and its tokens spelled in GPT-2's byte alphabet."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import BPE
+
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre in _PRE_DIGITS_THEN_GPT2:
+        pre_tok = smollm_pre_tokenizer()
+    elif pre in _PRE_GPT2:
+        pre_tok = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    else:
+        raise UserError(f"GGUF pre-tokenizer {pre!r} is not supported (known: smollm, gpt2 and their aliases)")
+    if meta.get("tokenizer.ggml.add_space_prefix", False):
+        raise UserError("GGUF asks for a space prefix on a byte-level vocabulary; not supported")
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")) for t in tokens]
+    bpe = BPE(vocab=_vocab(spelled), merges=_merges(meta), dropout=None, unk_token=None, fuse_unk=False,
+              byte_fallback=False)
+    tok = Tokenizer(bpe)
+    tok.normalizer = None
+    tok.pre_tokenizer = pre_tok
+    adds = _added_specials(meta, spelled)
+    byte_level = processors.ByteLevel(trim_offsets=False)  # offsets only
+    tok.post_processor = byte_level if adds is None else processors.Sequence([byte_level, adds])
+    tok.decoder = decoders.ByteLevel()
+    return tok, spelled
+
+
+def added_specials(meta: dict[str, Any]) -> tuple[int | None, int | None]:
+    """The ids of the BOS and EOS a GGUF's tokenizer adds to a text (add_bos_token, add_eos_token), None where it
+    adds none; llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say."""
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama")
+    add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    return (int(bos) if add_bos and bos is not None else None, int(eos) if add_eos and eos is not None else None)
+
+
+def _added_specials(meta: dict[str, Any], tokens: Sequence[str]) -> Any:
+    """A TemplateProcessing that adds `added_specials` around each text (a pair: around each), or None."""
+    from tokenizers import processors
+
+    bos, eos = added_specials(meta)
+    if bos is None and eos is None:
+        return None
+    head = [] if bos is None else [tokens[bos]]
+    tail = [] if eos is None else [tokens[eos]]
+    second = [f"{t}:1" for t in head] + ["$B:1"] + [f"{t}:1" for t in tail]
+    return processors.TemplateProcessing(single=" ".join([*head, "$A", *tail]),
+                                         pair=" ".join([*head, "$A", *tail, *second]),
+                                         special_tokens=sorted({(tokens[i], i) for i in (bos, eos) if i is not None}))
+
+
+def _sentencepiece_tokenizer(meta: dict[str, Any], tokens: list[str], types: list[int]) -> Any:
+    """SentencePiece BPE as llama.cpp runs it: spaces as U+2581, one before the text and after each special token
+    (add_space_prefix, the default), pieces merged best score first, a character outside the vocabulary as its
+    bytes' <0xNN> pieces, BOS (add_bos_token, the default) and EOS (add_eos_token) added. No normalization: a
+    GGUF does not carry the SentencePiece model's (e.g. collapsing runs of spaces), and llama.cpp applies none."""
+    from tokenizers import Tokenizer, decoders, normalizers
+    from tokenizers.models import BPE
+
+    vocab = _vocab(tokens)
+    merges = _merges(meta) or _merges_by_score(tokens, types, meta.get("tokenizer.ggml.scores"))
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    tok = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token=None if unk is None else tokens[int(unk)],
+                        fuse_unk=True, byte_fallback=True))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    # a normalizer, not Metaspace: that adds no space before text that starts with one, llama.cpp does
+    spaces = normalizers.Replace(" ", _SPACE)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), spaces]) if prefix else spaces
+    tok.pre_tokenizer = None
+    tok.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     *([decoders.Strip(" ", 1, 0)] if prefix else [])])
+    tok.post_processor = _added_specials(meta, tokens)
     return tok
 
 
@@ -355,8 +444,8 @@ def build_tokenizer_config(meta: dict[str, Any], max_length: int) -> dict[str, A
 
     cfg: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "add_bos_token": added_specials(meta)[0] is not None,
+        "add_eos_token": added_specials(meta)[1] is not None,
         "add_prefix_space": False,
         "bos_token": token("bos_token_id"),
         "eos_token": token("eos_token_id"),
@@ -399,7 +488,8 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, progress: boo
     try:
         reader = gguf.GGUFReader(str(gguf_path))
     except Exception as exc:  # gguf raises ValueError/struct.error/OSError on bad files
-        raise UserError(f"cannot read GGUF {gguf_path}: {exc}") from exc
+        raise UserError(f"cannot read GGUF {gguf_path} ({exc}): the file is not a GGUF or is cut short; download "
+                        "it again, or check the path") from exc
     meta = read_metadata(reader)
     names = [t.name for t in reader.tensors]
     config = build_config(meta, names)
@@ -427,8 +517,6 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, progress: boo
 
 # our dtype -> (llama.cpp's file type, the tensors' GGML type)
 GGUF_DTYPES = {"float32": ("ALL_F32", "F32"), "float16": ("MOSTLY_F16", "F16"), "bfloat16": ("MOSTLY_BF16", "BF16")}
-_TOKEN_NORMAL = 1
-_TOKEN_BYTE = 6  # SentencePiece byte-fallback pieces <0xNN>
 
 
 def gguf_tensor_name(hf_name: str) -> str:
