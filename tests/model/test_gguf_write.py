@@ -20,6 +20,7 @@ from trt_lookahead.model.gguf_convert import (
     convert_tensors,
     gguf_tensor_name,
     hf_tensor_name,
+    llama3_pre_tokenizer,
     read_metadata,
     tokenizer_metadata,
     write_gguf,
@@ -75,14 +76,14 @@ def test_tensor_names_are_inverse():
         gguf_tensor_name("model.layers.0.mlp.experts.weight")
 
 
-def bpe_model(tmp_path: Path) -> tuple[Path, object]:
-    """(stories260K with a byte-level BPE tokenizer trained here (digits split, as SmolLM2's), the tokenizer): a
-    checkpoint whose GGUF our converter reads back."""
+def bpe_model(tmp_path: Path, llama3: bool = False) -> tuple[Path, object]:
+    """(stories260K with a byte-level BPE tokenizer trained here, the tokenizer): a checkpoint whose GGUF our
+    converter reads back. Digits split as SmolLM2's, no BOS; or (llama3) split by Llama 3's regex, BOS added."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.pre_tokenizer = llama3_pre_tokenizer() if llama3 else pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     corpus = ["def add(a, b):\n    return a + b  # 12 apples", "The quick brown fox jumps over 3 lazy dogs."] * 20
     tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_end|>"],
@@ -90,24 +91,77 @@ def bpe_model(tmp_path: Path) -> tuple[Path, object]:
     model = tmp_path / "bpe"
     shutil.copytree(STORIES, model)
     tok.save(str(model / "tokenizer.json"))
-    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "add_bos_token": False,
+    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "add_bos_token": llama3,
+                                                             "bos_token": "<|endoftext|>",
                                                              "chat_template": "{{ messages }}"}))
     return model, tok
 
 
-def test_byte_level_tokenizer_keys_rebuild_the_same_tokenizer(tmp_path):
+# llama.cpp's ids for bpe_model(llama3=True)'s tokenizer written as a GGUF (its embedding cut to the vocabulary, so
+# that llama.cpp loads it): llama-server b11434's POST /tokenize, BOS added, special tokens parsed
+LLAMA_CPP_LLAMA3_IDS = {
+    "it's  12345\n\n x": [0, 74, 85, 8, 84, 222, 222, 263, 20, 21, 22, 200, 200, 222, 89],
+    "HELLO'S World!!\n": [0, 41, 38, 45, 45, 48, 8, 52, 222, 56, 80, 83, 77, 69, 2, 2, 200],
+    "   leading": [0, 260, 222, 77, 70, 66, 69, 74, 79, 72],
+    "tabs\tand  spaces   ": [0, 85, 66, 67, 84, 199, 66, 79, 69, 222, 222, 84, 81, 66, 68, 271, 300],
+    "I'LL we've 1234567": [0, 42, 8, 45, 45, 222, 88, 70, 8, 87, 70, 222, 263, 20, 21, 22, 23, 24],
+    "a\r\n\r\nb": [0, 66, 203, 200, 203, 200, 67],
+    "¿Qué?  ¡Sí!": [0, 128, 125, 50, 86, 129, 104, 32, 222, 222, 128, 96, 52, 129, 257, 2],
+    "The 42 brown foxes<|im_end|>": [0, 302, 222, 21, 19, 313, 306, 271, 1],
+}
+
+
+@pytest.mark.parametrize(("llama3", "pre"), [(False, "smollm"), (True, "llama-bpe")])
+def test_byte_level_tokenizer_keys_rebuild_the_same_tokenizer(tmp_path, llama3, pre):
     """A byte-level BPE tokenizer written as GGUF keys and rebuilt by the GGUF reader encodes and decodes as the
-    original does."""
-    model, tok = bpe_model(tmp_path)
+    original does, with the BOS its add_bos_token asks for; its split has llama.cpp's name."""
+    model, tok = bpe_model(tmp_path, llama3)
     meta = tokenizer_metadata(model)
-    assert meta["tokenizer.ggml.model"] == "gpt2" and meta["tokenizer.ggml.pre"] == "smollm"
+    assert meta["tokenizer.ggml.model"] == "gpt2" and meta["tokenizer.ggml.pre"] == pre
     assert meta["tokenizer.ggml.eos_token_id"] == 1 and meta["tokenizer.chat_template"] == "{{ messages }}"
     path = write_gguf(model, tmp_path / "bpe.gguf")
     rebuilt = build_tokenizer(read_metadata(gguf.GGUFReader(str(path))))
-    for text in ["def add(x, y):\n    return x + y", "The 42 brown foxes<|im_end|>", "naïve café 2024"]:
+    for text in ["def add(x, y):\n    return x + y", "The 42 brown foxes<|im_end|>", "naïve café 2024",
+                 "it's  12345\n\n x"]:
         ids = tok.encode(text).ids
-        assert rebuilt.encode(text).ids == ids
+        assert rebuilt.encode(text).ids == [0] * llama3 + ids
         assert rebuilt.decode(ids, skip_special_tokens=False) == tok.decode(ids, skip_special_tokens=False)
+    for text, ids in LLAMA_CPP_LLAMA3_IDS.items() if llama3 else ():
+        assert rebuilt.encode(text).ids == ids, text
+
+
+def with_tensor(source: Path, out: Path, name: str, data: np.ndarray) -> Path:
+    """A copy of the float GGUF `source` with one more tensor, as llama.cpp's converter adds rope_freqs."""
+    reader = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(str(out), arch="llama")
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            array = field.types[0] == gguf.GGUFValueType.ARRAY
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data))
+    writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_rope_factors_that_change_the_frequencies_are_refused(tmp_path):
+    """Llama 3.1's files scale RoPE by a rope_freqs tensor, which the converted config cannot say: refused by name
+    before anything is written; a table of ones changes nothing and converts."""
+    from trt_lookahead.model.gguf_convert import convert_gguf_to_hf
+
+    path = write_gguf(STORIES, tmp_path / "stories.gguf")
+    half = 4  # stories260K's head_dim / 2
+    ones = with_tensor(path, tmp_path / "ones.gguf", "rope_freqs.weight", np.ones(half, np.float32))
+    convert_gguf_to_hf(ones, tmp_path / "from-ones", progress=False)
+    assert (tmp_path / "from-ones" / "model.safetensors").is_file()
+    scaled = with_tensor(path, tmp_path / "scaled.gguf", "rope_freqs.weight", np.array([1, 1, 3.5, 8], np.float32))
+    with pytest.raises(UserError, match=r"'rope_freqs.weight' scales RoPE per frequency .*\(--model DIR\)"):
+        convert_gguf_to_hf(scaled, tmp_path / "from-scaled", progress=False)
+    assert not (tmp_path / "from-scaled" / "model.safetensors").exists()
 
 
 # llama.cpp's ids for stories260K written as a GGUF (write_gguf): llama-server b11434's POST /tokenize

@@ -10,7 +10,7 @@ Two things llama.cpp changes on the way from HF to GGUF, and which are undone he
   head; HF's `rotate_half` rotates (i, i + d/2). `unpermute_qk` is the inverse of llama.cpp's `permute`.
 - the tokenizer becomes a bare vocabulary + merges list + a named pre-tokenizer (`tokenizer.ggml.pre`);
   `build_tokenizer` rebuilds the pipeline that name stands for (for `smollm`: every digit split off
-  on its own, then GPT-2 byte-level splitting). A SentencePiece vocabulary (`llama`: Llama 2, Mistral) keeps its
+  on its own, then GPT-2 byte-level splitting; for `llama-bpe`, Llama 3's regex). A SentencePiece vocabulary (`llama`: Llama 2, Mistral) keeps its
   pieces and scores, its merges often not; it is rebuilt to tokenize as llama.cpp does (merges from the scores,
   a space before the text and after each special token, byte fallback).
 
@@ -59,8 +59,6 @@ _LAYER_TENSORS = {
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.bias": "self_attn.o_proj.bias",
 }
-# Tensors llama.cpp may store that carry nothing a HF Llama needs (RoPE tables are recomputed).
-_IGNORED_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 _TOKEN_NORMAL = 1
@@ -72,6 +70,12 @@ _SPACE = "\u2581"  # SentencePiece's spelling of a space
 # tokenizer.ggml.pre values whose split is plain GPT-2 byte-level, or GPT-2 after isolating every digit.
 _PRE_GPT2 = {"default", "gpt2", "gpt-2", "mpt", "olmo", "jais"}
 _PRE_DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
+# ... and those whose split is Llama 3's regex (then byte-level spelling without GPT-2's regex)
+_PRE_LLAMA3 = {"llama3", "llama-v3", "llama-bpe"}
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+                r"|\s+(?!\S)|\s+")
+# RoPE tables llama.cpp may store: recomputed here when they change nothing (all ones), else refused
+_ROPE_FACTORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
 @dataclass
@@ -213,7 +217,7 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     """HF name for a GGUF tensor name; None for tensors that are deliberately dropped."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
-    if gguf_name in _IGNORED_TENSORS:
+    if gguf_name in _ROPE_FACTORS:
         return None
     parts = gguf_name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
@@ -221,6 +225,16 @@ def hf_tensor_name(gguf_name: str) -> str | None:
         if rest in _LAYER_TENSORS:
             return f"model.layers.{int(parts[1])}.{_LAYER_TENSORS[rest]}"
     raise UserError(f"GGUF tensor {gguf_name!r} has no HF Llama counterpart; the file is not a plain llama model")
+
+
+def _check_rope_factors(reader) -> None:
+    """A UserError for a RoPE factor tensor that changes the frequencies (Llama 3.1's rope_freqs): the converted
+    config would not say so, and every position would be rotated otherwise than in the file's model."""
+    for t in reader.tensors:
+        if t.name in _ROPE_FACTORS and not np.all(np.asarray(t.data, np.float32) == 1):
+            raise UserError(f"GGUF tensor {t.name!r} scales RoPE per frequency (as Llama 3.1 and later files do); "
+                            "converting that is not supported: run the model's HF checkpoint directory instead "
+                            "(--model DIR)")
 
 
 def convert_tensors(reader, config: dict[str, Any], progress: bool = True) -> tuple[dict[str, np.ndarray], dict]:
@@ -297,6 +311,19 @@ def smollm_pre_tokenizer():
     )
 
 
+def llama3_pre_tokenizer():
+    """llama.cpp's `llama-bpe` split (Llama 3): its regex isolates each piece, then byte-level spelling, as Llama 3's
+    tokenizer.json writes it."""
+    from tokenizers import Regex, pre_tokenizers
+
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
+        ]
+    )
+
+
 def build_tokenizer(meta: dict[str, Any]):
     """A `tokenizers.Tokenizer` for a GGUF vocabulary: byte-level BPE (`tokenizer.ggml.model` gpt2: SmolLM2, GPT-2)
     or SentencePiece BPE (`llama`: Llama 2, Mistral, TinyLlama), tokenizing as llama.cpp does."""
@@ -365,10 +392,13 @@ def _byte_level_tokenizer(meta: dict[str, Any], tokens: list[str]) -> tuple[Any,
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre in _PRE_DIGITS_THEN_GPT2:
         pre_tok = smollm_pre_tokenizer()
+    elif pre in _PRE_LLAMA3:
+        pre_tok = llama3_pre_tokenizer()
     elif pre in _PRE_GPT2:
         pre_tok = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     else:
-        raise UserError(f"GGUF pre-tokenizer {pre!r} is not supported (known: smollm, gpt2 and their aliases)")
+        raise UserError(f"GGUF pre-tokenizer {pre!r} is not supported (known: smollm, llama-bpe, gpt2 and their "
+                        "aliases)")
     if meta.get("tokenizer.ggml.add_space_prefix", False):
         raise UserError("GGUF asks for a space prefix on a byte-level vocabulary; not supported")
     spelling = _bytes_to_unicode()
@@ -493,6 +523,7 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, progress: boo
     meta = read_metadata(reader)
     names = [t.name for t in reader.tensors]
     config = build_config(meta, names)
+    _check_rope_factors(reader)
 
     tokenizer = build_tokenizer(meta)
     tokenizer.save(str(out / "tokenizer.json"))
@@ -544,8 +575,12 @@ def _pre_tokenizer_name(pre: Any) -> str:
     if (isinstance(steps, list) and len(steps) == 2 and steps[0].get("type") == "Digits"
             and steps[0].get("individual_digits") and is_byte_level(steps[1])):
         return "smollm"
+    if (isinstance(steps, list) and len(steps) == 2 and steps[0].get("type") == "Split"
+            and (steps[0].get("pattern") or {}).get("Regex") == LLAMA3_SPLIT and steps[1].get("type") == "ByteLevel"
+            and not steps[1].get("use_regex", True)):
+        return "llama-bpe"
     raise UserError(f"tokenizer.json's pre-tokenizer {json.dumps(pre)[:120]} has no llama.cpp name known here "
-                    "(known: GPT-2 byte-level, and digits then byte-level = smollm)")
+                    "(known: GPT-2 byte-level, digits then byte-level = smollm, Llama 3's split = llama-bpe)")
 
 
 def tokenizer_metadata(model_dir: str | Path) -> dict[str, Any]:

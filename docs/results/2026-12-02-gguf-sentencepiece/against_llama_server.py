@@ -36,14 +36,17 @@ def llama_ids(text: str) -> list[int]:
 path = sys.argv[1]
 meta = read_metadata(gguf.GGUFReader(path))
 ours = build_tokenizer(meta)
-derived = build_tokenizer({key: value for key, value in meta.items() if key != "tokenizer.ggml.merges"})
+# a SentencePiece file may list no merges (then they come from the scores); a byte-level one always lists them
+spm = meta["tokenizer.ggml.model"] == "llama"
+derived = build_tokenizer({key: value for key, value in meta.items() if key != "tokenizer.ggml.merges" or not spm})
 texts = list(TEXTS)
 for data in sorted(pathlib.Path(__file__).parents[4].joinpath("shared", "data").rglob("*.jsonl")):
     for line in data.read_text().splitlines()[:30]:
         texts += [v for v in json.loads(line).values() if isinstance(v, str)]
 wrong = [t for t in texts if ours.encode(t).ids != llama_ids(t)]
 wrong_derived = [t for t in texts if derived.encode(t).ids != llama_ids(t)]
-print(f"{len(texts)} texts: ids unlike llama-server's {len(wrong)}, with merges from the scores {len(wrong_derived)}")
+print(f"{len(texts)} texts: ids unlike llama-server's {len(wrong)}" +
+      (f", with merges from the scores {len(wrong_derived)}" if spm else ""))
 options = {"weights": "int4"} if sys.argv[2:] == ["int4"] else {"backend": "torch"}
 with LookaheadRuntime.from_pretrained(path, **options) as rt:
     for prompt in PROMPTS:
