@@ -222,6 +222,7 @@ def check_request(prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int, v
 
 
 def _token_id(value: object) -> int:
+    """One prompt token id as an int (a UserError about the prompt otherwise)."""
     try:
         return as_int("token id", value)
     except UserError as exc:

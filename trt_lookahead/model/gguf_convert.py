@@ -10,9 +10,10 @@ Two things llama.cpp changes on the way from HF to GGUF, and which are undone he
   head; HF's `rotate_half` rotates (i, i + d/2). `unpermute_qk` is the inverse of llama.cpp's `permute`.
 - the tokenizer becomes a bare vocabulary + merges list + a named pre-tokenizer (`tokenizer.ggml.pre`);
   `build_tokenizer` rebuilds the pipeline that name stands for (for `smollm`: every digit split off
-  on its own, then GPT-2 byte-level splitting; for `llama-bpe`, Llama 3's regex). A SentencePiece vocabulary (`llama`: Llama 2, Mistral) keeps its
-  pieces and scores, its merges often not; it is rebuilt to tokenize as llama.cpp does (merges from the scores,
-  a space before the text and after each special token, byte fallback).
+  on its own, then GPT-2 byte-level splitting; for `llama-bpe`, Llama 3's regex). A SentencePiece
+  vocabulary (`llama`: Llama 2, Mistral) keeps its pieces and scores, its merges often not; it is rebuilt to
+  tokenize as llama.cpp does (merges from the scores, a space before the text and after each special token,
+  byte fallback).
 
     info = convert_gguf_to_hf("model.gguf", "out_dir", progress=True)
 
@@ -409,14 +410,14 @@ def _byte_level_tokenizer(meta: dict[str, Any], tokens: list[str]) -> tuple[Any,
     tok = Tokenizer(bpe)
     tok.normalizer = None
     tok.pre_tokenizer = pre_tok
-    adds = _added_specials(meta, spelled)
+    adds = _specials_processor(meta, spelled)
     byte_level = processors.ByteLevel(trim_offsets=False)  # offsets only
     tok.post_processor = byte_level if adds is None else processors.Sequence([byte_level, adds])
     tok.decoder = decoders.ByteLevel()
     return tok, spelled
 
 
-def added_specials(meta: dict[str, Any]) -> tuple[int | None, int | None]:
+def _added_ids(meta: dict[str, Any]) -> tuple[int | None, int | None]:
     """The ids of the BOS and EOS a GGUF's tokenizer adds to a text (add_bos_token, add_eos_token), None where it
     adds none; llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say."""
     add_bos = meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama")
@@ -425,11 +426,11 @@ def added_specials(meta: dict[str, Any]) -> tuple[int | None, int | None]:
     return (int(bos) if add_bos and bos is not None else None, int(eos) if add_eos and eos is not None else None)
 
 
-def _added_specials(meta: dict[str, Any], tokens: Sequence[str]) -> Any:
-    """A TemplateProcessing that adds `added_specials` around each text (a pair: around each), or None."""
+def _specials_processor(meta: dict[str, Any], tokens: Sequence[str]) -> Any:
+    """A TemplateProcessing that adds `_added_ids` around each text (a pair: around each), or None."""
     from tokenizers import processors
 
-    bos, eos = added_specials(meta)
+    bos, eos = _added_ids(meta)
     if bos is None and eos is None:
         return None
     head = [] if bos is None else [tokens[bos]]
@@ -460,7 +461,7 @@ def _sentencepiece_tokenizer(meta: dict[str, Any], tokens: list[str], types: lis
     tok.pre_tokenizer = None
     tok.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
                                      *([decoders.Strip(" ", 1, 0)] if prefix else [])])
-    tok.post_processor = _added_specials(meta, tokens)
+    tok.post_processor = _specials_processor(meta, tokens)
     return tok
 
 
@@ -472,10 +473,11 @@ def build_tokenizer_config(meta: dict[str, Any], max_length: int) -> dict[str, A
         i = meta.get(f"tokenizer.ggml.{key}")
         return None if i is None else tokens[int(i)]
 
+    bos, eos = _added_ids(meta)
     cfg: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": added_specials(meta)[0] is not None,
-        "add_eos_token": added_specials(meta)[1] is not None,
+        "add_bos_token": bos is not None,
+        "add_eos_token": eos is not None,
         "add_prefix_space": False,
         "bos_token": token("bos_token_id"),
         "eos_token": token("eos_token_id"),
