@@ -18,10 +18,11 @@ class UserError(ValueError):
         self.field = field
 
 
-def as_int(name: str, value: object) -> int:
-    """`value` as an int if it is an integer (Python or numpy, not a bool); else UserError naming `name`."""
+def as_int(name: str, value: object, field: str | None = None) -> int:
+    """`value` as an int if it is an integer (Python or numpy, not a bool); else UserError naming `name` (its
+    `field` that argument, `name` unless given)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise UserError(f"{name} must be an integer, got {value!r}", field=name)
+        raise UserError(f"{name} must be an integer, got {value!r}", field=field or name)
     return int(value)
 
 

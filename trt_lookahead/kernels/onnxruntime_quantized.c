@@ -453,7 +453,7 @@ static OrtStatus *make_weight(const OrtApi *api, const OrtKernelInfo *info, Kern
         free(e);
         return API(api, CREATE_STATUS, CreateStatusFn)(ORT_FAIL, "QuantizedMatMul: no memory for the weight");
     }
-    memset(kn->records, 0, size); /* five_bit_codes sets bits */
+    if (bits == 5) memset(kn->records, 0, size); /* five_bit_codes sets bits; the other records are copied whole */
     for (int64_t n = 0; n < all * group; n++) { /* channels past N repeat the last */
         const int64_t from = (n < N ? n : N - 1) * blocks, c = n % group;
         for (int64_t b = 0; b < blocks; b++) {

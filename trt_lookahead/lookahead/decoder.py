@@ -208,7 +208,7 @@ def check_request(prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int, v
     if ids.size == 0:
         raise UserError("the prompt is empty: give at least one token", field="prompt")
     # integer arrays compare as they are; anything else (bools, floats, ints beyond 64 bits) id by id
-    values = ids.tolist() if ids.dtype.kind in "iu" else [_token_id(t) for t in ids.tolist()]
+    values = ids.tolist() if ids.dtype.kind in "iu" else [as_int("token id", t, "prompt") for t in ids.tolist()]
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
         raise UserError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}", field="max_new_tokens")
     bad = [t for t in values if not 0 <= t < vocab_size]
@@ -219,14 +219,6 @@ def check_request(prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int, v
     if problem is not None:
         raise UserError(problem.message, field=problem.culprit)
     return np.array(values, np.int64)
-
-
-def _token_id(value: object) -> int:
-    """One prompt token id as an int (a UserError about the prompt otherwise)."""
-    try:
-        return as_int("token id", value)
-    except UserError as exc:
-        raise UserError(str(exc), field="prompt") from None
 
 
 @dataclass(frozen=True)
