@@ -3,6 +3,7 @@ as a GGUF and read back with gguf.GGUFReader and our own GGUF reader gives its t
 BPE tokenizer's keys read back into the same tokenizer, and a SentencePiece one into llama.cpp's tokenization."""
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -21,10 +22,13 @@ from trt_lookahead.model.gguf_convert import (
     gguf_tensor_name,
     hf_tensor_name,
     llama3_pre_tokenizer,
+    llama3_rope_factors,
     read_metadata,
+    rope_scaling_from_factors,
     tokenizer_metadata,
     write_gguf,
 )
+from trt_lookahead.model.llama import ModelConfig
 
 STORIES = Path(__file__).parents[1] / "fixtures" / "stories260K"
 
@@ -148,18 +152,145 @@ def with_tensor(source: Path, out: Path, name: str, data: np.ndarray) -> Path:
     return out
 
 
-def test_rope_factors_that_change_the_frequencies_are_refused(tmp_path):
-    """Llama 3.1's files scale RoPE by a rope_freqs tensor, which the converted config cannot say: refused by name
-    before anything is written; a table of ones changes nothing and converts."""
+def converter_rope_freqs(scaling: dict, dim: int, base: float) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors) for a `llama3` rope_scaling, written
+    out here as it is there, one 0-d float32 tensor at a time: the reference our writer and reader must agree with."""
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
+
+
+LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize(("scaling", "head_dim", "theta"), [
+    (LLAMA31, 128, 500000.0),  # Llama 3.1 8B / 70B / 405B
+    ({**LLAMA31, "factor": 32.0}, 64, 500000.0),  # Llama 3.2 1B
+    ({**LLAMA31, "factor": 32.0}, 128, 500000.0),  # Llama 3.2 3B
+    ({**LLAMA31, "factor": 4.0, "high_freq_factor": 3.0, "original_max_position_embeddings": 4096}, 96, 10000.0),
+])
+def test_llama3_rope_tables_are_read_back_as_their_parameters(scaling, head_dim, theta):
+    table = converter_rope_freqs(scaling, head_dim, theta)
+    assert np.array_equal(llama3_rope_factors(scaling, head_dim, theta).view(np.uint32), table.view(np.uint32))
+    assert rope_scaling_from_factors(table, head_dim, theta) == scaling
+    if scaling == LLAMA31:  # the docstring's worked example
+        assert (table == 1).sum() == 29 and (table == 8).sum() == 29
+
+
+def test_rope_tables_other_than_llama3_are_refused():
+    """All ones is no scaling, one divisor everywhere is linear; a table whose smoothed band is no straight line in
+    the frequency, holds fewer than two points, or is not the wrong size is refused by name."""
+    ones, fours = np.ones(4, np.float32), np.full(4, 4, np.float32)
+    assert rope_scaling_from_factors(ones, 8, 1e4) is None
+    assert rope_scaling_from_factors(fours, 8, 1e4) == {"rope_type": "linear", "factor": 4.0}
+    table = converter_rope_freqs(LLAMA31, 128, 500000.0)
+    bent = table.copy()
+    bent[31] *= 1.01
+    for bad in (bent, np.array([1, 1, 3.5, 8], np.float32), np.array([1, 3.5, 2, 8], np.float32)):
+        with pytest.raises(UserError, match=r"'rope_freqs.weight' scales RoPE .* other than Llama 3's .*--model DIR"):
+            rope_scaling_from_factors(bad, len(bad) * 2, 500000.0)
+    with pytest.raises(UserError, match="has 64 entries; a head of 64 dims needs 32"):
+        rope_scaling_from_factors(table, 64, 500000.0)
+
+
+def rope_meta(**keys: object) -> dict:
+    meta = {"general.architecture": "llama", "llama.block_count": 1, "llama.context_length": 64,
+            "llama.embedding_length": 32, "llama.feed_forward_length": 64, "llama.attention.head_count": 4,
+            "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": 10}
+    return {**meta, **{f"llama.rope.{key.replace('_', '.')}": value for key, value in keys.items()}}
+
+
+def test_rope_scaling_metadata_becomes_the_config():
+    """llama.cpp's `rope.scaling.type` linear (its factor) and a rope_freqs table are the HF config's rope_scaling;
+    YaRN, and both at once, are refused by name."""
+    linear = build_config(rope_meta(scaling_type="linear", scaling_factor=2.0), [])
+    assert linear["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    assert ModelConfig.from_hf(linear).rope_scaling == linear["rope_scaling"]
+    assert build_config(rope_meta(scaling_type="linear", scaling_factor=1.0), [])["rope_scaling"] is None
+    table = converter_rope_freqs({**LLAMA31, "high_freq_factor": 64.0, "original_max_position_embeddings": 2048},
+                                 8, 10000.0)
+    llama3 = build_config(rope_meta(freq_base=10000.0), [], table)
+    assert llama3["rope_parameters"] == {"rope_theta": 10000.0, **llama3["rope_scaling"]}
+    assert ModelConfig.from_hf(llama3).rope_scaling == {**LLAMA31, "high_freq_factor": 64.0,
+                                                        "original_max_position_embeddings": 2048}
+    with pytest.raises(UserError, match=r"GGUF uses RoPE scaling 'yarn'; only Llama 3's .* and linear"):
+        build_config(rope_meta(scaling_type="yarn", scaling_factor=4.0), [])
+    with pytest.raises(UserError, match="scales RoPE twice"):
+        build_config(rope_meta(scaling_type="linear", scaling_factor=2.0, freq_base=10000.0), [], table)
+
+
+# llama-server b11434's greedy ids (docs/results/2026-12-02-gguf-rope-scaling/llama_server_ids.py) for SCALED_PROMPT
+# on stories260K written as a GGUF with each scaling below: its positions reach 340, where they matter. llama3's
+# stop before a near-tie: its 27th token is 448 in float64 (transformers), ahead of llama-server's 465 by 3e-4 in
+# log-probability, less than llama-server's log-probabilities lie from float64's on these files (6e-4 to 6e-3).
+SCALED_PROMPT = [1] + [(37 * i) % 509 + 3 for i in range(299)]
+LLAMA_CPP_SCALED_IDS = {
+    "llama3": [419, 426, 436, 436, 336, 432, 410, 465, 434, 415, 432, 436, 336, 432, 436, 336, 432, 410, 465, 434,
+               415, 432, 436, 336, 432, 410],
+    "linear": [421, 422, 426, 436, 436, 410, 13, 434, 260, 416, 411, 412, 421, 422, 286, 261, 419, 355, 261, 419,
+               355, 261, 282, 276, 411, 412, 356, 420, 277, 420, 277, 420, 412, 271, 433, 269, 262, 415, 303, 428],
+}
+SCALINGS = {"llama3": {**LLAMA31, "high_freq_factor": 64.0, "original_max_position_embeddings": 2048},
+            "linear": {"rope_type": "linear", "factor": 4.0}}
+
+
+@pytest.mark.parametrize("kind", sorted(SCALINGS))
+def test_a_scaled_rope_goes_to_gguf_and_back(tmp_path, monkeypatch, kind):
+    """A checkpoint whose config scales RoPE (Llama 3's rule, or linear) is written as llama.cpp's converter writes
+    it (a rope_freqs table equal to the converter's, or rope.scaling.type/factor); read back, the config holds the
+    same parameters, and `--model FILE.gguf` answers as llama-server does on that file, which the unscaled model
+    does not."""
+    from trt_lookahead.model.fetch import resolve_model
+    from trt_lookahead.runtime import LookaheadRuntime
+
+    monkeypatch.setenv("TRT_LOOKAHEAD_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / kind
+    shutil.copytree(STORIES, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "rope_scaling": SCALINGS[kind]}))
+    path = write_gguf(model, tmp_path / f"{kind}.gguf")
+    reader = gguf.GGUFReader(str(path))
+    tables = {t.name: np.array(t.data) for t in reader.tensors if t.name.startswith("rope")}
+    if kind == "llama3":
+        expected = converter_rope_freqs(SCALINGS[kind], 8, 10000.0)
+        assert tables.keys() == {"rope_freqs.weight"}
+        assert np.array_equal(tables["rope_freqs.weight"].view(np.uint32), expected.view(np.uint32))
+    else:
+        meta = read_metadata(reader)
+        assert not tables and meta["llama.rope.scaling.type"] == "linear" and meta["llama.rope.scaling.factor"] == 4
+    back = json.loads((resolve_model(str(path)) / "config.json").read_text())
+    assert back["rope_scaling"] == SCALINGS[kind]
+    with LookaheadRuntime.from_pretrained(str(path), backend="torch") as rt:
+        ids = rt.generate(SCALED_PROMPT, max_new_tokens=len(LLAMA_CPP_SCALED_IDS[kind]), lookahead="greedy").token_ids
+    assert ids == LLAMA_CPP_SCALED_IDS[kind]
+    with LookaheadRuntime.from_pretrained(str(STORIES), backend="torch") as rt:
+        assert rt.generate(SCALED_PROMPT, max_new_tokens=len(ids), lookahead="greedy").token_ids != ids
+
+
+def test_longrope_tables_are_refused(tmp_path):
+    """Phi-3's LongRoPE tables (rope_factors_long/short) cannot be said by a Llama config: refused by name before
+    anything is written, unless they are all ones."""
     from trt_lookahead.model.gguf_convert import convert_gguf_to_hf
 
     path = write_gguf(STORIES, tmp_path / "stories.gguf")
-    half = 4  # stories260K's head_dim / 2
-    ones = with_tensor(path, tmp_path / "ones.gguf", "rope_freqs.weight", np.ones(half, np.float32))
+    ones = with_tensor(path, tmp_path / "ones.gguf", "rope_factors_long.weight", np.ones(4, np.float32))
     convert_gguf_to_hf(ones, tmp_path / "from-ones", progress=False)
     assert (tmp_path / "from-ones" / "model.safetensors").is_file()
-    scaled = with_tensor(path, tmp_path / "scaled.gguf", "rope_freqs.weight", np.array([1, 1, 3.5, 8], np.float32))
-    with pytest.raises(UserError, match=r"'rope_freqs.weight' scales RoPE per frequency .*\(--model DIR\)"):
+    scaled = with_tensor(path, tmp_path / "scaled.gguf", "rope_factors_long.weight",
+                         np.array([1, 1, 3.5, 8], np.float32))
+    with pytest.raises(UserError, match=r"'rope_factors_long.weight' scales RoPE per frequency \(LongRoPE\)"):
         convert_gguf_to_hf(scaled, tmp_path / "from-scaled", progress=False)
     assert not (tmp_path / "from-scaled" / "model.safetensors").exists()
 

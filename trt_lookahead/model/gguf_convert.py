@@ -5,7 +5,7 @@ tokenizer.json and tokenizer_config.json.
 Our own code, not transformers' model loading: the `gguf` package reads the tensors and dequantizes
 them (Q4_0/Q4_1/Q8_0/K-quants/F16/F32 ...), the `tokenizers` library builds the tokenizer.
 
-Two things llama.cpp changes on the way from HF to GGUF, and which are undone here:
+What llama.cpp changes on the way from HF to GGUF, and which is undone here:
 - the rows of attn_q / attn_k are permuted so that RoPE rotates interleaved pairs (2i, 2i+1) of each
   head; HF's `rotate_half` rotates (i, i + d/2). `unpermute_qk` is the inverse of llama.cpp's `permute`.
 - the tokenizer becomes a bare vocabulary + merges list + a named pre-tokenizer (`tokenizer.ggml.pre`);
@@ -14,6 +14,8 @@ Two things llama.cpp changes on the way from HF to GGUF, and which are undone he
   vocabulary (`llama`: Llama 2, Mistral) keeps its pieces and scores, its merges often not; it is rebuilt to
   tokenize as llama.cpp does (merges from the scores, a space before the text and after each special token,
   byte fallback).
+- RoPE scaling: linear is metadata, Llama 3's a table of per-frequency divisors (`rope_freqs`), from which
+  `rope_scaling_from_factors` recovers the config's llama3 parameters (design.md 6.9, "GGUF RoPE scaling").
 
     info = convert_gguf_to_hf("model.gguf", "out_dir", progress=True)
 
@@ -75,8 +77,10 @@ _PRE_DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshel
 _PRE_LLAMA3 = {"llama3", "llama-v3", "llama-bpe"}
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
                 r"|\s+(?!\S)|\s+")
-# RoPE tables llama.cpp may store: recomputed here when they change nothing (all ones), else refused
-_ROPE_FACTORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+# RoPE tables llama.cpp may store: rope_freqs is read as the config's scaling (`rope_table`); LongRoPE's (Phi-3) are
+# refused unless all ones
+_ROPE_FREQS = "rope_freqs.weight"
+_ROPE_FACTORS = {_ROPE_FREQS, "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
 @dataclass
@@ -113,8 +117,10 @@ def _f32_to_float(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def build_config(meta: dict[str, Any], tensor_names: Sequence[str]) -> dict[str, Any]:
-    """HF `LlamaConfig` dict from GGUF metadata (`llama.*`, `tokenizer.ggml.*`) and the tensor list."""
+def build_config(meta: dict[str, Any], tensor_names: Sequence[str], rope_freqs: np.ndarray | None = None
+                 ) -> dict[str, Any]:
+    """HF `LlamaConfig` dict from GGUF metadata (`llama.*`, `tokenizer.ggml.*`), the tensor list and the file's
+    `rope_freqs` table if it has one (`rope_table`)."""
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise UserError(f"GGUF architecture is {arch!r}; only 'llama' can be converted")
@@ -138,15 +144,13 @@ def build_config(meta: dict[str, Any], tensor_names: Sequence[str]) -> dict[str,
     rope_dim = int(get("rope.dimension_count", head_dim))
     if rope_dim != head_dim:
         raise UserError(f"GGUF rotates {rope_dim} of {head_dim} head dims (partial RoPE); not supported")
-    rope_scaling = get("rope.scaling.type", "none", required=False)
-    if rope_scaling not in ("none", None):
-        raise UserError(f"GGUF uses RoPE scaling {rope_scaling!r}; not supported")
     if n_heads % n_kv:
         raise UserError(f"GGUF head counts {n_heads}/{n_kv} are not a valid GQA grouping")
 
     tokens = meta.get("tokenizer.ggml.tokens") or []
     vocab_size = int(get("vocab_size", len(tokens) or None))
     rope_theta = _f32_to_float(get("rope.freq_base", 10000.0, required=False))
+    rope_scaling = _rope_scaling(get, rope_freqs, head_dim, rope_theta)
     eps = _f32_to_float(get("attention.layer_norm_rms_epsilon"))
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos = meta.get("tokenizer.ggml.eos_token_id")
@@ -165,8 +169,8 @@ def build_config(meta: dict[str, Any], tensor_names: Sequence[str]) -> dict[str,
         "max_position_embeddings": int(get("context_length")),
         "rms_norm_eps": eps,
         "rope_theta": rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
-        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta, **(rope_scaling or {})},
+        "rope_scaling": rope_scaling,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
         "attention_dropout": 0.0,
         "mlp_bias": False,
@@ -179,6 +183,25 @@ def build_config(meta: dict[str, Any], tensor_names: Sequence[str]) -> dict[str,
         "use_cache": True,
         "torch_dtype": "float32",
     }
+
+
+def _rope_scaling(get: Any, rope_freqs: np.ndarray | None, head_dim: int, theta: float) -> dict[str, Any] | None:
+    """HF `rope_scaling` from llama.cpp's two ways of saying it: `rope.scaling.type` linear with its factor (the
+    frequencies divided by it), or a `rope_freqs` table (`rope_scaling_from_factors`). YaRN and the rest are refused."""
+    kind = get("rope.scaling.type", "none", required=False)
+    if kind == "linear":
+        factor = _f32_to_float(get("rope.scaling.factor"))
+        by_type = None if factor == 1 else {"rope_type": "linear", "factor": factor}
+    elif kind in ("none", None):
+        by_type = None
+    else:
+        raise UserError(f"GGUF uses RoPE scaling {kind!r}; only Llama 3's (a rope_freqs table) and linear are "
+                        "supported: run the model's HF checkpoint directory instead (--model DIR)")
+    by_table = None if rope_freqs is None else rope_scaling_from_factors(rope_freqs, head_dim, theta)
+    if by_type and by_table:
+        raise UserError("GGUF scales RoPE twice (linear rope.scaling.type and a rope_freqs table); not supported: "
+                        "run the model's HF checkpoint directory instead (--model DIR)")
+    return by_type or by_table
 
 
 def build_generation_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -228,14 +251,87 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     raise UserError(f"GGUF tensor {gguf_name!r} has no HF Llama counterpart; the file is not a plain llama model")
 
 
-def _check_rope_factors(reader) -> None:
-    """A UserError for a RoPE factor tensor that changes the frequencies (Llama 3.1's rope_freqs): the converted
-    config would not say so, and every position would be rotated otherwise than in the file's model."""
+# ---------------------------------------------------------------------------------------------
+# RoPE scaling: llama.cpp's per-frequency divisors (`rope_freqs`) <-> HF's `llama3` parameters
+
+
+def rope_table(reader) -> np.ndarray | None:
+    """A GGUF's `rope_freqs` table (None if it has none), for `build_config`. A LongRoPE table that changes the
+    frequencies is a UserError: no config this converter writes can say it."""
+    table = None
     for t in reader.tensors:
-        if t.name in _ROPE_FACTORS and not np.all(np.asarray(t.data, np.float32) == 1):
-            raise UserError(f"GGUF tensor {t.name!r} scales RoPE per frequency (as Llama 3.1 and later files do); "
-                            "converting that is not supported: run the model's HF checkpoint directory instead "
-                            "(--model DIR)")
+        data = np.asarray(t.data, np.float32) if t.name in _ROPE_FACTORS else None
+        if t.name == _ROPE_FREQS:
+            table = data
+        elif data is not None and not np.all(data == 1):
+            raise UserError(f"GGUF tensor {t.name!r} scales RoPE per frequency (LongRoPE); converting that is not "
+                            "supported: run the model's HF checkpoint directory instead (--model DIR)")
+    return table
+
+
+def llama3_rope_factors(scaling: dict[str, Any], head_dim: int, theta: float) -> np.ndarray:
+    """The [head_dim / 2] float32 `rope_freqs` table llama.cpp's converter writes for HF `llama3` scaling: each
+    frequency's divisor, 1 where the wavelength is below original / high_freq_factor, `factor` above
+    original / low_freq_factor, and smoothly between (the same float32 operations as the converter)."""
+    import math
+
+    import torch
+
+    from trt_lookahead.model.llama import rope_default_inv_freq
+
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / rope_default_inv_freq(theta, head_dim)  # [head_dim / 2] float32
+    smooth = (old / wavelen - low) / (high - low)
+    between = 1 / ((1 - smooth) / factor + smooth)
+    table = torch.where(wavelen < old / high, 1.0, torch.where(wavelen > old / low, factor, between))
+    return table.numpy().astype(np.float32)
+
+
+def _round_llama3(raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` with the context length an integer and the factors at 6 significant digits (8191.9999 -> 8192)."""
+    return {**raw, **{k: float(f"{raw[k]:.6g}") for k in ("factor", "high_freq_factor")},
+            "original_max_position_embeddings": round(raw["original_max_position_embeddings"])}
+
+
+def rope_scaling_from_factors(table: np.ndarray, head_dim: int, theta: float) -> dict[str, Any] | None:
+    """The HF `rope_scaling` a GGUF's `rope_freqs` table stands for: None when it is all ones, `linear` when one
+    divisor serves every frequency, else `llama3`'s parameters. llama.cpp keeps only the table, so they are
+    recovered from it: the lowest frequency's divisor is `factor`; between the two bands each divisor t gives
+    s = (1/t - 1/factor) / (1 - 1/factor), which is linear in the frequency (s = a * freq / 2pi - b); a fit
+    through those points, with low_freq_factor 1, gives high_freq_factor = 1 + 1/b and the original context
+    a/b. The parameters are accepted only if they give the table back (`llama3_rope_factors`); anything else is
+    refused by name. Worked example, Llama 3.1 8B (head_dim 128, theta 500000): 1 for the first 29 frequencies,
+    8 for the last 29, 6 between -> factor 8, low 1, high 4, original context 8192."""
+    t = np.asarray(table, np.float64)
+    if t.shape != (head_dim // 2,):
+        raise UserError(f"GGUF tensor 'rope_freqs.weight' has {t.size} entries; a head of {head_dim} dims needs "
+                        f"{head_dim // 2}: the file is inconsistent")
+    if np.all(t == 1):
+        return None
+    factor = float(t[-1])
+    if np.all(t == factor) and factor > 0:
+        return {"rope_type": "linear", "factor": factor}
+    refusal = UserError("GGUF tensor 'rope_freqs.weight' scales RoPE per frequency in a way other than Llama 3's "
+                        "(at least two frequencies smoothed between a band kept and a band divided by one factor); "
+                        "converting it is not supported: run the model's HF checkpoint directory instead "
+                        "(--model DIR)")
+    middle = (t != 1) & (t != factor)
+    if factor <= 1 or middle.sum() < 2:
+        raise refusal
+    from trt_lookahead.model.llama import rope_default_inv_freq
+
+    x = rope_default_inv_freq(theta, head_dim).double().numpy() / (2 * np.pi)  # 1 / wavelength
+    s = (1 / t - 1 / factor) / (1 - 1 / factor)
+    a, minus_b = np.polyfit(x[middle], s[middle], 1)
+    if not (a > 0 and minus_b < 0):
+        raise refusal
+    raw = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 1 - 1 / minus_b,
+           "original_max_position_embeddings": -a / minus_b}
+    for candidate in (_round_llama3(raw), raw):
+        if np.allclose(llama3_rope_factors(candidate, head_dim, theta), t, rtol=1e-5, atol=0):
+            return candidate
+    raise refusal
 
 
 def convert_tensors(reader, config: dict[str, Any], progress: bool = True) -> tuple[dict[str, np.ndarray], dict]:
@@ -523,9 +619,7 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, progress: boo
         raise UserError(f"cannot read GGUF {gguf_path} ({exc}): the file is not a GGUF or is cut short; download "
                         "it again, or check the path") from exc
     meta = read_metadata(reader)
-    names = [t.name for t in reader.tensors]
-    config = build_config(meta, names)
-    _check_rope_factors(reader)
+    config = build_config(meta, [t.name for t in reader.tensors], rope_table(reader))
 
     tokenizer = build_tokenizer(meta)
     tokenizer.save(str(out / "tokenizer.json"))
@@ -662,8 +756,6 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, dtype: str = "float3
         raise UserError(f"no GGUF type for dtype {dtype!r}; use {', '.join(GGUF_DTYPES)}")
     root = Path(model_dir)
     cfg = read_config(root)
-    if cfg.rope_scaling:
-        raise UserError(f"{root} uses RoPE scaling {cfg.rope_scaling.get('rope_type')!r}, not written to GGUF here")
     meta = tokenizer_metadata(root)
     file_type, tensor_type = GGUF_DTYPES[dtype]
     raw = getattr(gguf.GGMLQuantizationType, tensor_type)
@@ -681,6 +773,12 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, dtype: str = "float3
     writer.add_value_length(cfg.head_dim)
     writer.add_rope_dimension_count(cfg.head_dim)
     writer.add_rope_freq_base(cfg.rope_theta)
+    scaling = cfg.rope_scaling or {"rope_type": "default"}
+    if scaling["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling["factor"])
+    elif scaling["rope_type"] == "llama3":
+        writer.add_tensor(_ROPE_FREQS, llama3_rope_factors(scaling, cfg.head_dim, cfg.rope_theta))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     for key, value in meta.items():

@@ -228,10 +228,15 @@ class ModelConfig:
         )
 
 
+def rope_default_inv_freq(theta: float, dim: int) -> Tensor:
+    """[dim / 2] float32 unscaled inverse frequencies theta^(-2i/dim), as transformers (and llama.cpp's converter)
+    compute them."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+
+
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     """[head_dim / 2] float32 inverse frequencies, computed exactly as transformers does (incl. llama3)."""
-    dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    inv = rope_default_inv_freq(cfg.rope_theta, cfg.head_dim)
     s = cfg.rope_scaling
     if s is None:
         return inv
