@@ -482,6 +482,58 @@ def test_broken_checkpoints_raise_one_clear_user_error(tmp_path, breaker):
     assert str(tmp_path) in message
 
 
+def tokenizer_case(tmp_path: Path, case: str) -> Path:
+    """A checkpoint dir whose tokenizer files make load_tokenizer take each of its paths."""
+    if case == "smollm2":
+        from trt_lookahead.model.fetch import resolve_model
+
+        return resolve_model("smollm2-135m-instruct")
+    if case == "stories":
+        return STORIES
+    path = copy_stories(tmp_path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    if case == "no-tokenizer-config":
+        (path / "tokenizer_config.json").unlink()
+        return path
+    named = {"backend": "TokenizersBackend", "llama-class": "LlamaTokenizer"}[case]
+    chat = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": named,
+                                                            "chat_template": chat}))
+    return path
+
+
+@pytest.mark.parametrize("case", ["stories", "backend", "llama-class", "no-tokenizer-config",
+                                  pytest.param("smollm2", marks=pytest.mark.slow)])
+def test_the_tokenizer_is_the_one_auto_tokenizer_loads(tmp_path, case):
+    """load_tokenizer names the tokenizer class itself when tokenizer_config.json names the plain tokenizer.json one
+    (skipping the model config AutoTokenizer reads, and the model code that imports); whichever path it takes, the
+    tokenizer is AutoTokenizer's: same class, special tokens, ids, texts and chat prompts."""
+    from transformers import AutoTokenizer
+
+    from trt_lookahead.model.checkpoint import load_tokenizer
+
+    path = tokenizer_case(tmp_path, case)
+    ours, auto = load_tokenizer(path), AutoTokenizer.from_pretrained(str(path))
+    assert type(ours) is type(auto)
+    for attribute in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "all_special_ids",
+                      "model_max_length", "padding_side", "chat_template"):
+        assert getattr(ours, attribute) == getattr(auto, attribute), attribute
+    assert len(ours) == len(auto) and ours.get_vocab() == auto.get_vocab()
+    texts = ["Once upon a time,  there was a cat.", " leading space", "def f(x):\n    return x  # 12345",
+             "<s>Hi</s> there <|im_end|>", "naïve café ✓ 日本語", ""]
+    for text in texts:
+        for special in (True, False):
+            ids = auto.encode(text, add_special_tokens=special)
+            assert ours.encode(text, add_special_tokens=special) == ids, (text, special)
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == auto.decode(ids, skip_special_tokens=skip)
+    if auto.chat_template:
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": texts[0]}]
+        for prompt in (True, False):
+            assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt) == \
+                auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+
+
 def test_read_config_accepts_the_fixture():
     assert read_config(STORIES).vocab_size == 512
 

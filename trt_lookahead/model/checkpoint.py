@@ -39,6 +39,9 @@ DTYPES = {
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 INDEX_FILE = "model.safetensors.index.json"
 HEAD = "lm_head.weight"
+# tokenizer_config.json classes AutoTokenizer loads a Llama's tokenizer.json with as it is (PreTrainedTokenizerFast,
+# TokenizersBackend in transformers 5)
+PLAIN_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 CONVERT_HINT = (
     "convert it once with transformers: AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(OUT, "
     "safe_serialization=True), and copy the tokenizer files along"
@@ -148,10 +151,27 @@ def check_max_seq_len(requested: int | None, context: int, default: int) -> int:
     return int(requested)
 
 
-def load_tokenizer(path: str | Path) -> Any:
-    """The tokenizer of a checkpoint or engine dir (transformers' AutoTokenizer), or a UserError if it has none."""
+def _tokenizer_class(root: Path) -> Any:
+    """The transformers class that loads `root`'s tokenizer: AutoTokenizer, or the class it would choose when the
+    tokenizer_config names the plain tokenizer.json one. Named directly, that skips AutoTokenizer's model config
+    (AutoConfig imports transformers' model code: seconds of every start)."""
+    try:
+        config = json.loads((root / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    plain = config.get("tokenizer_class") in PLAIN_TOKENIZER_CLASSES and "auto_map" not in config
+    if plain and (root / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast
     from transformers import AutoTokenizer
 
+    return AutoTokenizer
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer of a checkpoint or engine dir (as transformers' AutoTokenizer loads it), or a UserError if it
+    has none."""
     root = Path(path)
     if not any((root / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
         raise UserError(f"{root} has no tokenizer (tokenizer.json); copy the model's tokenizer files into it")
@@ -159,7 +179,7 @@ def load_tokenizer(path: str | Path) -> Any:
     level = library_log.level
     library_log.setLevel(logging.ERROR)  # its fallback warnings would precede our one error line
     try:
-        return AutoTokenizer.from_pretrained(str(root))
+        return _tokenizer_class(root).from_pretrained(str(root))
     except Exception as exc:  # transformers and tokenizers raise many types for a corrupt file
         if not (root / "tokenizer.json").is_file():  # the slow fallback's own complaint (tiktoken, ...) misleads
             raise UserError(
