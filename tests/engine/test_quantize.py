@@ -19,6 +19,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from trt_lookahead.backends.open import open_engine
 from trt_lookahead.cli import main
+from trt_lookahead.engine.build import quantize_like_graph
+from trt_lookahead.engine.export import export_graph
 from trt_lookahead.engine.format import write_engine_config
 from trt_lookahead.engine.quantize import (
     BITS,
@@ -393,6 +395,23 @@ def test_the_graph_pass_multiplies_by_the_dequantized_weight_and_keeps_a_tied_lo
     np.testing.assert_allclose(y, x @ used["W"].dequantize().T, rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(emb, weight[[4, 9]])
     assert np.abs(used["W"].dequantize() - weight).max() > 0  # it really is quantized
+
+
+def test_the_builds_reference_multiplies_as_the_graph_and_keeps_its_tied_lookup():
+    """quantize_like_graph (the build's smoke-check reference): each projection's weight takes the graph's
+    dequantized blocks in place (the same tensor: no second float copy beside the one the exporter holds), the tied
+    lm_head gets its own, and the embedding stays the float one the graph's lookup reads."""
+    model, _ = load_llama(STORIES)
+    embedding, wqkv = model.tok_embeddings.weight.clone(), model.layers[0].attention.wqkv.weight
+    assert model.output.weight is model.tok_embeddings.weight  # stories260K ties them
+    _, used = quantize_graph(export_graph(model, "plugin", 64, 8), "int4")
+    assert quantize_like_graph(model, used, "float") == {"int4": len(used)}
+    assert torch.equal(model.tok_embeddings.weight, embedding)
+    assert model.layers[0].attention.wqkv.weight is wqkv and model.output.weight is not model.tok_embeddings.weight
+    for name, blocks in used.items():
+        weight = model.get_submodule(name.removeprefix("model.").removesuffix(".weight")).weight
+        assert np.array_equal(weight.detach().numpy(), blocks.dequantize()), name
+    assert {name.removeprefix("model.") for name in used} >= {"output.weight", "layers.0.attention.wqkv.weight"}
 
 
 # -- a torch Llama's projections (the GPU executor's weights) ------------------------------------------------------

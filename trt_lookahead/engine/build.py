@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +51,13 @@ from trt_lookahead.engine.format import (
     plan_command,
     write_engine_config,
 )
-from trt_lookahead.engine.quantize import BLOCKS_REVISION, check_scheme, quantize_activations, quantize_graph
+from trt_lookahead.engine.quantize import (
+    BLOCKS_REVISION,
+    QuantizedWeight,
+    check_scheme,
+    quantize_activations,
+    quantize_graph,
+)
 from trt_lookahead.errors import UserError, as_int
 from trt_lookahead.files import check_output_dir, remove_stale_work_dirs, replace_dir, work_dir
 from trt_lookahead.lookahead.config import DEFAULT, DEFAULT_LOOKAHEAD, LookaheadConfig
@@ -308,13 +315,8 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
     grids: dict[str, int] = {}  # quantized projections by where their blocks come from (QuantizedWeight.grid)
     if request.weights != "float":
         graph, used = quantize_graph(graph, request.weights, request.activations)
-        for name, blocks in used.items():  # the torch model multiplies as the graph does: the smoke check's reference
-            module = model.get_submodule(name.removeprefix("model.").removesuffix(".weight"))
-            weight = torch.from_numpy(blocks.dequantize())
-            module.weight = torch.nn.Parameter(weight, requires_grad=False)  # a tied lm_head: its own
-            grids[blocks.grid] = grids.get(blocks.grid, 0) + 1
-            if request.activations == "int8":
-                module.register_forward_pre_hook(lambda _, args: (quantize_activations(args[0]), *args[1:]))
+        grids = quantize_like_graph(model, used, request.activations)
+        del used
         _log(f"      quantized projections by block source: {grids} (int8 / int4: quantized here; Q4_K, Q5_1, "
              "Q5_0+Q8_0, ...: the checkpoint's own GGUF blocks, kept)")
     save_graph(graph, out / GRAPH_FILE)
@@ -374,6 +376,29 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     return {"seconds": time.perf_counter() - start, "size_mb": size / 2**20,
             "tensorrt_remaining": config["targets"].get("tensorrt", {}).get("remaining")}
+
+
+def quantize_like_graph(model: Llama, used: dict[str, QuantizedWeight], activations: str) -> dict[str, int]:
+    """Make the torch model multiply as the quantized graph does (the smoke check's reference): each quantized
+    weight dequantized, in place (the exporter may still hold the float tensor: a new one would keep both), except
+    a weight another module also reads (a tied lm_head), which gets its own so the embedding stays float as in the
+    graph; int8 activations quantized before each. -> the projections counted by where their blocks come from."""
+    import torch
+
+    grids: dict[str, int] = {}
+    readers = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    for name, blocks in used.items():
+        module = model.get_submodule(name.removeprefix("model.").removesuffix(".weight"))
+        weight = torch.from_numpy(blocks.dequantize())
+        if readers[id(module.weight)] == 1:
+            with torch.no_grad():
+                module.get_parameter("weight").copy_(weight)
+        else:
+            module.weight = torch.nn.Parameter(weight, requires_grad=False)
+        grids[blocks.grid] = grids.get(blocks.grid, 0) + 1
+        if activations == "int8":
+            module.register_forward_pre_hook(lambda _, args: (quantize_activations(args[0]), *args[1:]))
+    return grids
 
 
 SMOKE_PROMPT_LENGTHS = (12, 7, 1)  # one batch row each: different cache lengths in every step
