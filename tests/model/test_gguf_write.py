@@ -205,30 +205,30 @@ def test_rope_tables_other_than_llama3_are_refused():
         rope_scaling_from_factors(table, 64, 500000.0)
 
 
-def rope_meta(**keys: object) -> dict:
+def rope_meta(rope: dict[str, object]) -> dict:
+    """A head_dim-8 Llama's metadata with these `llama.rope.*` keys."""
     meta = {"general.architecture": "llama", "llama.block_count": 1, "llama.context_length": 64,
             "llama.embedding_length": 32, "llama.feed_forward_length": 64, "llama.attention.head_count": 4,
             "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": 10}
-    return {**meta, **{f"llama.rope.{key.replace('_', '.')}": value for key, value in keys.items()}}
+    return {**meta, **{f"llama.rope.{key}": value for key, value in rope.items()}}
 
 
 def test_rope_scaling_metadata_becomes_the_config():
     """llama.cpp's `rope.scaling.type` linear (its factor) and a rope_freqs table are the HF config's rope_scaling;
     YaRN, and both at once, are refused by name."""
-    linear = build_config(rope_meta(scaling_type="linear", scaling_factor=2.0), [])
+    linear = build_config(rope_meta({"scaling.type": "linear", "scaling.factor": 2.0}), [])
     assert linear["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
     assert ModelConfig.from_hf(linear).rope_scaling == linear["rope_scaling"]
-    assert build_config(rope_meta(scaling_type="linear", scaling_factor=1.0), [])["rope_scaling"] is None
-    table = converter_rope_freqs({**LLAMA31, "high_freq_factor": 64.0, "original_max_position_embeddings": 2048},
-                                 8, 10000.0)
-    llama3 = build_config(rope_meta(freq_base=10000.0), [], table)
-    assert llama3["rope_parameters"] == {"rope_theta": 10000.0, **llama3["rope_scaling"]}
-    assert ModelConfig.from_hf(llama3).rope_scaling == {**LLAMA31, "high_freq_factor": 64.0,
-                                                        "original_max_position_embeddings": 2048}
+    assert build_config(rope_meta({"scaling.type": "linear", "scaling.factor": 1.0}), [])["rope_scaling"] is None
+    scaling = {**LLAMA31, "high_freq_factor": 16.0, "original_max_position_embeddings": 256}
+    table = converter_rope_freqs(scaling, 8, 500.0)  # wavelengths 6.3 (kept), 30 and 140 (smoothed), 664 (divided)
+    llama3 = build_config(rope_meta({"freq_base": 500.0}), [], table)
+    assert llama3["rope_scaling"] == scaling and llama3["rope_parameters"] == {"rope_theta": 500.0, **scaling}
+    assert ModelConfig.from_hf(llama3).rope_scaling == scaling and ModelConfig.from_hf(llama3).rope_theta == 500
     with pytest.raises(UserError, match=r"GGUF uses RoPE scaling 'yarn'; only Llama 3's .* and linear"):
-        build_config(rope_meta(scaling_type="yarn", scaling_factor=4.0), [])
+        build_config(rope_meta({"scaling.type": "yarn", "scaling.factor": 4.0}), [])
     with pytest.raises(UserError, match="scales RoPE twice"):
-        build_config(rope_meta(scaling_type="linear", scaling_factor=2.0, freq_base=10000.0), [], table)
+        build_config(rope_meta({"scaling.type": "linear", "scaling.factor": 2.0, "freq_base": 500.0}), [], table)
 
 
 # llama-server b11434's greedy ids (docs/results/2026-12-02-gguf-rope-scaling/llama_server_ids.py) for SCALED_PROMPT

@@ -29,6 +29,7 @@ GGUF order, with the tokenizer keys llama-server needs built from tokenizer.json
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -272,9 +273,9 @@ def rope_table(reader) -> np.ndarray | None:
 def llama3_rope_factors(scaling: dict[str, Any], head_dim: int, theta: float) -> np.ndarray:
     """The [head_dim / 2] float32 `rope_freqs` table llama.cpp's converter writes for HF `llama3` scaling: each
     frequency's divisor, 1 where the wavelength is below original / high_freq_factor, `factor` above
-    original / low_freq_factor, and smoothly between (the same float32 operations as the converter)."""
-    import math
-
+    original / low_freq_factor, and smoothly between (the same float32 operations as the converter). The model
+    itself computes its frequencies as transformers does (llama.rope_inv_freq), which rounds otherwise than
+    dividing by this table: the table is only what a GGUF holds."""
     import torch
 
     from trt_lookahead.model.llama import rope_default_inv_freq
@@ -321,7 +322,7 @@ def rope_scaling_from_factors(table: np.ndarray, head_dim: int, theta: float) ->
         raise refusal
     from trt_lookahead.model.llama import rope_default_inv_freq
 
-    x = rope_default_inv_freq(theta, head_dim).double().numpy() / (2 * np.pi)  # 1 / wavelength
+    x = rope_default_inv_freq(theta, head_dim).double().numpy() / (2 * math.pi)  # 1 / wavelength
     s = (1 / t - 1 / factor) / (1 - 1 / factor)
     a, minus_b = np.polyfit(x[middle], s[middle], 1)
     if not (a > 0 and minus_b < 0):
