@@ -175,11 +175,12 @@ def load_tokenizer(path: str | Path) -> Any:
     root = Path(path)
     if not any((root / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
         raise UserError(f"{root} has no tokenizer (tokenizer.json); copy the model's tokenizer files into it")
+    tokenizer_class = _tokenizer_class(root)  # imports transformers, which sets its logger's level: before ours
     library_log = logging.getLogger("transformers")
     level = library_log.level
     library_log.setLevel(logging.ERROR)  # its fallback warnings would precede our one error line
     try:
-        return _tokenizer_class(root).from_pretrained(str(root))
+        return tokenizer_class.from_pretrained(str(root))
     except Exception as exc:  # transformers and tokenizers raise many types for a corrupt file
         if not (root / "tokenizer.json").is_file():  # the slow fallback's own complaint (tiktoken, ...) misleads
             raise UserError(
