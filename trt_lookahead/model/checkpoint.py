@@ -159,6 +159,8 @@ def _tokenizer_class(root: Path) -> Any:
         config = json.loads((root / "tokenizer_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         config = {}
+    if not isinstance(config, dict):  # not a tokenizer config: AutoTokenizer names the problem
+        config = {}
     plain = config.get("tokenizer_class") in PLAIN_TOKENIZER_CLASSES and "auto_map" not in config
     if plain and (root / "tokenizer.json").is_file():
         from transformers import PreTrainedTokenizerFast
