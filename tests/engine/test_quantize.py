@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -22,6 +23,7 @@ from trt_lookahead.cli import main
 from trt_lookahead.engine.build import quantize_like_graph
 from trt_lookahead.engine.export import export_graph
 from trt_lookahead.engine.format import write_engine_config
+from trt_lookahead.engine.initializers import is_held, save_graph
 from trt_lookahead.engine.quantize import (
     BITS,
     BLOCK_SIZE,
@@ -397,14 +399,43 @@ def test_the_graph_pass_multiplies_by_the_dequantized_weight_and_keeps_a_tied_lo
     assert np.abs(used["W"].dequantize() - weight).max() > 0  # it really is quantized
 
 
+def test_a_build_holds_the_weights_once_and_saves_every_held_value(tmp_path):
+    """export_graph copies no weight into the graph: each larger initializer is held, its data a view of the model's
+    own parameter; quantize_graph holds the very block arrays it returns; save_graph writes every held value, so the
+    saved graph's float initializers are the model's parameters and its blocks the returned ones, bit for bit."""
+    model, _ = load_llama(STORIES)
+    params = {f"model.{name}": p.detach().numpy() for name, p in model.named_parameters(remove_duplicate=False)}
+    proto, weights = export_graph(model, "plugin", 64, 8)
+    held = {t.name for t in proto.graph.initializer if is_held(t)}
+    assert held == set(weights) and not any(t.raw_data for t in proto.graph.initializer if t.name in held)
+    tied = {"model.tok_embeddings.weight", "model.output.weight"}  # one tensor, under either name
+    assert "model.layers.0.attention.wqkv.weight" in held and held & tied
+    assert all(np.shares_memory(weights[name], params[name]) for name in held if name in params)
+    assert proto.ByteSize() < sum(a.nbytes for a in params.values()) / 10  # the graph file's part only
+
+    proto, used = quantize_graph(proto, "int4", weights=weights)
+    assert all(weights[f"{name}.q4"] is blocks.codes for name, blocks in used.items())
+    save_graph(proto, tmp_path / "model.onnx", weights)
+    saved = onnx.load(str(tmp_path / "model.onnx"))  # with the weights file
+    assert not any(is_held(t) for t in saved.graph.initializer)
+    values = {t.name: numpy_helper.to_array(t) for t in saved.graph.initializer}
+    for name, blocks in used.items():
+        assert np.array_equal(values[f"{name}.q4"], blocks.codes), name
+        assert np.array_equal(values[f"{name}.q4.scales"], blocks.scales.reshape(-1)), name
+    floats = [name for name in values if name in params]
+    assert set(floats) & tied  # the tied lookup's, kept float
+    assert all(np.array_equal(values[name], params[name]) for name in floats)
+
+
 def test_the_builds_reference_multiplies_as_the_graph_and_keeps_its_tied_lookup():
     """quantize_like_graph (the build's smoke-check reference): each projection's weight takes the graph's
-    dequantized blocks in place (the same tensor: no second float copy beside the one the exporter holds), the tied
-    lm_head gets its own, and the embedding stays the float one the graph's lookup reads."""
+    dequantized blocks in place (the same tensor: no second float copy), the tied lm_head gets its own, and the
+    embedding stays the float one the graph's lookup reads."""
     model, _ = load_llama(STORIES)
     embedding, wqkv = model.tok_embeddings.weight.clone(), model.layers[0].attention.wqkv.weight
     assert model.output.weight is model.tok_embeddings.weight  # stories260K ties them
-    _, used = quantize_graph(export_graph(model, "plugin", 64, 8), "int4")
+    proto, weights = export_graph(model, "plugin", 64, 8)
+    _, used = quantize_graph(proto, "int4", weights=weights)
     assert quantize_like_graph(model, used, "float") == {"int4": len(used)}
     assert torch.equal(model.tok_embeddings.weight, embedding)
     assert model.layers[0].attention.wqkv.weight is wqkv and model.output.weight is not model.tok_embeddings.weight

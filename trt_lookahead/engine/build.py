@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trt_lookahead.engine import tensorrt_plan
-from trt_lookahead.engine.export import GRAPH_REVISION, OPSET, export_graph, plugin_contract, save_graph
+from trt_lookahead.engine.export import GRAPH_REVISION, OPSET, export_graph, plugin_contract
 from trt_lookahead.engine.format import (
     ATTENTION_MODES,
     CONFIG_FILE,
@@ -51,6 +51,7 @@ from trt_lookahead.engine.format import (
     plan_command,
     write_engine_config,
 )
+from trt_lookahead.engine.initializers import save_graph
 from trt_lookahead.engine.quantize import (
     BLOCKS_REVISION,
     QuantizedWeight,
@@ -311,16 +312,18 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
     _progress(2, steps, f"exporting the network (attention={request.attention}): batch 1..{request.max_batch}, "
               f"1..{tokens} tokens per row ({lookahead}: T={T})")
     layout = StepLayout(lookahead)
-    graph = export_graph(model, request.attention, rows, tokens, request.tree)
-    grids: dict[str, int] = {}  # quantized projections by where their blocks come from (QuantizedWeight.grid)
+    graph, weights = export_graph(model, request.attention, rows, tokens, request.tree)  # weights: the model's own
+    used: dict[str, QuantizedWeight] = {}
     if request.weights != "float":
-        graph, used = quantize_graph(graph, request.weights, request.activations)
+        graph, used = quantize_graph(graph, request.weights, request.activations, weights)
+    save_graph(graph, out / GRAPH_FILE, weights)
+    del graph, weights
+    grids: dict[str, int] = {}  # quantized projections by where their blocks come from (QuantizedWeight.grid)
+    if used:  # only now: the graph's float weights were the model's own tensors until saved
         grids = quantize_like_graph(model, used, request.activations)
         del used
         _log(f"      quantized projections by block source: {grids} (int8 / int4: quantized here; Q4_K, Q5_1, "
              "Q5_0+Q8_0, ...: the checkpoint's own GGUF blocks, kept)")
-    save_graph(graph, out / GRAPH_FILE)
-    del graph
 
     _progress(3, steps, "copying the tokenizer and checking the graph with onnx.checker")
     tokenizer_files = [name for name in TOKENIZER_FILES if (request.model_dir / name).is_file()]
@@ -380,9 +383,10 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
 
 def quantize_like_graph(model: Llama, used: dict[str, QuantizedWeight], activations: str) -> dict[str, int]:
     """Make the torch model multiply as the quantized graph does (the smoke check's reference): each quantized
-    weight dequantized, in place (the exporter may still hold the float tensor: a new one would keep both), except
-    a weight another module also reads (a tied lm_head), which gets its own so the embedding stays float as in the
-    graph; int8 activations quantized before each. -> the projections counted by where their blocks come from."""
+    weight dequantized, in place (no second float copy), except a weight another module also reads (a tied lm_head),
+    which gets its own so the embedding stays float as in the graph; int8 activations quantized before each. Call it
+    after save_graph: until then the graph's held weights are the model's own tensors (engine/initializers.py).
+    -> the projections counted by where their blocks come from."""
     import torch
 
     grids: dict[str, int] = {}

@@ -11,6 +11,13 @@ LookaheadAttention node (--attention plugin, kernels/onnx_op.py) or the standard
 graph from cache_len and step_config. The native form passes no past_key / past_value: onnxruntime's CPU
 kernel refuses past_key without a present_key output, and the present (a copy of the whole cache) is not
 wanted; the concatenation costs the same copy. See docs/design.md sections 6.3 and 6.4.
+
+The graph's weights are not copied into it: `export_graph` returns the graph with every larger initializer
+held (engine/initializers.py) and `Weights`, those initializers' arrays, views of the model's own tensors, which
+`save_graph` writes to the weights file one at a time: a build holds the model once, not twice.
+
+    proto, weights = export_graph(model, "plugin", cache_rows=1040, max_tokens=64)
+    save_graph(proto, Path("engine/model.onnx"), weights)
 """
 
 from __future__ import annotations
@@ -18,16 +25,15 @@ from __future__ import annotations
 import contextlib
 import io
 import warnings
-from pathlib import Path
 from typing import Any, cast
 
-from trt_lookahead.engine.format import INPUTS, OUTPUTS, WEIGHTS_FILE, cache_names
+from trt_lookahead.engine.format import INPUTS, OUTPUTS, cache_names
+from trt_lookahead.engine.initializers import HELD, INLINE_BYTES, Weights
 from trt_lookahead.kernels import mask, onnx_op, reference
 from trt_lookahead.lookahead.tree import TreeTemplate
 
 OPSET = 23
 GRAPH_REVISION = 2  # in the build key, so cached engines are rebuilt: 2 = no scratch-cache ScatterND per layer
-_INLINE_BYTES = 1024  # initializers smaller than this stay inside the graph file
 
 
 def plugin_contract() -> dict[str, Any]:
@@ -123,8 +129,10 @@ def example_inputs(model, batch: int, tokens: int, cache_rows: int) -> tuple:
             torch.arange(tokens, dtype=torch.int32).repeat(batch, 1), cache)
 
 
-def export_graph(model, attention: str, cache_rows: int, max_tokens: int, tree: TreeTemplate | None = None):
-    """Export the network with a dynamic batch, token count 1..max_tokens and cache length. -> onnx.ModelProto.
+def export_graph(model, attention: str, cache_rows: int, max_tokens: int, tree: TreeTemplate | None = None
+                 ) -> tuple[Any, Weights]:
+    """Export the network with a dynamic batch, token count 1..max_tokens and cache length.
+    -> (onnx.ModelProto, the data of its held initializers: views of the model's tensors, see the module docstring).
 
     `tree`: the verification slots' draft tree (--attention plugin only): its table over max_tokens (each
     node's preorder index and subtree end) is the LookaheadAttention nodes' tree_ends initializer, and the
@@ -134,6 +142,7 @@ def export_graph(model, attention: str, cache_rows: int, max_tokens: int, tree: 
     present K/V), `rows` (output_slots and the outputs read from them) and `cache_rows` (the caches' S, at
     most `cache_rows`: an executor opened for a shorter max_seq_len keeps shorter caches).
     """
+    import onnx_ir as ir
     import torch
 
     module = _graph_module(model, attention, tree, max_tokens)
@@ -152,7 +161,14 @@ def export_graph(model, attention: str, cache_rows: int, max_tokens: int, tree: 
             dynamic_shapes=dynamic, optimize=True, verbose=False,
         )
     assert program is not None  # dynamo=True always returns the program
-    proto = program.model_proto
+    weights: Weights = {}
+    for name, value in program.model.graph.initializers.items():  # the larger ones held, not serialized
+        tensor = value.const_value
+        if tensor is not None and tensor.nbytes >= INLINE_BYTES:
+            weights[name] = tensor.numpy()  # a view of the model's parameter
+            shape = ir.Shape(tensor.shape.numpy())
+            value.const_value = ir.ExternalTensor(HELD, None, None, tensor.dtype, shape=shape, name=name)
+    proto = ir.serde.serialize_model(program.model)
     _strip_metadata(proto)
     inputs = {i.name: i for i in proto.graph.input}
     _rename_dims(proto, {_dim(inputs["input_ids"], 0).dim_param: "batch",
@@ -162,7 +178,7 @@ def export_graph(model, attention: str, cache_rows: int, max_tokens: int, tree: 
     if attention == "plugin":
         del proto.opset_import[:]
         proto.opset_import.extend(onnx_op.opset_imports(OPSET))
-    return proto
+    return proto, weights
 
 
 def _dim(value, index: int):
@@ -181,24 +197,3 @@ def _strip_metadata(proto) -> None:
     for node in proto.graph.node:
         del node.metadata_props[:]
     del proto.metadata_props[:]
-
-
-def save_graph(proto, path: Path, weights_file: str = WEIGHTS_FILE) -> None:
-    """Save the graph with its larger initializers in `weights_file` beside it (64-byte aligned)."""
-    import onnx
-    from onnx.external_data_helper import set_external_data
-
-    with open(path.parent / weights_file, "wb") as data:
-        for tensor in proto.graph.initializer:
-            raw = tensor.raw_data or onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(tensor)).raw_data
-            if len(raw) < _INLINE_BYTES:
-                continue
-            offset = data.tell()
-            data.write(raw)
-            data.write(b"\0" * (-data.tell() % 64))  # keep every tensor 64-byte aligned
-            set_external_data(tensor, location=weights_file, offset=offset, length=len(raw))
-            tensor.ClearField("raw_data")
-            for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
-                tensor.ClearField(field)
-            tensor.data_location = onnx.TensorProto.EXTERNAL
-    onnx.save_model(proto, str(path))

@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from trt_lookahead.engine.format import ACTIVATION_SCHEMES, WEIGHT_SCHEMES
+from trt_lookahead.engine.initializers import Weights, held_initializer, initializer_array
 from trt_lookahead.errors import UserError
 
 BITS = {"int8": 8, "int4": 4}
@@ -354,15 +355,21 @@ class MinsTerm(NamedTuple):
         return cls(*(f"{codes}.{part}" for part in cls._fields))
 
 
-def quantize_graph(proto: Any, scheme: str, activations: str = "float") -> tuple[Any, dict[str, QuantizedWeight]]:
+def quantize_graph(proto: Any, scheme: str, activations: str = "float", weights: Weights | None = None
+                   ) -> tuple[Any, dict[str, QuantizedWeight]]:
     """Replace every projection Gemm(x, W, transB=1) whose W is a float initializer by a MatMulNBits node holding W
     in blocks, multiplying float or int8 `activations` (see the module docstring): W's own GGUF blocks where it has
     them (`gguf_blocks`), else W quantized as `scheme` (int8 or int4). -> (the graph, {W's name: its blocks}).
 
-    A W that other nodes also read (a tied embedding's lookup) keeps its float initializer for them.
+    `weights`: the graph's held initializers (export_graph's), the blocks' arrays held there too; None: the graph
+    holds every tensor itself. A W that other nodes also read (a tied embedding's lookup) keeps its float initializer
+    for them.
     """
     import onnx
     from onnx import helper, numpy_helper
+
+    def initializer(array: np.ndarray, name: str) -> Any:
+        return numpy_helper.from_array(array, name) if weights is None else held_initializer(name, array, weights)
 
     bits = BITS[scheme]
     accuracy: dict[str, Any] = {"accuracy_level": ACCURACY_LEVEL[activations]} if activations in ACCURACY_LEVEL else {}
@@ -382,13 +389,12 @@ def quantize_graph(proto: Any, scheme: str, activations: str = "float") -> tuple
             nodes.append(node)
             continue
         name = weight.name
-        array = numpy_helper.to_array(weight)
-        blocks = weight_blocks(array, bits)
+        blocks = weight_blocks(initializer_array(weight, weights or {}), bits)
         n, k, b = blocks.scales.shape[0], blocks.k, f"{name}.q{blocks.bits}"
         graph.initializer.extend([
-            numpy_helper.from_array(blocks.codes, b),
-            numpy_helper.from_array(blocks.scales.reshape(-1), f"{b}.scales"),
-            numpy_helper.from_array(blocks.zero_points.reshape(-1), f"{b}.zero_points"),
+            initializer(blocks.codes, b),
+            initializer(blocks.scales.reshape(-1), f"{b}.scales"),
+            initializer(blocks.zero_points.reshape(-1), f"{b}.zero_points"),
         ])
         term = MinsTerm.of(b)
         product = list(node.output) if blocks.mins is None else [term.product]
@@ -398,7 +404,7 @@ def quantize_graph(proto: Any, scheme: str, activations: str = "float") -> tuple
         ))
         if blocks.mins is not None:  # + x's block sums [M, K/32] @ mins^T [K/32, N]
             graph.initializer.extend([
-                numpy_helper.from_array(np.ascontiguousarray(blocks.mins.T), term.mins),
+                initializer(np.ascontiguousarray(blocks.mins.T), term.mins),
                 numpy_helper.from_array(np.array([0, -1, BLOCK_SIZE], np.int64), term.block_shape),
                 numpy_helper.from_array(np.array([2], np.int64), term.sum_axis),
             ])
