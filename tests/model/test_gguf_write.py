@@ -18,8 +18,9 @@ from trt_lookahead.errors import UserError
 from trt_lookahead.model.gguf_convert import (
     build_config,
     build_tokenizer,
-    convert_tensors,
+    dequantized,
     gguf_tensor_name,
+    gguf_tensors,
     hf_tensor_name,
     llama3_pre_tokenizer,
     llama3_rope_factors,
@@ -38,8 +39,28 @@ def read_back(path: Path) -> tuple[dict, dict, dict[str, np.ndarray]]:
     reader = gguf.GGUFReader(str(path))
     meta = read_metadata(reader)
     config = build_config(meta, [t.name for t in reader.tensors])
-    tensors, _ = convert_tensors(reader, config, progress=False)
+    tensors = {name: dequantized(t, config) for name, t in gguf_tensors(reader, config).items()}
     return meta, config, tensors
+
+
+def test_a_conversion_writes_the_file_safetensors_writes(tmp_path):
+    """convert_gguf_to_hf writes model.safetensors a tensor at a time (write_safetensors); the file is byte for
+    byte the one the safetensors library writes holding every tensor at once, and a permuted q/k and float16 data
+    come out as the reader's dequantization says."""
+    from safetensors.numpy import save_file
+
+    from trt_lookahead.model.gguf_convert import convert_gguf_to_hf
+
+    path = write_gguf(STORIES, tmp_path / "stories.gguf", "float16")
+    convert_gguf_to_hf(path, tmp_path / "converted", progress=False)
+    _, _, tensors = read_back(path)
+    save_file(dict(sorted(tensors.items())), str(tmp_path / "reference.safetensors"), metadata={"format": "pt"})
+    written = (tmp_path / "converted" / "model.safetensors").read_bytes()
+    assert written == (tmp_path / "reference.safetensors").read_bytes()
+    source = load_file(str(STORIES / "model.safetensors"))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert np.array_equal(load_file(str(tmp_path / "converted" / "model.safetensors"))[q],
+                          source[q].astype(np.float16).astype(np.float32))
 
 
 def test_float32_round_trip_is_bit_identical(tmp_path):

@@ -19,11 +19,14 @@ What llama.cpp changes on the way from HF to GGUF, and which is undone here:
 
     info = convert_gguf_to_hf("model.gguf", "out_dir", progress=True)
 
+It writes model.safetensors one tensor at a time (`write_safetensors`): a conversion holds one dequantized tensor,
+not the float32 model (a 7B GGUF's is 27 GB).
+
 And the way back, for llama.cpp's `llama-server` beside us in `bench --peers llama-server`: `write_gguf` writes a
 checkpoint's tensors in one dtype (no quantization: the same numbers our runtime holds), q/k rows permuted to
 GGUF order, with the tokenizer keys llama-server needs built from tokenizer.json:
 
-    write_gguf("models/smollm2", "smollm2-f32.gguf", dtype="float32")   # read back: GGUFReader + convert_tensors
+    write_gguf("models/smollm2", "smollm2-f32.gguf", dtype="float32")  # read back: gguf_tensors, dequantized
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -335,46 +339,62 @@ def rope_scaling_from_factors(table: np.ndarray, head_dim: int, theta: float) ->
     raise refusal
 
 
-def convert_tensors(reader, config: dict[str, Any], progress: bool = True) -> tuple[dict[str, np.ndarray], dict]:
-    """Dequantize every tensor to float32, rename it to HF and undo the q/k permutation."""
-    from gguf.quants import dequantize
-    from tqdm import tqdm
-
-    nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
-    out: dict[str, np.ndarray] = {}
-    types: dict[str, int] = {}
-    bar = tqdm(reader.tensors, desc="dequantize", unit="tensor", file=sys.stderr, disable=not progress)
-    for t in bar:
-        name = hf_tensor_name(t.name)
-        if name is None:
-            continue
-        qtype = t.tensor_type.name
-        types[qtype] = types.get(qtype, 0) + 1
-        bar.set_postfix_str(f"{t.name} {qtype}", refresh=False)
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        # GGUF lists dims innermost-first; numpy's (rows, cols) is their reverse = HF (out, in).
-        want = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
-        if w.shape != want:
-            w = w.reshape(want)
-        if ".attn_q." in t.name:
-            w = unpermute_qk(w, nh)
-        elif ".attn_k." in t.name:
-            w = unpermute_qk(w, nkv)
-        out[name] = np.ascontiguousarray(w)
-    bar.close()
-
+def gguf_tensors(reader, config: dict[str, Any]) -> dict[str, Any]:
+    """HF name -> the reader's tensor, in the checkpoint's order, each name and shape checked against the metadata's
+    before any is dequantized (a damaged file fails at once)."""
     from trt_lookahead.model.checkpoint import expected_tensors, hf_key
     from trt_lookahead.model.llama import ModelConfig
 
+    found = {name: t for t in reader.tensors if (name := hf_tensor_name(t.name)) is not None}
     shapes = {hf_key(name): shape for name, shape in expected_tensors(ModelConfig.from_hf(config)).items()}
-    missing = sorted(set(shapes) - set(out))
-    extra = sorted(set(out) - set(shapes))
+    missing = sorted(set(shapes) - set(found))
+    extra = sorted(set(found) - set(shapes))
     if missing or extra:
         raise UserError(f"GGUF tensors do not match its metadata: missing {missing[:3]}, unexpected {extra[:3]}")
     for name, shape in shapes.items():
-        if out[name].shape != shape:
-            raise UserError(f"GGUF tensor for {name} has shape {out[name].shape}, metadata implies {shape}")
-    return out, types
+        if hf_shape(found[name]) != shape:
+            raise UserError(f"GGUF tensor for {name} has shape {hf_shape(found[name])}, metadata implies {shape}")
+    return {name: found[name] for name in shapes}
+
+
+def hf_shape(t) -> tuple[int, ...]:
+    """A GGUF tensor's shape as numpy and HF have it: GGUF lists dims innermost first, (rows, cols) is the reverse."""
+    return tuple(int(d) for d in reversed([int(x) for x in t.shape]))
+
+
+def dequantized(t, config: dict[str, Any]) -> np.ndarray:
+    """One GGUF tensor as the HF checkpoint holds it: float32, its q/k rows unpermuted."""
+    from gguf.quants import dequantize
+
+    w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(hf_shape(t))
+    if ".attn_q." in t.name:
+        w = unpermute_qk(w, config["num_attention_heads"])
+    elif ".attn_k." in t.name:
+        w = unpermute_qk(w, config["num_key_value_heads"])
+    return np.ascontiguousarray(w)
+
+
+def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], read: Callable[[str], np.ndarray],
+                      metadata: dict[str, str], progress: bool = False) -> None:
+    """A float32 safetensors file of the tensors `shapes` names, in name order, each `read(name)` only as it is
+    written: no more than one tensor in memory, however large the model."""
+    from tqdm import tqdm
+
+    names = sorted(shapes)
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name in names:
+        size = 4 * math.prod(shapes[name])
+        header[name] = {"dtype": "F32", "shape": list(shapes[name]), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data 8-byte aligned, as the format asks
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for name in tqdm(names, desc="write", unit="tensor", file=sys.stderr, disable=not progress):
+            array = read(name)
+            assert array.dtype == np.float32 and array.shape == shapes[name] and array.flags.c_contiguous, name
+            f.write(array.data)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -609,7 +629,6 @@ def _write_json(path: Path, obj: Any) -> None:
 def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> ConversionInfo:
     """Write a HF Llama checkpoint for `gguf_path` into `out_dir` (created; existing files overwritten)."""
     import gguf
-    from safetensors.numpy import save_file
 
     start = time.perf_counter()
     out = Path(out_dir)
@@ -626,12 +645,14 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, progress: boo
     tokenizer.save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", build_tokenizer_config(meta, config["max_position_embeddings"]))
 
-    tensors, types = convert_tensors(reader, config, progress=progress)
+    tensors = gguf_tensors(reader, config)
     if progress:
-        print(f"writing {out / 'model.safetensors'}", file=sys.stderr)
-    save_file(dict(sorted(tensors.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
-    n_params = int(sum(t.size for t in tensors.values()))
-    del tensors
+        print(f"dequantizing into {out / 'model.safetensors'}", file=sys.stderr)
+    shapes = {name: hf_shape(t) for name, t in tensors.items()}
+    write_safetensors(out / "model.safetensors", shapes, lambda name: dequantized(tensors[name], config),
+                      metadata={"format": "pt"}, progress=progress)
+    n_params = sum(math.prod(shape) for shape in shapes.values())
+    types = dict(Counter(t.tensor_type.name for t in tensors.values()))
 
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", build_generation_config(config))
