@@ -36,7 +36,7 @@ from trt_lookahead.engine.quantize import (
 )
 from trt_lookahead.errors import UserError
 from trt_lookahead.model.checkpoint import load_llama
-from trt_lookahead.model.llama import Linear
+from trt_lookahead.model.llama import Linear, QuantizedLinear
 from trt_lookahead.runtime import LookaheadRuntime
 from trt_lookahead.serving.openai_api import OpenAIServer
 
@@ -427,22 +427,37 @@ def test_a_build_holds_the_weights_once_and_saves_every_held_value(tmp_path):
     assert all(np.array_equal(values[name], params[name]) for name in floats)
 
 
-def test_the_builds_reference_multiplies_as_the_graph_and_keeps_its_tied_lookup():
-    """quantize_like_graph (the build's smoke-check reference): each projection's weight takes the graph's
-    dequantized blocks in place (the same tensor: no second float copy), the tied lm_head gets its own, and the
-    embedding stays the float one the graph's lookup reads."""
+def test_the_builds_reference_holds_the_graphs_blocks_and_multiplies_as_the_dequantized_model():
+    """quantize_like_graph (the build's smoke-check reference): each projection becomes a QuantizedLinear on the
+    graph's very blocks (no copy) and no float projection is left, yet its logits are bit for bit those of the float
+    model holding the dequantized weights; the tied lm_head gets its own, the embedding staying the float one the
+    graph's lookup reads."""
     model, _ = load_llama(STORIES)
-    embedding, wqkv = model.tok_embeddings.weight.clone(), model.layers[0].attention.wqkv.weight
+    dense, _ = load_llama(STORIES)  # the same reference written out: each projection's dequantized weight, in float
+    embedding = model.tok_embeddings.weight.clone()
     assert model.output.weight is model.tok_embeddings.weight  # stories260K ties them
     proto, weights = export_graph(model, "plugin", 64, 8)
     _, used = quantize_graph(proto, "int4", weights=weights)
+    del proto, weights
     assert quantize_like_graph(model, used, "float") == {"int4": len(used)}
     assert torch.equal(model.tok_embeddings.weight, embedding)
-    assert model.layers[0].attention.wqkv.weight is wqkv and model.output.weight is not model.tok_embeddings.weight
+    assert not any(isinstance(module, Linear) for module in model.modules())
     for name, blocks in used.items():
-        weight = model.get_submodule(name.removeprefix("model.").removesuffix(".weight")).weight
-        assert np.array_equal(weight.detach().numpy(), blocks.dequantize()), name
+        module_name = name.removeprefix("model.").removesuffix(".weight")
+        module = model.get_submodule(module_name)
+        assert isinstance(module, QuantizedLinear) and np.shares_memory(module.codes.numpy(), blocks.codes), name
+        dense.get_submodule(module_name).weight = torch.nn.Parameter(torch.from_numpy(blocks.dequantize()))
     assert {name.removeprefix("model.") for name in used} >= {"output.weight", "layers.0.attention.wqkv.weight"}
+    n = 12
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, 512, n))
+
+    def logits(m):
+        with torch.no_grad():
+            return m(ids, torch.arange(n), *m.new_cache(16), torch.tensor(0), torch.ones(n, n, dtype=bool).tril(),
+                     torch.arange(n))
+
+    assert torch.equal(logits(model), logits(dense))
+    assert not torch.equal(logits(model), logits(load_llama(STORIES)[0]))  # and not the float model's
 
 
 # -- a torch Llama's projections (the GPU executor's weights) ------------------------------------------------------

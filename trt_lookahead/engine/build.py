@@ -21,7 +21,6 @@ import signal
 import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +57,7 @@ from trt_lookahead.engine.quantize import (
     check_scheme,
     quantize_activations,
     quantize_graph,
+    quantized_linear,
 )
 from trt_lookahead.errors import UserError, as_int
 from trt_lookahead.files import check_output_dir, remove_stale_work_dirs, replace_dir, work_dir
@@ -383,25 +383,18 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
 
 def quantize_like_graph(model: Llama, used: dict[str, QuantizedWeight], activations: str) -> dict[str, int]:
     """Make the torch model multiply as the quantized graph does (the smoke check's reference): each quantized
-    weight dequantized, in place (no second float copy), except a weight another module also reads (a tied lm_head),
-    which gets its own so the embedding stays float as in the graph; int8 activations quantized before each. Call it
+    projection becomes a QuantizedLinear holding the graph's blocks (`quantized_linear`: no copy, and its float
+    weight is let go, so the reference holds the blocks, not the float model), with int8 activations quantized
+    before it; a tied lm_head so gets its own, the embedding staying the float one the graph's lookup reads. Call it
     after save_graph: until then the graph's held weights are the model's own tensors (engine/initializers.py).
     -> the projections counted by where their blocks come from."""
-    import torch
-
     grids: dict[str, int] = {}
-    readers = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     for name, blocks in used.items():
-        module = model.get_submodule(name.removeprefix("model.").removesuffix(".weight"))
-        weight = torch.from_numpy(blocks.dequantize())
-        if readers[id(module.weight)] == 1:
-            with torch.no_grad():
-                module.get_parameter("weight").copy_(weight)
-        else:
-            module.weight = torch.nn.Parameter(weight, requires_grad=False)
-        grids[blocks.grid] = grids.get(blocks.grid, 0) + 1
+        module = quantized_linear(blocks)
         if activations == "int8":
             module.register_forward_pre_hook(lambda _, args: (quantize_activations(args[0]), *args[1:]))
+        model.set_submodule(name.removeprefix("model.").removesuffix(".weight"), module)
+        grids[blocks.grid] = grids.get(blocks.grid, 0) + 1
     return grids
 
 

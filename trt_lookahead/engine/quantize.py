@@ -314,9 +314,8 @@ def quantize_model(model: Any, scheme: str, dtype: Any = None) -> dict[str, Quan
     (`gguf_blocks`), else the weight quantized as `scheme`; then cast the float parameters left (embeddings, norms)
     to `dtype` (None: as they are). Quantize a float32 model: a GGUF grid survives no lower precision.
     -> {the projection's name: its blocks}."""
-    import torch
 
-    from trt_lookahead.model.llama import Linear, QuantizedLinear
+    from trt_lookahead.model.llama import Linear
 
     bits = BITS[scheme]
     used: dict[str, QuantizedWeight] = {}
@@ -325,16 +324,25 @@ def quantize_model(model: Any, scheme: str, dtype: Any = None) -> dict[str, Quan
             continue
         weight = module.dense_weight()
         blocks = used[name] = weight_blocks(weight.float().cpu().numpy(), bits)
-        tensors = (blocks.codes.reshape(len(blocks.codes), -1), blocks.scales, blocks.zero_points, blocks.mins)
-        codes, scales, zeros, mins = (None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(weight.device)
-                                      for a in tensors)
-        model.set_submodule(name, QuantizedLinear(codes, scales, zeros, mins, blocks.bits, blocks.k))
+        model.set_submodule(name, quantized_linear(blocks, weight.device))
     if not used:
         raise UserError(f"--weights {scheme}: the model has no bias-free projection to quantize")
     if dtype is not None:
         for param in model.parameters():  # QuantizedLinear holds buffers: its float32 scales stay float32
             param.data = param.data.to(dtype)
     return used
+
+
+def quantized_linear(blocks: QuantizedWeight, device: Any = None) -> Any:
+    """A model/llama.py QuantizedLinear holding `blocks` (on the CPU, the very arrays: no copy)."""
+    import torch
+
+    from trt_lookahead.model.llama import QuantizedLinear
+
+    arrays = (blocks.codes.reshape(len(blocks.codes), -1), blocks.scales, blocks.zero_points, blocks.mins)
+    codes, scales, zeros, mins = (None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(device)
+                                  for a in arrays)
+    return QuantizedLinear(codes, scales, zeros, mins, blocks.bits, blocks.k)
 
 
 class MinsTerm(NamedTuple):
