@@ -1,0 +1,49 @@
+"""scripts/build_memory.py: the checkpoint shapes it writes are the ones a Llama of that config loads, and its
+sampler splits a real child's memory by the progress lines the child prints, and stops a child past the limit."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from support.scripts import load_script
+
+from trt_lookahead.model.checkpoint import expected_tensors, hf_key
+from trt_lookahead.model.llama import ModelConfig
+
+# a child that prints two progress lines, holding about 300 MB of touched memory after the second
+CHILD = """
+import sys, time
+print("[#.] 1/2 small", file=sys.stderr, flush=True)
+time.sleep(0.5)
+print("[##] 2/2 large", file=sys.stderr, flush=True)
+block = bytearray(300 * 2**20)
+block[::4096] = b"x" * len(block[::4096])
+time.sleep(1.0)
+"""
+
+
+@pytest.fixture(scope="module")
+def build_memory():
+    return load_script("build_memory")
+
+
+@pytest.mark.parametrize("shape", ["llama-1b", "llama-3b"])
+def test_the_checkpoint_has_every_tensor_a_llama_of_its_config_loads(build_memory, shape):
+    config = {**build_memory.SHAPES[shape], "vocab_size": 49152, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
+              "max_position_embeddings": 2048, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    expected = {hf_key(name): shape for name, shape in expected_tensors(ModelConfig.from_hf(config)).items()}
+    assert build_memory.tensor_shapes(build_memory.SHAPES[shape], 49152) == expected
+
+
+def test_the_sampler_splits_a_childs_memory_by_its_progress_lines(build_memory):
+    result = build_memory.measured_build([sys.executable, "-c", CHILD])
+    phases = {line: anon for line, _, anon in result["phases"]}
+    assert list(phases) == ["start", "[#.] 1/2 small", "[##] 2/2 large"] and result["rc"] == 0
+    assert phases["[##] 2/2 large"] > phases["[#.] 1/2 small"] + 250  # MB: the block, anonymous
+    assert result["peak_anon_mb"] == phases["[##] 2/2 large"] and not result["stopped"]
+
+
+def test_a_child_past_the_limit_is_stopped(build_memory):
+    result = build_memory.measured_build([sys.executable, "-c", CHILD], stop_above_mb=200)
+    assert result["stopped"] and result["rc"] != 0 and result["peak_anon_mb"] > 200
