@@ -1,7 +1,7 @@
 """An exported graph's initializers on their way to the engine dir: the larger ones *held* (an external-data
 reference to `HELD` in the proto, the data in `Weights`, views of the model's tensors or the quantized blocks, not
 copies) until `save_graph` writes each to the weights file; a build so holds the weights once (docs/design.md 6.5).
-Imports numpy and onnx only (the runtime reads quantized graphs through engine/quantize.py, which uses these).
+Needs numpy and onnx, not torch (the runtime reads quantized graphs through engine/quantize.py, which uses these).
 
     proto, weights = export_graph(model, "plugin", cache_rows=1040, max_tokens=64)   # engine/export.py
     proto.graph.initializer.append(held_initializer("w.q4", codes, weights))
