@@ -339,10 +339,12 @@ def quantized_linear(blocks: QuantizedWeight, device: Any = None) -> Any:
 
     from trt_lookahead.model.llama import QuantizedLinear
 
-    arrays = (blocks.codes.reshape(len(blocks.codes), -1), blocks.scales, blocks.zero_points, blocks.mins)
-    codes, scales, zeros, mins = (None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(device)
-                                  for a in arrays)
-    return QuantizedLinear(codes, scales, zeros, mins, blocks.bits, blocks.k)
+    def tensor(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    return QuantizedLinear(tensor(blocks.codes.reshape(len(blocks.codes), -1)), tensor(blocks.scales),
+                           tensor(blocks.zero_points), None if blocks.mins is None else tensor(blocks.mins),
+                           blocks.bits, blocks.k)
 
 
 class MinsTerm(NamedTuple):
