@@ -156,7 +156,8 @@ def test_byte_level_tokenizer_keys_rebuild_the_same_tokenizer(tmp_path, llama3, 
 
 
 def with_tensor(source: Path, out: Path, name: str, data: np.ndarray) -> Path:
-    """A copy of the float GGUF `source` with one more tensor, as llama.cpp's converter adds rope_freqs."""
+    """A copy of the float GGUF `source` with the tensor `name` replaced by `data`, or added (as llama.cpp's converter
+    adds rope_freqs); `data`'s numpy dtype gives its GGML type."""
     reader = gguf.GGUFReader(str(source))
     writer = gguf.GGUFWriter(str(out), arch="llama")
     for key, field in reader.fields.items():
@@ -164,8 +165,9 @@ def with_tensor(source: Path, out: Path, name: str, data: np.ndarray) -> Path:
             array = field.types[0] == gguf.GGUFValueType.ARRAY
             writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
     for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, np.array(tensor.data))
-    writer.add_tensor(name, data)
+        writer.add_tensor(tensor.name, data if tensor.name == name else np.array(tensor.data))
+    if name not in {tensor.name for tensor in reader.tensors}:
+        writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -298,6 +300,20 @@ def test_a_scaled_rope_goes_to_gguf_and_back(tmp_path, monkeypatch, kind):
     assert ids == LLAMA_CPP_SCALED_IDS[kind]
     with LookaheadRuntime.from_pretrained(str(STORIES), backend="torch") as rt:
         assert rt.generate(SCALED_PROMPT, max_new_tokens=len(ids), lookahead="greedy").token_ids != ids
+
+
+def test_a_tensor_type_that_cannot_be_dequantized_is_refused_before_anything_is_written(tmp_path):
+    """A weight in a GGML type the gguf package cannot dequantize (here I8) is one UserError naming the tensor, its
+    type and the fix, raised before model.safetensors is begun."""
+    from trt_lookahead.model.gguf_convert import convert_gguf_to_hf
+
+    path = write_gguf(STORIES, tmp_path / "stories.gguf")
+    reader = gguf.GGUFReader(str(path))
+    (q,) = [t for t in reader.tensors if t.name == "blk.1.attn_q.weight"]
+    bad = with_tensor(path, tmp_path / "i8.gguf", q.name, np.zeros(np.array(q.data).shape, np.int8))
+    with pytest.raises(UserError, match=r"GGUF tensor blk.1.attn_q.weight is I8, .* llama-quantize"):
+        convert_gguf_to_hf(bad, tmp_path / "from-i8", progress=False)
+    assert not (tmp_path / "from-i8" / "model.safetensors").exists()
 
 
 def test_longrope_tables_are_refused(tmp_path):

@@ -341,7 +341,9 @@ def rope_scaling_from_factors(table: np.ndarray, head_dim: int, theta: float) ->
 
 def gguf_tensors(reader, config: dict[str, Any]) -> dict[str, Any]:
     """HF name -> the reader's tensor, in the checkpoint's order, each name and shape checked against the metadata's
-    before any is dequantized (a damaged file fails at once)."""
+    and each type against what the gguf package dequantizes, before any tensor is (a bad file fails at once)."""
+    from gguf.quants import dequantize
+
     from trt_lookahead.model.checkpoint import expected_tensors, hf_key
     from trt_lookahead.model.llama import ModelConfig
 
@@ -354,6 +356,12 @@ def gguf_tensors(reader, config: dict[str, Any]) -> dict[str, Any]:
     for name, shape in shapes.items():
         if hf_shape(found[name]) != shape:
             raise UserError(f"GGUF tensor for {name} has shape {hf_shape(found[name])}, metadata implies {shape}")
+    for t in {t.tensor_type: t for t in found.values()}.values():  # one tensor of each type: its first row
+        try:
+            dequantize(t.data[:1] if t.data.ndim > 1 else t.data, t.tensor_type)
+        except NotImplementedError:
+            raise UserError(f"GGUF tensor {t.name} is {t.tensor_type.name}, which cannot be dequantized here; "
+                            "requantize it with llama.cpp's llama-quantize (e.g. to Q4_K_M, Q8_0 or F16)") from None
     return {name: found[name] for name in shapes}
 
 
