@@ -94,7 +94,7 @@ def resident_mb(pid: int) -> tuple[int, int]:
         return 0, 0
     total, anon = 0, 0
     for p in pids:
-        with contextlib.suppress(OSError):  # a child gone between the listing and the read
+        with contextlib.suppress(OSError, KeyError):  # a child gone (or a zombie: no memory lines) since the listing
             fields = dict(line.split(":", 1) for line in Path(f"/proc/{p}/status").read_text().splitlines())
             total += int(fields["VmRSS"].split()[0])
             anon += int(fields["RssAnon"].split()[0])

@@ -20,6 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from trt_lookahead.backends.open import open_engine
 from trt_lookahead.cli import main
+from trt_lookahead.engine import quantize
 from trt_lookahead.engine.build import quantize_like_graph
 from trt_lookahead.engine.export import export_graph
 from trt_lookahead.engine.format import write_engine_config
@@ -70,6 +71,20 @@ def test_every_weight_is_within_half_a_step_and_the_padding_is_dropped(bits):
     assert q.scales.shape == (6, 2) and q.dequantize().shape == (6, 40)
     step = np.repeat(q.scales, BLOCK_SIZE, axis=1)[:, :40]
     assert np.all(np.abs(q.dequantize() - w) <= step / 2 + 1e-6)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_weight_quantized_in_chunks_of_rows_is_the_weight_quantized_at_once(bits, monkeypatch):
+    """quantize_blocks works CHUNK_WEIGHTS at a time (its transients stay a chunk's): rows are independent, so chunks
+    of 3 rows (the last one short) give the very blocks of one pass, and every row is checked as above."""
+    w = np.random.default_rng(bits).standard_normal((50, 200)).astype(np.float32)
+    whole = quantize_blocks(w, bits)
+    monkeypatch.setattr(quantize, "CHUNK_WEIGHTS", 3 * 224)  # K 200 padded to 7 blocks of 32: 3 rows a chunk
+    chunked = quantize_blocks(w, bits)
+    for part in ("codes", "scales", "zero_points"):
+        assert np.array_equal(getattr(chunked, part), getattr(whole, part)), part
+    step = np.repeat(chunked.scales, BLOCK_SIZE, axis=1)[:, :200]
+    assert np.all(np.abs(chunked.dequantize() - w) <= step / 2 + 1e-6)
 
 
 def test_int8_activation_blocks_by_hand():
@@ -428,18 +443,26 @@ def test_a_build_holds_the_weights_once_and_saves_every_held_value(tmp_path):
 
 
 def test_the_builds_reference_holds_the_graphs_blocks_and_multiplies_as_the_dequantized_model():
-    """quantize_like_graph (the build's smoke-check reference): each projection becomes a QuantizedLinear on the
-    graph's very blocks (no copy) and no float projection is left, yet its logits are bit for bit those of the float
-    model holding the dequantized weights; the tied lm_head gets its own, the embedding staying the float one the
-    graph's lookup reads."""
+    """quantize_like_graph (the build's smoke-check reference, quantize_graph's on_blocks): each projection becomes a
+    QuantizedLinear on the graph's very blocks (no copy) as soon as they are made, the graph letting go of the float
+    weight there too, and no float projection is left; yet the logits are bit for bit those of the float model
+    holding the dequantized weights. The tied lm_head gets its own, the embedding staying the float one the graph's
+    lookup reads."""
     model, _ = load_llama(STORIES)
     dense, _ = load_llama(STORIES)  # the same reference written out: each projection's dequantized weight, in float
     embedding = model.tok_embeddings.weight.clone()
     assert model.output.weight is model.tok_embeddings.weight  # stories260K ties them
     proto, weights = export_graph(model, "plugin", 64, 8)
-    _, used = quantize_graph(proto, "int4", weights=weights)
-    del proto, weights
-    assert quantize_like_graph(model, used, "float") == {"int4": len(used)}
+    seen: list[str] = []
+
+    def reference(name, blocks):
+        assert name not in weights or name in {"model.tok_embeddings.weight", "model.output.weight"}  # let go of
+        quantize_like_graph(model, name, blocks, "float")
+        seen.append(name)
+
+    _, used = quantize_graph(proto, "int4", weights=weights, on_blocks=reference)
+    assert seen == list(used)
+    del proto
     assert torch.equal(model.tok_embeddings.weight, embedding)
     assert not any(isinstance(module, Linear) for module in model.modules())
     for name, blocks in used.items():

@@ -11,9 +11,12 @@ from support.scripts import load_script
 from trt_lookahead.model.checkpoint import expected_tensors, hf_key
 from trt_lookahead.model.llama import ModelConfig
 
-# a child that prints two progress lines, holding about 300 MB of touched memory after the second
+# a child that prints two progress lines, holding about 300 MB of touched memory after the second, with a zombie
+# child of its own all along (whose /proc status has no memory lines)
 CHILD = """
-import sys, time
+import subprocess, sys, time
+zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+time.sleep(0.3)
 print("[#.] 1/2 small", file=sys.stderr, flush=True)
 time.sleep(0.5)
 print("[##] 2/2 large", file=sys.stderr, flush=True)

@@ -21,8 +21,10 @@ import signal
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -313,17 +315,16 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
               f"1..{tokens} tokens per row ({lookahead}: T={T})")
     layout = StepLayout(lookahead)
     graph, weights = export_graph(model, request.attention, rows, tokens, request.tree)  # weights: the model's own
-    used: dict[str, QuantizedWeight] = {}
-    if request.weights != "float":
-        graph, used = quantize_graph(graph, request.weights, request.activations, weights)
-    save_graph(graph, out / GRAPH_FILE, weights)
-    del graph, weights
     grids: dict[str, int] = {}  # quantized projections by where their blocks come from (QuantizedWeight.grid)
-    if used:  # only now: the graph's float weights were the model's own tensors until saved
-        grids = quantize_like_graph(model, used, request.activations)
+    if request.weights != "float":  # each float projection let go as soon as its blocks are made
+        reference = partial(quantize_like_graph, model, activations=request.activations)
+        graph, used = quantize_graph(graph, request.weights, request.activations, weights, reference)
+        grids = dict(Counter(blocks.grid for blocks in used.values()))
         del used
         _log(f"      quantized projections by block source: {grids} (int8 / int4: quantized here; Q4_K, Q5_1, "
              "Q5_0+Q8_0, ...: the checkpoint's own GGUF blocks, kept)")
+    save_graph(graph, out / GRAPH_FILE, weights)
+    del graph, weights
 
     _progress(3, steps, "copying the tokenizer and checking the graph with onnx.checker")
     tokenizer_files = [name for name in TOKENIZER_FILES if (request.model_dir / name).is_file()]
@@ -381,21 +382,15 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
             "tensorrt_remaining": config["targets"].get("tensorrt", {}).get("remaining")}
 
 
-def quantize_like_graph(model: Llama, used: dict[str, QuantizedWeight], activations: str) -> dict[str, int]:
-    """Make the torch model multiply as the quantized graph does (the smoke check's reference): each quantized
-    projection becomes a QuantizedLinear holding the graph's blocks (`quantized_linear`: no copy, and its float
-    weight is let go, so the reference holds the blocks, not the float model), with int8 activations quantized
-    before it; a tied lm_head so gets its own, the embedding staying the float one the graph's lookup reads. Call it
-    after save_graph: until then the graph's held weights are the model's own tensors (engine/initializers.py).
-    -> the projections counted by where their blocks come from."""
-    grids: dict[str, int] = {}
-    for name, blocks in used.items():
-        module = quantized_linear(blocks)
-        if activations == "int8":
-            module.register_forward_pre_hook(lambda _, args: (quantize_activations(args[0]), *args[1:]))
-        model.set_submodule(name.removeprefix("model.").removesuffix(".weight"), module)
-        grids[blocks.grid] = grids.get(blocks.grid, 0) + 1
-    return grids
+def quantize_like_graph(model: Llama, name: str, blocks: QuantizedWeight, activations: str) -> None:
+    """Make the torch model multiply the projection `name` (the graph's initializer name) as the quantized graph does
+    (the smoke check's reference): a QuantizedLinear holding the graph's blocks (`quantized_linear`: no copy) takes
+    the projection's place, so its float weight is let go, with int8 activations quantized before it; a tied lm_head
+    so gets its own, the embedding staying the float one the graph's lookup reads. quantize_graph's `on_blocks`."""
+    module = quantized_linear(blocks)
+    if activations == "int8":
+        module.register_forward_pre_hook(lambda _, args: (quantize_activations(args[0]), *args[1:]))
+    model.set_submodule(name.removeprefix("model.").removesuffix(".weight"), module)
 
 
 SMOKE_PROMPT_LENGTHS = (12, 7, 1)  # one batch row each: different cache lengths in every step

@@ -48,6 +48,7 @@ BITS = {"int8": 8, "int4": 4}
 ACCURACY_LEVEL = {"int8": 4}  # MatMulNBits' attribute for activations other than float: 4 = int8 blocks
 ACTIVATION_CODE = 127  # an int8 activation block's codes are -127 .. 127
 BLOCK_SIZE = 32  # weights per (channel, block); a power of two >= 16, as MatMulNBits takes
+CHUNK_WEIGHTS = 1 << 22  # weights quantized at once by quantize_blocks (its float transients: a few times this)
 # in a quantized build's key, so cached engines are rebuilt: 2 = GGUF Q5_x, K-quant and mixed-row blocks kept,
 # 3 = a GGUF weight's rows on no grid quantized here beside its kept rows
 BLOCKS_REVISION = 3
@@ -95,13 +96,19 @@ def _packed(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, bits: int,
 
 
 def quantize_blocks(weight: np.ndarray, bits: int) -> QuantizedWeight:
-    """Quantize a float [N, K] weight (output channels by inputs) in blocks of BLOCK_SIZE along K."""
+    """Quantize a float [N, K] weight (output channels by inputs) in blocks of BLOCK_SIZE along K, CHUNK_WEIGHTS at a
+    time (rows are independent; the float transients stay a chunk's, not a vocabulary-sized lm_head's)."""
     n, k = weight.shape
     blocks = -(-k // BLOCK_SIZE)
-    w = np.zeros((n, blocks * BLOCK_SIZE), np.float32)
-    w[:, :k] = weight
-    fit = _quantized_here(w.reshape(n, blocks, BLOCK_SIZE), bits)
-    return _packed(fit.codes, fit.scales, fit.zeros, bits, k, f"int{bits}")
+    rows = max(1, CHUNK_WEIGHTS // (blocks * BLOCK_SIZE))
+    fits = []
+    for start in range(0, n, rows):
+        w = np.zeros((min(rows, n - start), blocks * BLOCK_SIZE), np.float32)
+        w[:, :k] = weight[start : start + rows]
+        fits.append(_quantized_here(w.reshape(len(w), blocks, BLOCK_SIZE), bits))
+    codes, scales, zeros = (np.concatenate(parts) for parts in zip(*((f.codes, f.scales, f.zeros) for f in fits),
+                                                                     strict=True))
+    return _packed(codes, scales, zeros, bits, k, f"int{bits}")
 
 
 def _quantized_here(w: np.ndarray, bits: int) -> _Fit:
@@ -365,15 +372,17 @@ class MinsTerm(NamedTuple):
         return cls(*(f"{codes}.{part}" for part in cls._fields))
 
 
-def quantize_graph(proto: Any, scheme: str, activations: str = "float", weights: Weights | None = None
+def quantize_graph(proto: Any, scheme: str, activations: str = "float", weights: Weights | None = None,
+                   on_blocks: Callable[[str, QuantizedWeight], None] | None = None
                    ) -> tuple[Any, dict[str, QuantizedWeight]]:
     """Replace every projection Gemm(x, W, transB=1) whose W is a float initializer by a MatMulNBits node holding W
     in blocks, multiplying float or int8 `activations` (see the module docstring): W's own GGUF blocks where it has
     them (`gguf_blocks`), else W quantized as `scheme` (int8 or int4). -> (the graph, {W's name: its blocks}).
 
-    `weights`: the graph's held initializers (export_graph's), the blocks' arrays held there too; None: the graph
-    holds every tensor itself. A W that other nodes also read (a tied embedding's lookup) keeps its float initializer
-    for them.
+    `weights`: the graph's held initializers (export_graph's), the blocks' arrays held there too, and a float W let go
+    of as soon as its blocks are made; None: the graph holds every tensor itself. `on_blocks(W's name, its blocks)`
+    is called right then (a build lets go of its own float W there: one float weight at a time is in excess). A W
+    that other nodes also read (a tied embedding's lookup) keeps its float initializer for them.
     """
     import onnx
     from onnx import helper, numpy_helper
@@ -426,6 +435,10 @@ def quantize_graph(proto: Any, scheme: str, activations: str = "float", weights:
             ])
         used[name] = blocks
         readers[name] -= 1
+        if readers[name] == 0 and weights is not None:
+            del weights[name]
+        if on_blocks is not None:
+            on_blocks(name, blocks)
     if not used:
         raise UserError(f"--weights {scheme}: the graph has no projection (Gemm on a float32 weight) to quantize")
     del graph.node[:]
