@@ -414,6 +414,24 @@ def test_the_graph_pass_multiplies_by_the_dequantized_weight_and_keeps_a_tied_lo
     assert np.abs(used["W"].dequantize() - weight).max() > 0  # it really is quantized
 
 
+def test_a_projection_the_graph_holds_inline_is_quantized_beside_held_ones(tmp_path):
+    """With `weights` (a build's held initializers), a projection too small to have been held (under INLINE_BYTES)
+    is quantized all the same, its blocks held, and the saved graph multiplies by them."""
+    weight = np.random.default_rng(1).standard_normal((4, 32)).astype(np.float32)  # 512 bytes: inline
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "W"], ["y"], transB=1)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", 4])], [numpy_helper.from_array(weight, "W")])
+    weights: dict = {}
+    proto, used = quantize_graph(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), "int8",
+                                 weights=weights)
+    assert weights["W.q8"] is used["W"].codes and "W" not in {t.name for t in proto.graph.initializer}
+    save_graph(proto, tmp_path / "model.onnx", weights)
+    session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    x = np.ones((1, 32), np.float32)
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], x @ used["W"].dequantize().T, rtol=1e-5, atol=1e-5)
+
+
 def test_a_build_holds_the_weights_once_and_saves_every_held_value(tmp_path):
     """export_graph copies no weight into the graph: each larger initializer is held, its data a view of the model's
     own parameter; quantize_graph holds the very block arrays it returns; save_graph writes every held value, so the

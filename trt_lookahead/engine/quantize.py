@@ -321,7 +321,6 @@ def quantize_model(model: Any, scheme: str, dtype: Any = None) -> dict[str, Quan
     (`gguf_blocks`), else the weight quantized as `scheme`; then cast the float parameters left (embeddings, norms)
     to `dtype` (None: as they are). Quantize a float32 model: a GGUF grid survives no lower precision.
     -> {the projection's name: its blocks}."""
-
     from trt_lookahead.model.llama import Linear
 
     bits = BITS[scheme]
@@ -436,7 +435,7 @@ def quantize_graph(proto: Any, scheme: str, activations: str = "float", weights:
         used[name] = blocks
         readers[name] -= 1
         if readers[name] == 0 and weights is not None:
-            del weights[name]
+            weights.pop(name, None)  # (a weight under INLINE_BYTES was never held)
         if on_blocks is not None:
             on_blocks(name, blocks)
     if not used:
