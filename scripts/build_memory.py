@@ -29,7 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
+from trt_lookahead.model.checkpoint import expected_tensors, hf_key
 from trt_lookahead.model.gguf_convert import write_gguf, write_safetensors
+from trt_lookahead.model.llama import ModelConfig
 
 # the layers of Meta's Llama 3.2 1B and 3B; the vocabulary is the tokenizer donor's
 SHAPES = {
@@ -41,33 +43,16 @@ SHAPES = {
 DONOR = Path.home() / ".cache" / "trt-lookahead" / "models" / "smollm2-135m-instruct"
 
 
-def tensor_shapes(shape: dict, vocab: int) -> dict[str, tuple[int, ...]]:
-    """HF Llama tensor names -> shapes (tied embeddings: no lm_head)."""
-    h, f = shape["hidden_size"], shape["intermediate_size"]
-    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
-    for i in range(shape["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
-                   p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
-                   p + "mlp.down_proj.weight": (h, f)}
-    return shapes
-
-
 def write_checkpoint(out: Path, name: str, donor: Path, seed: int = 0) -> int:
     """The checkpoint dir (written once); -> its float32 weight bytes."""
-    donor_config = json.loads((donor / "config.json").read_text())
-    vocab = donor_config["vocab_size"]
-    shapes = tensor_shapes(SHAPES[name], vocab)
+    config = {**json.loads((donor / "config.json").read_text()), **SHAPES[name], "tie_word_embeddings": True,
+              "torch_dtype": "float32", "max_position_embeddings": 2048}
+    config.pop("head_dim", None)
+    shapes = {hf_key(key): dims for key, dims in expected_tensors(ModelConfig.from_hf(config)).items()}
     total = sum(4 * int(np.prod(s)) for s in shapes.values())
     if (out / "model.safetensors").is_file():
         return total
     out.mkdir(parents=True, exist_ok=True)
-    config = {**donor_config, **SHAPES[name], "tie_word_embeddings": True, "torch_dtype": "float32",
-              "max_position_embeddings": 2048}
-    config.pop("head_dim", None)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     for file in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (donor / file).is_file():
