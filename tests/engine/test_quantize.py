@@ -7,6 +7,7 @@ import json
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 from trt_lookahead.backends.open import open_engine
 from trt_lookahead.cli import main
 from trt_lookahead.engine import quantize
-from trt_lookahead.engine.build import quantize_like_graph
+from trt_lookahead.engine.build import map_saved_blocks, quantize_like_graph
 from trt_lookahead.engine.export import export_graph
 from trt_lookahead.engine.format import write_engine_config
 from trt_lookahead.engine.initializers import is_held, save_graph
@@ -29,6 +30,8 @@ from trt_lookahead.engine.quantize import (
     BITS,
     BLOCK_SIZE,
     BLOCKS_REVISION,
+    BlockNames,
+    MinsTerm,
     gguf_blocks,
     quantize_activations,
     quantize_blocks,
@@ -36,7 +39,7 @@ from trt_lookahead.engine.quantize import (
     quantize_model,
 )
 from trt_lookahead.errors import UserError
-from trt_lookahead.model.checkpoint import load_llama
+from trt_lookahead.model.checkpoint import load_llama, load_llama_deferred
 from trt_lookahead.model.llama import Linear, QuantizedLinear
 from trt_lookahead.runtime import LookaheadRuntime
 from trt_lookahead.serving.openai_api import OpenAIServer
@@ -325,11 +328,9 @@ def test_onnxruntime_multiplies_a_kept_gguf_weight_as_the_checkpoint_holds_it(ki
     np.testing.assert_allclose(y, x.astype(np.float64) @ w.T.astype(np.float64), rtol=0, atol=1e-4)
 
 
-@pytest.mark.export
-def test_an_engine_of_a_gguf_dequantized_checkpoint_keeps_its_blocks_and_stays_exact(tmp_path):
-    """stories260K with every projection whose K is whole blocks put through Q4_1 (the lm_head, tied: Q8_0), as a
-    checkpoint converted from such a GGUF holds them: --weights int4 keeps those blocks, quantizes the rest here,
-    and lookahead equals the engine's greedy."""
+def q4_1_checkpoint(tmp_path: Path) -> Path:
+    """stories260K with every projection whose K is whole blocks put through Q4_1 (the tied lm_head: Q8_0), as a
+    checkpoint converted from such a GGUF holds them."""
     from safetensors.numpy import load_file, save_file
 
     model = tmp_path / "stories-q4_1"
@@ -339,6 +340,15 @@ def test_an_engine_of_a_gguf_dequantized_checkpoint_keeps_its_blocks_and_stays_e
         if value.ndim == 2 and value.shape[1] % BLOCK_SIZE == 0:
             tensors[name] = gguf_roundtrip(value, "Q8_0" if "embed" in name else "Q4_1")[0]
     save_file(tensors, str(model / "model.safetensors"))
+    return model
+
+
+@pytest.mark.export
+def test_an_engine_of_a_gguf_dequantized_checkpoint_keeps_its_blocks_and_stays_exact(tmp_path):
+    """stories260K with every projection whose K is whole blocks put through Q4_1 (the lm_head, tied: Q8_0), as a
+    checkpoint converted from such a GGUF holds them: --weights int4 keeps those blocks, quantizes the rest here,
+    and lookahead equals the engine's greedy."""
+    model = q4_1_checkpoint(tmp_path)
     out = tmp_path / "engine"
     assert main(["build", "--model", str(model), "--output", str(out), "--weights", "int4", "--activations", "float",
                  "--lookahead_config", "4,3,4", "--max_seq_len", "256"]) == 0
@@ -460,6 +470,39 @@ def test_a_build_holds_the_weights_once_and_saves_every_held_value(tmp_path):
     assert all(np.array_equal(values[name], params[name]) for name in floats)
 
 
+def test_a_deferred_build_reads_each_projection_once_and_writes_the_same_engine(tmp_path):
+    """A quantized build from load_llama_deferred: the exported graph and every saved byte are those of the eagerly
+    loaded model's build; quantize_graph reads each deferred projection exactly once, and the float weight it read
+    is gone before it reads the next (one float projection in memory at a time)."""
+    import weakref
+
+    reads: list[str] = []
+    alive: list[weakref.ref] = []
+
+    def counted(name: str, read):
+        def read_once():
+            assert all(ref() is None for ref in alive), f"a float projection is still held when {name} is read"
+            reads.append(name)
+            array = read()
+            alive.append(weakref.ref(array))  # any view of it kept refers to it
+            return array
+        return read_once
+
+    def built(model, deferred=None) -> tuple[bytes, bytes]:
+        out = tmp_path / ("deferred" if deferred else "eager")
+        out.mkdir()
+        proto, weights = export_graph(model, "plugin", 64, 8, deferred=deferred)
+        weights = {name: counted(name, data) if callable(data) else data for name, data in weights.items()}
+        proto, _ = quantize_graph(proto, "int4", "int8", weights)
+        save_graph(proto, out / "model.onnx", weights)
+        return (out / "model.onnx").read_bytes(), (out / "weights.bin").read_bytes()
+
+    model, _, deferred = load_llama_deferred(STORIES, 0)
+    assert len(deferred) == 5 * 4  # wqkv, wo, w13, w2 per layer; the tied head is the embedding
+    assert built(model, deferred) == built(load_llama(STORIES)[0])
+    assert sorted(reads) == sorted(f"model.{name}" for name in deferred)
+
+
 def test_the_builds_reference_holds_the_graphs_blocks_and_multiplies_as_the_dequantized_model():
     """quantize_like_graph (the build's smoke-check reference, quantize_graph's on_blocks): each projection becomes a
     QuantizedLinear on the graph's very blocks (no copy) as soon as they are made, the graph letting go of the float
@@ -501,6 +544,56 @@ def test_the_builds_reference_holds_the_graphs_blocks_and_multiplies_as_the_dequ
     assert not torch.equal(logits(model), logits(load_llama(STORIES)[0]))  # and not the float model's
 
 
+def test_the_references_blocks_are_read_from_the_saved_weights_file_mapped(tmp_path):
+    """map_saved_blocks: once the graph is saved, every projection of the smoke check's reference multiplies by the
+    blocks in weights.bin itself (its codes, scales and Q4_1 mins lie in a mapping of that file), the build's own
+    arrays are let go, and the logits are bit for bit the same."""
+    import weakref
+
+    model, _, deferred = load_llama_deferred(q4_1_checkpoint(tmp_path), 0)
+    proto, weights = export_graph(model, "plugin", 64, 8, deferred=deferred)
+    proto, used = quantize_graph(proto, "int4", weights=weights,
+                                 on_blocks=partial(quantize_like_graph, model, activations="float"))
+    assert {blocks.grid for blocks in used.values() if blocks.mins is not None} == {"Q4_1"}
+    n = 12
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, 512, n))
+
+    def logits():
+        with torch.no_grad():
+            return model(ids, torch.arange(n), *model.new_cache(16), torch.tensor(0),
+                         torch.ones(n, n, dtype=bool).tril(), torch.arange(n))
+
+    before = logits()
+    save_graph(proto, tmp_path / "model.onnx", weights)
+    bits = {name: blocks.bits for name, blocks in used.items()}
+    held = [weakref.ref(blocks.codes) for blocks in used.values()]
+    del proto, weights, used
+    map_saved_blocks(model, bits, tmp_path / "model.onnx")
+    assert all(ref() is None for ref in held)
+    mapped = [tuple(int(x, 16) for x in line.split()[0].split("-"))
+              for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith("/weights.bin")
+              and str(tmp_path) in line]
+    assert mapped
+
+    def in_file(t: torch.Tensor) -> bool:
+        return any(start <= t.data_ptr() < end for start, end in mapped)
+
+    outside = {t.name for t in onnx.load(str(tmp_path / "model.onnx"), load_external_data=False).graph.initializer
+               if t.external_data}  # the small ones stay inside the graph file, read
+    checked = 0
+    for name, width in bits.items():
+        module = model.get_submodule(name.removeprefix("model.").removesuffix(".weight"))
+        names = BlockNames.of(name, width)
+        stored = {"codes": names.codes, "scales": names.scales, "zero_points": names.zero_points,
+                  "mins": MinsTerm.of(names.codes).mins}
+        for attr, initializer in stored.items():
+            if initializer in outside:
+                assert in_file(getattr(module, attr)), initializer
+                checked += 1
+    assert checked >= len(bits) + 15  # every projection's codes, and the Q4_1 projections' mins
+    assert torch.equal(logits(), before)
+
+
 # -- a torch Llama's projections (the GPU executor's weights) ------------------------------------------------------
 
 
@@ -529,6 +622,29 @@ def test_a_torch_llama_holds_the_blocks_the_graph_pass_makes_and_keeps_its_tied_
     ids = torch.tensor([1, 300, 411, 20, 7])
     step = (ids, torch.arange(5), None, None, torch.tensor(0), torch.ones(5, 5, dtype=torch.bool).tril())
     assert torch.equal(model(*step), reference(*step))
+
+
+def test_a_torch_llama_loaded_deferred_quantizes_each_weight_as_read_once():
+    """quantize_model on a load_llama_deferred model (the GPU executor's --weights load): each projection is read from
+    the checkpoint once, as it is quantized, into the very blocks the eagerly loaded model's make, and the model's
+    logits are the eager one's bit for bit."""
+    eager = load_llama(STORIES)[0]
+    expected = quantize_model(eager, "int4", torch.bfloat16)
+    model, _, readers = load_llama_deferred(STORIES, 0)
+    reads: list[str] = []
+
+    def counted(name, read):
+        return lambda: reads.append(name) or read()
+
+    used = quantize_model(model, "int4", torch.bfloat16, {name: counted(name, r) for name, r in readers.items()})
+    assert sorted(reads) == sorted(readers) and len(reads) == 20
+    assert set(used) == set(expected)
+    for name, blocks in used.items():
+        assert np.array_equal(blocks.codes, expected[name].codes) and np.array_equal(blocks.scales,
+                                                                                      expected[name].scales), name
+    ids = torch.tensor([1, 300, 411, 20, 7])
+    step = (ids, torch.arange(5), None, None, torch.tensor(0), torch.ones(5, 5, dtype=torch.bool).tril())
+    assert torch.equal(model(*step), eager(*step))
 
 
 def test_a_torch_llama_keeps_a_gguf_weights_own_blocks():

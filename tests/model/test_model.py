@@ -9,12 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import LookaheadConfig
 from trt_lookahead.lookahead.layout import StepLayout
-from trt_lookahead.model.checkpoint import load_llama, read_config
+from trt_lookahead.model.checkpoint import load_llama, load_llama_deferred, read_config, read_deferred
 from trt_lookahead.model.llama import (
     Linear,
     Llama,
@@ -302,6 +303,64 @@ def test_sharded_checkpoint_loads_like_single(tmp_path):
     b, _ = load_llama(tmp_path / "sharded")
     for (na, ta), (nb, tb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert na == nb and torch.equal(ta, tb)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_deferred_load_reads_each_projection_only_when_asked(tmp_path, bias):
+    """load_llama_deferred: every bias-free projection (an untied lm_head included) is a fake tensor until its reader
+    is called, which returns the checkpoint's own tensors in float32, q/k/v and gate/up concatenated, read across
+    shards; the rest is read now; read_deferred makes the model load_llama's, logits bit for bit."""
+    hf_cfg = tiny_hf_config(attention_bias=bias, mlp_bias=bias)
+    _, hf = save_random(tmp_path / "single", hf_cfg)
+    hf.to(torch.bfloat16).save_pretrained(tmp_path / "sharded", max_shard_size="50KB")  # fused parts across shards
+    path = tmp_path / "sharded"
+    assert len(list(path.glob("model-*.safetensors"))) > 1
+    eager, cfg = load_llama(path)
+    model, _, deferred = load_llama_deferred(path, 0)
+    layers = [f"layers.{i}." for i in range(cfg.num_layers)]
+    projections = [f"{p}attention.{n}.weight" for p in layers for n in ("wqkv", "wo")]
+    projections += [f"{p}feed_forward.{n}.weight" for p in layers for n in ("w13", "w2")]
+    assert set(deferred) == ({"output.weight"} if bias else {"output.weight", *projections})
+    params = dict(eager.named_parameters())
+    for name, param in model.named_parameters():
+        assert isinstance(param, FakeTensor) == (name in deferred), name
+        if name not in deferred:
+            assert torch.equal(param, params[name]), name
+    source = hf.model.layers[1]
+    parts = [source.self_attn.q_proj, source.self_attn.k_proj, source.self_attn.v_proj]
+    want = torch.cat([m.weight.detach().to(torch.bfloat16).float() for m in parts])
+    if not bias:
+        assert torch.equal(deferred["layers.1.attention.wqkv.weight"](), want)
+        gate_up = [source.mlp.gate_proj.weight, source.mlp.up_proj.weight]
+        want = torch.cat([w.detach().to(torch.bfloat16).float() for w in gate_up])
+        assert torch.equal(deferred["layers.1.feed_forward.w13.weight"](), want)
+    assert torch.equal(deferred["output.weight"](), hf.lm_head.weight.detach().to(torch.bfloat16).float())
+    assert isinstance(model.output.weight, FakeTensor)  # a reader returns a tensor and keeps none
+
+    model.set_submodule("layers.0.attention.wo", eager.layers[0].attention.wo)  # as a build replaces projections
+    read_deferred(model, deferred)
+    assert not any(isinstance(p, FakeTensor) for p in model.parameters())
+    prompt = list(range(3, 40))
+    assert torch.equal(run(model, prompt)[0], run(eager, prompt)[0])
+
+
+def test_a_deferred_projection_is_read_only_from_min_bytes_and_never_a_tied_head():
+    """min_bytes spares the small projections; a tied lm_head is the embedding, which is read at once."""
+    model, cfg, deferred = load_llama_deferred(STORIES, 64 * 172 * 4)  # w13 and w2 have 2 * 172 * 64, 64 * 172
+    assert cfg.tie_word_embeddings and "output.weight" not in deferred
+    mlp = {f"layers.{i}.feed_forward.{n}.weight" for i in range(cfg.num_layers) for n in ("w13", "w2")}
+    assert set(deferred) == mlp
+    assert model.output.weight is model.tok_embeddings.weight and not isinstance(model.output.weight, FakeTensor)
+
+
+def test_a_deferred_weight_whose_file_went_bad_is_one_clear_error(tmp_path):
+    """A reader opens the checkpoint anew: a weight file truncated after the load raises UserError naming it."""
+    path = copy_stories(tmp_path)
+    _, _, deferred = load_llama_deferred(path, 0)
+    file = path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:1000])
+    with pytest.raises(UserError, match=r"weight file .*model\.safetensors is unreadable.*re-download it"):
+        deferred["layers.0.attention.wqkv.weight"]()
 
 
 def test_bfloat16_and_float16_load(stories):

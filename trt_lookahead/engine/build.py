@@ -52,9 +52,11 @@ from trt_lookahead.engine.format import (
     plan_command,
     write_engine_config,
 )
-from trt_lookahead.engine.initializers import save_graph
+from trt_lookahead.engine.initializers import save_graph, saved_initializers
 from trt_lookahead.engine.quantize import (
     BLOCKS_REVISION,
+    BlockNames,
+    MinsTerm,
     QuantizedWeight,
     check_scheme,
     quantize_activations,
@@ -300,31 +302,41 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
     import torch
 
     from trt_lookahead import __version__
-    from trt_lookahead.model.checkpoint import load_llama
+    from trt_lookahead.model.checkpoint import load_llama, load_llama_deferred, read_deferred
 
     start = time.perf_counter()
     lookahead = request.lookahead
     T = lookahead.step_tokens
     rows = request.max_seq_len + T
     steps = 6 if request.target == "tensorrt" else 5
-    _progress(1, steps, f"loading {request.model_dir} ({request.dtype})")
-    model, _ = load_llama(request.model_dir, dtype=request.dtype)
+    quantized = request.weights != "float"
+    _progress(1, steps, f"loading {request.model_dir} ({request.dtype}"
+              f"{', projections read as they are quantized' if quantized else ''})")
+    if quantized:  # a projection is read from the checkpoint only when its blocks are made (design 6.5)
+        model, _, deferred = load_llama_deferred(request.model_dir, DEFERRED_BYTES)
+    else:
+        (model, _), deferred = load_llama(request.model_dir, dtype=request.dtype), {}
 
     tokens = max(request.max_input_len, T)  # a row's most tokens: a prefill chunk or a step
     _progress(2, steps, f"exporting the network (attention={request.attention}): batch 1..{request.max_batch}, "
               f"1..{tokens} tokens per row ({lookahead}: T={T})")
     layout = StepLayout(lookahead)
-    graph, weights = export_graph(model, request.attention, rows, tokens, request.tree)  # weights: the model's own
+    # weights: the model's own tensors, and the deferred projections' readers
+    graph, weights = export_graph(model, request.attention, rows, tokens, request.tree, deferred)
     grids: dict[str, int] = {}  # quantized projections by where their blocks come from (QuantizedWeight.grid)
-    if request.weights != "float":  # each float projection let go as soon as its blocks are made
+    if quantized:  # each float projection read, quantized and let go in turn
         reference = partial(quantize_like_graph, model, activations=request.activations)
         graph, used = quantize_graph(graph, request.weights, request.activations, weights, reference)
         grids = dict(Counter(blocks.grid for blocks in used.values()))
+        bits = {name: blocks.bits for name, blocks in used.items()}
         del used
+        read_deferred(model, deferred)  # the smoke check runs the model: a projection left float is read now
         _log(f"      quantized projections by block source: {grids} (int8 / int4: quantized here; Q4_K, Q5_1, "
              "Q5_0+Q8_0, ...: the checkpoint's own GGUF blocks, kept)")
     save_graph(graph, out / GRAPH_FILE, weights)
     del graph, weights
+    if quantized:  # the reference's blocks read from weights.bin from now on, as the smoke check's session reads them
+        map_saved_blocks(model, bits, out / GRAPH_FILE)
 
     _progress(3, steps, "copying the tokenizer and checking the graph with onnx.checker")
     tokenizer_files = [name for name in TOKENIZER_FILES if (request.model_dir / name).is_file()]
@@ -390,9 +402,34 @@ def quantize_like_graph(model: Llama, name: str, blocks: QuantizedWeight, activa
     module = quantized_linear(blocks)
     if activations == "int8":
         module.register_forward_pre_hook(lambda _, args: (quantize_activations(args[0]), *args[1:]))
-    model.set_submodule(name.removeprefix("model.").removesuffix(".weight"), module)
+    model.set_submodule(_module_name(name), module)
 
 
+def map_saved_blocks(model: Llama, bits: dict[str, int], graph: Path) -> None:
+    """Point the blocks of each `quantize_like_graph` projection (`bits`: the graph's weight names -> their codes'
+    bits) at the saved graph's copy in its weights file, mapped (`saved_initializers`): the same numbers, in file
+    pages the kernel can drop and reread, so the build's own copy is let go (docs/design.md 6.5)."""
+    import torch
+
+    saved = saved_initializers(graph)
+    for name, width in bits.items():
+        module = model.get_submodule(_module_name(name))
+        held = BlockNames.of(name, width)
+        arrays = {"codes": saved[held.codes], "scales": saved[held.scales], "zero_points": saved[held.zero_points]}
+        if module.mins is not None:
+            arrays["mins"] = saved[MinsTerm.of(held.codes).mins].T  # the graph holds them transposed
+        for attr, array in arrays.items():
+            setattr(module, attr, torch.from_numpy(array).reshape(getattr(module, attr).shape))
+
+
+def _module_name(weight: str) -> str:
+    """The model's module a graph weight's name is ('model.layers.0.attention.wo.weight' -> 'layers.0.attention.wo')."""
+    return weight.removeprefix("model.").removesuffix(".weight")
+
+
+# a quantized build reads a projection weight this large only when it quantizes it (load_llama_deferred): the
+# exporter's optimizer reads the contents of initializers of up to 1024 elements (it merges equal ones), never of these
+DEFERRED_BYTES = 16 * 1024
 SMOKE_PROMPT_LENGTHS = (12, 7, 1)  # one batch row each: different cache lengths in every step
 SMOKE_FLOOR = 0.5  # the least share of equal tokens of a graph checked not strictly (int8 activations)
 
@@ -421,8 +458,14 @@ def smoke_check(engine_dir: Path, model: Llama, lookahead: LookaheadConfig, stri
         _log(f"      not run: {exc}")
         return {"ran": False, "reason": str(exc)}
     config = engine.config
-    T, S, L, vocab = config.step_tokens, config.cache_rows, config.num_layers, config.vocab_size
+    T, L, vocab = config.step_tokens, config.num_layers, config.vocab_size
     B = len(SMOKE_PROMPT_LENGTHS)
+    lengths = np.minimum(SMOKE_PROMPT_LENGTHS, max(1, config.max_seq_len - 2))  # room for the two steps
+    P = int(lengths.max())
+    steps = min(2, config.max_seq_len - P)
+    # caches of the rows the check writes (a prompt, a token a step) and a step's: the graph's cache rows are
+    # dynamic, and full ones (max_seq_len + T rows per layer and row) would be most of a large model's check
+    S = min(config.cache_rows, P + steps + T)
     rng = np.random.default_rng(0)
     ours = np.zeros((2, L, B, config.num_kv_heads, S, config.head_dim), np.dtype(config.dtype))  # K, V
     theirs = [model.new_cache(S) for _ in range(B)]  # per row: its own [L, S, Hkv, D] K and V
@@ -448,8 +491,6 @@ def smoke_check(engine_dir: Path, model: Llama, lookahead: LookaheadConfig, stri
             ours[1, :, b, :, p : p + n] = values[:, b, :, :n]
         cache_len[:] += real
 
-    lengths = np.minimum(SMOKE_PROMPT_LENGTHS, max(1, config.max_seq_len - 2))  # room for the two steps
-    P = int(lengths.max())
     compare(rng.integers(0, vocab, (B, P)), np.tile(np.arange(P), (B, 1)), np.zeros((B, 3)),
             [np.tril(np.ones((P, P), bool))] * B, (lengths - 1)[:, None], lengths)
     configs = (lookahead, LookaheadConfig.greedy())  # rows 0 and 1; row 2 is causal (0, 0, 0)
@@ -460,7 +501,7 @@ def smoke_check(engine_dir: Path, model: Llama, lookahead: LookaheadConfig, stri
     slots = [lay.output_slots for lay in layouts] + [np.arange(T)]
     K = max(len(x) for x in slots)
     output_slots = np.array([np.pad(x, (0, K - len(x)), mode="edge") for x in slots])  # repeat the last slot
-    for _ in range(min(2, config.max_seq_len - P)):
+    for _ in range(steps):
         compare(rng.integers(0, vocab, (B, T)), cache_len[:, None] + rel_positions, step_config, masks,
                 output_slots, np.ones(B, np.int64))
     result = {"ran": True, "tokens_compared": total, "tokens_equal": agree, "match_rate": round(agree / total, 4)}

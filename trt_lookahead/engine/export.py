@@ -14,7 +14,9 @@ wanted; the concatenation costs the same copy. See docs/design.md sections 6.3 a
 
 The graph's weights are not copied into it: `export_graph` returns the graph with every larger initializer
 held (engine/initializers.py) and `Weights`, those initializers' arrays, views of the model's own tensors, which
-`save_graph` writes to the weights file one at a time: a build holds the model once, not twice.
+`save_graph` writes to the weights file one at a time: a build holds the model once, not twice. A model whose
+projections are not read yet (model/checkpoint.py `load_llama_deferred`: fake tensors, no data) exports the same
+graph, their `Weights` entries the functions that read them.
 
     proto, weights = export_graph(model, "plugin", cache_rows=1040, max_tokens=64)
     save_graph(proto, Path("engine/model.onnx"), weights)
@@ -25,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import io
 import warnings
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any, cast
 
 from trt_lookahead.engine.format import INPUTS, OUTPUTS, cache_names
@@ -129,10 +133,13 @@ def example_inputs(model, batch: int, tokens: int, cache_rows: int) -> tuple:
             torch.arange(tokens, dtype=torch.int32).repeat(batch, 1), cache)
 
 
-def export_graph(model, attention: str, cache_rows: int, max_tokens: int, tree: TreeTemplate | None = None
-                 ) -> tuple[Any, Weights]:
+def export_graph(model, attention: str, cache_rows: int, max_tokens: int, tree: TreeTemplate | None = None,
+                 deferred: Mapping[str, Callable[[], Any]] | None = None) -> tuple[Any, Weights]:
     """Export the network with a dynamic batch, token count 1..max_tokens and cache length.
     -> (onnx.ModelProto, the data of its held initializers: views of the model's tensors, see the module docstring).
+
+    `deferred`: {a parameter's name: the function reading its float32 tensor} for the model's fake (unread) weights
+    (`load_llama_deferred`'s); each one's held data is that function.
 
     `tree`: the verification slots' draft tree (--attention plugin only): its table over max_tokens (each
     node's preorder index and subtree end) is the LookaheadAttention nodes' tree_ends initializer, and the
@@ -164,10 +171,16 @@ def export_graph(model, attention: str, cache_rows: int, max_tokens: int, tree: 
     weights: Weights = {}
     for name, value in program.model.graph.initializers.items():  # the larger ones held, not serialized
         tensor = value.const_value
-        if tensor is not None and tensor.nbytes >= INLINE_BYTES:
+        read = (deferred or {}).get(name.removeprefix("model."))  # the graph module holds the model as `model`
+        if read is not None:
+            weights[name] = partial(_numpy, read)
+        elif tensor is not None and tensor.nbytes >= INLINE_BYTES:
             weights[name] = tensor.numpy()  # a view of the model's parameter
-            shape = ir.Shape(tensor.shape.numpy())
-            value.const_value = ir.ExternalTensor(HELD, None, None, tensor.dtype, shape=shape, name=name)
+        else:
+            continue
+        assert tensor is not None  # a parameter's initializer has its value
+        shape = ir.Shape(tensor.shape.numpy())
+        value.const_value = ir.ExternalTensor(HELD, None, None, tensor.dtype, shape=shape, name=name)
     proto = ir.serde.serialize_model(program.model)
     _strip_metadata(proto)
     inputs = {i.name: i for i in proto.graph.input}
@@ -179,6 +192,10 @@ def export_graph(model, attention: str, cache_rows: int, max_tokens: int, tree: 
         del proto.opset_import[:]
         proto.opset_import.extend(onnx_op.opset_imports(OPSET))
     return proto, weights
+
+
+def _numpy(read: Callable[[], Any]) -> Any:
+    return read().numpy()
 
 
 def _dim(value, index: int):

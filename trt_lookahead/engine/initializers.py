@@ -1,6 +1,7 @@
 """An exported graph's initializers on their way to the engine dir: the larger ones *held* (an external-data
-reference to `HELD` in the proto, the data in `Weights`, views of the model's tensors or the quantized blocks, not
-copies) until `save_graph` writes each to the weights file; a build so holds the weights once (docs/design.md 6.5).
+reference to `HELD` in the proto, the data in `Weights`: views of the model's tensors or the quantized blocks, not
+copies, or a function that reads a weight still in the checkpoint) until `save_graph` writes each to the weights
+file; a build so holds the weights once, or, quantized, one float weight at a time (docs/design.md 6.5).
 Needs numpy and onnx, not torch (the runtime reads quantized graphs through engine/quantize.py, which uses these).
 
     proto, weights = export_graph(model, "plugin", cache_rows=1040, max_tokens=64)   # engine/export.py
@@ -10,8 +11,9 @@ Needs numpy and onnx, not torch (the runtime reads quantized graphs through engi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Union
 
 from trt_lookahead.engine.format import WEIGHTS_FILE
 
@@ -21,7 +23,8 @@ if TYPE_CHECKING:
 INLINE_BYTES = 1024  # initializers smaller than this stay inside the graph file
 HELD = "held in memory"  # the external-data location of an initializer whose data `Weights` holds until saved
 
-Weights = dict[str, "np.ndarray"]  # a held initializer's name -> its data
+# a held initializer's name -> its data, or a function reading it (called each time it is wanted: never kept)
+Weights = dict[str, Union["np.ndarray", Callable[[], "np.ndarray"]]]
 
 
 def held_initializer(name: str, array: np.ndarray, weights: Weights) -> Any:
@@ -40,10 +43,14 @@ def is_held(tensor: Any) -> bool:
 
 
 def initializer_array(tensor: Any, weights: Weights) -> np.ndarray:
-    """An initializer's data: the array `weights` holds for it, or its own."""
+    """An initializer's data: the array `weights` holds for it (read now where `weights` holds a reader), or its
+    own."""
     from onnx import numpy_helper
 
-    return weights[tensor.name] if is_held(tensor) else numpy_helper.to_array(tensor)
+    if not is_held(tensor):
+        return numpy_helper.to_array(tensor)
+    data = weights[tensor.name]
+    return data() if callable(data) else data
 
 
 def save_graph(proto, path: Path, weights: Weights, weights_file: str = WEIGHTS_FILE) -> None:
@@ -73,3 +80,28 @@ def save_graph(proto, path: Path, weights: Weights, weights_file: str = WEIGHTS_
                 tensor.external_data.add(key=key, value=str(value))
             tensor.data_location = onnx.TensorProto.EXTERNAL
     onnx.save_model(proto, str(path))
+
+
+def saved_initializers(graph: Path) -> dict[str, np.ndarray]:
+    """A saved graph's initializers -> their data: those in a file beside it (`save_graph`'s weights file) mapped
+    there copy-on-write (file pages, which the kernel can drop and read again, not the process's own memory), the
+    small ones inside the graph file read."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    proto = onnx.load(str(graph), load_external_data=False)
+    files: dict[str, np.ndarray] = {}
+    arrays = {}
+    for tensor in proto.graph.initializer:
+        entries = {entry.key: entry.value for entry in tensor.external_data}
+        if "location" not in entries:
+            arrays[tensor.name] = np.array(numpy_helper.to_array(tensor))  # writable, as the mapped ones are
+            continue
+        location = entries["location"]
+        if location not in files:
+            files[location] = np.memmap(graph.parent / location, np.uint8, mode="c")
+        start = int(entries["offset"])
+        data = files[location][start : start + int(entries["length"])]
+        arrays[tensor.name] = data.view(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).reshape(tensor.dims)
+    return arrays

@@ -33,7 +33,7 @@ Imports numpy, onnx (and torch and model.llama for `quantize_activations` and `q
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
@@ -315,11 +315,13 @@ def check_scheme(weights: str, activations: str | None = None) -> tuple[str, str
     return weights, activations
 
 
-def quantize_model(model: Any, scheme: str, dtype: Any = None) -> dict[str, QuantizedWeight]:
+def quantize_model(model: Any, scheme: str, dtype: Any = None, deferred: Mapping[str, Callable[[], Any]] | None = None
+                   ) -> dict[str, QuantizedWeight]:
     """Replace every bias-free projection of a torch `Llama` (model/llama.py), the lm_head included (the Gemms
     `quantize_graph` takes), by a QuantizedLinear holding its weight's own GGUF blocks where it has them
     (`gguf_blocks`), else the weight quantized as `scheme`; then cast the float parameters left (embeddings, norms)
-    to `dtype` (None: as they are). Quantize a float32 model: a GGUF grid survives no lower precision.
+    to `dtype` (None: as they are). Quantize a float32 model: a GGUF grid survives no lower precision. `deferred`:
+    the readers of the weights a `load_llama_deferred` model has not read (each read here, one at a time).
     -> {the projection's name: its blocks}."""
     from trt_lookahead.model.llama import Linear
 
@@ -328,9 +330,11 @@ def quantize_model(model: Any, scheme: str, dtype: Any = None) -> dict[str, Quan
     for name, module in list(model.named_modules()):
         if not isinstance(module, Linear) or module.bias is not None:
             continue
-        weight = module.dense_weight()
+        read = (deferred or {}).get(f"{name}.weight")
+        weight = module.dense_weight() if read is None else read()
         blocks = used[name] = weight_blocks(weight.float().cpu().numpy(), bits)
-        model.set_submodule(name, quantized_linear(blocks, weight.device))
+        model.set_submodule(name, quantized_linear(blocks, model.device))
+        del weight
     if not used:
         raise UserError(f"--weights {scheme}: the model has no bias-free projection to quantize")
     if dtype is not None:
@@ -351,6 +355,20 @@ def quantized_linear(blocks: QuantizedWeight, device: Any = None) -> Any:
     return QuantizedLinear(tensor(blocks.codes.reshape(len(blocks.codes), -1)), tensor(blocks.scales),
                            tensor(blocks.zero_points), None if blocks.mins is None else tensor(blocks.mins),
                            blocks.bits, blocks.k)
+
+
+class BlockNames(NamedTuple):
+    """The initializers `quantize_graph` holds a weight's blocks in (`BlockNames.of(the weight's name, bits)`): its
+    codes, scales and zero points (a Q4_1-like weight's mins: `MinsTerm.of(codes).mins`)."""
+
+    codes: str
+    scales: str
+    zero_points: str
+
+    @classmethod
+    def of(cls, weight: str, bits: int) -> BlockNames:
+        codes = f"{weight}.q{bits}"
+        return cls(codes, f"{codes}.scales", f"{codes}.zero_points")
 
 
 class MinsTerm(NamedTuple):
@@ -408,16 +426,16 @@ def quantize_graph(proto: Any, scheme: str, activations: str = "float", weights:
             continue
         name = weight.name
         blocks = weight_blocks(initializer_array(weight, weights or {}), bits)
-        n, k, b = blocks.scales.shape[0], blocks.k, f"{name}.q{blocks.bits}"
+        n, k, held = blocks.scales.shape[0], blocks.k, BlockNames.of(name, blocks.bits)
         graph.initializer.extend([
-            initializer(blocks.codes, b),
-            initializer(blocks.scales.reshape(-1), f"{b}.scales"),
-            initializer(blocks.zero_points.reshape(-1), f"{b}.zero_points"),
+            initializer(blocks.codes, held.codes),
+            initializer(blocks.scales.reshape(-1), held.scales),
+            initializer(blocks.zero_points.reshape(-1), held.zero_points),
         ])
-        term = MinsTerm.of(b)
+        term = MinsTerm.of(held.codes)
         product = list(node.output) if blocks.mins is None else [term.product]
         nodes.append(helper.make_node(
-            "MatMulNBits", [node.input[0], b, f"{b}.scales", f"{b}.zero_points"], product, name=node.name,
+            "MatMulNBits", [node.input[0], *held], product, name=node.name,
             domain=CONTRIB_DOMAIN, K=k, N=n, bits=blocks.bits, block_size=BLOCK_SIZE, **accuracy,
         ))
         if blocks.mins is not None:  # + x's block sums [M, K/32] @ mins^T [K/32, N]

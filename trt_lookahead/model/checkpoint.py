@@ -11,12 +11,14 @@ missing or malformed config.json, a non-Llama architecture, pickle (*.bin / *.pt
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ from torch import Tensor
 
 from trt_lookahead.errors import UserError, as_int
 from trt_lookahead.files import file_digests
-from trt_lookahead.model.llama import WEIGHT_LAYOUTS, Llama, ModelConfig
+from trt_lookahead.model.llama import WEIGHT_LAYOUTS, Linear, Llama, ModelConfig
 
 DTYPES = {
     "float32": torch.float32,
@@ -271,48 +273,64 @@ def _locate_tensors(files: list[Path], cfg: ModelConfig) -> dict[str, tuple[Path
 
 
 def read_tensors(files: list[Path], cfg: ModelConfig, dtype: torch.dtype,
-                 parts: Mapping[str, tuple[int, slice]] | None = None) -> dict[str, Tensor]:
-    """Read every expected tensor (HF names without the decoder prefix), checking presence and shape first. A
-    name in `parts` is read as only its (dim, slice) of rows (0) or columns (1): the rest stays in the file (a
-    tensor-parallel rank's shard)."""
+                 parts: Mapping[str, tuple[int, slice]] | None = None,
+                 names: Collection[str] | None = None) -> dict[str, Tensor]:
+    """Read every expected tensor (HF names without the decoder prefix), or only those in `names`, checking the
+    presence and shape of all first. A name in `parts` is read as only its (dim, slice) of rows (0) or columns (1):
+    the rest stays in the file (a tensor-parallel rank's shard)."""
     parts = parts or {}
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for name, (file, key) in _locate_tensors(files, cfg).items():
-        by_file.setdefault(file, []).append((name, key))
+        if names is None or name in names:
+            by_file.setdefault(file, []).append((name, key))
     out: dict[str, Tensor] = {}
     for file, items in by_file.items():
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for name, key in items:
-                    if name in parts:
-                        dim, kept = parts[name]
-                        tensor = f.get_slice(key)[kept] if dim == 0 else f.get_slice(key)[:, kept]
-                    else:
-                        tensor = f.get_tensor(key)
-                    out[name] = tensor.to(dtype)
-        except (SafetensorError, OSError) as exc:
-            raise UserError(f"weight file {file} is unreadable ({exc}); re-download it") from exc
+        with _opened(file) as f:
+            for name, key in items:
+                if name in parts:
+                    dim, kept = parts[name]
+                    tensor = f.get_slice(key)[kept] if dim == 0 else f.get_slice(key)[:, kept]
+                else:
+                    tensor = f.get_tensor(key)
+                out[name] = tensor.to(dtype)
     return out
 
 
-def to_state_dict(hf: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """HF tensor names -> this package's `Llama` state dict (q/k/v and gate/up fused)."""
-    sd = {"tok_embeddings.weight": hf["embed_tokens.weight"], "norm.weight": hf["norm.weight"]}
-    sd["output.weight"] = hf["embed_tokens.weight"] if cfg.tie_word_embeddings else hf[HEAD]
-    kinds = ["weight"] + (["bias"] if cfg.attention_bias else [])
+@contextlib.contextmanager
+def _opened(file: Path) -> Iterator[Any]:
+    """safe_open(file), a read failure inside raised as one UserError naming the file."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as exc:
+        raise UserError(f"weight file {file} is unreadable ({exc}); re-download it") from exc
+
+
+def fused_parts(cfg: ModelConfig) -> dict[str, list[str]]:
+    """This package's `Llama` state dict names -> the HF tensors (names without the decoder prefix) each one is:
+    q/k/v and gate/up concatenated along the rows, in that order; a tied lm_head is the embedding."""
+    parts = {"tok_embeddings.weight": ["embed_tokens.weight"], "norm.weight": ["norm.weight"],
+             "output.weight": ["embed_tokens.weight" if cfg.tie_word_embeddings else HEAD]}
     for i in range(cfg.num_layers):
-        p, o = f"layers.{i}.", f"layers.{i}."
-        sd[o + "attention_norm.weight"] = hf[p + "input_layernorm.weight"]
-        sd[o + "ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
-        for kind in kinds:
-            sd[f"{o}attention.wqkv.{kind}"] = torch.cat([hf[f"{p}self_attn.{n}_proj.{kind}"] for n in "qkv"])
-            sd[f"{o}attention.wo.{kind}"] = hf[f"{p}self_attn.o_proj.{kind}"]
+        p = f"layers.{i}."
+        parts[p + "attention_norm.weight"] = [p + "input_layernorm.weight"]
+        parts[p + "ffn_norm.weight"] = [p + "post_attention_layernorm.weight"]
+        for kind in ["weight"] + (["bias"] if cfg.attention_bias else []):
+            parts[f"{p}attention.wqkv.{kind}"] = [f"{p}self_attn.{n}_proj.{kind}" for n in "qkv"]
+            parts[f"{p}attention.wo.{kind}"] = [f"{p}self_attn.o_proj.{kind}"]
         for kind in ["weight"] + (["bias"] if cfg.mlp_bias else []):
-            sd[f"{o}feed_forward.w13.{kind}"] = torch.cat(
-                [hf[f"{p}mlp.gate_proj.{kind}"], hf[f"{p}mlp.up_proj.{kind}"]]
-            )
-            sd[f"{o}feed_forward.w2.{kind}"] = hf[f"{p}mlp.down_proj.{kind}"]
-    return sd
+            parts[f"{p}feed_forward.w13.{kind}"] = [f"{p}mlp.gate_proj.{kind}", f"{p}mlp.up_proj.{kind}"]
+            parts[f"{p}feed_forward.w2.{kind}"] = [f"{p}mlp.down_proj.{kind}"]
+    return parts
+
+
+def _fused(tensors: list[Tensor]) -> Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def to_state_dict(hf: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """HF tensor names -> this package's `Llama` state dict (q/k/v and gate/up fused: `fused_parts`)."""
+    return {name: _fused([hf[n] for n in names]) for name, names in fused_parts(cfg).items()}
 
 
 def load_llama(
@@ -345,3 +363,62 @@ def load_llama(
     except ValueError as exc:
         raise UserError(str(exc)) from exc
     return model, cfg
+
+
+Reader = Callable[[], Tensor]  # reads one weight from the checkpoint when called
+
+
+def load_llama_deferred(path: str | Path, min_bytes: int) -> tuple[Llama, ModelConfig, dict[str, Reader]]:
+    """`load_llama(path)`'s float32 model with its bias-free projections of `min_bytes` or more not read: each such
+    weight is a FakeTensor (torch's: a shape and dtype, no data), and -> {its name: a function reading it from the
+    checkpoint as float32}, for a quantized build to read one projection at a time (docs/design.md 6.5). The model
+    exports (engine/export.py); it runs once `read_deferred` has read every fake weight still in it. A tied lm_head
+    is the embedding, read now."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cfg = read_config(path)
+    files = weight_files(Path(path))
+    located = _locate_tensors(files, cfg)
+    parts = fused_parts(cfg)
+    with torch.device("meta"):
+        model = Llama(cfg, dtype=torch.float32)
+    deferred: dict[str, Reader] = {
+        f"{name}.weight": partial(_read_fused, [located[n] for n in parts[f"{name}.weight"]])
+        for name, module in model.named_modules()
+        if isinstance(module, Linear) and module.bias is None and module.weight.numel() * 4 >= min_bytes
+        and parts[f"{name}.weight"] != parts["tok_embeddings.weight"]
+    }
+    hf = read_tensors(files, cfg, torch.float32,
+                      names={n for name, names in parts.items() if name not in deferred for n in names})
+    with FakeTensorMode():
+        fakes = {name: torch.empty(model.get_parameter(name).shape) for name in deferred}
+    state = {name: fakes[name] if name in deferred else _fused([hf[n] for n in names]) for name, names in parts.items()}
+    model.load_state_dict(state, assign=True, strict=True)
+    model.tie_weights()
+    return model.eval().requires_grad_(False), cfg, deferred
+
+
+def _read_fused(sources: list[tuple[Path, str]]) -> Tensor:
+    """The (file, key) tensors concatenated along their rows, float32, each part copied in as it is read."""
+    shapes = []
+    for file, key in sources:
+        with _opened(file) as f:
+            shapes.append(f.get_slice(key).get_shape())
+    out = torch.empty(sum(shape[0] for shape in shapes), *shapes[0][1:], dtype=torch.float32)
+    row = 0
+    for (file, key), shape in zip(sources, shapes, strict=True):
+        with _opened(file) as f:
+            out[row : row + shape[0]].copy_(f.get_tensor(key))
+        row += shape[0]
+    return out
+
+
+def read_deferred(model: Llama, deferred: Mapping[str, Reader]) -> None:
+    """Read every weight of a `load_llama_deferred` model that is still fake (a projection nothing replaced)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for name, read in deferred.items():
+        module, _, attr = name.rpartition(".")
+        owner = model.get_submodule(module)
+        if isinstance(getattr(owner, attr, None), FakeTensor):
+            setattr(owner, attr, torch.nn.Parameter(read(), requires_grad=False))

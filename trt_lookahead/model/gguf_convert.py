@@ -382,18 +382,23 @@ def dequantized(t, config: dict[str, Any]) -> np.ndarray:
     return np.ascontiguousarray(w)
 
 
+SAFETENSORS_DTYPES = {np.dtype("float32"): "F32", np.dtype("float16"): "F16"}  # numpy's names -> safetensors'
+
+
 def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], read: Callable[[str], np.ndarray],
-                      metadata: dict[str, str], progress: bool = False) -> None:
-    """A float32 safetensors file of the tensors `shapes` names, in name order, each `read(name)` only as it is
-    written: no more than one tensor in memory, however large the model."""
+                      metadata: dict[str, str], progress: bool = False, dtype: str = "float32") -> None:
+    """A safetensors file of the tensors `shapes` names, all of numpy `dtype` (float32 or float16), in name order,
+    each `read(name)` only as it is written: no more than one tensor in memory, however large the model."""
     from tqdm import tqdm
 
+    kind = np.dtype(dtype)
     names = sorted(shapes)
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for name in names:
-        size = 4 * math.prod(shapes[name])
-        header[name] = {"dtype": "F32", "shape": list(shapes[name]), "data_offsets": [offset, offset + size]}
+        size = kind.itemsize * math.prod(shapes[name])
+        header[name] = {"dtype": SAFETENSORS_DTYPES[kind], "shape": list(shapes[name]),
+                        "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data 8-byte aligned, as the format asks
@@ -401,7 +406,7 @@ def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], read: Call
         f.write(len(text).to_bytes(8, "little") + text)
         for name in tqdm(names, desc="write", unit="tensor", file=sys.stderr, disable=not progress):
             array = read(name)
-            assert array.dtype == np.float32 and array.shape == shapes[name] and array.flags.c_contiguous, name
+            assert array.dtype == kind and array.shape == shapes[name] and array.flags.c_contiguous, name
             f.write(array.data)
 
 

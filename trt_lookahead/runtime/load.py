@@ -125,14 +125,20 @@ def _from_checkpoint(path: Path, dtype: str, max_seq_len: int | None, max_batch:
                      device: str = "cpu", weights: str = "float") -> LoadedModel:
     from trt_lookahead.backends.torch import BatchedTorchExecutor
     from trt_lookahead.engine.quantize import quantize_model
-    from trt_lookahead.model.checkpoint import check_max_seq_len, load_llama, load_tokenizer, parse_dtype
+    from trt_lookahead.model.checkpoint import (
+        check_max_seq_len,
+        load_llama,
+        load_llama_deferred,
+        load_tokenizer,
+        parse_dtype,
+    )
 
     if weights == "float":
         # compile: nn.Linear's dense weights, which inductor lowers (it cannot lower oneDNN's packed ones)
         model, config = load_llama(path, dtype=dtype, weight_layout="out_in" if compile else "auto", device=device)
-    else:  # quantized from float32 on the host (a GGUF grid survives no lower precision), then moved
-        model, config = load_llama(path, dtype="float32")
-        quantize_model(model, weights, parse_dtype(dtype))
+    else:  # quantized from float32 on the host (a GGUF grid survives no lower precision) one projection at a time
+        model, config, deferred = load_llama_deferred(path, 0)
+        quantize_model(model, weights, parse_dtype(dtype), deferred)
         model = model.to(device)
     seq_len = check_max_seq_len(max_seq_len, config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
     try:
