@@ -1,10 +1,11 @@
-"""A build's peak resident memory at a larger Llama's shape: write a random-weight float32 checkpoint of the shape
-(SmolLM2's tokenizer and vocabulary), run `trt-lookahead build` on it, and sample the build's resident memory
+"""A build's peak resident memory at a larger Llama's shape: write a random-weight checkpoint of the shape, float32 or
+float16 (SmolLM2's tokenizer and vocabulary), run `trt-lookahead build` on it, and sample the build's resident memory
 (its children included) every 20 ms, all of it and the anonymous part, reporting the peaks in each of the build's
 progress phases.
 
     python scripts/build_memory.py --shape llama-1b --weights int4 --checkpoints /tmp/ckpt --out mem.json
     python scripts/build_memory.py --shape llama-1b --gguf ...   # from a float16 GGUF of it, converted first
+    python scripts/build_memory.py --shape llama-8b --checkpoint-dtype float16 ...   # 16-bit weights, as published
 
 The checkpoint is written tensor by tensor (this script never holds the model) and kept for the next run, as is
 the GGUF (`write_gguf`, which holds the model once). With --gguf the build converts it into a fresh cache first:
@@ -33,20 +34,22 @@ from trt_lookahead.model.checkpoint import expected_tensors, hf_key
 from trt_lookahead.model.gguf_convert import write_gguf, write_safetensors
 from trt_lookahead.model.llama import ModelConfig
 
-# the layers of Meta's Llama 3.2 1B and 3B; the vocabulary is the tokenizer donor's
+# the layers of Meta's Llama 3.2 1B and 3B and Llama 3.1 8B; the vocabulary is the tokenizer donor's
 SHAPES = {
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8),
     "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
                      num_key_value_heads=8),
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8),
 }
 DONOR = Path.home() / ".cache" / "trt-lookahead" / "models" / "smollm2-135m-instruct"
 
 
-def write_checkpoint(out: Path, name: str, donor: Path, seed: int = 0) -> int:
-    """The checkpoint dir (written once); -> its float32 weight bytes."""
+def write_checkpoint(out: Path, name: str, donor: Path, seed: int = 0, dtype: str = "float32") -> int:
+    """The checkpoint dir (written once), its weights of `dtype`; -> their bytes in float32."""
     config = {**json.loads((donor / "config.json").read_text()), **SHAPES[name], "tie_word_embeddings": True,
-              "torch_dtype": "float32", "max_position_embeddings": 2048}
+              "torch_dtype": dtype, "max_position_embeddings": 2048}
     config.pop("head_dim", None)
     shapes = {hf_key(key): dims for key, dims in expected_tensors(ModelConfig.from_hf(config)).items()}
     total = sum(4 * int(np.prod(s)) for s in shapes.values())
@@ -61,11 +64,12 @@ def write_checkpoint(out: Path, name: str, donor: Path, seed: int = 0) -> int:
 
     def read(name: str) -> np.ndarray:  # norms 1, matrices N(0, 1/fan-in): activations keep their scale
         dims = shapes[name]
-        return (np.ones(dims, np.float32) if len(dims) == 1
-                else rng.standard_normal(dims, np.float32) / np.float32(np.sqrt(dims[1])))
+        weights = (np.ones(dims, np.float32) if len(dims) == 1
+                   else rng.standard_normal(dims, np.float32) / np.float32(np.sqrt(dims[1])))
+        return weights.astype(dtype, copy=False)
 
     partial = out / "model.safetensors.partial"
-    write_safetensors(partial, shapes, read, metadata={"format": "pt"})
+    write_safetensors(partial, shapes, read, metadata={"format": "pt"}, dtype=dtype)
     partial.rename(out / "model.safetensors")
     return total
 
@@ -88,11 +92,11 @@ def resident_mb(pid: int) -> tuple[int, int]:
 
 def measured_build(command: list[str], stop_above_mb: int | None = None, env: dict | None = None) -> dict:
     """Run the build, killed if its anonymous memory passes stop_above_mb (this machine would soon run out); ->
-    {"phases": [[progress line, peak resident MB, peak anonymous MB], ...], "peak_mb", "peak_anon_mb", "stopped",
-    "rc", "seconds", "tail"}."""
+    {"phases": [[progress line, peak resident MB, peak anonymous MB, seconds from the start to the line], ...],
+    "peak_mb", "peak_anon_mb", "stopped", "rc", "seconds", "tail"}."""
     start = time.perf_counter()
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
-    phases: list[list] = [["start", 0, 0]]
+    phases: list[list] = [["start", 0, 0, 0.0]]
     tail: list[str] = []
     stopped = threading.Event()
 
@@ -112,7 +116,7 @@ def measured_build(command: list[str], stop_above_mb: int | None = None, env: di
     for line in proc.stderr:
         tail = [*tail[-4:], line.rstrip()]
         if line.startswith("["):  # a progress line: a new phase
-            phases.append([line.strip(), 0, 0])
+            phases.append([line.strip(), 0, 0, round(time.perf_counter() - start, 1)])
     proc.wait()
     sampler.join()
     return {"phases": phases, "peak_mb": max(p[1] for p in phases), "peak_anon_mb": max(p[2] for p in phases),
@@ -128,15 +132,19 @@ def main() -> None:
     parser.add_argument("--donor", type=Path, default=DONOR, help="the checkpoint whose tokenizer and vocab to take")
     parser.add_argument("--trt-lookahead", default=str(Path(sys.executable).with_name("trt-lookahead")),
                         help="the command that builds (e.g. another checkout's)")
+    parser.add_argument("--checkpoint-dtype", choices=("float32", "float16"), default="float32",
+                        help="the checkpoint's weights (a build computes in float32 either way)")
     parser.add_argument("--gguf", action="store_true", help="build from a float16 GGUF of the checkpoint")
     parser.add_argument("--stop-above-mb", type=int, help="kill the build when its anonymous memory passes this")
+    parser.add_argument("--keep-engine", action="store_true", help="leave the engine dir for a run after")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    model = args.checkpoints / args.shape
-    weight_bytes = write_checkpoint(model, args.shape, args.donor)
+    suffix = "" if args.checkpoint_dtype == "float32" else f"-{args.checkpoint_dtype}"
+    model = args.checkpoints / (args.shape + suffix)
+    weight_bytes = write_checkpoint(model, args.shape, args.donor, dtype=args.checkpoint_dtype)
     source = model
     if args.gguf:
-        source = args.checkpoints / f"{args.shape}-f16.gguf"
+        source = args.checkpoints / f"{model.name}-f16.gguf"
         if not source.is_file():
             write_gguf(model, source.with_suffix(".partial"), dtype="float16")
             source.with_suffix(".partial").rename(source)
@@ -146,10 +154,11 @@ def main() -> None:
                "--weights", args.weights]
     with tempfile.TemporaryDirectory(dir=args.checkpoints) as cache:  # a GGUF is converted again each run
         env = {**os.environ, "TRT_LOOKAHEAD_CACHE": cache}
-        result = {"shape": args.shape, "weights": args.weights, "gguf": args.gguf,
+        result = {"shape": args.shape, "weights": args.weights, "gguf": args.gguf, "checkpoint": args.checkpoint_dtype,
                   "float32_weights_mb": weight_bytes // 2**20, "command": command,
                   **measured_build(command, args.stop_above_mb, env)}
-    shutil.rmtree(engine, ignore_errors=True)
+    if not args.keep_engine:
+        shutil.rmtree(engine, ignore_errors=True)
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

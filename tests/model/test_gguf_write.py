@@ -63,6 +63,20 @@ def test_a_conversion_writes_the_file_safetensors_writes(tmp_path):
                           source[q].astype(np.float16).astype(np.float32))
 
 
+def test_write_safetensors_writes_float16_as_safetensors_does(tmp_path):
+    """write_safetensors with dtype float16 (scripts/build_memory.py's checkpoints): the bytes safetensors writes."""
+    from safetensors.numpy import save_file
+
+    from trt_lookahead.model.gguf_convert import write_safetensors
+
+    rng = np.random.default_rng(0)
+    tensors = {"b.weight": rng.standard_normal((3, 5)).astype(np.float16), "a": np.ones(7, np.float16)}
+    write_safetensors(tmp_path / "ours.safetensors", {k: v.shape for k, v in tensors.items()}, tensors.__getitem__,
+                      metadata={"format": "pt"}, dtype="float16")
+    save_file(dict(sorted(tensors.items())), str(tmp_path / "theirs.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()
+
+
 def test_float32_round_trip_is_bit_identical(tmp_path):
     path = write_gguf(STORIES, tmp_path / "stories.gguf", "float32")
     meta, config, tensors = read_back(path)

@@ -30,8 +30,10 @@ def build_memory():
 
 def test_the_sampler_splits_a_childs_memory_by_its_progress_lines(build_memory):
     result = build_memory.measured_build([sys.executable, "-c", CHILD])
-    phases = {line: anon for line, _, anon in result["phases"]}
+    phases = {line: anon for line, _, anon, _ in result["phases"]}
     assert list(phases) == ["start", "[#.] 1/2 small", "[##] 2/2 large"] and result["rc"] == 0
+    starts = [seconds for *_, seconds in result["phases"]]
+    assert starts[0] == 0 and 0.2 < starts[1] < starts[2] and starts[2] - starts[1] >= 0.4  # the child's sleeps
     assert phases["[##] 2/2 large"] > phases["[#.] 1/2 small"] + 250  # MB: the block, anonymous
     assert result["peak_anon_mb"] == phases["[##] 2/2 large"] and not result["stopped"]
 
