@@ -568,7 +568,7 @@ def test_the_references_blocks_are_read_from_the_saved_weights_file_mapped(tmp_p
     bits = {name: blocks.bits for name, blocks in used.items()}
     held = [weakref.ref(blocks.codes) for blocks in used.values()]
     del proto, weights, used
-    map_saved_blocks(model, bits, tmp_path / "model.onnx")
+    map_saved_blocks(model, list(bits), tmp_path / "model.onnx")
     assert all(ref() is None for ref in held)
     mapped = [tuple(int(x, 16) for x in line.split()[0].split("-"))
               for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith("/weights.bin")

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from trt_lookahead.engine import tensorrt_plan
 from trt_lookahead.engine.export import GRAPH_REVISION, OPSET, export_graph, plugin_contract
@@ -70,7 +70,7 @@ from trt_lookahead.lookahead.layout import StepLayout
 from trt_lookahead.lookahead.tree import DEFAULT_TREE, TreeTemplate, resolve_tree
 
 if TYPE_CHECKING:
-    from trt_lookahead.model.llama import Llama, ModelConfig
+    from trt_lookahead.model.llama import Llama, ModelConfig, QuantizedLinear
 
 
 @dataclass(frozen=True)
@@ -328,7 +328,7 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
         reference = partial(quantize_like_graph, model, activations=request.activations)
         graph, used = quantize_graph(graph, request.weights, request.activations, weights, reference)
         grids = dict(Counter(blocks.grid for blocks in used.values()))
-        bits = {name: blocks.bits for name, blocks in used.items()}
+        projections = list(used)
         del used
         read_deferred(model, deferred)  # the smoke check runs the model: a projection left float is read now
         _log(f"      quantized projections by block source: {grids} (int8 / int4: quantized here; Q4_K, Q5_1, "
@@ -336,7 +336,7 @@ def _build_engine_dir(request: BuildRequest, cfg: ModelConfig, weights_sha: str,
     save_graph(graph, out / GRAPH_FILE, weights)
     del graph, weights
     if quantized:  # the reference's blocks read from weights.bin from now on, as the smoke check's session reads them
-        map_saved_blocks(model, bits, out / GRAPH_FILE)
+        map_saved_blocks(model, projections, out / GRAPH_FILE)
 
     _progress(3, steps, "copying the tokenizer and checking the graph with onnx.checker")
     tokenizer_files = [name for name in TOKENIZER_FILES if (request.model_dir / name).is_file()]
@@ -405,16 +405,16 @@ def quantize_like_graph(model: Llama, name: str, blocks: QuantizedWeight, activa
     model.set_submodule(_module_name(name), module)
 
 
-def map_saved_blocks(model: Llama, bits: dict[str, int], graph: Path) -> None:
-    """Point the blocks of each `quantize_like_graph` projection (`bits`: the graph's weight names -> their codes'
-    bits) at the saved graph's copy in its weights file, mapped (`saved_initializers`): the same numbers, in file
-    pages the kernel can drop and reread, so the build's own copy is let go (docs/design.md 6.5)."""
+def map_saved_blocks(model: Llama, projections: list[str], graph: Path) -> None:
+    """Point the blocks of each `quantize_like_graph` projection (`projections`: the graph's weight names) at the saved
+    graph's copy in its weights file, mapped (`saved_initializers`): the same numbers, in file pages the kernel can
+    drop and reread, so the build's own copy is let go (docs/design.md 6.5)."""
     import torch
 
     saved = saved_initializers(graph)
-    for name, width in bits.items():
-        module = model.get_submodule(_module_name(name))
-        held = BlockNames.of(name, width)
+    for name in projections:
+        module = cast("QuantizedLinear", model.get_submodule(_module_name(name)))
+        held = BlockNames.of(name, module.bits)
         arrays = {"codes": saved[held.codes], "scales": saved[held.scales], "zero_points": saved[held.zero_points]}
         if module.mins is not None:
             arrays["mins"] = saved[MinsTerm.of(held.codes).mins].T  # the graph holds them transposed

@@ -383,7 +383,7 @@ def load_llama_deferred(path: str | Path, min_bytes: int) -> tuple[Llama, ModelC
     with torch.device("meta"):
         model = Llama(cfg, dtype=torch.float32)
     deferred: dict[str, Reader] = {
-        f"{name}.weight": partial(_read_fused, [located[n] for n in parts[f"{name}.weight"]])
+        f"{name}.weight": partial(_read_fused, [located[n] for n in parts[f"{name}.weight"]], module.weight.shape)
         for name, module in model.named_modules()
         if isinstance(module, Linear) and module.bias is None and module.weight.numel() * 4 >= min_bytes
         and parts[f"{name}.weight"] != parts["tok_embeddings.weight"]
@@ -398,18 +398,16 @@ def load_llama_deferred(path: str | Path, min_bytes: int) -> tuple[Llama, ModelC
     return model.eval().requires_grad_(False), cfg, deferred
 
 
-def _read_fused(sources: list[tuple[Path, str]]) -> Tensor:
-    """The (file, key) tensors concatenated along their rows, float32, each part copied in as it is read."""
-    shapes = []
+def _read_fused(sources: list[tuple[Path, str]], shape: torch.Size) -> Tensor:
+    """The (file, key) tensors concatenated along their rows into a float32 tensor of `shape` (their shapes were
+    checked at the load), each part copied in as it is read."""
+    out = torch.empty(shape, dtype=torch.float32)
+    row = 0
     for file, key in sources:
         with _opened(file) as f:
-            shapes.append(f.get_slice(key).get_shape())
-    out = torch.empty(sum(shape[0] for shape in shapes), *shapes[0][1:], dtype=torch.float32)
-    row = 0
-    for (file, key), shape in zip(sources, shapes, strict=True):
-        with _opened(file) as f:
-            out[row : row + shape[0]].copy_(f.get_tensor(key))
-        row += shape[0]
+            part = f.get_tensor(key)
+        out[row : row + len(part)].copy_(part)
+        row += len(part)
     return out
 
 
