@@ -3,6 +3,7 @@ onnxruntime, and quantized stories260K engines whose lookahead output equals the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import threading
@@ -37,10 +38,11 @@ from trt_lookahead.engine.quantize import (
     quantize_blocks,
     quantize_graph,
     quantize_model,
+    quantized_linear,
 )
 from trt_lookahead.errors import UserError
 from trt_lookahead.model.checkpoint import load_llama, load_llama_deferred
-from trt_lookahead.model.llama import Linear, QuantizedLinear
+from trt_lookahead.model.llama import DEQUANTIZED_WEIGHTS, Linear, QuantizedLinear
 from trt_lookahead.runtime import LookaheadRuntime
 from trt_lookahead.serving.openai_api import OpenAIServer
 
@@ -661,6 +663,30 @@ def test_a_torch_llama_keeps_a_gguf_weights_own_blocks():
     assert used["layers.0.attention.wqkv"].grid == "Q4_1" and kept.bits == 4 and kept.mins is not None
     assert np.array_equal(kept.dense_weight().numpy(), w)
     assert used["layers.0.feed_forward.w13"].grid == "int8"  # the others: the scheme asked for
+
+
+@pytest.mark.parametrize("bits, mins", [(4, False), (4, True), (8, False)])
+def test_a_large_quantized_projection_multiplies_a_slice_of_channels_at_a_time_as_its_dense_weight(bits, mins):
+    """QuantizedLinear.forward makes DEQUANTIZED_WEIGHTS weights dense at a time (whole output channels, the last slice
+    shorter), never the whole weight: each slice's dense weight is the whole one's rows bit for bit, and the product
+    is the product by the dense weight to float rounding, every channel in place."""
+    rng = np.random.default_rng(11)
+    k = 2000  # padded to 63 blocks of 32
+    n = 2 * (DEQUANTIZED_WEIGHTS // k) + 37  # two whole slices and a short one
+    weight = rng.standard_normal((n, k)).astype(np.float32)
+    blocks = quantize_blocks(weight, bits)
+    if mins:  # a Q4_1-style weight: each block's m added
+        blocks = dataclasses.replace(blocks, mins=rng.standard_normal(blocks.scales.shape).astype(np.float32))
+    module = quantized_linear(blocks)
+    dense = module.dense_weight()
+    assert np.array_equal(dense.numpy(), blocks.dequantize())
+    rows = DEQUANTIZED_WEIGHTS // k
+    for first in range(0, n, rows):
+        assert torch.equal(module.dense_weight(slice(first, first + rows)), dense[first : first + rows])
+    x = torch.from_numpy(rng.standard_normal((5, k)).astype(np.float32))
+    y = module(x)
+    assert y.shape == (5, n)
+    torch.testing.assert_close(y, x @ dense.T, rtol=1e-5, atol=1e-4)
 
 
 # -- quantized engines end to end -------------------------------------------------------------------------------

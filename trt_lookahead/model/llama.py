@@ -341,6 +341,10 @@ class Linear(nn.Linear):
         self.layout = layout
 
 
+# weights QuantizedLinear.forward makes dense at once: its float transients (a few times this) stay in cache
+DEQUANTIZED_WEIGHTS = 1 << 20
+
+
 class QuantizedLinear(nn.Module):
     """A bias-free projection whose [out, in] weight is held in blocks along `in` (engine/quantize.py's
     QuantizedWeight as tensors, MatMulNBits' layout): codes uint8 [out, blocks * block * bits / 8] (int4: two a
@@ -368,18 +372,24 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("mins", mins)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.dense_weight().to(x.dtype))
+        # a slice of whole output channels at a time: a large weight made dense at once is written and reread
+        # several times over from memory, which took most of a build's smoke check (docs/design.md 6.5)
+        rows = max(1, DEQUANTIZED_WEIGHTS // self.in_features)
+        return torch.cat([F.linear(x, self.dense_weight(slice(first, first + rows)).to(x.dtype))
+                          for first in range(0, self.out_features, rows)], -1)
 
-    def dense_weight(self) -> Tensor:
-        """[out, in] float32: (q - z) * s (+ m) block by block, as QuantizedWeight.dequantize computes it."""
-        n, blocks = self.scales.shape
-        codes, zeros = self.codes, self.zero_points
+    def dense_weight(self, rows: slice = slice(None)) -> Tensor:
+        """[out, in] float32 (of the output channels `rows`): (q - z) * s (+ m) block by block, as
+        QuantizedWeight.dequantize computes it."""
+        codes, zeros, scales = self.codes[rows], self.zero_points[rows], self.scales[rows]
+        n, blocks = scales.shape
         if self.bits == 4:  # two a byte, low nibble first
             codes = torch.stack([codes & 0xF, codes >> 4], -1).flatten(-2)
             zeros = torch.stack([zeros & 0xF, zeros >> 4], -1).flatten(-2)[:, :blocks]
-        w = (codes.view(n, blocks, -1).float() - zeros[..., None].float()) * self.scales[..., None]
+        w = codes.view(n, blocks, -1).float()  # [n, blocks, block], a new tensor: the rest works in place
+        w.sub_(zeros[..., None].float()).mul_(scales[..., None])
         if self.mins is not None:
-            w = w + self.mins[..., None]
+            w.add_(self.mins[rows, :, None])
         return w.flatten(1)[:, : self.in_features]
 
 
