@@ -341,7 +341,7 @@ class Linear(nn.Linear):
         self.layout = layout
 
 
-# weights QuantizedLinear.forward makes dense at once: its float transients (a few times this) stay in cache
+# weights QuantizedLinear.forward makes dense at once on a CPU: its float transients (a few times this) stay in cache
 DEQUANTIZED_WEIGHTS = 1 << 20
 
 
@@ -372,11 +372,13 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("mins", mins)
 
     def forward(self, x: Tensor) -> Tensor:
-        # a slice of whole output channels at a time: a large weight made dense at once is written and reread
-        # several times over from memory, which took most of a build's smoke check (docs/design.md 6.5)
-        rows = max(1, DEQUANTIZED_WEIGHTS // self.in_features)
-        return torch.cat([F.linear(x, self.dense_weight(slice(first, first + rows)).to(x.dtype))
-                          for first in range(0, self.out_features, rows)], -1)
+        # on a CPU a slice of whole output channels at a time: a large weight made dense at once is written and
+        # reread several times over from memory, which took most of a build's smoke check (docs/design.md 6.5);
+        # elsewhere (a GPU's packed step) the whole weight at once: each slice would add its kernel launches
+        rows = max(1, DEQUANTIZED_WEIGHTS // self.in_features) if x.device.type == "cpu" else self.out_features
+        parts = [F.linear(x, self.dense_weight(slice(first, first + rows)).to(x.dtype))
+                 for first in range(0, self.out_features, rows)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
 
     def dense_weight(self, rows: slice = slice(None)) -> Tensor:
         """[out, in] float32 (of the output channels `rows`): (q - z) * s (+ m) block by block, as
