@@ -667,9 +667,10 @@ def test_a_torch_llama_keeps_a_gguf_weights_own_blocks():
 
 @pytest.mark.parametrize("bits, mins", [(4, False), (4, True), (8, False)])
 def test_a_large_quantized_projection_multiplies_a_slice_of_channels_at_a_time_as_its_dense_weight(bits, mins):
-    """QuantizedLinear.forward makes DEQUANTIZED_WEIGHTS weights dense at a time (whole output channels, the last slice
-    shorter), never the whole weight: each slice's dense weight is the whole one's rows bit for bit, and the product
-    is the product by the dense weight to float rounding, every channel in place."""
+    """On a CPU QuantizedLinear.forward multiplies DEQUANTIZED_WEIGHTS weights' worth of whole output channels at a
+    time (here two whole slices and a short one): each slice's dense weight is the whole one's rows bit for bit (the
+    whole one QuantizedWeight.dequantize's), and the product is the dense weight's to float rounding, every channel
+    in place."""
     rng = np.random.default_rng(11)
     k = 2000  # padded to 63 blocks of 32
     n = 2 * (DEQUANTIZED_WEIGHTS // k) + 37  # two whole slices and a short one
