@@ -291,6 +291,26 @@ def test_a_q4_k_m_attention_keeps_its_q4_k_rows_beside_q6_k_values_quantized_her
     assert np.abs(quantize_blocks(w, 4).dequantize()[:16] - qk).max() > 0  # all of it here: the Q4_K rows move
 
 
+def test_gguf_blocks_read_in_chunks_of_rows_are_the_blocks_read_at_once(monkeypatch):
+    """gguf_blocks reads CHUNK_WEIGHTS at a time too (its float transients stay a chunk's): a fused weight of Q4_K
+    rows, Q5_0 rows, rows on no grid (Q6_K's values) and Q4_K rows again, read in chunks of 3 rows that cut across
+    its bands, keeps the very blocks of one pass; every row but the Q6_K ones keeps its numbers."""
+    rng = np.random.default_rng(13)
+    raw, _ = k_quant_blocks(rng, 10, 256, 4)
+    k4 = np.asarray(gguf_quants.dequantize(raw, GGMLQuantizationType.Q4_K), np.float32).reshape(10, 256)
+    q5, _ = gguf_roundtrip(rng.standard_normal((7, 256)).astype(np.float32), "Q5_0")
+    d = rng.uniform(1e-4, 1e-3, (5, 1, 1)).astype(np.float16).astype(np.float32)
+    six = ((d * rng.integers(-128, 128, (5, 16, 1)).astype(np.float32))
+           * (rng.integers(0, 64, (5, 16, 16)) - 32).astype(np.float32)).reshape(5, 256)
+    w = np.concatenate([k4[:8], q5, six, k4[8:]])  # rows 15 .. 19 on no grid
+    whole = gguf_blocks(w, 4)
+    monkeypatch.setattr(quantize, "CHUNK_WEIGHTS", 3 * 256)
+    chunked = gguf_blocks(w, 4)
+    for part in ("codes", "scales", "zero_points", "mins", "grid", "bits"):
+        assert np.array_equal(getattr(chunked, part), getattr(whole, part)), part
+    assert_kept_but(chunked, w, list(range(15, 20)), "Q4_K+Q5_0+int4", 8)
+
+
 def test_q4_1_keeps_its_mins_beside_the_product_under_int8_activations():
     """A Q4_1 block is d * q with zero point 0 and its m apart: the graph adds x's block sums times m (as llama.cpp's
     Q4_1 x Q8_1 product does), under int8 activations too."""

@@ -98,17 +98,8 @@ def _packed(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, bits: int,
 def quantize_blocks(weight: np.ndarray, bits: int) -> QuantizedWeight:
     """Quantize a float [N, K] weight (output channels by inputs) in blocks of BLOCK_SIZE along K, CHUNK_WEIGHTS at a
     time (rows are independent; the float transients stay a chunk's, not a vocabulary-sized lm_head's)."""
-    n, k = weight.shape
-    blocks = -(-k // BLOCK_SIZE)
-    rows = max(1, CHUNK_WEIGHTS // (blocks * BLOCK_SIZE))
-    fits = []
-    for start in range(0, n, rows):
-        w = np.zeros((min(rows, n - start), blocks * BLOCK_SIZE), np.float32)
-        w[:, :k] = weight[start : start + rows]
-        fits.append(_quantized_here(w.reshape(len(w), blocks, BLOCK_SIZE), bits))
-    codes, scales, zeros = (np.concatenate(parts) for parts in zip(*((f.codes, f.scales, f.zeros) for f in fits),
-                                                                     strict=True))
-    return _packed(codes, scales, zeros, bits, k, f"int{bits}")
+    fit = _read_rows(partial(_quantized_here, bits=bits), weight, np.arange(len(weight)))
+    return _packed(fit.codes, fit.scales, fit.zeros, bits, weight.shape[1], f"int{bits}")
 
 
 def _quantized_here(w: np.ndarray, bits: int) -> _Fit:
@@ -142,42 +133,77 @@ class _Fit(NamedTuple):
     bits: int  # the codes' width in the products: 4 or 8
 
 
+def _read_rows(read: Callable[[np.ndarray], _Fit], weight: np.ndarray, rows: np.ndarray) -> _Fit:
+    """`read` (quantize_blocks' rule or a GGUF_GRIDS reader) of a float [N, K] weight's `rows`, CHUNK_WEIGHTS at a
+    time, each chunk as float32 blocks [rows, blocks, BLOCK_SIZE], K zero-padded to whole blocks: rows are
+    independent, so the float transients stay a chunk's, not a vocabulary-sized lm_head's."""
+    k = weight.shape[1]
+    blocks = -(-k // BLOCK_SIZE)
+    step = max(1, CHUNK_WEIGHTS // (blocks * BLOCK_SIZE))
+    fits = []
+    for start in range(0, len(rows), step):
+        chunk = rows[start : start + step]
+        w = np.zeros((len(chunk), blocks * BLOCK_SIZE), np.float32)
+        w[:, :k] = weight[chunk]
+        fits.append(read(w.reshape(len(chunk), blocks, BLOCK_SIZE)))
+    if len(fits) == 1:
+        return fits[0]
+    codes, scales, zeros, exact = (np.concatenate(parts) for parts in zip(*((fit.codes, fit.scales, fit.zeros, fit.rows)
+                                                                           for fit in fits), strict=True))
+    mins = None if fits[0].mins is None else np.concatenate([fit.mins for fit in fits if fit.mins is not None])
+    return _Fit(codes, scales, zeros, mins, exact, fits[0].bits)
+
+
 def _on_grid(x: np.ndarray, scales: np.ndarray, offsets: np.ndarray, low: int, high: int) -> tuple[np.ndarray,
                                                                                                    np.ndarray]:
-    """(codes q [N, blocks, BLOCK_SIZE] clipped to low .. high, bool [N, blocks]: float32(q * scale + offset) == x
-    for every weight of the block of x [N, blocks, BLOCK_SIZE]), as the gguf package dequantizes (a block's scale
-    0: every q 0)."""
+    """(uint8 codes q - low [N, blocks, BLOCK_SIZE], q = round((x - offset) / scale) clipped to low .. high; bool
+    [N, blocks]: float32(q * scale + offset) == x for every weight of the block of x [N, blocks, BLOCK_SIZE]), as
+    the gguf package dequantizes (a block's scale 0: every q 0). All float32, high - low <= 255; a block that does
+    not read (a q off low .. high, or not finite) has codes of no meaning. In place where it can: this runs over
+    every weight of a GGUF checkpoint."""
+    scale = scales[..., None]
+    q = np.subtract(x, offsets[..., None], dtype=np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(scales[..., None] == 0, 0, np.round((x - offsets[..., None]) / scales[..., None]))
-    q = np.nan_to_num(q, nan=low - 1, posinf=low - 1, neginf=low - 1)
-    inside = ((q >= low) & (q <= high)).all(-1)
-    q = np.clip(q, low, high)
-    back = (q.astype(np.float32) * scales[..., None]).astype(np.float32)
-    back = back if not offsets.any() else (back + offsets[..., None]).astype(np.float32)
-    return q.astype(np.int32), inside & (back == x).all(-1)
+        np.divide(q, scale, out=q)
+    np.round(q, out=q)
+    zero = scales == 0
+    if zero.any():
+        q[zero] = 0
+    inside = ((q >= low) & (q <= high)).all(-1)  # False for NaN
+    np.fmin(np.fmax(q, low, out=q), high, out=q)  # NaN -> low
+    back = np.multiply(q, scale, dtype=np.float32)
+    if offsets.any():
+        np.add(back, offsets[..., None], out=back)
+    return np.subtract(q, low, out=q).astype(np.uint8), inside & (back == x).all(-1)
 
 
 def _first_reading(x: np.ndarray, candidates: Iterable[np.ndarray], offsets: np.ndarray, low: int,
                    high: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(codes, scales, bool [N, blocks]): per block of x, the first of the candidate scale arrays [N, blocks] under
-    which `_on_grid` reads the block exactly (its codes and that scale; where none does, the first one's)."""
+    which `_on_grid` reads the block exactly (its codes and that scale; where none does, the first one's). Each
+    candidate after the first is tried on the blocks still unread only: most blocks read at the first."""
     tried = iter(candidates)
-    scales = next(tried)
+    scales = next(tried).copy()
     codes, ok = _on_grid(x, scales, offsets, low, high)
+    blocks = x.reshape(-1, x.shape[-1])  # [N * blocks, BLOCK_SIZE]; codes, scales, ok and offsets flat alike
+    flat_codes, flat_scales, flat_ok, flat_offsets = (a.reshape(len(blocks), *a.shape[2:])
+                                                      for a in (codes, scales, ok, offsets))
     for candidate in tried:
-        if ok.all():
+        left = np.flatnonzero(~flat_ok)
+        if not len(left):
             break
-        q, fits = _on_grid(x, candidate, offsets, low, high)
-        take = fits & ~ok  # blocks this candidate reads and the ones before did not
-        codes, scales, ok = np.where(take[..., None], q, codes), np.where(take, candidate, scales), ok | fits
+        trial = candidate.reshape(-1)[left]
+        q, fits = _on_grid(blocks[left], trial, flat_offsets[left], low, high)
+        take = left[fits]  # blocks this candidate reads and the ones before did not
+        flat_codes[take], flat_scales[take], flat_ok[take] = q[fits], trial[fits], True
     return codes, scales, ok
 
 
 def _q8_0(x: np.ndarray) -> _Fit:
     """Q8_0: w = d * q, q -128 .. 127, d float16: int8 codes q + 128 with zero point 128, exactly."""
     d = _half(np.abs(x).max(-1) / 127)  # the block's largest |w| has |q| = 127
-    q, ok = _on_grid(x, d, np.zeros_like(d), -128, 127)
-    return _Fit((q + 128).astype(np.uint8), np.where(d == 0, 1, d), np.full(d.shape, 128, np.uint8), None,
+    codes, ok = _on_grid(x, d, np.zeros_like(d), -128, 127)
+    return _Fit(codes, np.where(d == 0, 1, d), np.full(d.shape, 128, np.uint8), None,
                 ok.all(-1), 8)
 
 
@@ -188,8 +214,8 @@ def _centred(x: np.ndarray, code_bits: int) -> _Fit:
     h = 1 << (code_bits - 1)
     at = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]  # [N, blocks] the largest |w|, signed
     d = _half(at / -h)
-    q, ok = _on_grid(x, d, np.zeros_like(d), -h, h - 1)
-    return _Fit((q + h).astype(np.uint8), np.where(d == 0, 1, d), np.full(d.shape, h, np.uint8), None, ok.all(-1),
+    codes, ok = _on_grid(x, d, np.zeros_like(d), -h, h - 1)
+    return _Fit(codes, np.where(d == 0, 1, d), np.full(d.shape, h, np.uint8), None, ok.all(-1),
                 4 if code_bits == 4 else 8)
 
 
@@ -207,7 +233,7 @@ def _with_mins(x: np.ndarray, code_bits: int) -> _Fit:
     neighbours = (np.nextafter(half, np.float16(np.inf)).astype(np.float32),
                   np.nextafter(half, np.float16(0)).astype(np.float32))
     codes, d, ok = _first_reading(x, (d, *neighbours), low, 0, top)
-    return _Fit(codes.astype(np.uint8), np.where(d == 0, 1, d), np.zeros(d.shape, np.uint8), low, ok.all(-1),
+    return _Fit(codes, np.where(d == 0, 1, d), np.zeros(d.shape, np.uint8), low, ok.all(-1),
                 4 if code_bits == 4 else 8)
 
 
@@ -227,10 +253,11 @@ def _k_quant(x: np.ndarray, code_bits: int) -> _Fit:
     from top down and rounded to s's 17 significant bits: the first that reads the block exactly."""
     top = (1 << code_bits) - 1
     low = x.min(-1)  # [N, blocks]
-    span = (x.astype(np.float64) - low[..., None]).max(-1)  # s * (the largest code - the least)
+    # s * (the largest code - the least), in float64: the max's difference is the differences' max (monotone rounding)
+    span = x.max(-1).astype(np.float64) - low
     candidates = (_significant(span / largest, 17) for largest in range(top, 0, -1))
     codes, scales, ok = _first_reading(x, candidates, low, 0, top)
-    return _Fit(codes.astype(np.uint8), np.where(scales == 0, 1, scales), np.zeros(low.shape, np.uint8), low,
+    return _Fit(codes, np.where(scales == 0, 1, scales), np.zeros(low.shape, np.uint8), low,
                 ok.all(-1), 4 if code_bits == 4 else 8)
 
 
@@ -257,23 +284,22 @@ def gguf_blocks(weight: np.ndarray, bits: int) -> QuantizedWeight | None:
     n, k = weight.shape
     if k % BLOCK_SIZE:
         return None
-    x = np.ascontiguousarray(weight, np.float32).reshape(n, k // BLOCK_SIZE, BLOCK_SIZE)
     fits: dict[str, tuple[np.ndarray, _Fit]] = {}  # source -> (the rows it reads, its reading of them)
     left = np.arange(n)
     while len(left):
-        name = next((name for name, find in GGUF_GRIDS.items() if name not in fits and find(x[left[:1]]).rows[0]),
-                    None)
+        name = next((name for name, find in GGUF_GRIDS.items()
+                     if name not in fits and _read_rows(find, weight, left[:1]).rows[0]), None)
         if name is None:
             break
-        fit = GGUF_GRIDS[name](x[left])
+        fit = _read_rows(GGUF_GRIDS[name], weight, left)
         fits[name], left = (left[fit.rows], fit), left[~fit.rows]
     if not fits:
         return None
     if len(left):
-        fits[f"int{bits}"] = left, _quantized_here(x[left], bits)
-    codes = np.empty(x.shape, np.uint8)
-    scales, zeros = np.empty(x.shape[:2], np.float32), np.empty(x.shape[:2], np.uint8)
-    mins = None if all(fit.mins is None for _, fit in fits.values()) else np.zeros(x.shape[:2], np.float32)
+        fits[f"int{bits}"] = left, _read_rows(partial(_quantized_here, bits=bits), weight, left)
+    codes = np.empty((n, k // BLOCK_SIZE, BLOCK_SIZE), np.uint8)
+    scales, zeros = np.empty(codes.shape[:2], np.float32), np.empty(codes.shape[:2], np.uint8)
+    mins = None if all(fit.mins is None for _, fit in fits.values()) else np.zeros(codes.shape[:2], np.float32)
     for rows, fit in fits.values():
         codes[rows], scales[rows], zeros[rows] = fit.codes[fit.rows], fit.scales[fit.rows], fit.zeros[fit.rows]
         if fit.mins is not None:
