@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from trt_lookahead.model.checkpoint import expected_tensors, hf_key
-from trt_lookahead.model.gguf_convert import write_gguf, write_safetensors
+from trt_lookahead.model.gguf_convert import write_gguf, write_weights
 from trt_lookahead.model.llama import ModelConfig
 
 # the layers of Meta's Llama 3.2 1B and 3B and Llama 3.1 8B; the vocabulary is the tokenizer donor's
@@ -53,10 +53,9 @@ def write_checkpoint(out: Path, name: str, donor: Path, seed: int = 0, dtype: st
     config.pop("head_dim", None)
     shapes = {hf_key(key): dims for key, dims in expected_tensors(ModelConfig.from_hf(config)).items()}
     total = sum(4 * int(np.prod(s)) for s in shapes.values())
-    if (out / "model.safetensors").is_file():
+    if (out / "config.json").is_file():  # written last: the checkpoint is complete
         return total
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=1))
     for file in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (donor / file).is_file():
             shutil.copyfile(donor / file, out / file)
@@ -68,9 +67,8 @@ def write_checkpoint(out: Path, name: str, donor: Path, seed: int = 0, dtype: st
                    else rng.standard_normal(dims, np.float32) / np.float32(np.sqrt(dims[1])))
         return weights.astype(dtype, copy=False)
 
-    partial = out / "model.safetensors.partial"
-    write_safetensors(partial, shapes, read, metadata={"format": "pt"}, dtype=dtype)
-    partial.rename(out / "model.safetensors")
+    write_weights(out, shapes, read, metadata={"format": "pt"}, dtype=dtype)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
     return total
 
 

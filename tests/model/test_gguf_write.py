@@ -400,6 +400,37 @@ def test_a_sentencepiece_gguf_tokenizes_as_llama_cpp_and_answers_as_its_checkpoi
         assert [rt.generate(p, max_new_tokens=16, lookahead="greedy").text for p in prompts] == from_file
 
 
+def test_a_large_conversion_is_written_in_shards_found_again_in_the_cache(tmp_path, monkeypatch):
+    """A conversion whose weights pass SHARD_BYTES (an 8B GGUF's float32 are 32 GB, which the safetensors library
+    cannot map on a machine without swap) is written in shards of at most that size (a larger tensor alone) with
+    transformers' index, loads as the one-file conversion bit for bit, and is found again in the cache."""
+    from trt_lookahead.model import gguf_convert
+    from trt_lookahead.model.checkpoint import load_llama
+    from trt_lookahead.model.fetch import resolve_model
+
+    path = write_gguf(STORIES, tmp_path / "stories.gguf", "float32")
+    whole = gguf_convert.convert_gguf_to_hf(path, tmp_path / "whole", progress=False)
+    assert "model.safetensors" in whole.files
+    monkeypatch.setattr(gguf_convert, "SHARD_BYTES", 200_000)
+    monkeypatch.setenv("TRT_LOOKAHEAD_CACHE", str(tmp_path / "cache"))
+    converted = resolve_model(str(path))
+    index = json.loads((converted / "model.safetensors.index.json").read_text())
+    shards = sorted(converted.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and not (converted / "model.safetensors").exists()
+    assert sorted(set(index["weight_map"].values())) == [shard.name for shard in shards]
+    sizes = {name: array.nbytes for shard in shards for name, array in load_file(str(shard)).items()}
+    assert sizes.keys() == index["weight_map"].keys() and sum(sizes.values()) == index["metadata"]["total_size"]
+    for shard in shards:
+        held = [sizes[name] for name, file in index["weight_map"].items() if file == shard.name]
+        assert sum(held) <= 200_000 or len(held) == 1
+    a, _ = load_llama(whole.out_dir)
+    b, _ = load_llama(converted)
+    for (name, x), (other, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert name == other and torch.equal(x, y)
+    stamp = shards[0].stat().st_mtime_ns
+    assert resolve_model(str(path)) == converted and shards[0].stat().st_mtime_ns == stamp  # not converted again
+
+
 def test_a_gguf_file_as_model_is_converted_once_into_the_cache(tmp_path, monkeypatch, capsys):
     """--model FILE.gguf: converted once into <cache>/models/<stem>-<sha16>/, found there by the file's content
     afterwards (another file, another dir); the checkpoint holds the file's numbers, so it answers as the checkpoint

@@ -541,6 +541,26 @@ def test_broken_checkpoints_raise_one_clear_user_error(tmp_path, breaker):
     assert str(tmp_path) in message
 
 
+def test_a_weight_file_larger_than_memory_names_the_file_and_the_fix(tmp_path):
+    """The safetensors library maps a weight file copy-on-write, and Linux's default overcommit refuses such a map
+    larger than memory and swap (a GGUF 8B's float32 conversion was one 27 GiB file on a 24 GiB machine): one
+    message names the file, its size and the fix. The file: a well-formed header of one byte tensor twice that size,
+    its data sparse."""
+    if Path("/proc/sys/vm/overcommit_memory").read_text().strip() != "0":
+        pytest.skip("a mapping is refused for its size under Linux's default (heuristic) overcommit only")
+    meminfo = {key: int(value.split()[0]) * 1024 for key, value in
+               (line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())}
+    size = 2 * (meminfo["MemTotal"] + meminfo["SwapTotal"])
+    header = json.dumps({"pad": {"dtype": "U8", "shape": [size], "data_offsets": [0, size]}}).encode()
+    header += b" " * (-len(header) % 8)
+    path = copy_stories(tmp_path)
+    with open(path / "model.safetensors", "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header)
+        f.truncate(8 + len(header) + size)
+    with pytest.raises(UserError, match=r"model\.safetensors \([\d.]+ GiB\) cannot be mapped here .*in shards"):
+        load_llama(path)
+
+
 def tokenizer_case(tmp_path: Path, case: str) -> Path:
     """A checkpoint dir whose tokenizer files make load_tokenizer take each of its paths."""
     if case == "smollm2":

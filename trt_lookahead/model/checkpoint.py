@@ -244,23 +244,18 @@ def _locate_tensors(files: list[Path], cfg: ModelConfig) -> dict[str, tuple[Path
     wanted = expected_tensors(cfg)
     located: dict[str, tuple[Path, str]] = {}
     for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    name = key.removeprefix("model.")
-                    if name not in wanted:
-                        continue
-                    shape = tuple(f.get_slice(key).get_shape())
-                    if shape != wanted[name]:
-                        raise UserError(
-                            f"tensor {key} in {file} has shape {list(shape)} but config.json implies "
-                            f"{list(wanted[name])}; the weights and config.json do not match"
-                        )
-                    located[name] = (file, key)
-        except (SafetensorError, OSError) as exc:
-            raise UserError(
-                f"weight file {file} is unreadable ({exc}); it is probably truncated or corrupt: re-download it"
-            ) from exc
+        with _opened(file) as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                name = key.removeprefix("model.")
+                if name not in wanted:
+                    continue
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != wanted[name]:
+                    raise UserError(
+                        f"tensor {key} in {file} has shape {list(shape)} but config.json implies "
+                        f"{list(wanted[name])}; the weights and config.json do not match"
+                    )
+                located[name] = (file, key)
     missing = [n for n in wanted if n not in located]
     if missing:
         shown = ", ".join(hf_key(n) for n in missing[:5])
@@ -298,12 +293,21 @@ def read_tensors(files: list[Path], cfg: ModelConfig, dtype: torch.dtype,
 
 @contextlib.contextmanager
 def _opened(file: Path) -> Iterator[Any]:
-    """safe_open(file), a read failure inside raised as one UserError naming the file."""
+    """safe_open(file), a read failure inside raised as one UserError naming the file. safe_open maps the file
+    copy-on-write, which a system may refuse for a file larger than its memory and swap: that says so."""
     try:
         with safe_open(str(file), framework="pt") as f:
             yield f
     except (SafetensorError, OSError) as exc:
-        raise UserError(f"weight file {file} is unreadable ({exc}); re-download it") from exc
+        raise UserError(f"weight file {file} is unreadable ({exc}); it is probably truncated or corrupt: "
+                        "re-download it") from exc
+    except RuntimeError as exc:
+        if "mmap" not in str(exc):
+            raise
+        raise UserError(f"weight file {file} ({file.stat().st_size / 2**30:.1f} GiB) cannot be mapped here ({exc}): "
+                        "the safetensors library maps a file copy-on-write, which this system refuses beyond its "
+                        "memory and swap; save the checkpoint in shards of a few GB (transformers: "
+                        "save_pretrained(dir, max_shard_size='4GB')), or add swap") from exc
 
 
 def fused_parts(cfg: ModelConfig) -> dict[str, list[str]]:

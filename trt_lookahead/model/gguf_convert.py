@@ -1,6 +1,6 @@
 """Convert a llama.cpp GGUF file (Llama architecture; byte-level BPE or SentencePiece BPE vocabulary) into a
-Hugging Face Llama checkpoint directory: config.json, generation_config.json, model.safetensors (float32),
-tokenizer.json and tokenizer_config.json.
+Hugging Face Llama checkpoint directory: config.json, generation_config.json, model.safetensors (float32; shards of
+SHARD_BYTES and their index for a larger model), tokenizer.json and tokenizer_config.json.
 
 Our own code, not transformers' model loading: the `gguf` package reads the tensors and dequantizes
 them (Q4_0/Q4_1/Q8_0/K-quants/F16/F32 ...), the `tokenizers` library builds the tokenizer.
@@ -19,8 +19,9 @@ What llama.cpp changes on the way from HF to GGUF, and which is undone here:
 
     info = convert_gguf_to_hf("model.gguf", "out_dir", progress=True)
 
-It writes model.safetensors one tensor at a time (`write_safetensors`): a conversion holds one dequantized tensor,
-not the float32 model (a 7B GGUF's is 27 GB).
+It writes the weights one tensor at a time (`write_weights`): a conversion holds one dequantized tensor, not the
+float32 model (a 7B GGUF's is 27 GB), in files of at most 4 GiB (SHARD_BYTES), which the safetensors library can map
+where one 27 GB file passes what a system without swap lets it map.
 
 And the way back, for llama.cpp's `llama-server` beside us in `bench --peers llama-server`: `write_gguf` writes a
 checkpoint's tensors in one dtype (no quantization: the same numbers our runtime holds), q/k rows permuted to
@@ -383,6 +384,9 @@ def dequantized(t, config: dict[str, Any]) -> np.ndarray:
 
 
 SAFETENSORS_DTYPES = {np.dtype("float32"): "F32", np.dtype("float16"): "F16"}  # numpy's names -> safetensors'
+# A written checkpoint's most bytes in one weight file: the safetensors library maps a file copy-on-write, which a
+# system without swap refuses for a file larger than its memory (an 8B model's float32 weights are 32 GB)
+SHARD_BYTES = 4 << 30
 
 
 def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], read: Callable[[str], np.ndarray],
@@ -408,6 +412,36 @@ def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], read: Call
             array = read(name)
             assert array.dtype == kind and array.shape == shapes[name] and array.flags.c_contiguous, name
             f.write(array.data)
+
+
+def write_weights(out: Path, shapes: dict[str, tuple[int, ...]], read: Callable[[str], np.ndarray],
+                  metadata: dict[str, str], progress: bool = False, dtype: str = "float32") -> list[str]:
+    """A checkpoint's weights in `out` by `write_safetensors`: model.safetensors, or where they pass SHARD_BYTES,
+    shards model-0000i-of-0000n.safetensors of at most SHARD_BYTES each (a larger tensor alone), in name order, and
+    the index naming each tensor's shard (model.safetensors.index.json), as transformers writes a sharded
+    checkpoint. -> the files written."""
+    from trt_lookahead.model.checkpoint import INDEX_FILE
+
+    itemsize = np.dtype(dtype).itemsize
+    shards: list[dict[str, tuple[int, ...]]] = [{}]
+    held = 0  # the last shard's bytes
+    for name in sorted(shapes):
+        size = itemsize * math.prod(shapes[name])
+        if shards[-1] and held + size > SHARD_BYTES:
+            shards.append({})
+            held = 0
+        shards[-1][name] = shapes[name]
+        held += size
+    if len(shards) == 1:
+        write_safetensors(out / "model.safetensors", shapes, read, metadata, progress, dtype)
+        return ["model.safetensors"]
+    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    for file, shard in zip(names, shards, strict=True):
+        write_safetensors(out / file, shard, read, metadata, progress, dtype)
+    total = sum(itemsize * math.prod(shape) for shape in shapes.values())
+    weight_map = {name: file for file, shard in zip(names, shards, strict=True) for name in shard}
+    _write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return [*names, INDEX_FILE]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -660,16 +694,16 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, progress: boo
 
     tensors = gguf_tensors(reader, config)
     if progress:
-        print(f"dequantizing into {out / 'model.safetensors'}", file=sys.stderr)
+        print(f"dequantizing into {out}", file=sys.stderr)
     shapes = {name: hf_shape(t) for name, t in tensors.items()}
-    write_safetensors(out / "model.safetensors", shapes, lambda name: dequantized(tensors[name], config),
-                      metadata={"format": "pt"}, progress=progress)
+    weights = write_weights(out, shapes, lambda name: dequantized(tensors[name], config), metadata={"format": "pt"},
+                            progress=progress)
     n_params = sum(math.prod(shape) for shape in shapes.values())
     types = dict(Counter(t.tensor_type.name for t in tensors.values()))
 
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", build_generation_config(config))
-    files = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    files = ["config.json", "generation_config.json", *weights, "tokenizer.json", "tokenizer_config.json"]
     _normalize_permissions(out, files)
     return ConversionInfo(out, files, config, n_params, types, time.perf_counter() - start)
 
