@@ -212,6 +212,28 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, chang
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("weights", ["float", "int4"])
+def test_a_checkpoint_holding_a_nan_is_refused_and_builds_nothing(tmp_path, capsys, weights):
+    """A NaN weight makes every logit NaN, which the smoke check cannot tell from agreement: the float build would
+    be "ready" and answer garbage. One line names the weight (an int4 build reads its projections after the export:
+    the same line then) and no engine dir is left."""
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "ckpt"
+    shutil.copytree(STORIES, model)
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.layers.4.mlp.gate_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "engines" / "out"
+    out.parent.mkdir()
+    extra = [] if weights == "float" else ["--weights", weights]
+    assert main(build_args(out, *extra, model=model)) == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith("error: ")]
+    assert len(err) == 1 and "weight model.layers.4.mlp.gate_proj.weight in " in err[0]
+    assert "holds 1 NaN or infinite value(s); the checkpoint is corrupt" in err[0]
+    assert list(out.parent.iterdir()) == []
+
+
 def test_output_that_is_not_an_engine_is_not_overwritten(tmp_path, capsys):
     out = tmp_path / "mine"
     out.mkdir()

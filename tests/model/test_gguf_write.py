@@ -330,6 +330,23 @@ def test_a_tensor_type_that_cannot_be_dequantized_is_refused_before_anything_is_
     assert not (tmp_path / "from-i8" / "model.safetensors").exists()
 
 
+def test_a_nan_in_a_gguf_tensor_is_refused_and_leaves_no_weight_file(tmp_path):
+    """A GGUF whose tensor dequantizes to a NaN (here an F32 weight holding one) is one UserError naming the tensor,
+    and the conversion leaves neither a half-written model.safetensors nor the config.json that marks it done."""
+    from trt_lookahead.model.gguf_convert import convert_gguf_to_hf
+
+    path = write_gguf(STORIES, tmp_path / "stories.gguf")
+    reader = gguf.GGUFReader(str(path))
+    (up,) = [t for t in reader.tensors if t.name == "blk.2.ffn_up.weight"]
+    data = np.array(up.data)
+    data[4, 1] = np.nan
+    bad = with_tensor(path, tmp_path / "nan.gguf", up.name, data)
+    with pytest.raises(UserError, match=r"GGUF tensor blk\.2\.ffn_up\.weight holds 1 NaN or infinite value\(s\) "
+                       r"once dequantized; the file is corrupt"):
+        convert_gguf_to_hf(bad, tmp_path / "from-nan", progress=False)
+    assert sorted(p.name for p in (tmp_path / "from-nan").iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+
+
 def test_longrope_tables_are_refused(tmp_path):
     """Phi-3's LongRoPE tables (rope_factors_long/short) cannot be said by a Llama config: refused by name before
     anything is written, unless they are all ones."""

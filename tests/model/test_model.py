@@ -500,6 +500,16 @@ def _bad_heads(p: Path) -> Path:
     return p
 
 
+def _nan_weight(p: Path) -> Path:
+    rewrite_weights(p, lambda t: t["model.layers.2.mlp.down_proj.weight"].__setitem__((5, 7), float("nan")))
+    return p
+
+
+def _infinite_weights(p: Path) -> Path:
+    rewrite_weights(p, lambda t: t["model.embed_tokens.weight"][3, :2].copy_(torch.tensor([float("inf"), -1e39])))
+    return p
+
+
 def _no_hidden(p: Path) -> Path:
     cfg = json.loads((p / "config.json").read_text())
     del cfg["hidden_size"]
@@ -528,6 +538,9 @@ CASES = {
     _bad_index: r"model\.safetensors\.index\.json is malformed",
     _bad_heads: r"not a multiple of its 3 key/value heads",
     _no_hidden: r"config\.json has no 'hidden_size'",
+    _nan_weight: r"weight model\.layers\.2\.mlp\.down_proj\.weight in .*model\.safetensors holds 1 NaN or infinite "
+                 r"value\(s\); the checkpoint is corrupt: re-download",
+    _infinite_weights: r"weight model\.embed_tokens\.weight in .*model\.safetensors holds 2 NaN or infinite value",
 }
 
 
@@ -539,6 +552,30 @@ def test_broken_checkpoints_raise_one_clear_user_error(tmp_path, breaker):
     message = str(info.value)
     assert "\n" not in message and len(message) < 400
     assert str(tmp_path) in message
+
+
+def test_weights_past_float16s_range_are_refused_in_float16_only(tmp_path):
+    """A finite weight beyond float16's largest (65504) would become an infinity in a float16 model: refused, naming
+    the weight, its magnitude and the dtypes that hold it; float32 and bfloat16 load it as it is."""
+    path = copy_stories(tmp_path)
+    rewrite_weights(path, lambda t: t["model.layers.1.self_attn.o_proj.weight"].__setitem__((0, 0), -7e4))
+    with pytest.raises(UserError, match=r"weight model\.layers\.1\.self_attn\.o_proj\.weight in .* holds 1 "
+                       r"value\(s\) past float16's range \(largest magnitude 7e\+04\); run it in float32 or bfloat16"):
+        load_llama(path, dtype="float16")
+    for dtype in ("float32", "bfloat16"):
+        model, _ = load_llama(path, dtype=dtype)
+        assert model.layers[1].attention.wo.weight.float().abs().max().item() == pytest.approx(7e4, rel=1e-2)
+
+
+def test_a_deferred_weight_holding_a_nan_is_refused_when_read(tmp_path):
+    """A quantized build reads its projections later (load_llama_deferred): a NaN in one is refused then, by name,
+    and the projections without one still read."""
+    path = copy_stories(tmp_path)
+    rewrite_weights(path, lambda t: t["model.layers.0.self_attn.v_proj.weight"].__setitem__((1, 2), float("nan")))
+    _, _, deferred = load_llama_deferred(path, 0)
+    with pytest.raises(UserError, match=r"weight model\.layers\.0\.self_attn\.v_proj\.weight in .* holds 1 NaN"):
+        deferred["layers.0.attention.wqkv.weight"]()
+    assert torch.isfinite(deferred["layers.1.attention.wqkv.weight"]()).all()
 
 
 def test_a_weight_file_larger_than_memory_names_the_file_and_the_fix(tmp_path):

@@ -6,7 +6,8 @@
 Reads `model.safetensors`, or the shards named by `model.safetensors.index.json`. Every problem with
 the directory raises one `UserError` that names the problem and the fix: a missing directory,
 missing or malformed config.json, a non-Llama architecture, pickle (*.bin / *.pt) or GGUF weights
-(convert to safetensors), missing or truncated weight files, missing tensors, shape mismatches.
+(convert to safetensors), missing or truncated weight files, missing tensors, shape mismatches,
+NaN or infinite weights.
 """
 
 from __future__ import annotations
@@ -288,7 +289,34 @@ def read_tensors(files: list[Path], cfg: ModelConfig, dtype: torch.dtype,
                 else:
                     tensor = f.get_tensor(key)
                 out[name] = tensor.to(dtype)
+                _check_finite(tensor, out[name], key, file)
     return out
+
+
+def non_finite(weight: Tensor) -> int:
+    """How many of a float `weight`'s values are NaN or infinite: 0 after one aminmax pass (NaN and infinities
+    reach the min or max; no mask is made, so every weight read can afford it), counted only where that finds one."""
+    if not weight.numel():
+        return 0
+    low, high = torch.aminmax(weight)
+    if bool(torch.isfinite(low) & torch.isfinite(high)):
+        return 0
+    return int((~torch.isfinite(weight)).sum())
+
+
+def _check_finite(raw: Tensor, converted: Tensor, key: str, file: Path) -> None:
+    """UserError if weight `key` of `file`, read as `raw` and held as `converted`, has a NaN or an infinity: the
+    file's own (a corrupt checkpoint: every token would come out wrong, silently) or the conversion's (values past
+    float16's range)."""
+    count = non_finite(converted)
+    if not count:
+        return
+    what = f"weight {key} in {file}"
+    if not non_finite(raw):
+        raise UserError(f"{what} holds {count} value(s) past {str(converted.dtype).removeprefix('torch.')}'s range "
+                        f"(largest magnitude {float(raw.abs().max()):.4g}); run it in float32 or bfloat16 (--dtype)")
+    raise UserError(f"{what} holds {count} NaN or infinite value(s); the checkpoint is corrupt: re-download or "
+                    "re-convert it")
 
 
 @contextlib.contextmanager
@@ -411,6 +439,7 @@ def _read_fused(sources: list[tuple[Path, str]], shape: torch.Size) -> Tensor:
         with _opened(file) as f:
             part = f.get_tensor(key)
         out[row : row + len(part)].copy_(part)
+        _check_finite(part, out[row : row + len(part)], key, file)
         row += len(part)
     return out
 

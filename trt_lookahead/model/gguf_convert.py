@@ -372,10 +372,18 @@ def hf_shape(t) -> tuple[int, ...]:
 
 
 def dequantized(t, config: dict[str, Any]) -> np.ndarray:
-    """One GGUF tensor as the HF checkpoint holds it: float32, its q/k rows unpermuted."""
+    """One GGUF tensor as the HF checkpoint holds it: float32, its q/k rows unpermuted; UserError if it holds a NaN
+    or an infinity (a corrupt file: the model would answer garbage)."""
+    import torch
     from gguf.quants import dequantize
 
+    from trt_lookahead.model.checkpoint import non_finite
+
     w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(hf_shape(t))
+    count = non_finite(torch.from_numpy(w))
+    if count:
+        raise UserError(f"GGUF tensor {t.name} holds {count} NaN or infinite value(s) once dequantized; the file is "
+                        "corrupt: download it again")
     if ".attn_q." in t.name:
         w = unpermute_qk(w, config["num_attention_heads"])
     elif ".attn_k." in t.name:
@@ -406,12 +414,16 @@ def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], read: Call
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data 8-byte aligned, as the format asks
-    with open(path, "wb") as f:
-        f.write(len(text).to_bytes(8, "little") + text)
-        for name in tqdm(names, desc="write", unit="tensor", file=sys.stderr, disable=not progress):
-            array = read(name)
-            assert array.dtype == kind and array.shape == shapes[name] and array.flags.c_contiguous, name
-            f.write(array.data)
+    try:
+        with open(path, "wb") as f:
+            f.write(len(text).to_bytes(8, "little") + text)
+            for name in tqdm(names, desc="write", unit="tensor", file=sys.stderr, disable=not progress):
+                array = read(name)
+                assert array.dtype == kind and array.shape == shapes[name] and array.flags.c_contiguous, name
+                f.write(array.data)
+    except BaseException:  # a tensor refused (or an interrupt): no file whose header promises what it lacks
+        path.unlink(missing_ok=True)
+        raise
 
 
 def write_weights(out: Path, shapes: dict[str, tuple[int, ...]], read: Callable[[str], np.ndarray],
