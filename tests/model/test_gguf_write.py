@@ -330,9 +330,12 @@ def test_a_tensor_type_that_cannot_be_dequantized_is_refused_before_anything_is_
     assert not (tmp_path / "from-i8" / "model.safetensors").exists()
 
 
-def test_a_nan_in_a_gguf_tensor_is_refused_and_leaves_no_weight_file(tmp_path):
+@pytest.mark.filterwarnings("error")
+def test_a_nan_in_a_gguf_tensor_is_refused_and_leaves_no_weight_file(tmp_path, monkeypatch, capsys):
     """A GGUF whose tensor dequantizes to a NaN (here an F32 weight holding one) is one UserError naming the tensor,
-    and the conversion leaves neither a half-written model.safetensors nor the config.json that marks it done."""
+    and the conversion leaves neither a half-written model.safetensors nor the config.json that marks it done;
+    `generate --model FILE.gguf` says the same in one line (exit 2) and leaves nothing in the cache."""
+    from trt_lookahead.cli import main
     from trt_lookahead.model.gguf_convert import convert_gguf_to_hf
 
     path = write_gguf(STORIES, tmp_path / "stories.gguf")
@@ -345,6 +348,12 @@ def test_a_nan_in_a_gguf_tensor_is_refused_and_leaves_no_weight_file(tmp_path):
                        r"once dequantized; the file is corrupt"):
         convert_gguf_to_hf(bad, tmp_path / "from-nan", progress=False)
     assert sorted(p.name for p in (tmp_path / "from-nan").iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    monkeypatch.setenv("TRT_LOOKAHEAD_CACHE", str(tmp_path / "cache"))
+    capsys.readouterr()
+    assert main(["generate", "--model", str(bad), "--prompt", "Once", "--max-new-tokens", "4"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "GGUF tensor blk.2.ffn_up.weight holds 1 NaN" in errors[0]
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir() if not p.name.endswith(".lock")] == []
 
 
 def test_longrope_tables_are_refused(tmp_path):

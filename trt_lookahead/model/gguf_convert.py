@@ -37,6 +37,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -380,7 +381,9 @@ def dequantized(t, config: dict[str, Any]) -> np.ndarray:
     from trt_lookahead.model.checkpoint import non_finite
 
     w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(hf_shape(t))
-    count = non_finite(torch.from_numpy(w))
+    with warnings.catch_warnings():  # an F32 tensor is the file's read-only map, which the check only reads
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        count = non_finite(torch.from_numpy(w))
     if count:
         raise UserError(f"GGUF tensor {t.name} holds {count} NaN or infinite value(s) once dequantized; the file is "
                         "corrupt: download it again")
