@@ -134,19 +134,17 @@ class _Fit(NamedTuple):
 
 
 def _read_rows(read: Callable[[np.ndarray], _Fit], weight: np.ndarray, rows: np.ndarray) -> _Fit:
-    """`read` (quantize_blocks' rule or a GGUF_GRIDS reader) of a float [N, K] weight's `rows` (ascending),
-    CHUNK_WEIGHTS at a time, each chunk as float32 blocks [rows, blocks, BLOCK_SIZE], K zero-padded to whole blocks:
-    rows are independent, so the float transients stay a chunk's, not a vocabulary-sized lm_head's."""
+    """`read` (quantize_blocks' rule or a GGUF_GRIDS reader) of a float [N, K] weight's `rows`, CHUNK_WEIGHTS at a
+    time, each chunk as float32 blocks [rows, blocks, BLOCK_SIZE], K zero-padded to whole blocks: rows are
+    independent, so the float transients stay a chunk's, not a vocabulary-sized lm_head's."""
     k = weight.shape[1]
     blocks = -(-k // BLOCK_SIZE)
     step = max(1, CHUNK_WEIGHTS // (blocks * BLOCK_SIZE))
     fits = []
     for start in range(0, len(rows), step):
         chunk = rows[start : start + step]
-        first, last = chunk[0], chunk[-1]
         w = np.zeros((len(chunk), blocks * BLOCK_SIZE), np.float32)
-        # a run of rows is copied from a view of them; a gather (weight[chunk]) would copy them twice
-        w[:, :k] = weight[first : last + 1] if last - first + 1 == len(chunk) else weight[chunk]
+        w[:, :k] = weight[chunk]
         fits.append(read(w.reshape(len(chunk), blocks, BLOCK_SIZE)))
     if len(fits) == 1:
         return fits[0]
