@@ -162,6 +162,18 @@ def test_a_body_declared_too_large_is_refused_before_it_is_sent(server):
     assert post(server.url + "/v1/completions", SMALL)[0] == 200
 
 
+def test_a_refusal_sent_mid_upload_reaches_the_client_whole(server):
+    """The 413 comes while the client still uploads; closing then, with its input unread, reset the connection,
+    and the reset lost the answer's body for some in a hundred (the status line alone arrived). The server reads
+    and drops the rest of the upload before it closes, so every answer arrives whole."""
+    size = 5_200_000  # past the limit in send_huge's whole pieces: each upload ends, none waits out LINGER_SECONDS
+    answers = [send_huge(server.url, False, size) for _ in range(100)]
+    whole = [answer for answer in answers if answer.endswith(b"}")]
+    assert len(whole) == len(answers), f"{len(answers) - len(whole)} of {len(answers)} answers lost their body"
+    assert {(status, error["code"]) for status, error in map(status_and_error, whole)} == {(413, "body_too_large")}
+    assert post(server.url + "/v1/completions", SMALL)[0] == 200
+
+
 NOT_JSON = [  # item 6: each was a 500 (and not counted) before the fix
     (b'{"model": "stories260K", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nested too deeply"),
     (b'{"model": "stories260K", "prompt": "Hi", "max_tokens": ' + b"9" * 5000 + b"}", None, "4300 digits"),

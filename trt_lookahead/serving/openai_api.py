@@ -5,16 +5,16 @@
     GET  /health                                 200 once the model is loaded
     GET  /metrics                                Prometheus text (serving/metrics.py)
 
-A request's body is read up to --max-body-bytes (413 beyond, 408 if it does not arrive within
-BODY_TIMEOUT_SECONDS), parsed (openai_protocol.py), its model name and lookahead checked and its prompt
-tokenized here, off the event loop (a thread: the loop never does work that grows with a request's size), then
-handed to the runtime's `astream`, which checks every value and queues it on the scheduler (a full queue: 429 at once);
-the scheduler decodes up to --max-batch requests in every step. The response starts only with the
-prefill's token, so every error up to then is an HTTP error with OpenAI's error object; the server keeps
-serving. A client that disconnects (streaming or not) closes its stream, which cancels the request at the
-next step and frees its slot. On SIGTERM / SIGINT new requests get 503; running ones may finish within
---shutdown-grace, and shortly before it ends every one still waiting is answered 503 (a stream: an error event,
-then `data: [DONE]`) and cancelled. docs/design.md section 7.6.
+A request's body is read up to --max-body-bytes (413 beyond, 408 if it does not arrive within BODY_TIMEOUT_SECONDS;
+such an answer is a LingeringAnswer, which drops the rest of the body before it closes), parsed
+(openai_protocol.py), its model name and lookahead checked and its prompt tokenized here, off the event loop (a
+thread: the loop never does work that grows with a request's size), then handed to the runtime's `astream`, which
+checks every value and queues it on the scheduler (a full queue: 429 at once); the scheduler decodes up to
+--max-batch requests in every step. The response starts only with the prefill's token, so every error up to then is
+an HTTP error with OpenAI's error object; the server keeps serving. A client that disconnects (streaming or not)
+closes its stream, which cancels the request at the next step and frees its slot. On SIGTERM / SIGINT new requests
+get 503; running ones may finish within --shutdown-grace, and shortly before it ends every one still waiting is
+answered 503 (a stream: an error event, then `data: [DONE]`) and cancelled. docs/design.md section 7.6.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
-from starlette.types import Receive
+from starlette.types import Receive, Scope, Send
 
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import AUTO, Lookahead
@@ -66,7 +66,8 @@ from trt_lookahead.serving.openai_protocol import (
 BODY_TIMEOUT_SECONDS = 30  # a request body must arrive whole within this (408 otherwise): no upload is held forever
 SHUTDOWN_MARGIN_SECONDS = 2  # waiting requests are answered this long before the grace ends (half a grace under 4 s)
 SHUTTING_DOWN = "the server is shutting down; retry the request"
-UNREAD_BODY = (408, 413)  # statuses answered before the body was read whole
+UNREAD_BODY = (408, 413)  # statuses answered before the body was read whole: a LingeringAnswer
+LINGER_SECONDS = 2  # how long the rest of such a body is read and dropped before the connection closes
 LOOKAHEAD_NAMES = ("lookahead.window", "lookahead.ngram", "lookahead.verification")
 CLIENT_CLOSED = 499  # the access log's status of a request whose client went away (nginx's convention)
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a prompt + max_tokens past the context
@@ -422,10 +423,28 @@ async def first_of(work: Awaitable[T], receive: Receive | None, abort: asyncio.E
 
 
 def _error_response(error: ApiError) -> JSONResponse:
+    if error.status in UNREAD_BODY:
+        return LingeringAnswer(error.body(), status_code=error.status, headers={"Connection": "close"})
     headers = {"Retry-After": "1"} if error.status == 429 else {}
-    if error.status in UNREAD_BODY:  # the rest of the body is not read: the connection ends with the answer
-        headers["Connection"] = "close"
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+class LingeringAnswer(JSONResponse):
+    """An answer given before the request body was read whole (UNREAD_BODY); the connection ends with it.
+
+    Closing a socket whose input is unread makes the kernel reset the connection, and a reset can discard the
+    answer before the client reads it: the client, still uploading, sees only "connection reset". So the answer
+    is sent whole (its Content-Length tells the client where it ends), the rest of the upload is read and dropped
+    until it ends, the client leaves, or LINGER_SECONDS pass (nginx's lingering close), and only then does the
+    response end, which closes the connection (Connection: close)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.body, "more_body": True})
+        with anyio.move_on_after(LINGER_SECONDS):
+            while (message := await receive())["type"] == "http.request" and message.get("more_body", False):
+                pass
+        await send({"type": "http.response.body", "body": b""})
 
 
 # -- running it -------------------------------------------------------------------------------------
