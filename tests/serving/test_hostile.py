@@ -162,6 +162,22 @@ def test_a_body_declared_too_large_is_refused_before_it_is_sent(server):
     assert post(server.url + "/v1/completions", SMALL)[0] == 200
 
 
+def test_a_client_waiting_for_100_continue_gets_the_413_instead(server):
+    """curl sends `Expect: 100-continue` before a large upload and waits; a body declared too large is refused
+    at once, with no 100 Continue first, so the client never starts sending it."""
+    sock = socket.create_connection(address(server.url), timeout=TIMEOUT)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                 b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % (2 * DEFAULT_MAX_BODY_BYTES))
+    answer = b""
+    while block := sock.recv(65536):
+        answer += block
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+    error = status_and_error(answer)[1]
+    assert error["code"] == "body_too_large" and f"{2 * DEFAULT_MAX_BODY_BYTES} bytes" in error["message"], error
+    assert post(server.url + "/v1/completions", SMALL)[0] == 200
+
+
 def test_a_refusal_sent_mid_upload_reaches_the_client_whole(server):
     """The 413 comes while the client still uploads; closing then, with its input unread, reset the connection,
     and the reset lost the answer's body for some in a hundred (the status line alone arrived). The server reads
