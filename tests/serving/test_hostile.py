@@ -11,6 +11,7 @@ thread with a one-second body timeout, for the 408.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import signal
@@ -188,6 +189,43 @@ def test_a_refusal_sent_mid_upload_reaches_the_client_whole(server):
     assert len(whole) == len(answers), f"{len(answers) - len(whole)} of {len(answers)} answers lost their body"
     assert {(status, error["code"]) for status, error in map(status_and_error, whole)} == {(413, "body_too_large")}
     assert post(server.url + "/v1/completions", SMALL)[0] == 200
+
+
+def closed_by_server(sock: socket.socket, head: bytes) -> bool:
+    """Send `head` a byte every half second; True once the server closes the connection, False if all was sent."""
+    sock.settimeout(0.5)
+    try:
+        for i in range(len(head)):
+            sock.send(head[i:i + 1])
+            with contextlib.suppress(TimeoutError):
+                if sock.recv(1) == b"":
+                    return True
+    except OSError:  # reset: closed, and this byte came after
+        return True
+    return False
+
+
+def test_idle_and_trickling_connections_are_closed_so_others_can_connect(tmp_path):
+    """uvicorn alone kept a connection that sent nothing, or its head a byte at a time, open forever: 400 of them
+    at a 256-file limit, and /health could not connect for as long as they stayed (while asyncio logged two
+    thousand tracebacks a second). Each is closed HEAD_TIMEOUT_SECONDS after it opened, unanswered; /health,
+    waiting behind them, is then accepted and answered; the server says once that it could not accept."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nX-Padding: " + b"x" * 200  # 100 s at 2 bytes/s
+    with serving(tmp_path, "--model", str(STORIES), "--lookahead_config", SERVED, "--threads", "1",
+                 open_files=256) as srv:
+        trickling = socket.create_connection(address(srv.url), timeout=TIMEOUT)
+        idle = [socket.create_connection(address(srv.url), timeout=TIMEOUT) for _ in range(400)]
+        with ThreadPoolExecutor(1) as pool:
+            closed = pool.submit(closed_by_server, trickling, head)
+            health = get(srv.url + "/health")
+            assert closed.result(timeout=TIMEOUT), "a head sent a byte every half second held its connection"
+        assert health == (200, '{"status":"ok"}')
+        assert all(sock.recv(1) == b"" for sock in idle)  # closed by the server, with no answer
+        assert post(srv.url + "/v1/completions", SMALL)[0] == 200
+        for sock in [trickling, *idle]:
+            sock.close()
+        log = srv.tail(100_000)
+    assert log.count("cannot accept new connections (") == 1 and "Traceback" not in log, log[-3000:]
 
 
 NOT_JSON = [  # item 6: each was a 500 (and not counted) before the fix

@@ -15,6 +15,7 @@ import http.client
 import io
 import json
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -56,13 +57,19 @@ pytestmark = pytest.mark.server
 
 
 class ServeProcess:
-    """`python -m trt_lookahead.cli serve ...` on --port 0; the port is read from its ready line."""
+    """`python -m trt_lookahead.cli serve ...` on --port 0; the port is read from its ready line. `open_files`:
+    the process's limit on open files (soft and hard: serve raises its soft limit to the hard one)."""
 
-    def __init__(self, log: Path, *argv: str) -> None:
+    def __init__(self, log: Path, *argv: str, open_files: int | None = None) -> None:
+        def prepare() -> None:
+            _die_with_parent()
+            if open_files is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+
         self.log = log
         self._out = open(log, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([sys.executable, "-m", "trt_lookahead.cli", "serve", "--port", "0", *argv],
-                                     stdout=self._out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                                     stdout=self._out, stderr=subprocess.STDOUT, preexec_fn=prepare)
         self.url = ""
 
     def wait_ready(self, timeout: float) -> ServeProcess:
@@ -108,9 +115,9 @@ def templated_copy(folder: Path, template: str) -> Path:
 
 
 @contextlib.contextmanager
-def serving(folder: Path, *args: str):
+def serving(folder: Path, *args: str, open_files: int | None = None):
     """`serve *args` ready (log in `folder`); stopped with SIGTERM afterwards, which must exit 0."""
-    srv = ServeProcess(folder / "serve.log", *args)
+    srv = ServeProcess(folder / "serve.log", *args, open_files=open_files)
     try:
         srv.wait_ready(timeout=300)
         yield srv

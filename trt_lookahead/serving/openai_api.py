@@ -14,7 +14,9 @@ checks every value and queues it on the scheduler (a full queue: 429 at once); t
 an HTTP error with OpenAI's error object; the server keeps serving. A client that disconnects (streaming or not)
 closes its stream, which cancels the request at the next step and frees its slot. On SIGTERM / SIGINT new requests
 get 503; running ones may finish within --shutdown-grace, and shortly before it ends every one still waiting is
-answered 503 (a stream: an error event, then `data: [DONE]`) and cancelled. docs/design.md section 7.6.
+answered 503 (a stream: an error event, then `data: [DONE]`) and cancelled. A connection whose request head has not
+arrived whole HEAD_TIMEOUT_SECONDS after it opened (or after its last answer) is closed (HeadTimedH11), so idle or
+trickling sockets cannot use up the process's file descriptors. docs/design.md section 7.6.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 import secrets
 import signal
 import socket
@@ -34,6 +37,7 @@ from types import FrameType
 from typing import Any, TypeVar, cast
 
 import anyio
+import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -41,6 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from trt_lookahead.errors import UserError
 from trt_lookahead.lookahead.config import AUTO, Lookahead
@@ -63,10 +68,13 @@ from trt_lookahead.serving.openai_protocol import (
     usage,
 )
 
+HEAD_TIMEOUT_SECONDS = 10  # a request's head must arrive whole within this (the connection is closed otherwise)
 BODY_TIMEOUT_SECONDS = 30  # a request body must arrive whole within this (408 otherwise): no upload is held forever
 SHUTDOWN_MARGIN_SECONDS = 2  # waiting requests are answered this long before the grace ends (half a grace under 4 s)
 SHUTTING_DOWN = "the server is shutting down; retry the request"
 UNREAD_BODY = (408, 413)  # statuses answered before the body was read whole: a LingeringAnswer
+ACCEPT_FAILED = "socket.accept() out of system resource"  # asyncio's message when accept() fails for want of files
+ACCEPT_WARNING_SECONDS = 60  # the server says it cannot accept connections at most this often
 LINGER_SECONDS = 2  # how long the rest of such a body is read and dropped before the connection closes
 LOOKAHEAD_NAMES = ("lookahead.window", "lookahead.ngram", "lookahead.verification")
 CLIENT_CLOSED = 499  # the access log's status of a request whose client went away (nginx's convention)
@@ -466,18 +474,84 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+class HeadTimedH11(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, closing a connection whose next request head is not whole `head_seconds` after
+    the connection opened or its last answer ended. uvicorn alone keeps a connection that sends nothing, or its head
+    a byte at a time, open forever (its keep-alive timer restarts on every byte); a few hundred of them use up the
+    process's file descriptors, and then no one can connect (slowloris). A client is not answered here: it has not
+    sent a request."""
+
+    head_seconds: float = HEAD_TIMEOUT_SECONDS
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._await_head()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # the head is whole (a body may follow: BODY_TIMEOUT_SECONDS)
+            self._stop_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # a pipelined request already received is parsed here
+        self._await_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._stop_head_timer()
+
+    def _await_head(self) -> None:
+        self._stop_head_timer()
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self._head_timer = self.loop.call_later(self.head_seconds, self._head_late)
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+def allow_many_connections() -> None:
+    """Raise this process's soft limit on open files to its hard limit: every connection holds one, and many
+    systems start processes at 1,024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):  # macOS refuses an unlimited hard limit: keep the soft one
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server, telling the API the moment shutdown begins (its signal handler runs in the main thread,
-    between the event loop's steps: the API is called on the loop)."""
+    between the event loop's steps: the API is called on the loop), and saying once a minute, not thousands of
+    times a second, that it cannot accept connections (asyncio reports a failed accept once per backlog slot, with
+    a traceback, every second it retries)."""
 
     def __init__(self, config: uvicorn.Config, api: OpenAIServer) -> None:
         super().__init__(config)
         self.api = api
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.accept_warned = -float(ACCEPT_WARNING_SECONDS)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
+        self.loop.set_exception_handler(self.loop_error)
         await super().startup(sockets)
+
+    def loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if context.get("message") != ACCEPT_FAILED:
+            loop.default_exception_handler(context)
+        elif (now := time.monotonic()) - self.accept_warned >= ACCEPT_WARNING_SECONDS:
+            self.accept_warned = now
+            limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            log.warning("cannot accept new connections (%s; this process may open %d files); they wait until "
+                        "others close. Raise the limit (ulimit -n) or put a proxy in front", context.get("exception"),
+                        limit)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
@@ -489,7 +563,9 @@ def serve(runtime: LookaheadRuntime, sock: socket.socket, *, model_name: str, lo
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_grace: int = GRACEFUL_SHUTDOWN_SECONDS) -> None:
     """Serve until SIGINT or SIGTERM, then let running requests finish for `shutdown_grace` seconds at most."""
     api = OpenAIServer(runtime, model_name=model_name, max_body_bytes=max_body_bytes, shutdown_grace=shutdown_grace)
-    server = _Server(uvicorn.Config(api.app(), log_level=log_level, timeout_graceful_shutdown=shutdown_grace), api)
+    server = _Server(uvicorn.Config(api.app(), log_level=log_level, timeout_graceful_shutdown=shutdown_grace,
+                                    http=HeadTimedH11), api)
+    allow_many_connections()
     host, port = sock.getsockname()[:2]
     weights = "" if runtime.weights == "float" else f"{runtime.weights} weights, "
     print(
