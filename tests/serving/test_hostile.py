@@ -16,6 +16,8 @@ import http.client
 import json
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -108,6 +110,18 @@ def send_huge(url: str, chunked: bool, size: int = BIG) -> bytes:
     return answer
 
 
+def raw_answer(url: str, rest: bytes) -> bytes:
+    """Everything the server sends, until it closes, after a POST /v1/completions's first lines and `rest` (the
+    other header lines, and what the test sends of a body)."""
+    sock = socket.create_connection(address(url), timeout=TIMEOUT)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n" + rest)
+    answer = b""
+    while block := sock.recv(65536):
+        answer += block
+    sock.close()
+    return answer
+
+
 def status_and_error(answer: bytes) -> tuple[int, dict]:
     head, _, body = answer.partition(b"\r\n\r\n")
     return int(head.split()[1]), json.loads(body)["error"]
@@ -150,13 +164,7 @@ def test_health_and_a_small_request_answer_while_huge_bodies_and_stop_lists_are_
 
 def test_a_body_declared_too_large_is_refused_before_it_is_sent(server):
     """Content-Length alone decides: the answer comes with no byte of the body sent."""
-    sock = socket.create_connection(address(server.url), timeout=TIMEOUT)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n" % (DEFAULT_MAX_BODY_BYTES + 1))
-    answer = b""
-    while block := sock.recv(65536):
-        answer += block
-    sock.close()
+    answer = raw_answer(server.url, b"Content-Length: %d\r\n\r\n" % (DEFAULT_MAX_BODY_BYTES + 1))
     status, error = status_and_error(answer)
     assert status == 413 and f"{DEFAULT_MAX_BODY_BYTES + 1} bytes" in error["message"], error
     assert status_and_error(send_huge(server.url, True, DEFAULT_MAX_BODY_BYTES + 200_000))[0] == 413
@@ -166,17 +174,21 @@ def test_a_body_declared_too_large_is_refused_before_it_is_sent(server):
 def test_a_client_waiting_for_100_continue_gets_the_413_instead(server):
     """curl sends `Expect: 100-continue` before a large upload and waits; a body declared too large is refused
     at once, with no 100 Continue first, so the client never starts sending it."""
-    sock = socket.create_connection(address(server.url), timeout=TIMEOUT)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                 b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % (2 * DEFAULT_MAX_BODY_BYTES))
-    answer = b""
-    while block := sock.recv(65536):
-        answer += block
-    sock.close()
+    declared = 2 * DEFAULT_MAX_BODY_BYTES
+    answer = raw_answer(server.url, b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % declared)
     assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
     error = status_and_error(answer)[1]
-    assert error["code"] == "body_too_large" and f"{2 * DEFAULT_MAX_BODY_BYTES} bytes" in error["message"], error
+    assert error["code"] == "body_too_large" and f"{declared} bytes" in error["message"], error
     assert post(server.url + "/v1/completions", SMALL)[0] == 200
+
+
+def test_serve_raises_its_open_file_limit_to_the_hard_one():
+    """Every connection holds a file; a process started at soft 256 under a hard 1024 may open 1024."""
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 1024)); "
+            "from trt_lookahead.serving.openai_api import allow_many_connections; allow_many_connections(); "
+            "print(*resource.getrlimit(resource.RLIMIT_NOFILE))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split() \
+        == ["1024", "1024"]
 
 
 def test_a_refusal_sent_mid_upload_reaches_the_client_whole(server):
@@ -314,13 +326,7 @@ def impatient(one_torch_thread):
 
 def test_a_body_that_never_completes_is_408(impatient):
     before = metrics(impatient)
-    sock = socket.create_connection(address(impatient), timeout=TIMEOUT)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: 1000\r\n\r\n{\"model\": ")
-    answer = b""
-    while block := sock.recv(65536):  # the server answers, then closes
-        answer += block
-    sock.close()
+    answer = raw_answer(impatient, b"Content-Length: 1000\r\n\r\n{\"model\": ")  # the rest never comes
     status, error = status_and_error(answer)
     assert status == 408 and error["code"] == "request_timeout" and "within 1 s" in error["message"], error
     assert metrics(impatient)[INVALID] - before.get(INVALID, 0) == 1

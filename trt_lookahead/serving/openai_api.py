@@ -475,13 +475,12 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 class HeadTimedH11(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol, closing a connection whose next request head is not whole `head_seconds` after
-    the connection opened or its last answer ended. uvicorn alone keeps a connection that sends nothing, or its head
-    a byte at a time, open forever (its keep-alive timer restarts on every byte); a few hundred of them use up the
-    process's file descriptors, and then no one can connect (slowloris). A client is not answered here: it has not
-    sent a request."""
+    """uvicorn's HTTP/1.1 protocol, closing a connection whose next request head is not whole HEAD_TIMEOUT_SECONDS
+    after the connection opened or its last answer ended. uvicorn alone keeps a connection that sends nothing, or
+    its head a byte at a time, open forever (its keep-alive timer restarts on every byte); a few hundred of them use
+    up the process's file descriptors, and then no one can connect (slowloris). A client is not answered here: it
+    has not sent a request."""
 
-    head_seconds: float = HEAD_TIMEOUT_SECONDS
     _head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -501,10 +500,13 @@ class HeadTimedH11(H11Protocol):
         super().connection_lost(exc)
         self._stop_head_timer()
 
+    def _awaiting_head(self) -> bool:
+        return self.conn.their_state is h11.IDLE and not self.transport.is_closing()
+
     def _await_head(self) -> None:
         self._stop_head_timer()
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self._head_timer = self.loop.call_later(self.head_seconds, self._head_late)
+        if self._awaiting_head():
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_SECONDS, self._head_late)
 
     def _stop_head_timer(self) -> None:
         if self._head_timer is not None:
@@ -513,7 +515,7 @@ class HeadTimedH11(H11Protocol):
 
     def _head_late(self) -> None:
         self._head_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        if self._awaiting_head():
             self.transport.close()
 
 
