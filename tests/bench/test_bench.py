@@ -109,6 +109,8 @@ def test_jsonl_rows_of_every_kind(tmp_path):
     ("content", "message"),
     [
         ('{"answer": 3}\n', "none of `prompt`"),
+        ('{"prompt": 5}\n', "`prompt` must be a string, got int"),
+        ('{"question": ["how many?"]}\n', "`question` must be a string, got list"),
         ("not json\n", "not valid JSON"),
         ('{"turns": []}\n', "`turns` must be"),
         ("[1, 2]\n", "must be a JSON object"),
@@ -120,6 +122,15 @@ def test_bad_jsonl_rows_name_the_problem(tmp_path, content, message):
     path.write_text(content)
     with pytest.raises(UserError, match=message):
         datasets.load_dataset(str(path))
+
+
+def test_a_dataset_in_another_encoding_is_refused_naming_its_line_and_a_byte_order_mark_is_read(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes('{"prompt": "ok"}\n{"prompt": "café"}\n'.encode("latin-1"))
+    with pytest.raises(UserError, match=r"latin1\.jsonl:2: not UTF-8 text \(invalid continuation byte at byte 15"):
+        datasets.load_dataset(str(path))
+    path.write_bytes('{"prompt": "ok"}\n{"prompt": "café"}\n'.encode("utf-8-sig"))  # as Windows editors save
+    assert [row.text for row in datasets.load_dataset(str(path)).rows] == ["ok", "café"]
 
 
 def test_unknown_dataset_and_bad_limit():

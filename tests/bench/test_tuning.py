@@ -77,6 +77,35 @@ def test_unreadable_or_older_tuning_files_are_ignored(tuning, capsys):
     assert "another format version" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("content", "what"), [
+    (bytes(range(256)), "not JSON"),  # model weights given by mistake
+    (b'{"model_type": "llama"}', "JSON, but not a tuning file"),  # a checkpoint's config.json
+    (b"[1, 2]", "JSON, but not a tuning file"),
+    (b"{" * 100_000, "not JSON"),  # deeper than json's recursion limit
+])
+def test_a_file_that_is_not_a_tuning_file_is_never_written_over(tmp_path, content, what):
+    path = tmp_path / "mine.json"
+    path.write_bytes(content)
+    with pytest.raises(UserError, match=f"tuning file {path} holds something else \\({what}\\)"):
+        tuning_file.write_tuning_entry("k", entry(), path)
+    assert path.read_bytes() == content
+    with pytest.raises(UserError, match=f"--tuning-file {path} holds something else"):
+        tuning_file.check_tuning_file(path)
+
+
+def test_an_empty_file_or_a_tuning_file_of_any_version_is_written_over_and_the_lock_is_its_own(tmp_path, capsys):
+    path, users_lock = tmp_path / "t.json", tmp_path / "t.lock"
+    users_lock.write_text("the user's")  # the name a lock beside t.json once took
+    path.write_bytes(b"")  # as mktemp leaves it
+    tuning_file.write_tuning_entry("a", entry(), path)
+    assert json.loads(path.read_text()) == {"version": tuning_file.TUNING_VERSION, "entries": {"a": entry()}}
+    path.write_text(json.dumps({"version": 1, "entries": {"old": {"config": "4/3/4"}}}))
+    tuning_file.write_tuning_entry("b", entry("greedy"), path)
+    assert json.loads(path.read_text())["entries"] == {"b": entry("greedy")}  # version 1's entries mean nothing now
+    assert "another format version" in capsys.readouterr().err
+    assert users_lock.read_text() == "the user's"
+
+
 def test_an_entry_gives_auto_its_largest_config_and_policy():
     auto = AutoPolicy.from_entry(entry())
     assert auto.ceiling == LookaheadConfig(8, 4, 8) and auto.source == TUNED

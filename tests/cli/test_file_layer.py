@@ -142,14 +142,18 @@ def test_a_directory_where_the_cache_lock_belongs_is_one_error_line(built, tmp_p
     assert str(lock) in line and "is a directory" in line and "remove it" in line, line
 
 
-@pytest.mark.parametrize("where", ["under a file", "a directory"])
+@pytest.mark.parametrize("where", ["under a file", "a directory", "another file"])
 def test_tune_checks_its_tuning_file_before_measuring(capsys, tmp_path, where):
-    # issue 39 item 8: FileExistsError/NotADirectoryError only after the whole measurement
+    # issue 39 item 8: FileExistsError/NotADirectoryError only after the whole measurement; and a file that is not
+    # a tuning file (the checkpoint's config.json given by mistake) was measured for, then overwritten
     (tmp_path / "file").write_text("x")
-    path = tmp_path / "file" / "tuning.json" if where == "under a file" else tmp_path
+    shutil.copy(STORIES / "config.json", tmp_path / "config.json")
+    path = {"under a file": tmp_path / "file" / "tuning.json", "a directory": tmp_path,
+            "another file": tmp_path / "config.json"}[where]
     code = main(["tune", "--model", str(STORIES), "--budget-seconds", "5", "--tuning-file", str(path)])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: --tuning-file "), err  # no progress lines
+    assert (tmp_path / "config.json").read_bytes() == (STORIES / "config.json").read_bytes()
 
 
 @needs_read_only

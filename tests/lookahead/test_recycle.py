@@ -180,6 +180,9 @@ def test_a_template_of_the_wrong_size_for_a_tree_is_a_user_error(tmp_path):
         resolve_tree("auto", LookaheadConfig(4, 3, 0))
     with pytest.raises(UserError, match="parents must be -1"):
         resolve_tree("2,1", LookaheadConfig(1, 2, 1))
+    (tmp_path / "tree.bin").write_bytes(b"-1,0,\xff\n")  # a binary file given by mistake
+    with pytest.raises(UserError, match=r"tree file .*tree\.bin is not UTF-8 text \(invalid start byte at byte 5\)"):
+        resolve_tree(str(tmp_path / "tree.bin"), LookaheadConfig(1, 2, 2))
 
 
 def test_pairs_are_looked_up_before_tokens_own_map_before_shared():

@@ -79,14 +79,17 @@ def parse_row(obj: Any, where: str) -> PromptRow:
     if not isinstance(obj, dict):
         raise UserError(f"{where}: a row must be a JSON object, got {type(obj).__name__}")
     row_id = next((str(obj[k]) for k in ("id", "task_id", "question_id") if k in obj), None) or where.rsplit(":", 1)[-1]
-    if isinstance(obj.get("prompt"), str):
+    for field in ("prompt", "question"):
+        if field in obj and not isinstance(obj[field], str):
+            raise UserError(f"{where}: `{field}` must be a string, got {type(obj[field]).__name__}")
+    if "prompt" in obj:
         return PromptRow(row_id, text=obj["prompt"])
     if "turns" in obj:
         turns = obj["turns"]
         if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
             raise UserError(f"{where}: `turns` must be a non-empty list of strings")
         return PromptRow(row_id, messages=(("user", turns[0]),))
-    if isinstance(obj.get("question"), str):
+    if "question" in obj:
         return PromptRow(row_id, messages=(("user", obj["question"]),))
     if "messages" in obj:
         msgs = obj["messages"]
@@ -104,8 +107,13 @@ def load_dataset(name_or_path: str, limit: int | None = None) -> Dataset:
         raise UserError(f"--limit must be positive, got {limit}")
     name, path = resolve_dataset_path(name_or_path)
     rows: list[PromptRow] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig")  # a byte order mark (Windows editors) is not text
+            except UnicodeDecodeError as exc:
+                raise UserError(f"{path}:{lineno}: not UTF-8 text ({exc.reason} at byte {exc.start} of the line); "
+                                "a dataset is JSONL, one UTF-8 JSON object per line") from None
             if not line.strip():
                 continue
             try:

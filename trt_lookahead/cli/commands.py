@@ -311,11 +311,11 @@ def bench_concurrency(args: argparse.Namespace) -> int:
 
 
 def tune(args: argparse.Namespace) -> int:
-    from trt_lookahead.files import check_output_file, write_text_atomic
-    from trt_lookahead.runtime.tuning_file import tuning_path
+    from trt_lookahead.files import write_text_atomic
+    from trt_lookahead.runtime.tuning_file import check_tuning_file, tuning_path
     from trt_lookahead.tuning.tune import budget_config, format_report, tuned_tree
 
-    check_output_file(args.tuning_file or tuning_path(), "--tuning-file")  # before minutes of measuring
+    check_tuning_file(args.tuning_file)  # before minutes of measuring
     tree_for = parse_tree_for(args.tree_for)
     tree_out = check_tree_out(args.tree_out, tree_for) if args.tree_out else None
     entry = tune_model(args.model or DEFAULT_MODEL, backend=args.backend, dtype=args.dtype, datasets=args.dataset,
@@ -463,12 +463,11 @@ def serve(args: argparse.Namespace) -> int:
 
 def check_serve_tune(args: argparse.Namespace) -> None:
     """`serve --tune`'s budget and tuning file, checked before the port is taken and minutes of measuring."""
-    from trt_lookahead.files import check_output_file
-    from trt_lookahead.runtime.tuning_file import tuning_path
+    from trt_lookahead.runtime.tuning_file import check_tuning_file
     from trt_lookahead.tuning.tune import check_budget
 
     check_budget(args.tune_budget_seconds, "--tune-budget-seconds")
-    check_output_file(args.tuning_file or tuning_path(), "--tuning-file")
+    check_tuning_file(args.tuning_file)
 
 
 def tune_for_serve(args: argparse.Namespace, source: str, lookahead: Lookahead | None) -> None:

@@ -194,7 +194,11 @@ def resolve_tree(spec: str | TreeTemplate | None, config: LookaheadConfig) -> Tr
         return tree_template(nodes, TREE_DEPTH)
     text = spec if isinstance(spec, str) else ""
     if text and not text.lstrip().startswith("-") and Path(text).is_file():
-        text = Path(text).read_text()
+        try:
+            text = Path(text).read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise UserError(f"tree file {spec} is not UTF-8 text ({exc.reason} at byte {exc.start}); give a file "
+                            "holding a comma list of parents like -1,0,-1, or tree=auto or off") from None
     try:
         template = spec if isinstance(spec, TreeTemplate) else TreeTemplate.parse(text)
     except ValueError as exc:

@@ -7,7 +7,9 @@
 
 The cache dir is trt_lookahead.files.cache_dir() ($TRT_LOOKAHEAD_CACHE, else $XDG_CACHE_HOME/trt-lookahead,
 else ~/.cache/trt-lookahead), shared with fetched models. Writes are read-modify-write under a lock with an
-atomic rename; an unreadable file or one of another version is ignored (with a note on stderr).
+atomic rename; an unreadable file or one of another version is ignored when read (with a note on stderr), but
+only a tuning file (any version) or an empty one is ever written over: a file `tune` cannot tell for one of its
+own (another JSON, a model's weights given by mistake) is refused, before any measuring (`check_tuning_file`).
 
 Below the runtime, which reads it at load (runtime/load.py `auto_policy`); `trt-lookahead tune` and `serve --tune`
 (tuning/tune.py, above the runtime) write it. Imports bench.machine, files, lookahead and model only.
@@ -15,17 +17,16 @@ Below the runtime, which reads it at load (runtime/load.py `auto_policy`); `trt-
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from trt_lookahead.bench.machine import machine_key
-from trt_lookahead.files import cache_dir, write_text_atomic
+from trt_lookahead.errors import UserError
+from trt_lookahead.files import cache_dir, check_output_file, locked, write_text_atomic
 from trt_lookahead.lookahead.tree import TreeTemplate
 from trt_lookahead.model.fetch import KNOWN_MODELS, model_dir
 
@@ -62,39 +63,63 @@ def _empty() -> dict[str, Any]:
     return {"version": TUNING_VERSION, "entries": {}}
 
 
+def _load(path: Path) -> Any:
+    """The JSON value `path` holds: FileNotFoundError if absent, another OSError if unreadable, ValueError if not
+    JSON (not UTF-8 included)."""
+    try:
+        return json.loads(path.read_bytes())
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def _is_tuning_file(data: Any) -> bool:
+    """Whether a JSON value has a tuning file's shape, of any format version."""
+    return isinstance(data, dict) and "version" in data and isinstance(data.get("entries"), dict)
+
+
 def read_tuning_file(path: Path | None = None) -> dict[str, Any]:
     """The whole tuning file ({"version", "entries": {key: entry}}); an empty one if absent or unreadable."""
     path = path or tuning_path()
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = _load(path)
     except FileNotFoundError:
         return _empty()
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (OSError, ValueError) as exc:
         print(f"trt-lookahead: ignoring unreadable tuning file {path} ({exc})", file=sys.stderr)
         return _empty()
-    if not isinstance(data, dict) or data.get("version") != TUNING_VERSION or not isinstance(data.get("entries"), dict):
+    if not _is_tuning_file(data):
+        print(f"trt-lookahead: ignoring {path}: JSON, but not a tuning file", file=sys.stderr)
+        return _empty()
+    if data["version"] != TUNING_VERSION:
         print(f"trt-lookahead: ignoring tuning file {path} of another format version", file=sys.stderr)
         return _empty()
     return data
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        try:
-            import fcntl
-
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        except (ImportError, OSError):  # pragma: no cover - no flock: last writer wins
-            pass
-        yield
+def check_tuning_file(path: str | os.PathLike | None, flag: str = "--tuning-file") -> Path:
+    """The file a tuning entry is written to (`path`, None: the cache's) if writing it there destroys nothing:
+    absent, empty or a tuning file of any version, in a place that can be written; else UserError naming `flag`.
+    `tune` calls it before measuring, and write_tuning_entry again under the lock."""
+    path = check_output_file(path or tuning_path(), flag)
+    try:
+        empty = path.stat().st_size == 0
+        if empty or _is_tuning_file(_load(path)):
+            return path
+        what = "JSON, but not a tuning file"
+    except FileNotFoundError:
+        return path
+    except (OSError, ValueError):
+        what = "not JSON"
+    raise UserError(f"{flag} {path} holds something else ({what}), which a tuning entry would overwrite; give a "
+                    f"new path, or remove the file if it is yours to lose")
 
 
 def write_tuning_entry(key: str, entry: dict[str, Any], path: Path | None = None) -> Path:
-    """Insert or replace one entry (read-modify-write under a lock, atomic rename)."""
+    """Insert or replace one entry (read-modify-write under a lock, atomic rename); UserError, writing nothing,
+    where `path` holds something other than a tuning file."""
     path = path or tuning_path()
-    with _locked(path):
+    with locked(path.with_name(f".{path.name}.lock")):
+        check_tuning_file(path, "tuning file")
         data = read_tuning_file(path)
         data["entries"][key] = entry
         write_text_atomic(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
