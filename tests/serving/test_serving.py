@@ -224,6 +224,18 @@ def test_triton_repo_bad_arguments(tmp_path, capsys, argv, words):
     assert code == 2 and words in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize(("in_the_way", "kind"), [("la", "file"), ("la/1", "file"), ("la/config.pbtxt", "directory"),
+                                                  ("la/1/model.py", "directory")])
+def test_triton_repo_refuses_a_path_in_the_way_naming_it(tmp_path, capsys, in_the_way, kind):
+    path = tmp_path / "repo" / in_the_way
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.mkdir() if kind == "directory" else path.write_text("mine")
+    code = main(["triton-repo", "--output", str(tmp_path / "repo"), "--model", str(STORIES), "--name", "la"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and f"--output {path} is a " in err, err
+    assert (path.is_dir() if kind == "directory" else path.read_text() == "mine")
+
+
 # -- triton-serve command (a tiny echo model: starts in ~2 s) ------------------------------------
 
 ECHO_MODEL = '''

@@ -26,7 +26,7 @@ from string import Template
 import trt_lookahead
 from trt_lookahead.engine.quantize import check_scheme
 from trt_lookahead.errors import UserError, as_int
-from trt_lookahead.files import check_output_dir, write_text_atomic
+from trt_lookahead.files import check_output_dir, check_output_file, write_text_atomic
 from trt_lookahead.lookahead.config import AUTO, DEFAULT, LookaheadConfig
 from trt_lookahead.model.fetch import resolve_model
 from trt_lookahead.runtime import (
@@ -96,7 +96,11 @@ def write_repository(
         raise UserError(f"--max_batch_size must be in [0, {INT32_MAX}], got {max_batch_size}")
     if max_batch is not None and as_int("--max-batch", max_batch) < 1:
         raise UserError(f"--max-batch must be >= 1 (concurrent requests per instance), got {max_batch}")
-    check_output_dir(output, "--output")
+    model_root = Path(output) / name
+    for directory in (Path(output), model_root, model_root / "1"):  # all before a build; nothing half written
+        check_output_dir(directory, "--output")
+    for file in (model_root / "config.pbtxt", model_root / "1" / "model.py"):
+        check_output_file(file, "--output")
     params: dict[str, str] = {}
     lookahead, asked = served_lookahead(lookahead_config)
     if engine is not None:
@@ -138,7 +142,6 @@ def write_repository(
         trt_lookahead_path=str(Path(trt_lookahead.__file__).resolve().parent.parent),
     )
 
-    model_root = Path(output) / name
     (model_root / "1").mkdir(parents=True, exist_ok=True)
     config = Template((TEMPLATES / "config.pbtxt").read_text()).substitute(
         name=name, max_batch_size=max_batch_size, instances=instances, parameters=_pbtxt_parameters(params),
