@@ -5,6 +5,7 @@ Regression tests for issue 10 (hostile input to LookaheadRuntime), on stories260
 
 import gc
 import json
+import os
 import shutil
 import threading
 import time
@@ -155,9 +156,14 @@ def test_chat_messages_are_checked_before_the_template(chat_model):
             chat_model.generate(messages, 4)
 
 
-def test_threads_must_be_a_positive_integer():
+def test_threads_must_be_a_positive_integer_and_at_most_the_cpus():
     for threads in (0, -1, 1.5):
         with pytest.raises(ValueError, match="threads"):
+            LookaheadRuntime.from_pretrained(STORIES, threads=threads)
+    usable = len(os.sched_getaffinity(0))
+    for threads in (usable + 1, 10**6):  # onnxruntime takes minutes to start thousands
+        words = rf"threads must be in \[1, {usable}\] \(the CPUs this process may run on\), got {threads}"
+        with pytest.raises(ValueError, match=words):
             LookaheadRuntime.from_pretrained(STORIES, threads=threads)
 
 

@@ -40,6 +40,11 @@ def cpu_sample() -> CpuSample | None:
     return CpuSample(time.monotonic(), fields[3] + fields[4], sum(fields[:8]), times.user + times.system)
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask (os.cpu_count where the platform has none)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def spare_cpus(before: CpuSample, after: CpuSample, cpus: int, usable: int) -> float:
     """The CPUs the rest of the machine left this process between two samples: all `cpus` less those other
     processes kept busy (busy time machine-wide less this process's own), at most the `usable` ones.
@@ -60,7 +65,7 @@ class IdleWatch:
 
     def __init__(self, period: float) -> None:
         self.period = period
-        self.usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.usable = usable_cpus()
         self._cpus = os.cpu_count() or self.usable
         self._last = cpu_sample()
 

@@ -37,7 +37,6 @@ common prefix over the longer answer's length.
 
 from __future__ import annotations
 
-import os
 import sys
 import tempfile
 import time
@@ -46,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trt_lookahead.backends.cpu_load import usable_cpus
 from trt_lookahead.bench.concurrency import percentile_ms
 from trt_lookahead.bench.machine import load_average, machine_info, utc_now
 from trt_lookahead.bench.openai_stream import Answer, StreamError, stream_completion
@@ -267,4 +267,4 @@ def format_served_markdown(result: dict[str, Any]) -> str:
 
 def default_threads() -> int:
     """Threads for both servers when --threads is not given: every CPU this process may use."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return usable_cpus()

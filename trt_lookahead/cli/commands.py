@@ -27,7 +27,7 @@ from trt_lookahead.lookahead.policy import LEAST_COLUMNS, NGRAMS
 from trt_lookahead.lookahead.sampling import SamplingParams
 from trt_lookahead.lookahead.stepper import parse_prefill
 from trt_lookahead.model.fetch import DEFAULT_MODEL
-from trt_lookahead.runtime import DEFAULT_MAX_NEW_TOKENS
+from trt_lookahead.runtime import DEFAULT_MAX_NEW_TOKENS, check_threads
 from trt_lookahead.serving import MAX_SHUTDOWN_GRACE
 from trt_lookahead.tuning.tune import DEFAULT_BUDGET, DEFAULT_TUNE_DATASETS
 
@@ -225,8 +225,8 @@ def bench_served(args: argparse.Namespace) -> int:
                         "same numbers as ours); without it llama-server would run the float weights")
     if gguf is not None and not gguf.is_file():
         raise UserError(f"--llama-gguf {gguf} is not a file; give the path of a .gguf of this checkpoint")
-    if args.threads is not None and args.threads < 1:
-        raise UserError(f"--threads must be >= 1, got {args.threads}")
+    if args.threads is not None:
+        check_threads(args.threads, "--threads")
     out = None if args.out is None else check_output_dir(args.out, "--out")
     source = args.model or DEFAULT_MODEL
     plan = plan_bench(source, datasets=args.dataset, limit=args.limit, max_new_tokens=args.max_new_tokens,

@@ -108,7 +108,8 @@ def _add_model_arguments(p: argparse.ArgumentParser, engine: bool = True) -> Non
     p.add_argument("--max-seq-len", "--max_seq_len", dest="max_seq_len", type=int, default=None,
                    help="KV-cache length (default: min(model context, 4096))")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads of torch and onnxruntime (default: torch's choice)")
+                   help="CPU threads of torch and onnxruntime, at most the CPUs this process may run on "
+                        "(default: torch's choice)")
     p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
                    help="row-invariant steps: a token's logits are bit-identical alone, batched and in greedy "
                         "decoding (default: on in bfloat16 on the CPU torch executor, where it is cheap; off in "

@@ -34,6 +34,7 @@ from trt_lookahead.runtime.runtime import (
     Request,
     StreamChunk,
     check_pool_scope,
+    check_threads,
 )
 from trt_lookahead.runtime.text import (
     MAX_STOP_CHARS,
@@ -48,6 +49,6 @@ __all__ = [
     "BACKEND_CHOICES", "DEFAULT_MAX_NEW_TOKENS", "DEFAULT_MAX_QUEUE", "DEFAULT_MAX_SEQ_LEN", "MAX_STOP_CHARS",
     "MAX_STOP_STRINGS", "PROMPT_CHARS_MARGIN", "ChatTemplateError", "ChunkStream", "GenerationOutput",
     "LookaheadRuntime", "Prompt", "PromptTooLong", "Request", "StreamChunk", "cached_checkpoint_engine",
-    "check_pool_scope", "check_tensor_parallel", "checkpoint_backend", "checkpoint_tree", "checkpoint_tuning_key",
-    "engine_cover", "refuse_weights_on_engine",
+    "check_pool_scope", "check_tensor_parallel", "check_threads", "checkpoint_backend", "checkpoint_tree",
+    "checkpoint_tuning_key", "engine_cover", "refuse_weights_on_engine",
 ]

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from trt_lookahead.backends.cpu_load import usable_cpus
 from trt_lookahead.errors import UserError, as_int
 from trt_lookahead.lookahead.config import DEFAULT, Lookahead, LookaheadConfig
 from trt_lookahead.lookahead.decoder import DecodeStats, RequestDecoder, check_request
@@ -526,10 +527,17 @@ def _default_choice(value: object) -> Lookahead | None:
     return _parse_lookahead(value)
 
 
+def check_threads(threads: object, name: str = "threads") -> int:
+    """`threads` if in [1, the CPUs this process may run on]; else UserError naming `name`. More threads than
+    CPUs only take turns, never a faster step, and onnxruntime starts thousands of them for minutes."""
+    usable = usable_cpus()
+    if not 1 <= as_int(name, threads) <= usable:
+        raise UserError(f"{name} must be in [1, {usable}] (the CPUs this process may run on), got {threads}")
+    return cast(int, threads)
+
+
 def _set_threads(threads: object) -> None:
     """torch's CPU threads for this whole process (torch.set_num_threads: every runtime and model in it)."""
     import torch
 
-    if as_int("threads", threads) < 1:
-        raise UserError(f"threads must be >= 1 (torch's CPU threads), got {threads}")
-    torch.set_num_threads(cast(int, threads))
+    torch.set_num_threads(check_threads(threads))
