@@ -94,6 +94,14 @@ def write_text_atomic(path: Path, text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 
 
+def read_utf8(path: Path, name: str, fix: str = "") -> str:
+    """The text of the file `path`; UserError naming it as `name`, then `fix`, where it is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{name} {path} is not UTF-8 text ({exc.reason} at byte {exc.start}){fix}") from None
+
+
 def check_output_dir(path: str | os.PathLike, flag: str) -> Path:
     """`path` if it is a directory or can be made one; else UserError naming `flag` (checked before any work)."""
     path = Path(path)

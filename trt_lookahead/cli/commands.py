@@ -15,6 +15,7 @@ from trt_lookahead.bench.bench import DEFAULT_CONFIGS
 from trt_lookahead.bench.concurrency import MODES as CONCURRENCY_MODES
 from trt_lookahead.bench.servers import DEFAULT_SPECS as DEFAULT_LLAMA_SPEC  # noqa: F401 (main.py: --llama-spec)
 from trt_lookahead.errors import UserError
+from trt_lookahead.files import read_utf8
 from trt_lookahead.lookahead.config import (
     DEFAULT,
     DEFAULT_LOOKAHEAD,
@@ -52,10 +53,7 @@ def read_prompt(args: argparse.Namespace) -> str:
         raise UserError(f"--prompt-file {path} is a directory; give the file that holds the prompt")
     if not path.is_file():
         raise UserError(f"prompt file {path} does not exist; check the path given to --prompt-file")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise UserError(f"--prompt-file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    return read_utf8(path, "--prompt-file")
 
 
 def model_source(args: argparse.Namespace) -> str:

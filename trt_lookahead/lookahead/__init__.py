@@ -5,6 +5,7 @@ scaffolding (ablation switches, the single-request driver, model-free oracle exe
 in tests/support/.
 
 Owns everything that decides which tokens are fed and which are accepted (docs/design.md sections 2-5).
-May import numpy and trt_lookahead.errors only: never torch, onnx, onnxruntime, tensorrt or triton (an
-import-linter contract checks this), so the algorithm runs and is tested without a model.
+May import numpy, trt_lookahead.errors and the leaf helpers of trt_lookahead.files only: never torch, onnx,
+onnxruntime, tensorrt or triton (an import-linter contract checks this), so the algorithm runs and is tested
+without a model.
 """

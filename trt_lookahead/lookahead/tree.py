@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from trt_lookahead.errors import UserError
+from trt_lookahead.files import read_utf8
 from trt_lookahead.lookahead.config import LookaheadConfig
 
 ROOT = -1  # the parent of depth-1 nodes: x_t, step slot 0
@@ -194,11 +195,8 @@ def resolve_tree(spec: str | TreeTemplate | None, config: LookaheadConfig) -> Tr
         return tree_template(nodes, TREE_DEPTH)
     text = spec if isinstance(spec, str) else ""
     if text and not text.lstrip().startswith("-") and Path(text).is_file():
-        try:
-            text = Path(text).read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise UserError(f"tree file {spec} is not UTF-8 text ({exc.reason} at byte {exc.start}); give a file "
-                            "holding a comma list of parents like -1,0,-1, or tree=auto or off") from None
+        text = read_utf8(Path(text), "tree file", "; give a file holding a comma list of parents like -1,0,-1, or "
+                                                  "tree=auto or off")
     try:
         template = spec if isinstance(spec, TreeTemplate) else TreeTemplate.parse(text)
     except ValueError as exc:
