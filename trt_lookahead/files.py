@@ -1,5 +1,5 @@
-"""Leaf helpers that several layers share: file checksums (remembered in the cache dir), atomic writes, output
-checks, lock files, the cache directory and a free loopback port."""
+"""Leaf helpers that several layers share: file checksums (remembered in the cache dir), atomic writes, UTF-8
+reads, output checks, lock files, the cache directory and a free loopback port. Imports only trt_lookahead.errors."""
 
 from __future__ import annotations
 
