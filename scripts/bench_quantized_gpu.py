@@ -7,7 +7,8 @@ On a lent GPU machine, from the repository root (nothing to install or carry; a 
 For each projection of a random-weight Llama shape (scripts/gpu_check.py SHAPES: the fused QKV, the attention
 output, the fused gate/up, the down projection and the lm_head) and each row count M, the time of one product:
 cuBLAS bfloat16 (F.linear, the fast step's), kernels/invariant.py `linear` in bfloat16 (the exact step's) and
-`quantized_linear` with int8 and int4 blocks of 32 (every quantized step's; random codes, float32 scales and
+`quantized_linear` with int8 and int4 blocks of 32 (the quantized steps' but for int4 weights in bfloat16 on a GPU
+of compute capability 9.0+, whose product scripts/int4_register_dequant.py times; random codes, float32 scales and
 zero points, so the bytes are a real checkpoint's). `limit_us` is the weight's bytes (codes, scales and zero
 points) at --peak-gbps (H200 4,800; H100 SXM 3,350), and `x_limit` the time over it.
 

@@ -82,7 +82,8 @@ REPORT, JUNIT, KERNEL_JUNIT, LATENCY_PNG, PROJECTION_PNG, TABLE, ENDTOEND_BENCH 
     "endtoend_bench.json")
 # run whole: their Triton kernels (and the exact padded step) run compiled wherever a GPU is
 COMPILED_TEST_FILES = ("tests/kernels/test_kernels.py", "tests/kernels/test_invariant.py",
-                       "tests/kernels/test_padded_attention.py", "tests/model/test_exact.py")
+                       "tests/kernels/test_quantized_words.py", "tests/kernels/test_padded_attention.py",
+                       "tests/model/test_exact.py")
 SECTIONS = ("tests", "exactness", "latency", "aot", "batching", "endtoend")
 STATUSES = ("ok", "failed", "error", "timeout", "skipped", "not available")
 TOP_KEYS = ("schema", "command", "quick", "started", "finished", "machine", *SECTIONS, "projection", "files")

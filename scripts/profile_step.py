@@ -11,8 +11,9 @@ checkout, as scripts/gpu_check.py does):
     python scripts/profile_step.py --out docs/gpu/<date>-<gpu>/profile_1b --device cuda --shape llama-1b
 
 and issue 44's int4 step is the first with `--weights int4`: every projection and the lm_head hold random int4
-blocks of 32 (`random_blocks`), the step runs kernels/invariant.py's quantized product, and the limit counts the
-bytes as held.
+blocks of 32 (`random_blocks`), the step runs the executor's quantized product (on a GPU of compute capability
+9.0+ in bfloat16 kernels/quantized_words.py's, the executor holding them in QuantizedLinear's words layout; else
+kernels/invariant.py's), and the limit counts the bytes as the executor holds them.
 
 Per variant x T in STEP_TOKENS x batch in BATCHES, one cell of profile_step.json:
     fast           BatchedTorchExecutor(exact=False): the padded step (CUDA graph on a GPU, eager on the CPU);
@@ -410,8 +411,10 @@ def time_cell(model, variant: str, B: int, T: int, args: argparse.Namespace) -> 
         cell["compile_seconds"] = round(cell["first_step_s"] - cell["wall_ms"] / 1e3, 2)
     if args.device == "cuda":
         # the bucket's captured graph alone (no host staging, no token copy); BatchedTorchExecutor has no public
-        # hook for it, so this reads the private _graph (bucket B, greedy, no top-k)
-        graph, _ = executor._graph(B, False, 0)
+        # hook for it, so this reads the private _graph at the bucket and width the step ran (greedy, no top-k)
+        bucket = next(b for b in executor.buckets if b >= B)
+        width = next(w for w in executor.widths if w >= T)
+        graph, _ = executor._graph(bucket, width, False, 0)
         cell.update(event_ms(graph.replay, args.iters, args.warmup))
     else:
         cell["ms"] = cell["wall_ms"]
@@ -615,6 +618,7 @@ def section_steps(args: argparse.Namespace, report: dict[str, Any], budget: Budg
                     with budget.timed(f"{variant} cell"), torch.inference_mode():
                         timed, executor = time_cell(model, variant, B, T, args)
                         cell.update(timed)
+                        cell.update(model_bytes(model, B, T, args.cache_len))  # as the executor holds them (words)
                         if bandwidth:
                             cell["limit_ms"] = round((cell["weight_bytes"] + cell["kv_bytes"]) / (bandwidth * 1e6), 4)
                             cell["ratio"] = round(cell["ms"] / cell["limit_ms"], 3)

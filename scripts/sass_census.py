@@ -4,10 +4,10 @@ counted by opcode (docs/results/2026-11-30-int4-register-dequant.md).
 
     python scripts/sass_census.py [--out census.json]
 
-Kernels: the landed int4 product (kernels/invariant.py `_quantized_kernel` at QUANTIZED_TILES[4]) and the
-candidate (scripts/int4_register_dequant.py `_int4_kernel` at each of its TILES), bfloat16 activations, zero points
-without mins and Q4_1 mins, one span (and the candidate's first tile once with its spans' sums added inside the
-launch), K a whole number of the candidate's steps, the divisibility a launch on real tensors gives (pointers, N,
+Kernels: the blocks layout's int4 product (kernels/invariant.py `_quantized_kernel` at QUANTIZED_TILES[4], "landed")
+and the words layout's (kernels/quantized_words.py `_words_kernel` at each of scripts/int4_register_dequant.py's
+TILES, "words"), bfloat16 activations, zero points without mins and Q4_1 mins, one span, K a whole number of
+128-dim steps, the divisibility a launch on real tensors gives (pointers, N,
 K and the strides multiples of 16). Per kernel: registers a thread, shared memory, whether the weight operand
 reaches the tensor cores from registers (wgmma's A operand) or through shared memory, the loop's instructions a
 thread and per weight, and its most frequent opcodes. Counts are static: a loop instruction issues once per
@@ -33,9 +33,9 @@ from triton.backends.compiler import GPUTarget
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-import int4_register_dequant as candidate  # noqa: E402
+import int4_register_dequant as sweep  # noqa: E402
 
-from trt_lookahead.kernels import invariant  # noqa: E402
+from trt_lookahead.kernels import invariant, quantized_words  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -114,28 +114,27 @@ def landed(mins: bool) -> dict[str, Any]:
     return {"kernel": "landed", "tile": [BM, BN, BK, warps], "mins": mins, **describe(compiled, BN * BK, warps)}
 
 
-def proposed(tile: tuple[int, int, int, int], mins: bool, fused_sum: bool = False) -> dict[str, Any]:
-    """The candidate at `tile`, one span, or (fused_sum) several whose sums the last to finish adds."""
+def words(tile: tuple[int, int, int, int], mins: bool) -> dict[str, Any]:
+    """The words layout's product at `tile`, one span."""
     BN, warps, substeps, stages = tile
-    pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "y_ptr": "*bf16", "part_ptr": "*fp32", "c_ptr": "*i32",
-                "s_ptr": "*bf16", "o_ptr": "*bf16", "m_ptr": "*bf16"}
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "y_ptr": "*bf16", "s_ptr": "*bf16", "o_ptr": "*bf16",
+                "m_ptr": "*bf16"}
     ints = ("M", "N", "K", "SPAN_STEPS", "stride_xm", "stride_wn", "stride_ym", "stride_s")
-    consts = dict(SPLIT=fused_sum, FUSED_SUM=fused_sum, HAS_MINS=mins, INTERPRETED=False,
-                  BLOCK_M=candidate.BLOCK_M, BLOCK_N=BN, SUBSTEPS=substeps, EVEN_K=True)
-    compiled = compile_sm90(candidate._int4_kernel, pointers, ints, consts, warps,
+    consts = dict(SPLIT=False, HAS_MINS=mins, INTERPRETED=False, BLOCK_M=quantized_words.BLOCK_M, BLOCK_N=BN,
+                  SUBSTEPS=substeps, EVEN_K=True)
+    compiled = compile_sm90(quantized_words._words_kernel, pointers, ints, consts, warps,
                             (*pointers, "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_s"), stages)
-    return {"kernel": "candidate", "tile": list(tile), "mins": mins, "fused_sum": fused_sum,
-            **describe(compiled, BN * candidate.STEP * substeps, warps)}
+    return {"kernel": "words", "tile": list(tile), "mins": mins,
+            **describe(compiled, BN * quantized_words.STEP * substeps, warps)}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the census as JSON here")
-    parser.add_argument("--tiles", type=int, default=len(candidate.TILES), help="the candidate's first TILES only")
+    parser.add_argument("--tiles", type=int, default=len(sweep.TILES), help="the words product's first TILES only")
     args = parser.parse_args(argv)
     rows = [landed(False), landed(True)]
-    rows += [proposed(tile, mins) for tile in candidate.TILES[: args.tiles] for mins in (False, True)]
-    rows.append(proposed(candidate.TILES[0], False, fused_sum=True))
+    rows += [words(tile, mins) for tile in sweep.TILES[: args.tiles] for mins in (False, True)]
     for row in rows:
         print(json.dumps(row), flush=True)
     if args.out:

@@ -553,11 +553,14 @@ def test_cuda_graph_batches_match_the_cpu(dtype, compile):
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_a_quantized_checkpoint_on_cuda_answers_as_its_own_greedy(weights, compile):
-    """--weights on CUDA: the torch executor with each weight dequantized inside kernels/invariant.py's product
-    (CUDA graphs, eager or compiled); lookahead and `auto` answer as the same quantized model's greedy, alone and
-    batched, and the tuning key names the weights."""
+    """--weights on CUDA: the torch executor with each weight dequantized inside kernels/invariant.py's product, or
+    int4 ones on a GPU of compute capability 9.0+ inside kernels/quantized_words.py's (CUDA graphs, eager or
+    compiled); lookahead and `auto` answer as the same quantized model's greedy, alone and batched, and the tuning
+    key names the weights."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from trt_lookahead.backends.torch import words_layout_applies
+    from trt_lookahead.model.llama import QuantizedLinear
     from trt_lookahead.runtime import LookaheadRuntime
     from trt_lookahead.runtime.load import loaded_tuning_key
 
@@ -565,6 +568,9 @@ def test_a_quantized_checkpoint_on_cuda_answers_as_its_own_greedy(weights, compi
     with LookaheadRuntime.from_pretrained(STORIES, dtype="bfloat16", device="cuda", weights=weights,
                                           compile=compile) as rt:
         assert rt.model.backend == "torch" and loaded_tuning_key(rt.model).endswith(f"|weights={weights}")
+        words = weights == "int4" and words_layout_applies(torch.device("cuda"), torch.bfloat16)
+        layouts = {m.layout for m in rt.model.executor.model.modules() if isinstance(m, QuantizedLinear)}
+        assert layouts == {"words" if words else "blocks"}
         greedy = [rt.generate(p, max_new_tokens=48, lookahead="greedy").token_ids for p in prompts]
         for config in (LookaheadConfig(4, 3, 4), "auto"):
             assert [rt.generate(p, max_new_tokens=48, lookahead=config).token_ids for p in prompts] == greedy

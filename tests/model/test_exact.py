@@ -129,8 +129,9 @@ def test_the_padded_exact_step_gives_a_slot_the_same_bits_too(name, dtype, seed,
     assert_slot_bits(ex, seed)
 
 
-QUANTIZED_CASES = [  # (model, scheme, dtype, seed): interpreted, the tiny-gqa int4 case (slow); the rest need a GPU
+QUANTIZED_CASES = [  # (model, scheme, dtype, seed): interpreted, the tiny-gqa int4 cases (slow); the rest need a GPU
     pytest.param("tiny-gqa", "int4", torch.bfloat16, 1, marks=pytest.mark.slow),
+    pytest.param("tiny-gqa", "int4-words", torch.bfloat16, 1, marks=pytest.mark.slow),  # QuantizedLinear's layout
     *(("stories260K", scheme, dtype, seed) for scheme in ("int4", "int8") for dtype, seed in DTYPE_SEEDS[:2]),
 ]
 
@@ -139,13 +140,18 @@ QUANTIZED_CASES = [  # (model, scheme, dtype, seed): interpreted, the tiny-gqa i
 def test_the_padded_step_on_quantized_weights_gives_a_slot_the_same_bits(name, scheme, dtype, seed,
                                                                         interpreted_float32_dot):
     """Quantized weights (engine/quantize.py `quantize_model`), each dequantized inside kernels/invariant.py's
-    product: the exact padded step keeps a slot's bits alone, batched and in plain decoding."""
-    interpreted_float32_dot(dtype)
+    product (or, in the words layout, kernels/quantized_words.py's; an executor on a GPU that runs it chooses that
+    layout for int4 weights itself): the exact padded step keeps a slot's bits alone, batched and in plain
+    decoding."""
+    scheme, _, layout = scheme.partition("-")
+    interpreted_float32_dot(torch.float32 if layout else dtype)  # the words product is interpreted in float32
     device = "cuda" if gpu_count() else "cpu"
     if device == "cpu" and name != "tiny-gqa":
         pytest.skip("interpreted Triton: the one-layer model only (the others run where a GPU is, gpu_check)")
     model = load_llama(STORIES)[0] if name == "stories260K" else random_gqa_llama(torch.float32, "out_in", **TINY_GQA)
     quantize_model(model, scheme, dtype)
+    if layout:
+        model.set_quantized_layout(layout)
     ex = BatchedTorchExecutor(model.to(device), 4, 300, STEP_TOKENS, device, padded=True, cuda_graph=False,
                               exact=True)
     assert_slot_bits(ex, seed)

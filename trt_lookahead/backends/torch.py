@@ -39,8 +39,10 @@ slot), allocated once; nothing is allocated per request. Two step paths, one con
   quantized weights (a model whose projections are QuantizedLinear: engine/quantize.py `quantize_model`): the
     padded step runs each as kernels/invariant.py's `quantized_linear` where those kernels run, the weight
     dequantized inside the product, on the fast step as on the exact one (row-invariant either way;
-    docs/design.md 6.9); elsewhere, and on the packed step, the module multiplies by its dequantized weight
-    (QuantizedLinear.forward), never exact.
+    docs/design.md 6.9); int4 weights on a GPU of compute capability 9.0+ with bfloat16 activations are put in
+    QuantizedLinear's words layout, whose product (kernels/quantized_words.py) makes them in the tensor cores'
+    registers (the executor changes the model it is given; `words_layout_applies`); elsewhere, and on the packed
+    step, the module multiplies by its dequantized weight (QuantizedLinear.forward), never exact.
 
   tensor parallelism (`collectives`, backends/tensor_parallel.py): the model is one rank's shard and each
     projection's product is followed by its collective (`Ops.after`: the exact all-reduce after wo and w2, the
@@ -207,6 +209,8 @@ class BatchedTorchExecutor:
         self._ops = (invariant_ops() if self.padded else row_invariant_ops(model)) if self.exact else MODULE_OPS
         if model.quantized and self.padded and not invariant_kernels_reason(self.device):
             self._ops = dataclasses.replace(self._ops, quantized=quantized_projection)
+            if words_layout_applies(self.device, model.dtype):  # int4 weights where the tensor cores make them
+                model.set_quantized_layout("words")
         if collectives:  # a tensor-parallel shard's (backends/tensor_parallel.py)
             if self.cuda_graph or compile:
                 raise ValueError("collectives (tensor parallelism) run in eager steps for now: use cuda_graph=False "
@@ -764,9 +768,20 @@ def invariant_attention(mask: Tensor, cache_len: Tensor, positions: Tensor) -> A
 
 
 def quantized_projection(x: Tensor, module: QuantizedLinear) -> Tensor:
-    """A projection on quantized weights in the padded step, fast or exact: kernels/invariant.py's product, the
-    weight dequantized inside it (through kernels/step_ops.py: one op, opaque to a compiled step)."""
+    """A projection on quantized weights in the padded step, fast or exact, the weight dequantized inside the
+    product (through kernels/step_ops.py: one op, opaque to a compiled step): kernels/quantized_words.py's for the
+    words layout, else kernels/invariant.py's."""
+    if module.layout == "words":
+        return step_ops.words_linear(x, module.codes, module.scales, module.zero_points, module.mins)
     return step_ops.quantized_linear(x, module.codes, module.scales, module.zero_points, module.mins, module.bits)
+
+
+def words_layout_applies(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the padded step holds int4 weights in QuantizedLinear's words layout on `device` with `dtype`
+    activations: where kernels/quantized_words.py's product runs, the faster one (docs/design.md 6.9)."""
+    from trt_lookahead.kernels.quantized_words import words_kernel_reason
+
+    return words_kernel_reason(device, dtype) is None
 
 
 def invariant_ops() -> Ops:

@@ -345,23 +345,42 @@ class Linear(nn.Linear):
 DEQUANTIZED_WEIGHTS = 1 << 20
 
 
+# the "words" layout of int4 weights (QuantizedLinear.set_layout): K in steps of WORDS_STEP input dims, four blocks
+# of WORDS_BLOCK, each step's codes for one output in WORDS_PER_STEP uint32 words of 8
+WORDS_BLOCK = 32
+WORDS_STEP = 4 * WORDS_BLOCK
+WORDS_PER_STEP = WORDS_STEP // 8
+QUANTIZED_LAYOUTS = ("blocks", "words")
+
+
 class QuantizedLinear(nn.Module):
-    """A bias-free projection whose [out, in] weight is held in blocks along `in` (engine/quantize.py's
-    QuantizedWeight as tensors, MatMulNBits' layout): codes uint8 [out, blocks * block * bits / 8] (int4: two a
-    byte, the lower input dim in the low nibble), scales float32 [out, blocks], zero points uint8 [out, blocks]
-    (int4: two a byte) and, for a GGUF Q4_1 weight, mins float32 [out, blocks]; w = (q - z) * s (+ m).
+    """A bias-free projection whose [out, in] weight is held in blocks along `in`, in one of two layouts (`layout`):
+
+    blocks: engine/quantize.py's QuantizedWeight as tensors, MatMulNBits' layout: codes uint8
+            [out, blocks * block * bits / 8] (int4: two a byte, the lower input dim in the low nibble), scales
+            float32 [out, blocks], zero points uint8 [out, blocks] (int4: two a byte) and, for a GGUF Q4_1 weight,
+            mins float32 [out, blocks]; w = (q - z) * s (+ m).
+    words:  int4 in blocks of 32 only, the layout kernels/quantized_words.py's tensor-core product reads (set by
+            `set_layout`, on a GPU whose product it is: backends/torch.py). `in` in steps of WORDS_STEP = 128 (four
+            blocks), padded with zero codes and scales; codes int32 [out, steps * 16]: nibble p of word w of a
+            step holds its dim (p % 4) * 32 + 2w + p // 4, so `(word >> 4j) & 0x000F000F` is block j's dims 2w and
+            2w + 1, a bfloat16 pair's order; scales bfloat16 [out, steps * 4]; zero_points the offsets -(128 + z)
+            in bfloat16; mins bfloat16. w = ((128 + q) - (128 + z)) * s (+ m) rounded once to bfloat16 (one fused
+            multiply-add): the blocks layout's weight to bfloat16's precision, not bit for bit.
+            Worked example: dim 37 of a step is block 1, 2w + h = 5, so word 2, nibble 1 + 4 * 1 = 5: bits 20-23.
 
     `forward` multiplies by the dequantized weight (the definition; any device); a step passes the GPU's product
-    through `Ops.quantized` (kernels/invariant.py `quantized_linear`, the weight dequantized inside it).
+    through `Ops.quantized` (kernels/invariant.py `quantized_linear`, kernels/quantized_words.py `words_linear`,
+    the weight dequantized inside it).
     """
 
-    layout = "blocks"
     bias = None
 
     def __init__(self, codes: Tensor, scales: Tensor, zero_points: Tensor, mins: Tensor | None, bits: int,
                  in_features: int) -> None:
         super().__init__()
         self.bits, self.in_features, self.out_features = bits, in_features, scales.shape[0]
+        self.layout = "blocks"
         self.codes: Tensor
         self.scales: Tensor
         self.zero_points: Tensor
@@ -370,6 +389,13 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scales", scales)
         self.register_buffer("zero_points", zero_points)
         self.register_buffer("mins", mins)
+
+    @property
+    def block(self) -> int:
+        """The input dims a block holds."""
+        if self.layout == "words":
+            return WORDS_BLOCK
+        return self.codes.shape[1] * 8 // self.bits // self.scales.shape[1]
 
     def forward(self, x: Tensor) -> Tensor:
         # on a CPU a slice of whole output channels at a time: a large weight made dense at once is written and
@@ -381,18 +407,62 @@ class QuantizedLinear(nn.Module):
         return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
 
     def dense_weight(self, rows: slice = slice(None)) -> Tensor:
-        """[out, in] float32 (of the output channels `rows`): (q - z) * s (+ m) block by block, as
-        QuantizedWeight.dequantize computes it."""
+        """[out, in] float32 (of the output channels `rows`): the weight `layout` holds (see the class)."""
         codes, zeros, scales = self.codes[rows], self.zero_points[rows], self.scales[rows]
+        mins = None if self.mins is None else self.mins[rows]
         n, blocks = scales.shape
+        if self.layout == "words":
+            nibbles = torch.stack([(codes >> (4 * p)) & 0xF for p in range(8)], -1)  # [n, steps * 16, 8]
+            # nibble p = j + 4h of word w -> dim j * 32 + 2w + h
+            q = nibbles.view(n, -1, WORDS_PER_STEP, 2, 4).permute(0, 1, 4, 2, 3).reshape(n, blocks, WORDS_BLOCK)
+            w = (q.double() + 128 + zeros.double()[..., None]) * scales.double()[..., None]  # exact
+            if mins is not None:
+                w += mins.double()[..., None]
+            return w.to(torch.bfloat16).float().flatten(1)[:, : self.in_features]  # rounded once, as the fma
         if self.bits == 4:  # two a byte, low nibble first
             codes = torch.stack([codes & 0xF, codes >> 4], -1).flatten(-2)
             zeros = torch.stack([zeros & 0xF, zeros >> 4], -1).flatten(-2)[:, :blocks]
         w = codes.view(n, blocks, -1).float()  # [n, blocks, block], a new tensor: the rest works in place
         w.sub_(zeros[..., None].float()).mul_(scales[..., None])
-        if self.mins is not None:
-            w.add_(self.mins[rows, :, None])
+        if mins is not None:
+            w.add_(mins[..., None])
         return w.flatten(1)[:, : self.in_features]
+
+    def takes_layout(self, layout: str) -> bool:
+        """Whether this weight can be held in `layout`: blocks always; words int4 in blocks of WORDS_BLOCK."""
+        return layout == self.layout or layout == "blocks" or (self.bits == 4 and self.block == WORDS_BLOCK)
+
+    def set_layout(self, layout: str) -> None:
+        """Hold the weight in `layout` (see the class): blocks -> words repacks the codes and rounds the scales,
+        zero points and mins to bfloat16 (the weight then differs by bfloat16 rounding); words -> blocks is
+        refused, that rounding being lost."""
+        if layout not in QUANTIZED_LAYOUTS:
+            raise ValueError(f"a quantized layout is one of {', '.join(QUANTIZED_LAYOUTS)}; got {layout!r}")
+        if layout == self.layout:
+            return
+        if layout == "blocks":
+            raise ValueError("a words-layout weight cannot go back to blocks: its scales were rounded to bfloat16")
+        if not self.takes_layout(layout):
+            raise ValueError(f"the words layout holds int4 blocks of {WORDS_BLOCK}; this weight is int{self.bits} "
+                             f"in blocks of {self.block}")
+        n, blocks = self.scales.shape
+        steps = -(-blocks // 4)
+        codes = self.codes
+        q = torch.stack([codes & 0xF, codes >> 4], -1).reshape(n, blocks * WORDS_BLOCK).int()
+        q = F.pad(q, (0, (steps * 4 - blocks) * WORDS_BLOCK))
+        # dim j * 32 + 2w + h of a step -> nibble p = j + 4h of word w
+        q = q.view(n, steps, 4, WORDS_PER_STEP, 2).permute(0, 1, 3, 4, 2).reshape(n, steps, WORDS_PER_STEP, 8)
+        shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int32)
+        words = (q << shifts).sum(-1, dtype=torch.int64)  # the nibbles are disjoint: the sum is their OR
+        words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).view(n, steps * WORDS_PER_STEP)
+        z = torch.stack([self.zero_points & 0xF, self.zero_points >> 4], -1).reshape(n, -1)[:, :blocks]
+
+        def per_block(t: Tensor) -> Tensor:  # [n, blocks] -> bfloat16 [n, steps * 4], zero past the last block
+            return F.pad(t.float(), (0, steps * 4 - blocks)).to(torch.bfloat16)
+
+        self.codes, self.scales, self.zero_points = words, per_block(self.scales), per_block(-128 - z.int())
+        self.mins = None if self.mins is None else per_block(self.mins)
+        self.layout = layout
 
 
 class RMSNorm(nn.Module):
@@ -536,6 +606,13 @@ class Llama(nn.Module):
     def quantized(self) -> bool:
         """Whether some projection holds its weight in blocks (QuantizedLinear)."""
         return any(isinstance(module, QuantizedLinear) for module in self.modules())
+
+    def set_quantized_layout(self, layout: str) -> Llama:
+        """Hold every QuantizedLinear that can take it in `layout` (see QuantizedLinear), the others as they are."""
+        for module in self.modules():
+            if isinstance(module, QuantizedLinear) and module.takes_layout(layout):
+                module.set_layout(layout)
+        return self
 
     def set_weight_layout(self, layout: str) -> Llama:
         """Hold every projection and the lm_head in `layout` (see `Linear`); 'auto' picks `auto_weight_layout`.

@@ -1,0 +1,183 @@
+"""The GPU product by int4 weights in model/llama.py QuantizedLinear's "words" layout: each pair of weights made in
+the register the tensor core reads, row-invariant as every quantized product (docs/design.md 6.9).
+
+kernels/invariant.py's `quantized_linear` dequantizes each weight tile in float32, rounds it to bfloat16 and
+stores it to shared memory, where the 16-row mma reads it back: its loop's instructions, not the bytes, bound it
+(scripts/sass_census.py counts them). This one reads the codes repacked once at load (`QuantizedLinear.set_layout`:
+`(word >> 4j) & 0x000F000F` holds block j's dims 2w and 2w + 1, the lower in the low half, as a bfloat16 pair sits
+in the tensor core's operand register), so each pair is made where it is used and Hopper's wgmma takes it as its
+A operand (x, the B operand, through shared memory as the pipeliner stages it): less than half the instructions.
+
+- Dequantization, a pair at a time (`_PAIR_ASM`, PTX): one LOP3 ORs the codes under 0x43004300, making the
+  bfloat16 pair (128 + q, 128 + q') exactly; + -(128 + z) is exact (small integers); * s + m rounds once
+  (fma.rn.bf16x2). So the weight is the layout's: ((128 + q) - (128 + z)) * s + m rounded once to bfloat16. The
+  interpreter runs no PTX: it makes the same values in float32 and rounds them to bfloat16 by hand (twice rounded,
+  so rarely a bfloat16 unit apart from a GPU's).
+- Row-invariant: one tile (WORDS_TILE, BLOCK_M 16 rows: wgmma's N) for every M and the span fixed by the weight's
+  shape (`words_span`), the spans' float32 sums added in span order by invariant's span sums.
+
+Where it runs (`words_kernel_reason`): CUDA devices of compute capability 9.0 or more (wgmma; bf16x2 arithmetic)
+with bfloat16 activations, where it is the faster product at every row count measured (docs/design.md 6.9);
+elsewhere the weights stay in blocks and invariant.py's product runs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import triton
+import triton.language as tl
+
+from trt_lookahead.kernels import invariant
+
+STEP = 128  # input dims per step: four blocks of 32, 16 words of 8 codes per output (the layout's WORDS_STEP)
+PAIR_MASK = tl.constexpr(0x000F000F)  # a word's codes j and j + 4, shifted down by 4j
+MAGIC = tl.constexpr(0x43004300)  # bfloat16 128.0 in both halves: OR-ed over a code q in a half's low bits, 128 + q
+# (BLOCK_N, warps, steps a loop iteration, pipeline stages): the fastest 7B step of 20 tiles swept on an H200
+# (docs/results/2026-12-04-h200-int4-words.md); BLOCK_N >= 64, one warpgroup's wgmma A operand
+WORDS_TILE = (128, 8, 1, 3)
+BLOCK_M = 16  # rows per program, for every M: wgmma's N
+# the programs a product's span rule aims for: enough to stream the weight from every SM of a large GPU at one row
+WORDS_PROGRAMS = 256
+MIN_CAPABILITY = (9, 0)
+
+# one pair of weights: the codes' bits under 128.0's (a & b | c), + -(128 + z) exactly, then one rounding of * s + m;
+# Triton packs each two bfloat16 operands and results in one 32-bit register (pack=2)
+_PAIR_ASM = tl.constexpr(f"""{{
+.reg .b32 t, one;
+mov.b32 one, 0x3F803F80;
+lop3.b32 t, $1, {PAIR_MASK.value:#010x}, {MAGIC.value:#010x}, 0xea;
+fma.rn.bf16x2 t, t, one, $3;
+fma.rn.bf16x2 $0, t, $4, $5;
+}}""")
+
+
+@triton.jit
+def _block_weights(words, j: tl.constexpr, scale, offset, m, INTERPRETED: tl.constexpr):
+    """[BLOCK_N, 32] weights of block j of a step, ((128 + q) - (128 + z)) * s + m, from its [BLOCK_N, 16] words
+    and the block's [BLOCK_N] scale, offset -(128 + z) and min (0 without mins): bfloat16 pairs made in the
+    operand's registers (float32 holding bfloat16 values in the interpreter)."""
+    shifted = words >> (4 * j)
+    if INTERPRETED:
+        t = (shifted & PAIR_MASK) | MAGIC  # (128 + q, 128 + q') bfloat16 pairs
+        pairs = tl.join((t << 16).to(tl.float32, bitcast=True), (t & 0xFFFF0000).to(tl.float32, bitcast=True))
+        w = tl.reshape(pairs, (pairs.shape[0], pairs.shape[1] * 2))  # dims 2w + h of block j
+        return invariant._bfloat16_values((w + offset.to(tl.float32)[:, None]) * scale.to(tl.float32)[:, None]
+                                          + m.to(tl.float32)[:, None])
+    both = tl.join(shifted, shifted)
+    both = tl.reshape(both, (both.shape[0], both.shape[1] * 2))  # each word at the dims 2w, 2w + 1 it holds
+    shape: tl.constexpr = both.shape
+    return tl.inline_asm_elementwise(_PAIR_ASM, "=r,r,r,r,r,r",
+                                     [both, tl.broadcast_to(offset[:, None], shape),
+                                      tl.broadcast_to(scale[:, None], shape), tl.broadcast_to(m[:, None], shape)],
+                                     dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _column(t, j: tl.constexpr):
+    """Column j of a [BLOCK_N, 4] tensor, by two splits (Triton has no register indexing)."""
+    even, odd = tl.split(tl.reshape(t, (t.shape[0], 2, 2)))  # columns (0, 2) and (1, 3)
+    low, high = tl.split(even if j % 2 == 0 else odd)
+    return low if j < 2 else high
+
+
+@triton.jit(do_not_specialize=["M", "SPAN_STEPS"])
+def _words_kernel(x_ptr, w_ptr, y_ptr, s_ptr, o_ptr, m_ptr, M, N, K, SPAN_STEPS, stride_xm, stride_wn, stride_ym,
+                  stride_s, SPLIT: tl.constexpr, HAS_MINS: tl.constexpr, INTERPRETED: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUBSTEPS: tl.constexpr, EVEN_K: tl.constexpr):
+    """y = x @ w^T for w [N, K] in the words layout, over this program's span of SPAN_STEPS iterations of SUBSTEPS
+    steps; the accumulator is [BLOCK_N, BLOCK_M] (weights as wgmma's A operand). SPLIT: y is float32
+    [spans, M, N], the span's sums, added in span order by invariant._span_sums."""
+    pid_m, pid_n, span = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for it in range(span * SPAN_STEPS, tl.minimum(tl.cdiv(K, 128 * SUBSTEPS), (span + 1) * SPAN_STEPS)):
+        for sub in tl.static_range(SUBSTEPS):
+            step = it * SUBSTEPS + sub
+            word = step * 16 + tl.arange(0, 16)  # the step's words; an iteration's last steps may lie past K
+            g = step * 4 + tl.arange(0, 4)  # the step's blocks
+            w_ok, ok = n_ok[:, None], n_ok[:, None]
+            if not EVEN_K:
+                w_ok = w_ok & (word < tl.cdiv(K, 128) * 16)[None, :]
+                ok = ok & (g < tl.cdiv(K, 128) * 4)[None, :]
+            words = tl.load(w_ptr + offs_n[:, None] * stride_wn + word[None, :], mask=w_ok,
+                            other=0).to(tl.uint32, bitcast=True)  # [BLOCK_N, 16]
+            s4 = tl.load(s_ptr + offs_n[:, None] * stride_s + g[None, :], mask=ok, other=0.0)  # [BLOCK_N, 4]
+            o4 = tl.load(o_ptr + offs_n[:, None] * stride_s + g[None, :], mask=ok, other=0.0)
+            m4 = tl.zeros_like(s4)
+            if HAS_MINS:
+                m4 = tl.load(m_ptr + offs_n[:, None] * stride_s + g[None, :], mask=ok, other=0.0)
+            for j in tl.static_range(4):
+                dims = (step * 4 + j) * 32 + tl.arange(0, 32)
+                x_ok = m_ok[None, :]
+                if not EVEN_K:
+                    x_ok = x_ok & (dims < K)[:, None]
+                xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + dims[:, None], mask=x_ok, other=0.0)  # [32, BLOCK_M]
+                w = _block_weights(words, j, _column(s4, j), _column(o4, j), _column(m4, j), INTERPRETED)
+                acc = tl.dot(w.to(tl.float32 if INTERPRETED else xt.dtype),
+                             xt.to(tl.float32) if INTERPRETED else xt, acc, input_precision="ieee")
+    out_ok = n_ok[:, None] & m_ok[None, :]
+    if SPLIT:
+        tl.store(y_ptr + (span * M + offs_m)[None, :] * N + offs_n[:, None], acc, mask=out_ok)
+    else:
+        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_ok)
+
+
+def words_linear(x: Any, codes: Any, scales: Any, offsets: Any, mins: Any,
+                 tile: tuple[int, int, int, int] = WORDS_TILE, span: int | str | None = "auto") -> Any:
+    """x [..., K] (bfloat16) times the transpose of an [N, K] weight in the words layout (QuantizedLinear's
+    codes, scales, zero_points as offsets, mins); float32 accumulation, x's dtype out. tile: (BLOCK_N, warps, steps
+    an iteration, pipeline stages); span: the input dims one program reduces (a multiple of 128 * steps an
+    iteration, or None for all of K), `words_span`'s by default. A row's bits depend on the span, never on M."""
+    BN, warps, substeps, stages = tile
+    x2 = invariant._rows(x)
+    M, K = x2.shape
+    N = codes.shape[0]
+    if codes.shape[1] * 8 < K:
+        raise ValueError(f"words of {codes.shape[1] * 8} codes per output do not hold the input's {K} dims")
+    if span == "auto":
+        span = words_span(N, K, BN)
+    invariant._check_span(span, STEP * substeps, str(STEP * substeps))
+    iters = triton.cdiv(K if span is None else span, STEP * substeps)
+    spans = triton.cdiv(K, iters * STEP * substeps)
+    y, part = invariant._outputs(x2, N, spans)
+    _words_kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(N, BN), spans)](
+        x2, codes, part, scales, offsets, scales if mins is None else mins, M, N, K, iters, x2.stride(0),
+        codes.stride(0), y.stride(0), scales.stride(0), SPLIT=spans > 1, HAS_MINS=mins is not None,
+        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", BLOCK_M=BLOCK_M, BLOCK_N=BN, SUBSTEPS=substeps,
+        EVEN_K=K % (STEP * substeps) == 0, num_warps=warps, num_stages=stages)
+    if spans > 1:
+        invariant._span_sums(part, None, y, M, N, spans)
+    return y.view(*x.shape[:-1], N)
+
+
+def words_span(N: int, K: int, block_n: int = WORDS_TILE[0]) -> int | None:
+    """The input dims each program of an [N, K] product reduces, whatever M: all of K where N's tiles alone make
+    WORDS_PROGRAMS programs, else the largest power-of-two multiple of STEP under K that makes them, else STEP."""
+    tiles = triton.cdiv(N, block_n)
+    if tiles >= WORDS_PROGRAMS or K <= STEP:
+        return None
+    span = STEP
+    while span * 2 < K:
+        span *= 2
+    while span > STEP and tiles * triton.cdiv(K, span) < WORDS_PROGRAMS:
+        span //= 2
+    return span
+
+
+def words_kernel_reason(device: Any, dtype: Any) -> str | None:
+    """Why `words_linear` is not the product of int4 weights on `device` with `dtype` activations, or None."""
+    import torch
+
+    if dtype != torch.bfloat16:
+        return f"multiplies bfloat16 activations, not {dtype}"
+    if device.type != "cuda":
+        return f"runs on CUDA, not {device.type}"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        return (f"needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (wgmma), this GPU has "
+                f"{capability[0]}.{capability[1]}")
+    return None
