@@ -86,6 +86,7 @@ def test_set_layout_refuses_what_the_words_cannot_hold():
     with pytest.raises(ValueError, match="int4 blocks of 32; this weight is int8"):
         int8.set_layout("words")
     module = words(codes, scales, zeros, None, 64)
+    assert module.takes_layout("words") and not module.takes_layout("blocks")
     with pytest.raises(ValueError, match="cannot go back to blocks"):
         module.set_layout("blocks")
     with pytest.raises(ValueError, match="one of blocks, words"):

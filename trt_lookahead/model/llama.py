@@ -429,8 +429,9 @@ class QuantizedLinear(nn.Module):
         return w.flatten(1)[:, : self.in_features]
 
     def takes_layout(self, layout: str) -> bool:
-        """Whether this weight can be held in `layout`: blocks always; words int4 in blocks of WORDS_BLOCK."""
-        return layout == self.layout or layout == "blocks" or (self.bits == 4 and self.block == WORDS_BLOCK)
+        """Whether `set_layout(layout)` takes this weight: its own layout; words from blocks for int4 in blocks of
+        WORDS_BLOCK (never back: see set_layout)."""
+        return layout == self.layout or (layout == "words" and self.bits == 4 and self.block == WORDS_BLOCK)
 
     def set_layout(self, layout: str) -> None:
         """Hold the weight in `layout` (see the class): blocks -> words repacks the codes and rounds the scales,
@@ -598,8 +599,8 @@ class Llama(nn.Module):
 
     @property
     def weight_layout(self) -> str:
-        """'out_in', 'in_out' or 'onednn': how the projections and the lm_head hold their weights; 'blocks': quantized
-        (QuantizedLinear, engine/quantize.py `quantize_model`)."""
+        """'out_in', 'in_out' or 'onednn': how the projections and the lm_head hold their weights; 'blocks' or
+        'words': quantized (QuantizedLinear, engine/quantize.py `quantize_model`)."""
         return self.output.layout
 
     @property
