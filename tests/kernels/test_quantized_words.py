@@ -150,6 +150,14 @@ def test_span_makes_enough_programs_from_the_weights_shape_alone(n, k, span):
     assert words_span(n, k) == span
 
 
+def test_the_kernel_reads_the_steps_the_layout_writes():
+    """model/llama.py owns the layout and the kernel cannot import it (one layer): their step sizes must agree."""
+    from trt_lookahead.kernels import quantized_words
+    from trt_lookahead.model import llama
+
+    assert quantized_words.STEP == llama.WORDS_STEP == 4 * llama.WORDS_BLOCK == 8 * llama.WORDS_PER_STEP
+
+
 def test_where_the_product_runs():
     assert "not torch.float32" in words_kernel_reason(torch.device("cuda"), torch.float32)
     assert "runs on CUDA, not cpu" in words_kernel_reason(torch.device("cpu"), torch.bfloat16)
