@@ -9,7 +9,8 @@ On a lent GPU machine, from the repository root (nothing to install or carry; a 
 
 Evidence so far: docs/gpu/2026-12-04-h200/ (run 1: the product when it was this script's candidate, with its spans'
 sums also added inside the launch, which did not pay; run 2: deeper pipelines), read in
-docs/results/2026-12-04-h200-int4-words.md.
+docs/results/2026-12-04-h200-int4-words.md; docs/gpu/2026-12-04-h200-b/ (the product with a step's wgmmas issued
+together), read in docs/results/2026-12-04-h200-int4-pipelined.md.
 
 `main` times both products on every projection of the shape at each row count (CUDA graphs, weights read from HBM
 as bench_quantized_gpu.py does: each product cycles through its own `cold_copies`), the words product at each of
@@ -40,16 +41,14 @@ import bench_quantized_gpu as bench  # noqa: E402
 from trt_lookahead.kernels.quantized_words import STEP, WORDS_TILE, words_linear, words_span  # noqa: E402
 from trt_lookahead.model.llama import QuantizedLinear  # noqa: E402
 
-# (BLOCK_N, warps, steps a loop iteration, pipeline stages), the shipped tile first; BLOCK_N >= 64 (one
-# warpgroup's wgmma A operand)
-TILES = (WORDS_TILE, (256, 8, 1, 2), (256, 8, 1, 3), (128, 4, 1, 2), (128, 4, 1, 3), (128, 8, 2, 3),
-         (128, 8, 1, 4), (64, 4, 1, 3))
+# (BLOCK_N, warps, pipeline stages), the shipped tile first; BLOCK_N >= 64 (one warpgroup's wgmma A operand)
+TILES = (WORDS_TILE, (256, 8, 3), (256, 8, 4), (128, 8, 4), (128, 4, 3), (256, 8, 2), (128, 8, 2), (64, 4, 3))
 SPANS = (512, 1024, 2048, None)  # the spans main times at each tile (None: all of K)
 CHECK_TOLERANCE = 1e-2  # a product's relative error: bfloat16 rows and outputs give about 2^-9, a misplaced code ~1
 STEP_CONFIGS = 5  # configurations of each rule main times as whole steps per M, the best by their projections' sums
 RULES = ("fixed", "per shape", "words_span")
 
-Tile = tuple[int, int, int, int]
+Tile = tuple[int, int, int]
 
 
 def words_weight(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, mins: torch.Tensor | None,
@@ -66,8 +65,8 @@ def random_words(N: int, K: int, device: str) -> QuantizedLinear:
 
 
 def words_bytes(module: QuantizedLinear) -> int:
-    """The bytes one product reads for the weight: words, and the bfloat16 scales, offsets (and mins)."""
-    return bench.tensor_bytes(module.codes, module.scales, module.zero_points, module.mins)
+    """The bytes one product reads for the weight: words, the (scale, offset) pairs (and mins)."""
+    return bench.tensor_bytes(module.codes, module.scales, module.mins)
 
 
 def words_product(tile: Tile, spans: dict[tuple[int, int], int | None]) -> bench.Product:
@@ -75,14 +74,14 @@ def words_product(tile: Tile, spans: dict[tuple[int, int], int | None]) -> bench
     a product: one choice per shape, whatever M, so row-invariant."""
     def product(x: torch.Tensor, w: QuantizedLinear) -> torch.Tensor:
         span = spans[(w.out_features, w.in_features)]
-        return words_linear(x, w.codes, w.scales, w.zero_points, w.mins, tile, span)
+        return words_linear(x, w.codes, w.scales, w.mins, tile, span)
     return product
 
 
 def check(x: torch.Tensor, module: QuantizedLinear, tile: Tile, span: int | None) -> dict[str, Any]:
     """The product against the float64 one by the layout's dense weight, and row 0 against itself alone; `passed`
     if both hold (the error under CHECK_TOLERANCE)."""
-    args = (module.codes, module.scales, module.zero_points, module.mins, tile, span)
+    args = (module.codes, module.scales, module.mins, tile, span)
     y = words_linear(x, *args)
     want = x.double() @ module.dense_weight().double().t()
     err = ((y.double() - want).norm() / want.norm()).item()
@@ -91,9 +90,8 @@ def check(x: torch.Tensor, module: QuantizedLinear, tile: Tile, span: int | None
 
 
 def variants(tiles: tuple[Tile, ...], spans: tuple[int | None, ...], K: int) -> list[tuple[Tile, int | None]]:
-    """(tile, span) main times for K: spans that split K into whole iterations; all of K once."""
-    return [(tile, span) for tile in tiles for span in spans
-            if span is None or (span < K and span % (STEP * tile[2]) == 0)]
+    """(tile, span) main times for K: spans shorter than K (whole steps); all of K once."""
+    return [(tile, span) for tile in tiles for span in spans if span is None or (span < K and span % STEP == 0)]
 
 
 def run(shape: dict[str, Any], rows: list[int], peak_gbps: float, tiles: tuple[Tile, ...],
@@ -207,19 +205,18 @@ def step_sums(rows: list[dict[str, Any]], layers: int) -> list[dict[str, Any]]:
 
 
 def parse_tile(text: str) -> Tile:
-    """A tile from --tile's "BLOCK_N,WARPS,STEPS,STAGES"."""
+    """A tile from --tile's "BLOCK_N,WARPS,STAGES"."""
     try:
-        BN, warps, substeps, stages = (int(v) for v in text.split(","))
+        BN, warps, stages = (int(v) for v in text.split(","))
     except ValueError:
-        raise SystemExit(f"error: --tile {text!r} is not four integers BLOCK_N,WARPS,STEPS,STAGES, e.g. "
-                         "128,8,1,3") from None
-    return BN, warps, substeps, stages
+        raise SystemExit(f"error: --tile {text!r} is not three integers BLOCK_N,WARPS,STAGES, e.g. 128,8,3") from None
+    return BN, warps, stages
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = bench.gpu_parser(__doc__.splitlines()[0], "1,16")
     parser.add_argument("--tiles", type=int, default=len(TILES), help="time the first TILES only")
-    parser.add_argument("--tile", action="append", default=[], metavar="BLOCK_N,WARPS,STEPS,STAGES",
+    parser.add_argument("--tile", action="append", default=[], metavar="BLOCK_N,WARPS,STAGES",
                         help="time this tile instead of TILES (repeatable)")
     parser.add_argument("--step-configs", type=int, default=STEP_CONFIGS,
                         help="whole steps timed per M and rule: the best configurations by their projections' sums")

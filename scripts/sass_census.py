@@ -10,7 +10,8 @@ TILES, "words"), bfloat16 activations, zero points without mins and Q4_1 mins, o
 128-dim steps, the divisibility a launch on real tensors gives (pointers, N,
 K and the strides multiples of 16). Per kernel: registers a thread, shared memory, whether the weight operand
 reaches the tensor cores from registers (wgmma's A operand) or through shared memory, the loop's instructions a
-thread and per weight, and its most frequent opcodes. Counts are static: a loop instruction issues once per
+thread and per weight, its wgmmas (HGMMA) and their arrives and waits (WARPGROUP: two a wgmma where ptxas
+serializes them), and its most frequent opcodes. Counts are static: a loop instruction issues once per
 iteration, and an iteration covers BLOCK_N x BLOCK_K weights over the program's threads. They depend on the
 installed Triton; the lent GPUs run Triton 3.6.
 """
@@ -42,6 +43,7 @@ TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 LABEL = re.compile(r"^\s*\.L_x_(\d+):")
 BRANCH = re.compile(r"\bBRA\b.*`\(\.L_x_(\d+)\)")
+SPAN_STEPS = 8  # the words product's steps a program: the loop's trip count is a constant of the kernel
 
 
 def loop_census(sass: str) -> collections.Counter[str]:
@@ -98,7 +100,8 @@ def describe(compiled: Any, weights_per_iteration: int, warps: int) -> dict[str,
     return {"registers": int(re.search(r"REG:(\d+)", usage).group(1)),  # type: ignore[union-attr]
             "shared_bytes": compiled.metadata.shared,
             "weights_from_registers": "warp_group_dot" in ttgir and "dot_op<{opIdx = 0" in ttgir,
-            "loop_instructions": sum(census.values()), "weights_per_thread": per_thread,
+            "loop_instructions": sum(census.values()), "wgmmas": census["HGMMA"], "wgmma_syncs": census["WARPGROUP"],
+            "weights_per_thread": per_thread,
             "per_weight": round(sum(census.values()) / per_thread, 2), "top": census.most_common(12)}
 
 
@@ -114,18 +117,17 @@ def landed(mins: bool) -> dict[str, Any]:
     return {"kernel": "landed", "tile": [BM, BN, BK, warps], "mins": mins, **describe(compiled, BN * BK, warps)}
 
 
-def words(tile: tuple[int, int, int, int], mins: bool) -> dict[str, Any]:
-    """The words layout's product at `tile`, one span."""
-    BN, warps, substeps, stages = tile
-    pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "y_ptr": "*bf16", "s_ptr": "*bf16", "o_ptr": "*bf16",
-                "m_ptr": "*bf16"}
-    ints = ("M", "N", "K", "SPAN_STEPS", "stride_xm", "stride_wn", "stride_ym", "stride_s")
-    consts = dict(SPLIT=False, HAS_MINS=mins, INTERPRETED=False, BLOCK_M=quantized_words.BLOCK_M, BLOCK_N=BN,
-                  SUBSTEPS=substeps, EVEN_K=True)
+def words(tile: tuple[int, int, int], mins: bool) -> dict[str, Any]:
+    """The words layout's product at `tile`, one span of SPAN_STEPS steps."""
+    BN, warps, stages = tile
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "y_ptr": "*bf16", "p_ptr": "*i32", "m_ptr": "*bf16"}
+    ints = ("M", "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_p")
+    consts = dict(SPAN_STEPS=SPAN_STEPS, SPLIT=False, HAS_MINS=mins, INTERPRETED=False,
+                  BLOCK_M=quantized_words.BLOCK_M, BLOCK_N=BN, EVEN=True)
     compiled = compile_sm90(quantized_words._words_kernel, pointers, ints, consts, warps,
-                            (*pointers, "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_s"), stages)
+                            (*pointers, "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_p"), stages)
     return {"kernel": "words", "tile": list(tile), "mins": mins,
-            **describe(compiled, BN * quantized_words.STEP * substeps, warps)}
+            **describe(compiled, BN * quantized_words.STEP, warps)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,23 +40,27 @@ def words(codes, scales, zeros, mins, k: int) -> QuantizedLinear:
 
 def test_set_layout_puts_each_code_where_the_docstring_says():
     """Dim d of a step sits in word (d % 32) // 2, nibble d // 32 + 4 * (d % 2): dim 37 -> word 2, nibble 5;
-    dim 127 (block 3, the last odd dim) -> word 15, nibble 7, the int32's sign bit. Zero points become the
-    offsets -(128 + z) in bfloat16."""
+    dim 127 (block 3, the last odd dim) -> word 15, nibble 7, the int32's sign bit. Each block's scale and offset
+    -(128 + z) become one int32's low and high bfloat16 halves."""
     codes = torch.zeros(2, 64, dtype=torch.uint8)  # two outputs, K = 128: one step
     codes[0, 37 // 2] = 9 << 4  # dim 37: the high nibble of byte 18
     codes[1, 0] = 3  # dim 0
     codes[1, 33 // 2] = 5 << 4  # dim 33
     codes[1, 127 // 2] = 12 << 4  # dim 127
     zeros = torch.tensor([[0x21, 0x43], [0x00, 0xF0]], dtype=torch.uint8)  # blocks' z: (1, 2, 3, 4), (0, 0, 0, 15)
-    module = words(codes, torch.ones(2, 4), zeros, None, 128)
+    module = words(codes, torch.tensor([[1.0, 2.0, 0.5, 4.0], [0.25, 1.0, 1.0, 1.0]]), zeros, None, 128)
     want = torch.zeros(2, 16, dtype=torch.int64)
     want[0, 2] = 9 << 20
     want[1, 0] = 3 | 5 << 20
     want[1, 15] = 12 << 28
     assert torch.equal(module.codes.long() & 0xFFFFFFFF, want)
     assert module.codes.dtype == torch.int32 and module.codes[1, 15] < 0
-    assert module.zero_points.tolist() == [[-129, -130, -131, -132], [-128, -128, -128, -143]]
-    assert module.zero_points.dtype == module.scales.dtype == torch.bfloat16 and module.layout == "words"
+    assert module.scales.dtype == torch.int32 and module.zero_points is None and module.layout == "words"
+    halves = module.scales.view(torch.bfloat16).view(2, 4, 2)
+    assert halves[..., 0].tolist() == [[1.0, 2.0, 0.5, 4.0], [0.25, 1.0, 1.0, 1.0]]
+    assert halves[..., 1].tolist() == [[-129, -130, -131, -132], [-128, -128, -128, -143]]
+    # bfloat16 1.0 is 0x3F80 and -129.0 0xC301: the scale in the low half
+    assert module.scales[0, 0].item() == 0xC3013F80 - 2**32
 
 
 @pytest.mark.parametrize("k", [96, 128, 300])
@@ -97,8 +101,8 @@ def test_set_layout_refuses_what_the_words_cannot_hold():
 
 @pytest.mark.parametrize(("dtype", "k", "tile", "span", "tolerance"), [
     (torch.float32, 96, None, "auto", 1e-6),  # one step, K padded (a GPU's float32 dot: not tensor cores)
-    (torch.float32, 1000, (64, 4, 2, 3), 256, 1e-6),  # two steps an iteration, four spans, a half-used last step
-    (torch.bfloat16, 512, (128, 8, 1, 3), None, 8e-3),  # bfloat16 out: its rounding
+    (torch.float32, 1000, (64, 4, 3), 384, 1e-6),  # three spans of 3 steps: a half-used step, then one past K
+    (torch.bfloat16, 512, (128, 8, 3), None, 8e-3),  # bfloat16 out: its rounding
 ])
 def test_product_is_the_float64_product_by_the_layouts_weight(dtype, k, tile, span, tolerance):
     """70 outputs: a partial BLOCK_N; Q4_1 mins and zero points."""
@@ -106,7 +110,7 @@ def test_product_is_the_float64_product_by_the_layouts_weight(dtype, k, tile, sp
     for m in (None, mins):
         module = words(codes, scales, zeros, m, k)
         x = torch.randn(5, k, device=DEVICE).to(dtype)
-        y = words_linear(x, module.codes, module.scales, module.zero_points, module.mins,
+        y = words_linear(x, module.codes, module.scales, module.mins,
                          *((tile,) if tile else ()), span=span)
         want = x.double() @ module.dense_weight().double().t()
         assert y.dtype == dtype and y.shape == (5, 70)
@@ -118,7 +122,7 @@ def test_a_row_has_the_same_bits_alone_and_in_any_batch(interpreted_float32_dot)
     interpreted_float32_dot(torch.float32)  # the interpreter multiplies in float32
     codes, scales, zeros, mins = int4_buffers(64, 384, seed=4)
     module = words(codes, scales, zeros, mins, 384)
-    args = (module.codes, module.scales, module.zero_points, module.mins)
+    args = (module.codes, module.scales, module.mins)
     x = torch.randn(17, 384, device=DEVICE).to(torch.bfloat16)
     together = words_linear(x, *args, span=128)
     for i in (0, 1, 16):
@@ -126,14 +130,16 @@ def test_a_row_has_the_same_bits_alone_and_in_any_batch(interpreted_float32_dot)
     assert torch.equal(words_linear(x[:2], *args, span=128), together[:2])
 
 
-def test_refuses_a_span_that_splits_an_iteration_and_words_that_are_too_few():
-    codes, scales, zeros, _ = int4_buffers(4, 256, seed=5)
-    module = words(codes, scales, zeros, None, 256)
-    args = (module.codes, module.scales, module.zero_points, None)
-    with pytest.raises(ValueError, match="multiple of 256"):
-        words_linear(torch.ones(1, 256, device=DEVICE), *args, (64, 4, 2, 3), span=128)
+def test_refuses_a_span_that_splits_a_step_words_that_are_too_few_and_strided_scales():
+    codes, scales, zeros, mins = int4_buffers(4, 256, seed=5)
+    module = words(codes, scales, zeros, mins, 256)
+    x = torch.ones(1, 256, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        words_linear(x, module.codes, module.scales, None, span=96)
     with pytest.raises(ValueError, match="do not hold the input's 384 dims"):
-        words_linear(torch.ones(1, 384, device=DEVICE), *args)
+        words_linear(torch.ones(1, 384, device=DEVICE), module.codes, module.scales, None)
+    with pytest.raises(ValueError, match="unit stride"):
+        words_linear(x, module.codes, module.scales, module.mins.t().contiguous().t())
 
 
 @pytest.mark.parametrize(("n", "k", "span"), [

@@ -772,7 +772,8 @@ def quantized_projection(x: Tensor, module: QuantizedLinear) -> Tensor:
     product (through kernels/step_ops.py: one op, opaque to a compiled step): kernels/quantized_words.py's for the
     words layout, else kernels/invariant.py's."""
     if module.layout == "words":
-        return step_ops.words_linear(x, module.codes, module.scales, module.zero_points, module.mins)
+        return step_ops.words_linear(x, module.codes, module.scales, module.mins)
+    assert module.zero_points is not None  # the blocks layout's
     return step_ops.quantized_linear(x, module.codes, module.scales, module.zero_points, module.mins, module.bits)
 
 

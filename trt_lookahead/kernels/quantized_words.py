@@ -13,6 +13,10 @@ A operand (x, the B operand, through shared memory as the pipeliner stages it): 
   (fma.rn.bf16x2). So the weight is the layout's: ((128 + q) - (128 + z)) * s + m rounded once to bfloat16. The
   interpreter runs no PTX: it makes the same values in float32 and rounds them to bfloat16 by hand (twice rounded,
   so rarely a bfloat16 unit apart from a GPU's).
+- A step (128 dims) is one dot: its four blocks joined into one [BLOCK_N, 128] operand, so its wgmmas are issued
+  as a group and overlap the next step's dequantization; the loop's trip count is a constant (SPAN_STEPS), since
+  ptxas serializes the wgmmas of a loop that may not run (see `_words_kernel`). Each block's scale and offset are
+  one int32 of the layout, loaded once for both.
 - Row-invariant: one tile (WORDS_TILE, BLOCK_M 16 rows: wgmma's N) for every M and the span fixed by the weight's
   shape (`words_span`), the spans' float32 sums added in span order by invariant's span sums.
 
@@ -31,46 +35,51 @@ import triton.language as tl
 
 from trt_lookahead.kernels import invariant
 
-STEP = 128  # input dims per step: four blocks of 32, 16 words of 8 codes per output (the layout's WORDS_STEP)
+STEP = 128  # input dims a loop iteration reduces: four blocks of 32, 16 words of 8 codes per output (WORDS_STEP)
+_STEP = tl.constexpr(STEP)  # the kernel's
 PAIR_MASK = tl.constexpr(0x000F000F)  # a word's codes j and j + 4, shifted down by 4j
 MAGIC = tl.constexpr(0x43004300)  # bfloat16 128.0 in both halves: OR-ed over a code q in a half's low bits, 128 + q
-# (BLOCK_N, warps, steps a loop iteration, pipeline stages): the fastest 7B step of 20 tiles swept on an H200
-# (docs/results/2026-12-04-h200-int4-words.md); BLOCK_N >= 64, one warpgroup's wgmma A operand
-WORDS_TILE = (128, 8, 1, 3)
+# (BLOCK_N, warps, pipeline stages) for every M (docs/design.md 6.9); BLOCK_N >= 64, one warpgroup's wgmma A operand
+WORDS_TILE = (128, 8, 3)
 BLOCK_M = 16  # rows per program, for every M: wgmma's N
 # the programs a product's span rule aims for: enough to stream the weight from every SM of a large GPU at one row
 WORDS_PROGRAMS = 256
 MIN_CAPABILITY = (9, 0)
 
 # one pair of weights: the codes' bits under 128.0's (a & b | c), + -(128 + z) exactly, then one rounding of * s + m;
-# Triton packs each two bfloat16 operands and results in one 32-bit register (pack=2)
+# Triton packs each two bfloat16 operands and results in one 32-bit register (pack=2). $1 is the word, $3 the
+# block's (s, -(128 + z)) bfloat16 pair as the layout holds it ($2, $4 their copies: one a weight), $5 (m, m)
 _PAIR_ASM = tl.constexpr(f"""{{
-.reg .b32 t, one;
+.reg .b32 t, one, s2, o2;
+.reg .b16 s, o;
 mov.b32 one, 0x3F803F80;
+mov.b32 {{s, o}}, $3;
+mov.b32 s2, {{s, s}};
+mov.b32 o2, {{o, o}};
 lop3.b32 t, $1, {PAIR_MASK.value:#010x}, {MAGIC.value:#010x}, 0xea;
-fma.rn.bf16x2 t, t, one, $3;
-fma.rn.bf16x2 $0, t, $4, $5;
+fma.rn.bf16x2 t, t, one, o2;
+fma.rn.bf16x2 $0, t, s2, $5;
 }}""")
 
 
 @triton.jit
-def _block_weights(words, j: tl.constexpr, scale, offset, m, INTERPRETED: tl.constexpr):
-    """[BLOCK_N, 32] weights of block j of a step, ((128 + q) - (128 + z)) * s + m, from its [BLOCK_N, 16] words
-    and the block's [BLOCK_N] scale, offset -(128 + z) and min (0 without mins): bfloat16 pairs made in the
-    operand's registers (float32 holding bfloat16 values in the interpreter)."""
+def _block_weights(words, j: tl.constexpr, pair, m, INTERPRETED: tl.constexpr):
+    """[BLOCK_N, 32] weights of block j of a step, ((128 + q) - (128 + z)) * s + m, from its [BLOCK_N, 16] words,
+    the block's [BLOCK_N] (scale, offset -(128 + z)) pairs (uint32, the scale in the low half) and mins (0 without
+    mins): bfloat16 pairs made in the operand's registers (float32 holding bfloat16 values in the interpreter)."""
     shifted = words >> (4 * j)
     if INTERPRETED:
         t = (shifted & PAIR_MASK) | MAGIC  # (128 + q, 128 + q') bfloat16 pairs
-        pairs = tl.join((t << 16).to(tl.float32, bitcast=True), (t & 0xFFFF0000).to(tl.float32, bitcast=True))
-        w = tl.reshape(pairs, (pairs.shape[0], pairs.shape[1] * 2))  # dims 2w + h of block j
-        return invariant._bfloat16_values((w + offset.to(tl.float32)[:, None]) * scale.to(tl.float32)[:, None]
-                                          + m.to(tl.float32)[:, None])
+        w = tl.join((t << 16).to(tl.float32, bitcast=True), (t & 0xFFFF0000).to(tl.float32, bitcast=True))
+        w = tl.reshape(w, (w.shape[0], w.shape[1] * 2))  # dims 2w + h of block j
+        scale = (pair << 16).to(tl.float32, bitcast=True)
+        offset = (pair & 0xFFFF0000).to(tl.float32, bitcast=True)
+        return invariant._bfloat16_values((w + offset[:, None]) * scale[:, None] + m.to(tl.float32)[:, None])
     both = tl.join(shifted, shifted)
     both = tl.reshape(both, (both.shape[0], both.shape[1] * 2))  # each word at the dims 2w, 2w + 1 it holds
     shape: tl.constexpr = both.shape
     return tl.inline_asm_elementwise(_PAIR_ASM, "=r,r,r,r,r,r",
-                                     [both, tl.broadcast_to(offset[:, None], shape),
-                                      tl.broadcast_to(scale[:, None], shape), tl.broadcast_to(m[:, None], shape)],
+                                     [both, tl.broadcast_to(pair[:, None], shape), tl.broadcast_to(m[:, None], shape)],
                                      dtype=tl.bfloat16, is_pure=True, pack=2)
 
 
@@ -82,43 +91,55 @@ def _column(t, j: tl.constexpr):
     return low if j < 2 else high
 
 
-@triton.jit(do_not_specialize=["M", "SPAN_STEPS"])
-def _words_kernel(x_ptr, w_ptr, y_ptr, s_ptr, o_ptr, m_ptr, M, N, K, SPAN_STEPS, stride_xm, stride_wn, stride_ym,
-                  stride_s, SPLIT: tl.constexpr, HAS_MINS: tl.constexpr, INTERPRETED: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUBSTEPS: tl.constexpr, EVEN_K: tl.constexpr):
-    """y = x @ w^T for w [N, K] in the words layout, over this program's span of SPAN_STEPS iterations of SUBSTEPS
-    steps; the accumulator is [BLOCK_N, BLOCK_M] (weights as wgmma's A operand). SPLIT: y is float32
-    [spans, M, N], the span's sums, added in span order by invariant._span_sums."""
+@triton.jit
+def _step_weights(words, pairs, mins, INTERPRETED: tl.constexpr):
+    """[BLOCK_N, 128] weights of a step, its dims in order, from its [BLOCK_N, 16] words and its four blocks'
+    [BLOCK_N, 4] pairs and mins: one tensor, so that the step is one dot (its wgmmas issued together)."""
+    w0 = _block_weights(words, 0, _column(pairs, 0), _column(mins, 0), INTERPRETED)
+    w1 = _block_weights(words, 1, _column(pairs, 1), _column(mins, 1), INTERPRETED)
+    w2 = _block_weights(words, 2, _column(pairs, 2), _column(mins, 2), INTERPRETED)
+    w3 = _block_weights(words, 3, _column(pairs, 3), _column(mins, 3), INTERPRETED)
+    w = tl.join(tl.join(w0, w2), tl.join(w1, w3))  # [BLOCK_N, 32, 2, 2]: block 2a + b at [..., a, b]
+    return tl.reshape(tl.permute(w, (0, 2, 3, 1)), (w.shape[0], 4 * w.shape[1]))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _words_kernel(x_ptr, w_ptr, y_ptr, p_ptr, m_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_p,
+                  SPAN_STEPS: tl.constexpr, SPLIT: tl.constexpr, HAS_MINS: tl.constexpr, INTERPRETED: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr):
+    """y = x @ w^T for w [N, K] in the words layout, over this program's span of SPAN_STEPS steps; the
+    accumulator is [BLOCK_N, BLOCK_M] (weights as wgmma's A operand). SPAN_STEPS is a constant so the loop runs at
+    least once: the compiler then pipelines the dots (with a loop that may not run, ptxas serializes every wgmma);
+    EVEN: every span's steps lie in K, else the steps past K are masked to zero weights. SPLIT: y is float32
+    [spans, M, N], the span's sums, added in span order by invariant._span_sums. p_ptr: the (scale, offset) pairs as
+    int32, stride_p int32s a row; m_ptr: bfloat16 mins, the same stride in bfloat16s."""
     pid_m, pid_n, span = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = offs_m < M, offs_n < N
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for it in range(span * SPAN_STEPS, tl.minimum(tl.cdiv(K, 128 * SUBSTEPS), (span + 1) * SPAN_STEPS)):
-        for sub in tl.static_range(SUBSTEPS):
-            step = it * SUBSTEPS + sub
-            word = step * 16 + tl.arange(0, 16)  # the step's words; an iteration's last steps may lie past K
-            g = step * 4 + tl.arange(0, 4)  # the step's blocks
-            w_ok, ok = n_ok[:, None], n_ok[:, None]
-            if not EVEN_K:
-                w_ok = w_ok & (word < tl.cdiv(K, 128) * 16)[None, :]
-                ok = ok & (g < tl.cdiv(K, 128) * 4)[None, :]
-            words = tl.load(w_ptr + offs_n[:, None] * stride_wn + word[None, :], mask=w_ok,
-                            other=0).to(tl.uint32, bitcast=True)  # [BLOCK_N, 16]
-            s4 = tl.load(s_ptr + offs_n[:, None] * stride_s + g[None, :], mask=ok, other=0.0)  # [BLOCK_N, 4]
-            o4 = tl.load(o_ptr + offs_n[:, None] * stride_s + g[None, :], mask=ok, other=0.0)
-            m4 = tl.zeros_like(s4)
-            if HAS_MINS:
-                m4 = tl.load(m_ptr + offs_n[:, None] * stride_s + g[None, :], mask=ok, other=0.0)
-            for j in tl.static_range(4):
-                dims = (step * 4 + j) * 32 + tl.arange(0, 32)
-                x_ok = m_ok[None, :]
-                if not EVEN_K:
-                    x_ok = x_ok & (dims < K)[:, None]
-                xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + dims[:, None], mask=x_ok, other=0.0)  # [32, BLOCK_M]
-                w = _block_weights(words, j, _column(s4, j), _column(o4, j), _column(m4, j), INTERPRETED)
-                acc = tl.dot(w.to(tl.float32 if INTERPRETED else xt.dtype),
-                             xt.to(tl.float32) if INTERPRETED else xt, acc, input_precision="ieee")
+    for i in range(SPAN_STEPS):
+        step = span * SPAN_STEPS + i
+        ok = n_ok[:, None]
+        if not EVEN:
+            ok = ok & (tl.full((BLOCK_N, 1), step, tl.int32) < tl.cdiv(K, _STEP))  # a tensor: the interpreter's
+        word = step * 16 + tl.arange(0, 16)
+        g = step * 4 + tl.arange(0, 4)  # the step's blocks
+        words = tl.load(w_ptr + offs_n[:, None] * stride_wn + word[None, :], mask=ok,
+                        other=0).to(tl.uint32, bitcast=True)  # [BLOCK_N, 16]
+        pairs = tl.load(p_ptr + offs_n[:, None] * stride_p + g[None, :], mask=ok,
+                        other=0).to(tl.uint32, bitcast=True)  # [BLOCK_N, 4]
+        mins = tl.zeros(pairs.shape, tl.bfloat16)
+        if HAS_MINS:
+            mins = tl.load(m_ptr + offs_n[:, None] * stride_p + g[None, :], mask=ok, other=0.0)
+        w = _step_weights(words, pairs, mins, INTERPRETED)  # [BLOCK_N, 128]
+        dims = step * _STEP + tl.arange(0, _STEP)
+        x_ok = m_ok[None, :]
+        if not EVEN:
+            x_ok = x_ok & (dims < K)[:, None]
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + dims[:, None], mask=x_ok, other=0.0)  # [128, BLOCK_M]
+        acc = tl.dot(w.to(tl.float32 if INTERPRETED else xt.dtype),
+                     xt.to(tl.float32) if INTERPRETED else xt, acc, input_precision="ieee")
     out_ok = n_ok[:, None] & m_ok[None, :]
     if SPLIT:
         tl.store(y_ptr + (span * M + offs_m)[None, :] * N + offs_n[:, None], acc, mask=out_ok)
@@ -126,29 +147,32 @@ def _words_kernel(x_ptr, w_ptr, y_ptr, s_ptr, o_ptr, m_ptr, M, N, K, SPAN_STEPS,
         tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_ok)
 
 
-def words_linear(x: Any, codes: Any, scales: Any, offsets: Any, mins: Any,
-                 tile: tuple[int, int, int, int] = WORDS_TILE, span: int | str | None = "auto") -> Any:
-    """x [..., K] (bfloat16) times the transpose of an [N, K] weight in the words layout (QuantizedLinear's
-    codes, scales, zero_points as offsets, mins); float32 accumulation, x's dtype out. tile: (BLOCK_N, warps, steps
-    an iteration, pipeline stages); span: the input dims one program reduces (a multiple of 128 * steps an
-    iteration, or None for all of K), `words_span`'s by default. A row's bits depend on the span, never on M."""
-    BN, warps, substeps, stages = tile
+def words_linear(x: Any, codes: Any, pairs: Any, mins: Any, tile: tuple[int, int, int] = WORDS_TILE,
+                 span: int | str | None = "auto") -> Any:
+    """x [..., K] (bfloat16) times the transpose of an [N, K] weight in the words layout (QuantizedLinear's codes,
+    scales as the (scale, offset) pairs, mins); float32 accumulation, x's dtype out. tile: (BLOCK_N, warps,
+    pipeline stages); span: the input dims one program reduces (a multiple of STEP, or None for all of K),
+    `words_span`'s by default. A row's bits depend on the span, never on M."""
+    BN, warps, stages = tile
     x2 = invariant._rows(x)
     M, K = x2.shape
     N = codes.shape[0]
     if codes.shape[1] * 8 < K:
         raise ValueError(f"words of {codes.shape[1] * 8} codes per output do not hold the input's {K} dims")
+    if pairs.stride(1) != 1 or (mins is not None and mins.stride() != pairs.stride()):
+        raise ValueError("the words layout's scales (and mins) are [N, blocks] rows with unit stride, as "
+                         "QuantizedLinear.set_layout('words') holds them")
     if span == "auto":
         span = words_span(N, K, BN)
-    invariant._check_span(span, STEP * substeps, str(STEP * substeps))
-    iters = triton.cdiv(K if span is None else span, STEP * substeps)
-    spans = triton.cdiv(K, iters * STEP * substeps)
+    invariant._check_span(span, STEP, str(STEP))
+    span_steps = triton.cdiv(K if span is None else span, STEP)
+    spans = triton.cdiv(K, span_steps * STEP)
     y, part = invariant._outputs(x2, N, spans)
     _words_kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(N, BN), spans)](
-        x2, codes, part, scales, offsets, scales if mins is None else mins, M, N, K, iters, x2.stride(0),
-        codes.stride(0), y.stride(0), scales.stride(0), SPLIT=spans > 1, HAS_MINS=mins is not None,
-        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", BLOCK_M=BLOCK_M, BLOCK_N=BN, SUBSTEPS=substeps,
-        EVEN_K=K % (STEP * substeps) == 0, num_warps=warps, num_stages=stages)
+        x2, codes, part, pairs, pairs if mins is None else mins, M, N, K, x2.stride(0), codes.stride(0),
+        y.stride(0), pairs.stride(0), SPAN_STEPS=span_steps, SPLIT=spans > 1, HAS_MINS=mins is not None,
+        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", BLOCK_M=BLOCK_M, BLOCK_N=BN,
+        EVEN=spans * span_steps * STEP == K, num_warps=warps, num_stages=stages)
     if spans > 1:
         invariant._span_sums(part, None, y, M, N, spans)
     return y.view(*x.shape[:-1], N)

@@ -71,16 +71,16 @@ def _quantized_linear_fake(x: Tensor, codes: Tensor, scales: Tensor, zero_points
 
 
 @torch.library.custom_op(f"{NAMESPACE}::words_linear", mutates_args=(),
-                         schema="(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor? mins) -> Tensor")
-def words_linear(x: Tensor, codes: Tensor, scales: Tensor, offsets: Tensor, mins: Tensor | None) -> Tensor:
+                         schema="(Tensor x, Tensor codes, Tensor pairs, Tensor? mins) -> Tensor")
+def words_linear(x: Tensor, codes: Tensor, pairs: Tensor, mins: Tensor | None) -> Tensor:
     """kernels/quantized_words.py `words_linear`: x times an int4 weight in the words layout, made in registers."""
     from trt_lookahead.kernels import quantized_words
 
-    return quantized_words.words_linear(x, codes, scales, offsets, mins)
+    return quantized_words.words_linear(x, codes, pairs, mins)
 
 
 @words_linear.register_fake
-def _words_linear_fake(x: Tensor, codes: Tensor, scales: Tensor, offsets: Tensor, mins: Tensor | None) -> Tensor:
+def _words_linear_fake(x: Tensor, codes: Tensor, pairs: Tensor, mins: Tensor | None) -> Tensor:
     return x.new_empty((*x.shape[:-1], codes.shape[0]))
 
 

@@ -364,9 +364,10 @@ class QuantizedLinear(nn.Module):
             `set_layout`, on a GPU whose product it is: backends/torch.py). `in` in steps of WORDS_STEP = 128 (four
             blocks), padded with zero codes and scales; codes int32 [out, steps * 16]: nibble p of word w of a
             step holds its dim (p % 4) * 32 + 2w + p // 4, so `(word >> 4j) & 0x000F000F` is block j's dims 2w and
-            2w + 1, a bfloat16 pair's order; scales bfloat16 [out, steps * 4]; zero_points the offsets -(128 + z)
-            in bfloat16; mins bfloat16. w = ((128 + q) - (128 + z)) * s (+ m) rounded once to bfloat16 (one fused
-            multiply-add): the blocks layout's weight to bfloat16's precision, not bit for bit.
+            2w + 1, a bfloat16 pair's order; scales int32 [out, steps * 4]: a block's scale s and offset -(128 + z)
+            in bfloat16, the scale in the low half (one load gives both); zero_points None (in the scales);
+            mins bfloat16 [out, steps * 4]. w = ((128 + q) - (128 + z)) * s (+ m) rounded once to bfloat16 (one
+            fused multiply-add): the blocks layout's weight to bfloat16's precision, not bit for bit.
             Worked example: dim 37 of a step is block 1, 2w + h = 5, so word 2, nibble 1 + 4 * 1 = 5: bits 20-23.
 
     `forward` multiplies by the dequantized weight (the definition; any device); a step passes the GPU's product
@@ -383,7 +384,7 @@ class QuantizedLinear(nn.Module):
         self.layout = "blocks"
         self.codes: Tensor
         self.scales: Tensor
-        self.zero_points: Tensor
+        self.zero_points: Tensor | None  # None in the words layout (held in its scales)
         self.mins: Tensor | None
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
@@ -408,10 +409,11 @@ class QuantizedLinear(nn.Module):
 
     def dense_weight(self, rows: slice = slice(None)) -> Tensor:
         """[out, in] float32 (of the output channels `rows`): the weight `layout` holds (see the class)."""
-        codes, zeros, scales = self.codes[rows], self.zero_points[rows], self.scales[rows]
+        codes, scales = self.codes[rows], self.scales[rows]
         mins = None if self.mins is None else self.mins[rows]
         n, blocks = scales.shape
         if self.layout == "words":
+            scales, zeros = scales.view(torch.bfloat16).view(n, blocks, 2).unbind(-1)
             nibbles = torch.stack([(codes >> (4 * p)) & 0xF for p in range(8)], -1)  # [n, steps * 16, 8]
             # nibble p = j + 4h of word w -> dim j * 32 + 2w + h
             q = nibbles.view(n, -1, WORDS_PER_STEP, 2, 4).permute(0, 1, 4, 2, 3).reshape(n, blocks, WORDS_BLOCK)
@@ -419,6 +421,8 @@ class QuantizedLinear(nn.Module):
             if mins is not None:
                 w += mins.double()[..., None]
             return w.to(torch.bfloat16).float().flatten(1)[:, : self.in_features]  # rounded once, as the fma
+        assert self.zero_points is not None  # the blocks layout's
+        zeros = self.zero_points[rows]
         if self.bits == 4:  # two a byte, low nibble first
             codes = torch.stack([codes & 0xF, codes >> 4], -1).flatten(-2)
             zeros = torch.stack([zeros & 0xF, zeros >> 4], -1).flatten(-2)[:, :blocks]
@@ -456,12 +460,15 @@ class QuantizedLinear(nn.Module):
         shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int32)
         words = (q << shifts).sum(-1, dtype=torch.int64)  # the nibbles are disjoint: the sum is their OR
         words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).view(n, steps * WORDS_PER_STEP)
+        assert self.zero_points is not None  # the blocks layout's
         z = torch.stack([self.zero_points & 0xF, self.zero_points >> 4], -1).reshape(n, -1)[:, :blocks]
 
         def per_block(t: Tensor) -> Tensor:  # [n, blocks] -> bfloat16 [n, steps * 4], zero past the last block
             return F.pad(t.float(), (0, steps * 4 - blocks)).to(torch.bfloat16)
 
-        self.codes, self.scales, self.zero_points = words, per_block(self.scales), per_block(-128 - z.int())
+        # a block's scale and offset side by side, one int32 (the scale in the low half): one load gives both
+        pairs = torch.stack([per_block(self.scales), per_block(-128 - z.int())], -1).view(torch.int32)[..., 0]
+        self.codes, self.scales, self.zero_points = words, pairs, None
         self.mins = None if self.mins is None else per_block(self.mins)
         self.layout = layout
 
