@@ -47,8 +47,9 @@ WORDS_PROGRAMS = 256
 MIN_CAPABILITY = (9, 0)
 
 # one pair of weights: the codes' bits under 128.0's (a & b | c), + -(128 + z) exactly, then one rounding of * s + m;
-# Triton packs each two bfloat16 operands and results in one 32-bit register (pack=2). $1 is the word, $3 the
-# block's (s, -(128 + z)) bfloat16 pair as the layout holds it ($2, $4 their copies: one a weight), $5 (m, m)
+# Triton packs each two bfloat16 operands and results in one 32-bit register (pack=2), and passes each 32-bit
+# operand once per weight of the pair: $1 (and $2) the word, $3 (and $4) the block's int32 of the layout, its scale
+# s in the low half and offset -(128 + z) in the high (each spread over both halves here), $5 the pair (m, m)
 _PAIR_ASM = tl.constexpr(f"""{{
 .reg .b32 t, one, s2, o2;
 .reg .b16 s, o;
@@ -122,7 +123,8 @@ def _words_kernel(x_ptr, w_ptr, y_ptr, p_ptr, m_ptr, M, N, K, stride_xm, stride_
         step = span * SPAN_STEPS + i
         ok = n_ok[:, None]
         if not EVEN:
-            ok = ok & (tl.full((BLOCK_N, 1), step, tl.int32) < tl.cdiv(K, _STEP))  # a tensor: the interpreter's
+            # the step as a [BLOCK_N, 1] tensor: the interpreter refuses a mask and-ed with a scalar comparison
+            ok = ok & (tl.full((BLOCK_N, 1), step, tl.int32) < tl.cdiv(K, _STEP))
         word = step * 16 + tl.arange(0, 16)
         g = step * 4 + tl.arange(0, 4)  # the step's blocks
         words = tl.load(w_ptr + offs_n[:, None] * stride_wn + word[None, :], mask=ok,
