@@ -412,9 +412,7 @@ def time_cell(model, variant: str, B: int, T: int, args: argparse.Namespace) -> 
     if args.device == "cuda":
         # the bucket's captured graph alone (no host staging, no token copy); BatchedTorchExecutor has no public
         # hook for it, so this reads the private _graph at the bucket and width the step ran (greedy, no top-k)
-        bucket = next(b for b in executor.buckets if b >= B)
-        width = next(w for w in executor.widths if w >= T)
-        graph, _ = executor._graph(bucket, width, False, 0)
+        graph, _ = executor._graph(*executor.step_shape(B, T), False, 0)
         cell.update(event_ms(graph.replay, args.iters, args.warmup))
     else:
         cell["ms"] = cell["wall_ms"]

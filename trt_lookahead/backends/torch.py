@@ -599,14 +599,18 @@ class BatchedTorchExecutor:
             batch.top_ids[rows, batch.output_slots] = out[phys, :K, 1:]
         return result
 
+    def step_shape(self, active: int, tokens: int) -> tuple[int, int]:
+        """(bucket, width): the padded step's slots and tokens a slot that a step of `active` slots and `tokens`
+        tokens each runs at (its CUDA graph's shape)."""
+        return next(b for b in self.buckets if b >= active), next(w for w in self.widths if w >= tokens)
+
     def _stage_padded(self, batch: StepBatch) -> tuple[np.ndarray, int, int]:
         """Copy `batch` into the device inputs of its bucket's physical slots, with the pending commits' KV moves, in
         one copy, and make those moves -> (each row's physical slot, bucket, width)."""
         T, K = batch.input_ids.shape[1], batch.output_slots.shape[1]
         TT, row = self.step_tokens, self._row_width
         phys = self._physical[np.asarray(batch.slots, np.int64)]
-        bucket = next(b for b in self.buckets if b >= self._active)
-        width = next(w for w in self.widths if w >= T)
+        bucket, width = self.step_shape(self._active, T)
         h = self._h_in.numpy()[: self.max_batch * row].reshape(self.max_batch, row)
         idle = self._cache_len[self._logical[:bucket]]  # rows not in this step: causal pads at cache_len
         h[:bucket] = 0

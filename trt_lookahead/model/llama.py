@@ -353,6 +353,11 @@ WORDS_PER_STEP = WORDS_STEP // 8
 QUANTIZED_LAYOUTS = ("blocks", "words")
 
 
+def nibbles(packed: Tensor) -> Tensor:
+    """[n, b] bytes of two int4 codes each -> [n, 2b] codes, each byte's low nibble first (MatMulNBits' order)."""
+    return torch.stack([packed & 0xF, packed >> 4], -1).flatten(-2)
+
+
 class QuantizedLinear(nn.Module):
     """A bias-free projection whose [out, in] weight is held in blocks along `in`, in one of two layouts (`layout`):
 
@@ -414,9 +419,9 @@ class QuantizedLinear(nn.Module):
         n, blocks = scales.shape
         if self.layout == "words":
             scales, zeros = scales.view(torch.bfloat16).view(n, blocks, 2).unbind(-1)
-            nibbles = torch.stack([(codes >> (4 * p)) & 0xF for p in range(8)], -1)  # [n, steps * 16, 8]
+            eights = torch.stack([(codes >> (4 * p)) & 0xF for p in range(8)], -1)  # [n, steps * 16, 8]
             # nibble p = j + 4h of word w -> dim j * 32 + 2w + h
-            q = nibbles.view(n, -1, WORDS_PER_STEP, 2, 4).permute(0, 1, 4, 2, 3).reshape(n, blocks, WORDS_BLOCK)
+            q = eights.view(n, -1, WORDS_PER_STEP, 2, 4).permute(0, 1, 4, 2, 3).reshape(n, blocks, WORDS_BLOCK)
             w = (q.double() + 128 + zeros.double()[..., None]) * scales.double()[..., None]  # exact
             if mins is not None:
                 w += mins.double()[..., None]
@@ -424,8 +429,7 @@ class QuantizedLinear(nn.Module):
         assert self.zero_points is not None  # the blocks layout's
         zeros = self.zero_points[rows]
         if self.bits == 4:  # two a byte, low nibble first
-            codes = torch.stack([codes & 0xF, codes >> 4], -1).flatten(-2)
-            zeros = torch.stack([zeros & 0xF, zeros >> 4], -1).flatten(-2)[:, :blocks]
+            codes, zeros = nibbles(codes), nibbles(zeros)[:, :blocks]
         w = codes.view(n, blocks, -1).float()  # [n, blocks, block], a new tensor: the rest works in place
         w.sub_(zeros[..., None].float()).mul_(scales[..., None])
         if mins is not None:
@@ -452,8 +456,7 @@ class QuantizedLinear(nn.Module):
                              f"in blocks of {self.block}")
         n, blocks = self.scales.shape
         steps = -(-blocks // 4)
-        codes = self.codes
-        q = torch.stack([codes & 0xF, codes >> 4], -1).reshape(n, blocks * WORDS_BLOCK).int()
+        q = nibbles(self.codes).int()
         q = F.pad(q, (0, (steps * 4 - blocks) * WORDS_BLOCK))
         # dim j * 32 + 2w + h of a step -> nibble p = j + 4h of word w
         q = q.view(n, steps, 4, WORDS_PER_STEP, 2).permute(0, 1, 3, 4, 2).reshape(n, steps, WORDS_PER_STEP, 8)
@@ -461,7 +464,7 @@ class QuantizedLinear(nn.Module):
         words = (q << shifts).sum(-1, dtype=torch.int64)  # the nibbles are disjoint: the sum is their OR
         words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).view(n, steps * WORDS_PER_STEP)
         assert self.zero_points is not None  # the blocks layout's
-        z = torch.stack([self.zero_points & 0xF, self.zero_points >> 4], -1).reshape(n, -1)[:, :blocks]
+        z = nibbles(self.zero_points)[:, :blocks]
 
         def per_block(t: Tensor) -> Tensor:  # [n, blocks] -> bfloat16 [n, steps * 4], zero past the last block
             return F.pad(t.float(), (0, steps * 4 - blocks)).to(torch.bfloat16)
