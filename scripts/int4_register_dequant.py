@@ -18,7 +18,9 @@ TILES (or the --tile ones) x SPANS, checking each against the float64 product by
 a row against itself alone; adds each configuration's projections over a step (`step_sums`); then times whole
 steps as they run (`steps`: every layer's own weights, one CUDA graph), the landed product's and the words
 product's at the STEP_CONFIGS best configurations of each of RULES by those sums, and writes one JSON, fastest
-first. A configuration is a tile and each projection's span, by one of RULES: "fixed", one span for every
+first, each launched plainly and as programmatic dependents (`words_linear`'s pdl: the next product's launch and
+its weights' first reads overlap the end of the one before; `pdl_same_bits` checks it gives the same bits). A
+configuration is a tile and each projection's span, by one of RULES: "fixed", one span for every
 projection; "per shape", each projection's fastest over every M measured (a choice per weight shape, never per
 M); "words_span", the package's own rule (quantized_words.words_span), so the JSON says how the shipped choice
 ranks.
@@ -69,13 +71,20 @@ def words_bytes(module: QuantizedLinear) -> int:
     return bench.tensor_bytes(module.codes, module.scales, module.mins)
 
 
-def words_product(tile: Tile, spans: dict[tuple[int, int], int | None]) -> bench.Product:
+def words_product(tile: Tile, spans: dict[tuple[int, int], int | None], pdl: bool = False) -> bench.Product:
     """`words_linear` at a tile, with the span `spans` gives a weight's shape (N, K), as bench_quantized_gpu times
-    a product: one choice per shape, whatever M, so row-invariant."""
+    a product: one choice per shape, whatever M, so row-invariant; pdl: launched as programmatic dependents."""
     def product(x: torch.Tensor, w: QuantizedLinear) -> torch.Tensor:
         span = spans[(w.out_features, w.in_features)]
-        return words_linear(x, w.codes, w.scales, w.mins, tile, span)
+        return words_linear(x, w.codes, w.scales, w.mins, tile, span, pdl)
     return product
+
+
+def pdl_same_bits(calls: list[Any], pdl_calls: list[Any]) -> bool:
+    """Whether a step's products give the same bits launched as programmatic dependents as launched plainly,
+    each pass's launches back to back on one stream."""
+    plain = [call() for call in calls]
+    return all(torch.equal(a, b) for a, b in zip(plain, [call() for call in pdl_calls], strict=True))
 
 
 def check(x: torch.Tensor, module: QuantizedLinear, tile: Tile, span: int | None) -> dict[str, Any]:
@@ -149,9 +158,14 @@ def steps(shape: dict[str, Any], sums: list[dict[str, Any]], peak_gbps: float, c
         for rule in RULES:
             for best in [b for b in entry["best"] if b["rule"] == rule][:configs]:
                 spans = {sizes[name]: span for name, span in best["spans"].items()}
-                step_us = bench.replay_us(bench.step_calls(held, words_product(tuple(best["tile"]), spans), inputs))
-                timed.append({**best, "sum_ms": best["ms"], "ms": round(step_us / 1e3, 3),
-                              "x_limit": round(step_us / limit, 2)})
+                for pdl in (False, True):
+                    calls = bench.step_calls(held, words_product(tuple(best["tile"]), spans, pdl), inputs)
+                    step_us = bench.replay_us(calls)
+                    timed.append({**best, "pdl": pdl, "sum_ms": best["ms"], "ms": round(step_us / 1e3, 3),
+                                  "x_limit": round(step_us / limit, 2)})
+                    if pdl:
+                        plain = bench.step_calls(held, words_product(tuple(best["tile"]), spans), inputs)
+                        timed[-1]["pdl_same_bits"] = pdl_same_bits(plain, calls)
         timed.sort(key=lambda t: t["ms"])
         out.append({"M": entry["M"], "limit_ms": round(limit / 1e3, 3), "landed_ms": round(us / 1e3, 3),
                     "landed_x_limit": round(us / landed_limit, 2), "best": timed})

@@ -123,11 +123,44 @@ def words(tile: tuple[int, int, int], mins: bool) -> dict[str, Any]:
     pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "y_ptr": "*bf16", "p_ptr": "*i32", "m_ptr": "*bf16"}
     ints = ("M", "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_p")
     consts = dict(SPAN_STEPS=SPAN_STEPS, SPLIT=False, HAS_MINS=mins, INTERPRETED=False,
-                  BLOCK_M=quantized_words.BLOCK_M, BLOCK_N=BN, EVEN=True)
+                  BLOCK_M=quantized_words.BLOCK_M, BLOCK_N=BN, EVEN=True, PDL=False)
     compiled = compile_sm90(quantized_words._words_kernel, pointers, ints, consts, warps,
                             (*pointers, "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_p"), stages)
     return {"kernel": "words", "tile": list(tile), "mins": mins,
             **describe(compiled, BN * quantized_words.STEP, warps)}
+
+
+GLOBAL_ACCESS = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:ld|st|atom|red|cp\.async|prefetch)[.\w]*)", re.MULTILINE)
+GRID_WAIT = "griddepcontrol.wait"
+
+
+def before_grid_wait(ptx: str) -> dict[str, Any]:
+    """The PTX of a kernel launched as a programmatic dependent, up to its first griddepcontrol.wait: whether it
+    lets its own dependents launch there, and its global-memory instructions (shared memory's and the kernel
+    parameters' left out) by opcode; the wait is where the kernel before it on the stream is done."""
+    wait = ptx.find(GRID_WAIT)
+    head = ptx[: len(ptx) if wait < 0 else wait]
+    ops = collections.Counter(op for op in GLOBAL_ACCESS.findall(head)
+                              if (".shared" not in op and ".param" not in op) or op.startswith("cp.async"))
+    return {"waits": wait >= 0, "launches_dependents": "griddepcontrol.launch_dependents" in head,
+            "global_before_wait": dict(ops)}
+
+
+def pdl_prologues() -> list[dict[str, Any]]:
+    """`before_grid_wait` of the kernels a PDL launch of the words product runs: the product (split, with mins)
+    and its span sums."""
+    BN, warps, stages = quantized_words.WORDS_TILE
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "y_ptr": "*fp32", "p_ptr": "*i32", "m_ptr": "*bf16"}
+    ints = ("M", "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_p")
+    consts = dict(SPAN_STEPS=SPAN_STEPS, SPLIT=True, HAS_MINS=True, INTERPRETED=False,
+                  BLOCK_M=quantized_words.BLOCK_M, BLOCK_N=BN, EVEN=False, PDL=True)
+    product = compile_sm90(quantized_words._words_kernel, pointers, ints, consts, warps,
+                           (*pointers, "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_p"), stages)
+    sums = compile_sm90(invariant._span_sum_kernel, {"part_ptr": "*fp32", "b_ptr": "*fp32", "y_ptr": "*bf16"},
+                        ("M", "N"), dict(SPANS=4, HAS_BIAS=False, BLOCK=invariant.SPAN_SUM_BLOCK, PDL=True),
+                        invariant.NUM_WARPS, ("part_ptr", "b_ptr", "y_ptr"))
+    return [{"kernel": "words, pdl", **before_grid_wait(product.asm["ptx"])},
+            {"kernel": "span sums, pdl", **before_grid_wait(sums.asm["ptx"])}]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = [landed(False), landed(True)]
     rows += [words(tile, mins) for tile in sweep.TILES[: args.tiles] for mins in (False, True)]
+    rows += pdl_prologues()
     for row in rows:
         print(json.dumps(row), flush=True)
     if args.out:

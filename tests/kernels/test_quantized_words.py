@@ -130,6 +130,36 @@ def test_a_row_has_the_same_bits_alone_and_in_any_batch(interpreted_float32_dot)
     assert torch.equal(words_linear(x[:2], *args, span=128), together[:2])
 
 
+@pytest.mark.gpu
+def test_a_programmatic_dependent_launch_waits_for_the_kernel_that_writes_its_rows():
+    """Each call in a CUDA graph reads rows the kernel just before it wrote (x * i), launched as a programmatic
+    dependent (it may start, and ask L2 for its weight, while that kernel still runs): the same bits as plain
+    launches, the split product's span sums (launched so too) included."""
+    if not gpu_count() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs a CUDA device of compute capability 9.0 (programmatic dependent launch, wgmma)")
+    codes, scales, zeros, mins = int4_buffers(4096, 4096, seed=6)
+    module = words(codes, scales, zeros, mins, 4096)
+    args = (module.codes, module.scales, module.mins)
+    x = torch.randn(16, 4096, device=DEVICE).to(torch.bfloat16)
+    for span in (None, 512):
+        def calls(pdl: bool, span=span) -> list[torch.Tensor]:
+            return [words_linear(x * i, *args, span=span, pdl=pdl) for i in range(1, 9)]
+
+        plain = calls(False)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            calls(True)  # compiles outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = calls(True)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(a, b) for a, b in zip(plain, outs, strict=True))
+
+
 def test_refuses_a_span_that_splits_a_step_words_that_are_too_few_and_strided_scales():
     codes, scales, zeros, mins = int4_buffers(4, 256, seed=5)
     module = words(codes, scales, zeros, mins, 256)
@@ -138,6 +168,8 @@ def test_refuses_a_span_that_splits_a_step_words_that_are_too_few_and_strided_sc
         words_linear(x, module.codes, module.scales, None, span=96)
     with pytest.raises(ValueError, match="do not hold the input's 384 dims"):
         words_linear(torch.ones(1, 384, device=DEVICE), module.codes, module.scales, None)
+    with pytest.raises(ValueError, match="24 words per output do not hold the input's 150 dims in whole steps"):
+        words_linear(torch.ones(1, 150, device=DEVICE), module.codes[:, :24], module.scales, None)  # 192 codes
     with pytest.raises(ValueError, match="unit stride"):
         words_linear(x, module.codes, module.scales, module.mins.t().contiguous().t())
 

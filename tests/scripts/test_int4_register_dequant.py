@@ -1,7 +1,8 @@
 """scripts/int4_register_dequant.py (the two GPU int4 products timed against each other) and scripts/sass_census.py
 on the CPU: the step sums' ranking, the run and steps on a small shape (interpreted), the refusals, and (slow) the
 sm_90 compile: the words product's weight operand from registers, fewer loop instructions a weight than the blocks
-product's. The products themselves: tests/kernels/test_quantized_words.py; their timings come from a lent GPU."""
+product's, and what its programmatic dependent launch does before it waits. The products themselves:
+tests/kernels/test_quantized_words.py; their timings come from a lent GPU."""
 
 from __future__ import annotations
 
@@ -90,8 +91,10 @@ def test_run_and_steps_check_and_time_every_variant_on_a_small_shape(cand):
     assert [s["M"] for s in steps] == [2]
     for s in steps:
         assert s["limit_ms"] == round(step_bytes / 1e6, 3) and s["landed_ms"] > 0
-        assert sorted(b["rule"] for b in s["best"]) == ["fixed", "fixed", "per shape", "words_span"]
+        rules = ["fixed", "fixed", "per shape", "words_span"]
+        assert sorted((b["rule"], b["pdl"]) for b in s["best"]) == sorted((r, p) for r in rules for p in (False, True))
         assert all(b["ms"] > 0 and b["sum_ms"] > 0 for b in s["best"])
+        assert all(b["pdl_same_bits"] for b in s["best"] if b["pdl"])
 
 
 @pytest.mark.skipif(gpu_count() > 0, reason="the error is for machines without a GPU")
@@ -146,3 +149,10 @@ def test_the_words_product_takes_its_weights_from_registers_in_fewer_instruction
     assert all(k["weights_from_registers"] for k in words)
     assert max(k["per_weight"] for k in words) < min(k["per_weight"] for k in landed)
     assert all(k["wgmmas"] >= 8 and k["wgmma_syncs"] <= k["wgmmas"] for k in words)
+    # launched as programmatic dependents, each kernel lets the next launch, and before it waits for the one
+    # before it reads nothing but its own weight (asked of L2) and writes nothing
+    pdl = {k["kernel"]: k for k in kernels if k["kernel"].endswith(", pdl")}
+    assert set(pdl) == {"words, pdl", "span sums, pdl"}
+    assert all(k["waits"] and k["launches_dependents"] for k in pdl.values())
+    assert pdl["words, pdl"]["global_before_wait"] == {"prefetch.global.L2": 1}
+    assert pdl["span sums, pdl"]["global_before_wait"] == {}

@@ -20,10 +20,12 @@ Launched on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (the tests 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from trt_lookahead.kernels.triton_kernel import interpreter_upcast
 
@@ -178,8 +180,12 @@ def _quantized_kernel(x_ptr, w_ptr, y_ptr, s_ptr, z_ptr, m_ptr, M, N, K, SPAN_ST
 
 @triton.jit(do_not_specialize=["M"])
 def _span_sum_kernel(part_ptr, b_ptr, y_ptr, M, N, SPANS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    """y = the spans' sums added in span order (then the bias), element by element."""
+                     BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """y = the spans' sums added in span order (then the bias), element by element. PDL: launched as a programmatic
+    dependent of the product that wrote the sums, so it waits for that grid before it reads them."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
     acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
@@ -289,11 +295,22 @@ def _outputs(x2: Any, N: int, spans: int) -> tuple[Any, Any]:
     return y, (y if spans == 1 else torch.empty(spans, M, N, dtype=torch.float32, device=x2.device))
 
 
-def _span_sums(part: Any, bias: Any, y: Any, M: int, N: int, spans: int) -> None:
-    """y = the spans' float32 sums part [spans, M, N] added in span order (then the bias)."""
+def _span_sums(part: Any, bias: Any, y: Any, M: int, N: int, spans: int, pdl: bool = False) -> None:
+    """y = the spans' float32 sums part [spans, M, N] added in span order (then the bias); pdl: as a programmatic
+    dependent launch (`pdl_options`)."""
     _span_sum_kernel[(triton.cdiv(M * N, SPAN_SUM_BLOCK),)](part, part if bias is None else bias, y, M, N,
                                                            SPANS=spans, HAS_BIAS=bias is not None,
-                                                           BLOCK=SPAN_SUM_BLOCK, num_warps=NUM_WARPS)
+                                                           BLOCK=SPAN_SUM_BLOCK, num_warps=NUM_WARPS,
+                                                           **pdl_options(pdl))
+
+
+def pdl_options(pdl: bool) -> dict[str, bool]:
+    """A launch's PDL constant and option: with pdl (never in the interpreter, which runs no PTX), the kernel is
+    launched as a programmatic dependent of the one before it on the stream (Hopper's griddepcontrol), so it may
+    start while that one finishes; a kernel so launched calls gdc_wait before it reads what the one before wrote
+    or writes anything."""
+    on = pdl and os.environ.get("TRITON_INTERPRET") != "1"
+    return {"PDL": on, "launch_pdl": True} if on else {}
 
 
 def _tile(x: Any, N: int) -> tuple[int, int, int, int]:

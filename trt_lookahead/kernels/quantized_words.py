@@ -32,6 +32,7 @@ from typing import Any
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from trt_lookahead.kernels import invariant
 
@@ -104,10 +105,20 @@ def _step_weights(words, pairs, mins, INTERPRETED: tl.constexpr):
     return tl.reshape(tl.permute(w, (0, 2, 3, 1)), (w.shape[0], 4 * w.shape[1]))
 
 
+@triton.jit
+def _prefetch_words(w_ptr, offs_n, N, K, stride_wn, first, SPAN_STEPS: tl.constexpr):
+    """Ask L2 for the words of steps [first, first + SPAN_STEPS) (those in K) of rows offs_n (clamped to N), a
+    64-byte step of each row at a time (per-thread prefetches: a bulk one takes a uniform address)."""
+    rows = w_ptr + tl.minimum(offs_n, N - 1) * stride_wn
+    for step in range(first, tl.minimum(first + SPAN_STEPS, tl.cdiv(K, _STEP))):
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [rows + step * 16],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _words_kernel(x_ptr, w_ptr, y_ptr, p_ptr, m_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_p,
                   SPAN_STEPS: tl.constexpr, SPLIT: tl.constexpr, HAS_MINS: tl.constexpr, INTERPRETED: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False):
     """y = x @ w^T for w [N, K] in the words layout, over this program's span of SPAN_STEPS steps; the
     accumulator is [BLOCK_N, BLOCK_M] (weights as wgmma's A operand). SPAN_STEPS is a constant so the loop runs at
     least once: the compiler then pipelines the dots (with a loop that may not run, ptxas serializes every wgmma);
@@ -118,6 +129,12 @@ def _words_kernel(x_ptr, w_ptr, y_ptr, p_ptr, m_ptr, M, N, K, stride_xm, stride_
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = offs_m < M, offs_n < N
+    if PDL:  # launched as a programmatic dependent (invariant.pdl_options)
+        gdc_launch_dependents()
+        # the span's words, which no kernel writes, into L2 while the grid before finishes; nothing that grid
+        # writes is read, and nothing is written, before the wait
+        _prefetch_words(w_ptr, offs_n, N, K, stride_wn, span * SPAN_STEPS, SPAN_STEPS)
+        gdc_wait()
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for i in range(SPAN_STEPS):
         step = span * SPAN_STEPS + i
@@ -150,17 +167,20 @@ def _words_kernel(x_ptr, w_ptr, y_ptr, p_ptr, m_ptr, M, N, K, stride_xm, stride_
 
 
 def words_linear(x: Any, codes: Any, pairs: Any, mins: Any, tile: tuple[int, int, int] = WORDS_TILE,
-                 span: int | str | None = "auto") -> Any:
+                 span: int | str | None = "auto", pdl: bool = False) -> Any:
     """x [..., K] (bfloat16) times the transpose of an [N, K] weight in the words layout (QuantizedLinear's codes,
     scales as the (scale, offset) pairs, mins); float32 accumulation, x's dtype out. tile: (BLOCK_N, warps,
     pipeline stages); span: the input dims one program reduces (a multiple of STEP, or None for all of K),
-    `words_span`'s by default. A row's bits depend on the span, never on M."""
+    `words_span`'s by default. A row's bits depend on the span, never on M. pdl: launched as a programmatic
+    dependent of the kernel before it on the stream (invariant.pdl_options), each program's words asked of L2
+    before it waits for that kernel; the same bits (docs/design.md 6.9)."""
     BN, warps, stages = tile
     x2 = invariant._rows(x)
     M, K = x2.shape
     N = codes.shape[0]
-    if codes.shape[1] * 8 < K:
-        raise ValueError(f"words of {codes.shape[1] * 8} codes per output do not hold the input's {K} dims")
+    if codes.shape[1] < triton.cdiv(K, STEP) * 16:  # the kernel reads whole steps of 16 words
+        raise ValueError(f"{codes.shape[1]} words per output do not hold the input's {K} dims in whole steps of "
+                         f"{STEP} ({triton.cdiv(K, STEP) * 16} words)")
     if pairs.stride(1) != 1 or (mins is not None and mins.stride() != pairs.stride()):
         raise ValueError("the words layout's scales (and mins) are [N, blocks] rows with unit stride, as "
                          "QuantizedLinear.set_layout('words') holds them")
@@ -174,9 +194,9 @@ def words_linear(x: Any, codes: Any, pairs: Any, mins: Any, tile: tuple[int, int
         x2, codes, part, pairs, pairs if mins is None else mins, M, N, K, x2.stride(0), codes.stride(0),
         y.stride(0), pairs.stride(0), SPAN_STEPS=span_steps, SPLIT=spans > 1, HAS_MINS=mins is not None,
         INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", BLOCK_M=BLOCK_M, BLOCK_N=BN,
-        EVEN=spans * span_steps * STEP == K, num_warps=warps, num_stages=stages)
+        EVEN=spans * span_steps * STEP == K, num_warps=warps, num_stages=stages, **invariant.pdl_options(pdl))
     if spans > 1:
-        invariant._span_sums(part, None, y, M, N, spans)
+        invariant._span_sums(part, None, y, M, N, spans, pdl)
     return y.view(*x.shape[:-1], N)
 
 
