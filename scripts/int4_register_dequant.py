@@ -159,14 +159,18 @@ def steps(shape: dict[str, Any], sums: list[dict[str, Any]], peak_gbps: float, c
             for best in [b for b in entry["best"] if b["rule"] == rule][:configs]:
                 spans = {sizes[name]: span for name, span in best["spans"].items()}
                 for pdl in (False, True):
-                    calls = bench.step_calls(held, words_product(tuple(best["tile"]), spans, pdl), inputs)
-                    step_us = bench.replay_us(calls)
-                    timed.append({**best, "pdl": pdl, "sum_ms": best["ms"], "ms": round(step_us / 1e3, 3),
-                                  "x_limit": round(step_us / limit, 2)})
-                    if pdl:
-                        plain = bench.step_calls(held, words_product(tuple(best["tile"]), spans), inputs)
-                        timed[-1]["pdl_same_bits"] = pdl_same_bits(plain, calls)
-        timed.sort(key=lambda t: t["ms"])
+                    row: dict[str, Any] = {**best, "pdl": pdl, "sum_ms": best["ms"]}
+                    try:
+                        calls = bench.step_calls(held, words_product(tuple(best["tile"]), spans, pdl), inputs)
+                        if pdl:
+                            plain = bench.step_calls(held, words_product(tuple(best["tile"]), spans), inputs)
+                            row["pdl_same_bits"] = pdl_same_bits(plain, calls)
+                        step_us = bench.replay_us(calls)
+                        row |= {"ms": round(step_us / 1e3, 3), "x_limit": round(step_us / limit, 2)}
+                    except Exception as exc:  # a launch this GPU or driver refuses is a row, not the end of the run
+                        row |= {"ms": None, "error": f"{exc}"[:200]}
+                    timed.append(row)
+        timed.sort(key=lambda t: float("inf") if t["ms"] is None else t["ms"])
         out.append({"M": entry["M"], "limit_ms": round(limit / 1e3, 3), "landed_ms": round(us / 1e3, 3),
                     "landed_x_limit": round(us / landed_limit, 2), "best": timed})
         print(json.dumps(out[-1]), flush=True)
