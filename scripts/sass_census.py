@@ -117,17 +117,23 @@ def landed(mins: bool) -> dict[str, Any]:
     return {"kernel": "landed", "tile": [BM, BN, BK, warps], "mins": mins, **describe(compiled, BN * BK, warps)}
 
 
+def compile_words(tile: tuple[int, int, int], mins: bool, split: bool = False, pdl: bool = False) -> Any:
+    """The words layout's product at `tile` compiled for sm_90, one span of SPAN_STEPS steps: K whole steps (EVEN),
+    or with split, K past the span's end and float32 sums out."""
+    BN, warps, stages = tile
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "y_ptr": "*fp32" if split else "*bf16", "p_ptr": "*i32",
+                "m_ptr": "*bf16"}
+    ints = ("M", "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_p")
+    consts = dict(SPAN_STEPS=SPAN_STEPS, SPLIT=split, HAS_MINS=mins, INTERPRETED=False,
+                  BLOCK_M=quantized_words.BLOCK_M, BLOCK_N=BN, EVEN=not split, PDL=pdl)
+    return compile_sm90(quantized_words._words_kernel, pointers, ints, consts, warps,
+                        (*pointers, "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_p"), stages)
+
+
 def words(tile: tuple[int, int, int], mins: bool) -> dict[str, Any]:
     """The words layout's product at `tile`, one span of SPAN_STEPS steps."""
-    BN, warps, stages = tile
-    pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "y_ptr": "*bf16", "p_ptr": "*i32", "m_ptr": "*bf16"}
-    ints = ("M", "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_p")
-    consts = dict(SPAN_STEPS=SPAN_STEPS, SPLIT=False, HAS_MINS=mins, INTERPRETED=False,
-                  BLOCK_M=quantized_words.BLOCK_M, BLOCK_N=BN, EVEN=True, PDL=False)
-    compiled = compile_sm90(quantized_words._words_kernel, pointers, ints, consts, warps,
-                            (*pointers, "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_p"), stages)
     return {"kernel": "words", "tile": list(tile), "mins": mins,
-            **describe(compiled, BN * quantized_words.STEP, warps)}
+            **describe(compile_words(tile, mins), tile[0] * quantized_words.STEP, tile[1])}
 
 
 GLOBAL_ACCESS = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:ld|st|atom|red|cp\.async|prefetch)[.\w]*)", re.MULTILINE)
@@ -149,13 +155,7 @@ def before_grid_wait(ptx: str) -> dict[str, Any]:
 def pdl_prologues() -> list[dict[str, Any]]:
     """`before_grid_wait` of the kernels a PDL launch of the words product runs: the product (split, with mins)
     and its span sums."""
-    BN, warps, stages = quantized_words.WORDS_TILE
-    pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "y_ptr": "*fp32", "p_ptr": "*i32", "m_ptr": "*bf16"}
-    ints = ("M", "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_p")
-    consts = dict(SPAN_STEPS=SPAN_STEPS, SPLIT=True, HAS_MINS=True, INTERPRETED=False,
-                  BLOCK_M=quantized_words.BLOCK_M, BLOCK_N=BN, EVEN=False, PDL=True)
-    product = compile_sm90(quantized_words._words_kernel, pointers, ints, consts, warps,
-                           (*pointers, "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_p"), stages)
+    product = compile_words(quantized_words.WORDS_TILE, mins=True, split=True, pdl=True)
     sums = compile_sm90(invariant._span_sum_kernel, {"part_ptr": "*fp32", "b_ptr": "*fp32", "y_ptr": "*bf16"},
                         ("M", "N"), dict(SPANS=4, HAS_BIAS=False, BLOCK=invariant.SPAN_SUM_BLOCK, PDL=True),
                         invariant.NUM_WARPS, ("part_ptr", "b_ptr", "y_ptr"))
