@@ -19,6 +19,9 @@ A operand (x, the B operand, through shared memory as the pipeliner stages it): 
   one int32 of the layout, loaded once for both.
 - Row-invariant: one tile (WORDS_TILE, BLOCK_M 16 rows: wgmma's N) for every M and the span fixed by the weight's
   shape (`words_span`), the spans' float32 sums added in span order by invariant's span sums.
+- Launch: plain by default; `pdl=True` launches the product and its span sums as programmatic dependents, each
+  program prefetching its span's words into L2 before it waits for the kernel before it (the same bits; not the
+  default until a GPU has timed it, docs/design.md 6.9).
 
 Where it runs (`words_kernel_reason`): CUDA devices of compute capability 9.0 or more (wgmma; bf16x2 arithmetic)
 with bfloat16 activations, where it is the faster product at every row count measured (docs/design.md 6.9);
