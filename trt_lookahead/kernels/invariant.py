@@ -20,14 +20,13 @@ Launched on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (the tests 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from trt_lookahead.kernels.triton_kernel import interpreter_upcast
+from trt_lookahead.kernels.triton_kernel import interpreted, interpreter_upcast
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps), largest first; a tile of 64 or 128 rows serves M above half its rows,
 # and the first that still gives half the GPU's SMs a program wins (measured on an H200 at the
@@ -309,7 +308,7 @@ def pdl_options(pdl: bool) -> dict[str, bool]:
     launched as a programmatic dependent of the one before it on the stream (Hopper's griddepcontrol), so it may
     start while that one finishes; a kernel so launched calls gdc_wait before it reads what the one before wrote
     or writes anything."""
-    on = pdl and os.environ.get("TRITON_INTERPRET") != "1"
+    on = pdl and not interpreted()
     return {"PDL": on, "launch_pdl": True} if on else {}
 
 

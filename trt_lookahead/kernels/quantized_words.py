@@ -30,7 +30,6 @@ elsewhere the weights stay in blocks and invariant.py's product runs.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import triton
@@ -38,6 +37,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from trt_lookahead.kernels import invariant
+from trt_lookahead.kernels.triton_kernel import interpreted
 
 STEP = 128  # input dims a loop iteration reduces: four blocks of 32, 16 words of 8 codes per output (WORDS_STEP)
 _STEP = tl.constexpr(STEP)  # the kernel's
@@ -196,7 +196,7 @@ def words_linear(x: Any, codes: Any, pairs: Any, mins: Any, tile: tuple[int, int
     _words_kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(N, BN), spans)](
         x2, codes, part, pairs, pairs if mins is None else mins, M, N, K, x2.stride(0), codes.stride(0),
         y.stride(0), pairs.stride(0), SPAN_STEPS=span_steps, SPLIT=spans > 1, HAS_MINS=mins is not None,
-        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", BLOCK_M=BLOCK_M, BLOCK_N=BN,
+        INTERPRETED=interpreted(), BLOCK_M=BLOCK_M, BLOCK_N=BN,
         EVEN=spans * span_steps * STEP == K, num_warps=warps, num_stages=stages, **invariant.pdl_options(pdl))
     if spans > 1:
         invariant._span_sums(part, None, y, M, N, spans, pdl)

@@ -190,13 +190,18 @@ def constexprs(num_q_heads: int, num_kv_heads: int, head_dim: int, scale: float,
     }
 
 
+def interpreted() -> bool:
+    """Whether Triton kernels run in its interpreter (TRITON_INTERPRET=1: on the CPU, no PTX)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def interpreter_upcast(dtype) -> bool:
     """Triton 3.9's interpreter multiplies bfloat16 tl.dot operands as their raw uint16 bits
     (runtime/interpreter.py create_dot), so under TRITON_INTERPRET=1 bfloat16 operands are upcast to
     float32 before each tl.dot. Compiled kernels (GPU, AOT) never take this branch."""
     import torch
 
-    return os.environ.get("TRITON_INTERPRET") == "1" and dtype == torch.bfloat16
+    return interpreted() and dtype == torch.bfloat16
 
 
 def grid(batch: int, tokens: int, num_q_heads: int) -> tuple[int, int, int]:
