@@ -158,12 +158,13 @@ def steps(shape: dict[str, Any], sums: list[dict[str, Any]], peak_gbps: float, c
         for rule in RULES:
             for best in [b for b in entry["best"] if b["rule"] == rule][:configs]:
                 spans = {sizes[name]: span for name, span in best["spans"].items()}
+                plain = bench.step_calls(held, words_product(tuple(best["tile"]), spans), inputs)
                 for pdl in (False, True):
                     row: dict[str, Any] = {**best, "pdl": pdl, "sum_ms": best["ms"]}
                     try:
-                        calls = bench.step_calls(held, words_product(tuple(best["tile"]), spans, pdl), inputs)
+                        calls = plain
                         if pdl:
-                            plain = bench.step_calls(held, words_product(tuple(best["tile"]), spans), inputs)
+                            calls = bench.step_calls(held, words_product(tuple(best["tile"]), spans, pdl), inputs)
                             row["pdl_same_bits"] = pdl_same_bits(plain, calls)
                         step_us = bench.replay_us(calls)
                         row |= {"ms": round(step_us / 1e3, 3), "x_limit": round(step_us / limit, 2)}
